@@ -1,0 +1,49 @@
+# tandem — see README.md. Every target sets up what it needs first.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp-setup
+
+.PHONY: setup test serve model bench loadtest clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -r requirements.txt
+	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+BACKEND := triton_backends/.stamp-backend
+
+# the Python backend folder tritonserver needs, assembled from the nvidia-pytriton wheel
+$(BACKEND): $(STAMP)
+	$(VPY) -m tandem.serve backend-dir
+	@touch $(BACKEND)
+
+setup: $(STAMP) $(BACKEND)
+
+# Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics); CHECKPOINT=dir overrides the weights
+serve: setup
+	$(VPY) -m tandem.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
+
+test: setup
+	$(VPY) -m pytest -q tests
+
+model: setup
+	$(VPY) -m tandem.train $(ARGS)
+
+# side-by-side benchmark; QUICK=1 for a smoke run, JSON=path to keep the figures
+bench: setup
+	$(VPY) -m tandem.bench $(if $(QUICK),--quick) $(if $(JSON),--json $(JSON)) $(ARGS)
+
+# Locust load test: ramp 1 -> USERS users (STEP_SECONDS s per step), MAX_TOKENS output tokens per turn at
+# most; starts its own tritonserver unless URL=host:port; reports in reports/loadtest-<UTC time>/
+USERS ?= 8
+STEP_SECONDS ?= 30
+MAX_TOKENS ?= 128
+loadtest: setup
+	$(VPY) -m loadtest.run --users $(USERS) --step-seconds $(STEP_SECONDS) --max-tokens $(MAX_TOKENS) \
+		$(if $(URL),--url $(URL)) $(ARGS)
+
+clean:
+	rm -rf $(VENV) triton_backends runs

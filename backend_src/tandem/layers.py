@@ -1,0 +1,188 @@
+"""Building blocks of the glm5_next trunk: norms, SwiGLU MLP, sigmoid-routed MoE, mHC hyper-connections.
+
+Parameter names equal the Hugging Face checkpoint names so ``state_dict()`` is the checkpoint.
+Math follows transformers' ``modeling_glm5_next`` (read for facts, written anew here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import TrunkConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019): ``w * x / sqrt(mean(x^2) + eps)``, statistics in fp32.
+
+    Input ``[..., D]``; output same shape and dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(dt)
+
+
+class GatedRMSNorm(nn.Module):
+    """KDA output norm: ``RMSNorm(x) * sigmoid(gate)``, all in fp32. ``x, gate: [..., Dh]``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        xf = self.weight.float() * xf
+        return (xf * torch.sigmoid(gate.float())).to(dt)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """GLM's SwiGLU with clamps: ``silu(min(gate, L)) * clamp(up, -L, L)``."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP. ``[..., D] -> [..., D]``."""
+
+    def __init__(self, cfg: TrunkConfig, intermediate: int | None = None) -> None:
+        super().__init__()
+        inter = intermediate or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Experts(nn.Module):
+    """Routed experts stored as 3-D tensors (checkpoint layout ``experts.gate_up_proj [E, 2I, D]``,
+    ``experts.down_proj [E, D, I]``)."""
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.limit = cfg.swiglu_limit
+        self.num_experts = e
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x [N, D]``, ``idx [N, k]`` expert ids, ``w [N, k]`` weights -> ``[N, D]``."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.where(idx == e)
+            gu = F.linear(x[tok], self.gate_up_proj[e])
+            g, u = gu.chunk(2, dim=-1)
+            h = F.linear(clamped_swiglu(g, u, self.limit), self.down_proj[e])
+            out.index_add_(0, tok, (h * w[tok, slot, None].to(h.dtype)).to(out.dtype))
+        return out
+
+
+class Router(nn.Module):
+    """Sigmoid top-k router with the aux-loss-free score-correction bias (DeepSeek-V3, §2.1.2).
+
+    ``weight [E, D]`` and ``e_score_correction_bias [E]`` are fp32. Returns logits ``[N, E]``,
+    weights ``[N, k]`` (normalised, times ``routed_scaling_factor``) and indices ``[N, k]``.
+    """
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        if cfg.n_group != 1:
+            raise ValueError("tandem supports n_group == 1 only")
+        self.top_k = cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.scale = cfg.routed_scaling_factor
+        self.norm_topk_prob = cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return logits, w * self.scale, idx
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert(s). ``[B, T, D] -> [B, T, D]``.
+
+    After each forward, ``last_load [E]`` holds the fraction of (token, slot) pairs routed to each
+    expert (used by training to update the correction bias).
+    """
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.experts = Experts(cfg)
+        self.gate = Router(cfg)
+        self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.last_load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        _, w, idx = self.gate(flat)
+        if self.training:
+            self.last_load = torch.bincount(idx.flatten(), minlength=self.experts.num_experts).float() / idx.numel()
+        y = self.experts(flat, idx, w).view(shape)
+        return y + self.shared_experts(x)
+
+
+class HyperConnection(nn.Module):
+    """Manifold-constrained hyper-connection weights (mHC, Xie et al. 2026).
+
+    From the ``hc_mult = N`` residual streams ``[B, T, N, D]`` computes ``pre [B,T,N]`` (consumed
+    here to collapse the streams into the block input ``[B, T, D]``), ``post [B,T,N]`` and the
+    Sinkhorn-normalised doubly-stochastic ``comb [B,T,N,N]``.
+    """
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.n = n
+        self.iters = cfg.hc_sinkhorn_iters
+        self.eps = cfg.hc_eps
+        self.norm_eps = cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * cfg.hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, n, _ = streams.shape
+        flat = streams.reshape(b, t, -1).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        mix = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(b, t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(2).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """mHC expand + mix: ``post ⊗ block_out + comb^T @ residual``. Shapes ``[B,T,N]``, ``[B,T,N,N]``,
+    ``[B,T,D]``, ``[B,T,N,D]`` -> ``[B,T,N,D]``."""
+    dt = residual.dtype
+    return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), residual)

@@ -1,0 +1,161 @@
+"""``indexed_attention``: NoPE multi-head latent attention (MLA) with the DSA k-pool indexer.
+
+Selection (DeepSeek-V3.2 DSA with GLM's k-pool compression), defined per query token at absolute
+position ``p``, causally and identically in every mode (training, prime, verify):
+
+* complete pools ``j`` (tokens ``[j*kp, (j+1)*kp)``) with ``(j+1)*kp - 1 <= p`` are candidates;
+* a pool's key is the softmax(gate + ape)-weighted mean of its tokens' indexer keys;
+* pool score ``sum_h w_h * relu(q_h . pk_j / sqrt(di))``; the ``index_topk / kp`` best pools are
+  kept, ties broken toward the earlier pool (stable sort);
+* the incomplete tail ``[floor((p+1)/kp)*kp, p]`` is always visible.
+
+With ``index_topk >= p + 1`` this is plain causal attention (the dense regime in which
+transformers' ``Glm5NextTextModel`` is the oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import TrunkConfig
+from .layers import RMSNorm
+
+
+class Indexer(nn.Module):
+    """DSA indexer weights (checkpoint names of transformers' ``Glm5NextTextIndexer``)."""
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.h, self.d = cfg.index_n_heads, cfg.index_head_dim
+        self.kp = cfg.index_kpool
+        self.k_pools = cfg.index_topk // cfg.index_kpool
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.h * self.d, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.d, bias=False)
+        self.k_norm = nn.LayerNorm(self.d, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.h, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kp, self.d))
+        self.index_kpool_compress_gate = nn.Parameter(torch.ones(self.d, cfg.hidden_size))
+
+    def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token indexer key and pool gate logits, both ``[B, T, di]``."""
+        return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
+
+    def pool_keys(self, keys: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Compress complete pools. ``keys, gates [B, P*kp, di]`` -> ``[B, P, di]``."""
+        b, n, d = keys.shape
+        p = n // self.kp
+        kk = keys[:, : p * self.kp].view(b, p, self.kp, d)
+        lg = gates[:, : p * self.kp].view(b, p, self.kp, d).float() + self.index_kpool_compress_ape.float()
+        return (lg.softmax(dim=2).to(kk.dtype) * kk).sum(2)
+
+    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+        """Pool scores ``[B, T, P]`` (fp32) for queries ``x [B,T,D]`` over pool keys ``pk [B,P,di]``."""
+        b, t = x.shape[:2]
+        q = self.wq_b(q_resid).view(b, t, self.h, self.d).float()
+        s = F.relu(torch.matmul(q, pk.float().transpose(-1, -2).unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,P]
+        w = self.weights_proj(x).float() * self.h ** -0.5
+        return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+
+    def select(self, scores: torch.Tensor, q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Visibility mask ``[B, T, kv_len]`` (bool) from pool scores ``[B, T, P]`` for queries at
+        absolute positions ``q_pos [T]``."""
+        b, t, p = scores.shape
+        dev = scores.device
+        pool_end = (torch.arange(p, device=dev) + 1) * self.kp - 1
+        cand = pool_end[None, :] <= q_pos[:, None]  # [T, P]
+        mask = torch.zeros(b, t, kv_len, dtype=torch.bool, device=dev)
+        if p > 0:
+            s = scores.masked_fill(~cand, float("-inf"))
+            k = min(self.k_pools, p)
+            order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]  # [B,T,k]
+            ok = cand.expand(b, t, p).gather(-1, order)
+            pool_sel = torch.zeros(b, t, p, dtype=torch.bool, device=dev)
+            pool_sel.scatter_(-1, order, ok)
+            mask[..., : p * self.kp] = pool_sel.repeat_interleave(self.kp, dim=-1)
+        kv = torch.arange(kv_len, device=dev)
+        tail_start = ((q_pos + 1) // self.kp) * self.kp
+        tail = (kv[None, :] >= tail_start[:, None]) & (kv[None, :] <= q_pos[:, None])
+        return mask | tail.unsqueeze(0)
+
+
+class MLAttention(nn.Module):
+    """NoPE MLA (checkpoint names of transformers' ``Glm5NextTextAttention``).
+
+    Cached per token: latent ``c_kv [kv_lora]`` plus its expansion ``K [H, dqk]``, ``V [H, dv]``,
+    indexer key and gate ``[di]``; per complete pool its compressed key ``[di]``.
+    """
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.h = cfg.num_attention_heads
+        self.dqk, self.dv = cfg.qk_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        D = cfg.hidden_size
+        self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * self.dqk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.h * (cfg.qk_nope_head_dim + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.h * self.dv, D, bias=False)
+        self.indexer = Indexer(cfg)
+        self.scaling = self.dqk ** -0.5
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token tensors of rows ``x [B, T, D]``: query ``q [B,H,T,dqk]``, ``q_resid``, and the
+        cacheable ``latent [B,T,r]``, ``k [B,H,T,dqk]``, ``v [B,H,T,dv]``, ``ik``/``ig [B,T,di]``."""
+        b, t, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(b, t, self.h, self.dqk).transpose(1, 2)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        kv = self.kv_b_proj(latent).view(b, t, self.h, self.dqk + self.dv).transpose(1, 2)
+        k, v = kv.split([self.dqk, self.dv], dim=-1)
+        ik, ig = self.indexer.token_keys(x)
+        return {"q": q, "q_resid": q_resid, "latent": latent, "k": k.contiguous(), "v": v.contiguous(),
+                "ik": ik, "ig": ig}
+
+    def attend(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the rows' queries over ``k_all [B,H,L,dqk]``/``v_all`` with DSA selection.
+        Returns ``y [B, T, D]`` and the visibility mask ``[B, T, L]``."""
+        b, t, _ = x.shape
+        sc = self.indexer.scores(x, rows["q_resid"], pk_all)
+        mask = self.indexer.select(sc, q_pos, k_all.shape[2])
+        o = F.scaled_dot_product_attention(rows["q"], k_all, v_all, attn_mask=mask.unsqueeze(1), scale=self.scaling)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1)), mask
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Full causal pass from position 0 (training, prime). ``x [B,T,D]`` -> ``y [B,T,D]`` and the
+        cache tensors (``latent, k, v, ik, ig, pk``)."""
+        rows = self.project(x)
+        pk = self.indexer.pool_keys(rows["ik"], rows["ig"])
+        q_pos = torch.arange(x.shape[1], device=x.device)
+        y, _ = self.attend(x, rows, rows["k"], rows["v"], pk, q_pos)
+        rows["pk"] = pk
+        if self.training and pk.shape[1] > 0:
+            self.last_aux_loss = self.indexer_kl(x, rows, pk)
+        return y, rows
+
+    def indexer_kl(self, x: torch.Tensor, rows: dict[str, torch.Tensor], pk: torch.Tensor) -> torch.Tensor:
+        """DSA indexer warm-up loss (DeepSeek-V3.2, §2.1): KL(p_attn || p_index) per query, where
+        ``p_attn`` is the dense causal attention mass (summed over heads, detached) pooled per
+        candidate pool and ``p_index`` the softmax of the indexer's pool scores. Scalar."""
+        b, t, _ = x.shape
+        kp = self.indexer.kp
+        p = pk.shape[1]
+        with torch.no_grad():
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            att = torch.matmul(rows["q"].float(), rows["k"].float().transpose(-1, -2)) * self.scaling
+            att = att.masked_fill(~causal, float("-inf")).softmax(-1).mean(1)  # [B,T,T]
+            target = att[..., : p * kp].reshape(b, t, p, kp).sum(-1)
+            pool_end = (torch.arange(p, device=x.device) + 1) * kp - 1
+            cand = pool_end[None, :] <= torch.arange(t, device=x.device)[:, None]  # [T,P]
+            target = target.masked_fill(~cand, 0.0)
+            target = target / target.sum(-1, keepdim=True).clamp_min(1e-9)
+            has = cand.any(-1)
+        sc = self.indexer.scores(x, rows["q_resid"].detach(), pk).masked_fill(~cand, float("-inf"))
+        logq = sc.log_softmax(-1).masked_fill(~cand, 0.0)
+        kl = (target * (target.clamp_min(1e-9).log() - logq)).sum(-1)
+        return kl[:, has].mean()

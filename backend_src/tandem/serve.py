@@ -1,0 +1,340 @@
+"""Run the real ``tritonserver`` shipped in the ``nvidia-pytriton`` wheel on tandem's model repository.
+
+The wheel ships ``tritonserver`` 2.51.0, the Python backend and one backend stub per Python
+version, but not laid out as a backend folder. :func:`ensure_backend_dir` assembles
+``triton_backends/python/`` (repo root, gitignored) from it; :func:`server_command_and_env` builds
+the argv and environment (DESIGN.md §6); :func:`running_server` starts a server for tests and
+always stops it; ``python -m tandem.serve serve`` runs one in the foreground.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import filecmp
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import typer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+BACKEND_ROOT = REPO_ROOT / "triton_backends"
+#: Models the server loads (explicit model control: ``model_repository/weights`` is not a model).
+MODELS = ("trunk", "drafter_mtp", "tandem")
+SHM_GLOB = "/dev/shm/triton_python_backend_shm_region_*"
+
+
+class ServerError(RuntimeError):
+    """The server could not be prepared, did not become ready, or exited early (message carries its log)."""
+
+
+def wheel_paths() -> dict[str, Path]:
+    """Paths inside the installed ``nvidia-pytriton`` wheel.
+
+    Returns ``root`` (``pytriton/tritonserver``), ``tritonserver`` (binary), ``python_backend``
+    (``backends/python``), ``stub`` (the stub for this interpreter's ``major.minor``) and ``libs``
+    (``nvidia_pytriton.libs``). Raises :class:`ServerError` when the wheel or a part is missing.
+    """
+    try:
+        import pytriton
+    except ImportError as e:
+        raise ServerError("nvidia-pytriton is not installed in this environment (run `make setup`)") from e
+    pkg = Path(pytriton.__file__).resolve().parent
+    root = pkg / "tritonserver"
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    p = {
+        "root": root,
+        "tritonserver": root / "bin" / "tritonserver",
+        "python_backend": root / "backends" / "python",
+        "stub": root / "python_backend_stubs" / ver / "triton_python_backend_stub",
+        "libs": pkg.parent / "nvidia_pytriton.libs",
+    }
+    for k, v in p.items():
+        if not v.exists():
+            raise ServerError(f"nvidia-pytriton wheel lacks {k}: {v} (python {ver})")
+    return p
+
+
+def ensure_backend_dir(dest: str | Path = BACKEND_ROOT) -> Path:
+    """Assemble ``<dest>/python/`` = the wheel's ``backends/python/*`` + the matching
+    ``triton_python_backend_stub``. Idempotent: files already identical (size + mtime, or
+    content) are left alone, so a second call costs a few ``stat`` calls.
+
+    Returns ``dest`` (the value for ``--backend-directory``). Raises :class:`ServerError` if the
+    wheel is missing.
+    """
+    p = wheel_paths()
+    out = Path(dest) / "python"
+    out.mkdir(parents=True, exist_ok=True)
+    sources = [f for f in p["python_backend"].iterdir() if f.is_file()] + [p["stub"]]
+    for src in sources:
+        dst = out / src.name
+        if dst.exists() and filecmp.cmp(src, dst, shallow=True):
+            continue
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+    stub = out / p["stub"].name
+    stub.chmod(stub.stat().st_mode | 0o111)
+    return Path(dest)
+
+
+def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                           model_repository: str | Path = MODEL_REPOSITORY, models: tuple[str, ...] = MODELS,
+                           exit_timeout_s: int = 10, log_verbose: int = 0,
+                           env_overrides: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The ``tritonserver`` argv and environment for ``model_repository``.
+
+    Binds HTTP/gRPC/metrics to 127.0.0.1 on the given ports, loads ``models`` explicitly, passes
+    ``--exit-timeout-secs``; ``LD_LIBRARY_PATH`` gets the wheel's ``nvidia_pytriton.libs`` and the
+    interpreter's ``LIBDIR`` (for ``libpython``) in front, ``PATH`` the virtual environment's
+    ``bin`` first (the stub's embedded interpreter finds the venv from it). ``env_overrides``
+    (e.g. ``TANDEM_CHECKPOINT``) are applied last. Assembles the backend folder if needed.
+    """
+    p = wheel_paths()
+    backend_dir = ensure_backend_dir()
+    argv = [
+        str(p["tritonserver"]),
+        f"--model-repository={Path(model_repository).resolve()}",
+        f"--backend-directory={backend_dir}",
+        "--model-control-mode=explicit",
+        *[f"--load-model={m}" for m in models],
+        "--http-address=127.0.0.1", f"--http-port={http_port}",
+        "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}",
+        "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}",
+        "--allow-gpu-metrics=false",
+        f"--exit-timeout-secs={exit_timeout_s}",
+        f"--log-verbose={log_verbose}",
+    ]
+    env = os.environ.copy()
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    ld = [str(p["libs"]), libdir] + [x for x in env.get("LD_LIBRARY_PATH", "").split(":") if x]
+    env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(x for x in ld if x))
+    venv_bin = str(Path(sys.prefix) / "bin")
+    env["PATH"] = ":".join([venv_bin] + [x for x in env.get("PATH", "").split(":") if x and x != venv_bin])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(env_overrides or {})
+    return argv, env
+
+
+def free_ports(n: int = 3) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now (racy by nature; fine for tests)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def _http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+def model_states(http_port: int) -> dict[str, str]:
+    """``{model: state}`` from the repository index (``POST /v2/repository/index``); {} if unreachable."""
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/repository/index", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=2.0) as r:
+            return {m["name"]: m.get("state", "") for m in json.loads(r.read())}
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+
+
+def _shm_files() -> set[str]:
+    return set(glob.glob(SHM_GLOB))
+
+
+def wait_ready(proc: subprocess.Popen, http_port: int, models: tuple[str, ...], timeout_s: float,
+               log_path: Path | None = None) -> float:
+    """Poll until ``/v2/health/ready`` is 200 and every model in ``models`` is READY.
+
+    Returns seconds waited. Raises :class:`ServerError` (with the log tail) on timeout or if the
+    process exits first.
+    """
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise ServerError(f"tritonserver exited with code {proc.returncode} before ready\n{_log_tail(log_path)}")
+        code, _ = _http_get(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1.0)
+        if code == 200:
+            st = model_states(http_port)
+            if all(st.get(m) == "READY" for m in models):
+                return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s (models: {model_states(http_port)})\n"
+                              f"{_log_tail(log_path)}")
+        time.sleep(0.25)
+
+
+def _log_tail(path: Path | None, n: int = 12000) -> str:
+    if path is None or not path.exists():
+        return "(no server log)"
+    text = path.read_text(errors="replace")
+    return "--- server log (tail) ---\n" + text[-n:]
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 30.0) -> int | None:
+    """SIGINT (Triton's graceful shutdown, bounded by ``--exit-timeout-secs``), then SIGKILL of the
+    process group if it does not exit within ``timeout_s``. Returns the exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    # stubs are children in the same process group; make sure none outlives the server
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode
+
+
+class RunningServer:
+    """Handle yielded by :func:`running_server`: ``http_port``, ``grpc_port``, ``metrics_port``,
+    ``grpc_url`` (``127.0.0.1:port``), ``http_url``, ``proc``, ``log_path``, ``ready_s``."""
+
+    def __init__(self, proc: subprocess.Popen, ports: tuple[int, int, int], log_path: Path, ready_s: float) -> None:
+        self.proc = proc
+        self.http_port, self.grpc_port, self.metrics_port = ports
+        self.log_path = log_path
+        self.ready_s = ready_s
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def log(self) -> str:
+        """The server log so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@contextlib.contextmanager
+def running_server(http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
+                   model_repository: str | Path = MODEL_REPOSITORY, env: dict[str, str] | None = None,
+                   models: tuple[str, ...] = MODELS, ready_timeout_s: float = 180.0,
+                   log_path: str | Path | None = None) -> Iterator[RunningServer]:
+    """Start ``tritonserver`` (free ports where not given), wait until ready and every model is
+    READY, yield a :class:`RunningServer`, then always stop it (SIGINT, then SIGKILL of its
+    process group) and remove the ``/dev/shm/triton_python_backend_shm_region_*`` files it left.
+    The server log goes to ``log_path`` (default: a temporary file, deleted after a clean run and
+    kept, with its path in ``RunningServer.log_path``, after a failure).
+
+    ``env``: environment overrides (e.g. ``{"TANDEM_CHECKPOINT": "/tmp/ckpt"}``). Raises
+    :class:`ServerError` (with the server log) when it does not become ready within
+    ``ready_timeout_s`` seconds.
+    """
+    ports = free_ports(3)
+    ports = (http_port or ports[0], grpc_port or ports[1], metrics_port or ports[2])
+    argv, full_env = server_command_and_env(*ports, model_repository=model_repository, models=models,
+                                            env_overrides=env)
+    own_log = log_path is None
+    if own_log:
+        fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    log_path = Path(log_path)
+    shm_before = _shm_files()
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(argv, env=full_env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    clean = False
+    try:
+        ready_s = wait_ready(proc, ports[0], models, ready_timeout_s, log_path)
+        yield RunningServer(proc, ports, log_path, ready_s)
+        clean = True
+    finally:
+        stop_server(proc)
+        for f in _shm_files() - shm_before:
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+        if own_log and clean:  # keep the log of a failed run for inspection
+            with contextlib.suppress(OSError):
+                log_path.unlink()
+
+
+app = typer.Typer(add_completion=False, help="Run tandem's Triton model repository on the wheel's tritonserver.")
+
+
+@app.command()
+def serve(http_port: int = typer.Option(8000, help="HTTP port (127.0.0.1)"),
+          grpc_port: int = typer.Option(8001, help="gRPC port (127.0.0.1)"),
+          metrics_port: int = typer.Option(8002, help="Prometheus metrics port (127.0.0.1)"),
+          model_repository: Path = typer.Option(MODEL_REPOSITORY, help="Triton model repository"),
+          checkpoint: str = typer.Option("", help="checkpoint folder (sets TANDEM_CHECKPOINT); default: config.pbtxt"),
+          ready_timeout_s: float = typer.Option(300.0, help="seconds to wait for every model READY"),
+          log_verbose: int = typer.Option(0, help="tritonserver --log-verbose")) -> None:
+    """Run tritonserver in the foreground (server log on stdout); Ctrl-C stops it."""
+    overrides = {"TANDEM_CHECKPOINT": str(Path(checkpoint).resolve())} if checkpoint else {}
+    argv, env = server_command_and_env(http_port, grpc_port, metrics_port, model_repository,
+                                       log_verbose=log_verbose, env_overrides=overrides)
+    shm_before = _shm_files()
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def _on_term(signum, frame):  # SIGTERM (e.g. `kill`, a supervisor) stops the server like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        waited = wait_ready(proc, http_port, MODELS, ready_timeout_s)
+        print(f"tandem: ready in {waited:.1f} s — gRPC 127.0.0.1:{grpc_port}, HTTP 127.0.0.1:{http_port}, "
+              f"metrics 127.0.0.1:{metrics_port}, models {', '.join(MODELS)}", flush=True)
+        proc.wait()
+    except KeyboardInterrupt:
+        pass
+    except ServerError as e:
+        print(f"tandem: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(1)
+    finally:
+        stop_server(proc)
+        for f in _shm_files() - shm_before:
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+    raise typer.Exit(proc.returncode or 0)
+
+
+@app.command("backend-dir")
+def backend_dir() -> None:
+    """Assemble ``triton_backends/python`` from the nvidia-pytriton wheel and print its path."""
+    print(ensure_backend_dir())
+
+
+@app.command("command")
+def command(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002) -> None:
+    """Print the tritonserver command line (environment additions first)."""
+    argv, env = server_command_and_env(http_port, grpc_port, metrics_port)
+    print(f"LD_LIBRARY_PATH={env['LD_LIBRARY_PATH']} PATH={env['PATH'].split(':')[0]}:... " + " ".join(argv))
+
+
+if __name__ == "__main__":
+    app()

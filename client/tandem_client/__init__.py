@@ -1,0 +1,1 @@
+"""tandem client: tritonclient gRPC streaming and the `tandem` CLI."""

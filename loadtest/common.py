@@ -1,0 +1,72 @@
+"""Helpers shared by the runner and the locustfile: the ramp's user levels, the target URL check,
+and what the served model's metadata / config say (sampling input, context limit)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+#: Name of the input a sampling-capable ``tandem`` model takes (a later issue adds it).
+TEMPERATURE_INPUT = "TEMPERATURE"
+_NUMPY = {"FP32": "float32", "FP16": "float16", "FP64": "float64", "BF16": "float32"}
+
+
+def ramp_levels(max_users: int, step_users: int = 1) -> list[int]:
+    """User counts of the ramp: 1, 1 + step, ... and always ``max_users`` last.
+
+    >>> ramp_levels(8, 3)
+    [1, 4, 7, 8]
+    """
+    if max_users < 1 or step_users < 1:
+        raise ValueError(f"max users and step users must be >= 1, got {max_users}, {step_users}")
+    levels = list(range(1, max_users + 1, step_users))
+    if levels[-1] != max_users:
+        levels.append(max_users)
+    return levels
+
+
+def split_host(url: str, allow_remote: bool = False) -> str:
+    """``host:port`` of a Triton gRPC endpoint given as ``host:port`` or ``grpc://host:port``.
+
+    Raises ``ValueError`` when it is malformed, or names a host other than 127.0.0.1 / localhost /
+    ::1 and ``allow_remote`` is False (load is only sent to this machine unless asked).
+    """
+    u = url.strip()
+    for scheme in ("grpc://", "http://"):
+        if u.startswith(scheme):
+            u = u[len(scheme):]
+    u = u.rstrip("/")
+    host, sep, port = u.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"expected a gRPC URL host:port (e.g. 127.0.0.1:8001), got {url!r}")
+    bare = host.strip("[]")
+    if not allow_remote and bare != "localhost":
+        try:
+            loop = ipaddress.ip_address(bare).is_loopback
+        except ValueError:
+            loop = False
+        if not loop:
+            raise ValueError(f"refusing to send load to {host} (only loopback addresses; pass --allow-remote "
+                             f"to target another machine)")
+    return u
+
+
+def sampling_input(metadata: dict) -> dict | None:
+    """The ``TEMPERATURE`` input of a model, from ``get_model_metadata(..., as_json=True)``:
+    ``{"name", "datatype", "shape" (dims, -1 -> 1), "numpy" (dtype name)}``; None when the model
+    has no such input (greedy-only server)."""
+    for inp in metadata.get("inputs", []):
+        if inp.get("name") == TEMPERATURE_INPUT:
+            dt = inp.get("datatype", "FP32")
+            shape = [max(1, int(d)) for d in inp.get("shape", [1])] or [1]
+            return {"name": TEMPERATURE_INPUT, "datatype": dt, "shape": shape, "numpy": _NUMPY.get(dt, "float32")}
+    return None
+
+
+def model_max_ctx(config: dict, default: int = 4096) -> int:
+    """The ``max_ctx`` parameter (tokens) from ``get_model_config(..., as_json=True)``; ``default``
+    when the model does not declare one."""
+    cfg = config.get("config", config)
+    try:
+        return int(cfg["parameters"]["max_ctx"]["string_value"])
+    except (KeyError, TypeError, ValueError):
+        return default

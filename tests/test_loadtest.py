@@ -1,0 +1,186 @@
+"""The Locust load test (``loadtest/``): its helpers and workload, the report arithmetic on a
+hand-made raw file, the refusal of sampled traffic on a greedy-only model, and (integration) a
+very short real ramp 1 -> 2 users against a server the runner starts itself."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest import report
+from loadtest.common import model_max_ctx, ramp_levels, sampling_input, split_host
+from loadtest.workload import build_sessions, describe, exchanges, load_workload, save_workload
+from tandem.serve import REPO_ROOT
+
+CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or REPO_ROOT / "model_repository" / "weights" / "tandem-tiny")
+
+
+def _runner(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``python -m loadtest.run``; past ``timeout`` s it gets SIGTERM (it then stops its server
+    and Locust) and the test fails."""
+    argv = [sys.executable, "-m", "loadtest.run", *args]
+    with subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            pytest.fail(f"loadtest.run took over {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+def test_ramp_levels_and_host_checks():
+    assert ramp_levels(8) == list(range(1, 9))
+    assert ramp_levels(8, 3) == [1, 4, 7, 8]
+    assert ramp_levels(1) == [1]
+    assert split_host("127.0.0.1:8001") == "127.0.0.1:8001"
+    assert split_host("grpc://localhost:9/") == "localhost:9"
+    with pytest.raises(ValueError, match="loopback"):
+        split_host("192.0.2.1:8001")
+    assert split_host("192.0.2.1:8001", allow_remote=True) == "192.0.2.1:8001"
+    with pytest.raises(ValueError, match="host:port"):
+        split_host("127.0.0.1")
+
+
+def test_model_metadata_helpers():
+    greedy = {"inputs": [{"name": "INPUT_IDS", "datatype": "INT32", "shape": ["-1"]}]}
+    assert sampling_input(greedy) is None
+    s = sampling_input({"inputs": greedy["inputs"] + [{"name": "TEMPERATURE", "datatype": "FP32", "shape": ["1"]}]})
+    assert s == {"name": "TEMPERATURE", "datatype": "FP32", "shape": [1], "numpy": "float32"}
+    assert model_max_ctx({"config": {"parameters": {"max_ctx": {"string_value": "2048"}}}}) == 2048
+    assert model_max_ctx({"config": {}}) == 4096
+
+
+class _CharTok:
+    """A stand-in tokenizer: one id per character, specials as single ids."""
+
+    user_id = 2
+
+    def encode(self, text):
+        out = []
+        for part in text.replace("<|user|>", "\x02").replace("<|assistant|>", "\x03"):
+            out.append(ord(part))
+        return out
+
+
+def test_workload_shape_and_budget(tmp_path):
+    convs = [
+        [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x" * 50}],
+        [{"from": "human", "value": "a" * 100}, {"from": "gpt", "value": "y" * 5},
+         {"from": "human", "value": "b" * 10}, {"from": "gpt", "value": "z" * 500},
+         {"from": "human", "value": "c"}, {"from": "gpt", "value": "w"}],
+        [{"from": "gpt", "value": "lead"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}],
+    ]
+    assert exchanges(convs[2]) == [("q", "r")]
+    s = build_sessions(_CharTok(), n_sessions=200, max_output_tokens=20, max_prompt_tokens=40, multi_turn_share=0.5,
+                       max_turns=3, sampled_share=0.25, max_context_tokens=4096, seed=1, conversations=convs)
+    d = describe(s)
+    assert 0.35 < d["multi_turn_share"] < 0.65 and 0.1 < d["sampled_share"] < 0.4
+    for sess in s:
+        assert 1 <= len(sess.turns) <= 3
+        for t in sess.turns:
+            assert len(t.input_ids) <= 40 and 1 <= t.max_tokens <= 20
+            assert t.input_ids[0] == 2 and t.input_ids[-2:] == [3, ord("\n")]  # <|user|> ... <|assistant|>\n
+    multi = next(x for x in s if len(x.turns) == 3)
+    assert [t.max_tokens for t in multi.turns] == [5, 20, 1]  # reply lengths, capped
+    # a tight context budget drops later turns instead of overflowing
+    tight = build_sessions(_CharTok(), 50, 20, 40, 1.0, 3, 0.0, max_context_tokens=80, seed=0, conversations=convs)
+    for sess in tight:
+        assert sum(len(t.input_ids) + t.max_tokens for t in sess.turns) + 8 <= 80
+    p = save_workload(tmp_path / "w.json", s)
+    assert [x.turns for x in load_workload(p)] == [x.turns for x in s]
+
+
+def test_workload_from_sharegpt():
+    if not (CKPT / "tokenizer.json").exists():
+        pytest.skip(f"{CKPT} has no tokenizer.json")
+    from tandem.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(CKPT / "tokenizer.json")
+    s = build_sessions(tok, n_sessions=64, max_output_tokens=32, max_prompt_tokens=256, seed=3, scan=500)
+    d = describe(s)
+    assert d["sessions"] == 64 and 0 < d["multi_turn_share"] < 1
+    assert d["prompt_tokens"]["p90"] > d["prompt_tokens"]["p50"] > 4  # real, varied prompt lengths
+    later = [t for x in s for t in x.turns[1:]]
+    assert later and all(t.input_ids[0] == tok.user_id for t in later)
+
+
+def test_summarize_per_level(tmp_path):
+    t0 = 1000.0
+    recs = [
+        {"kind": "stage", "users": 1, "t": t0},
+        # 1 user: TTFT 100 ms; then bursts of 4 tokens 200 ms later (50 ms/token) and 2 tokens 40 ms later
+        {"kind": "turn", "t0": t0 + 1, "ttft_ms": 100.0, "e2e_ms": 340.0, "error": None,
+         "bursts": [[t0 + 1.1, 1, 0, 0, 0], [t0 + 1.3, 4, 2, 2, 6], [t0 + 1.34, 2, 1, 1, 3]]},
+        {"kind": "stage", "users": 2, "t": t0 + 10},
+        {"kind": "turn", "t0": t0 + 11, "ttft_ms": 300.0, "e2e_ms": 700.0, "error": None,
+         "bursts": [[t0 + 11.3, 1, 0, 0, 0], [t0 + 11.7, 4, 4, 0, 12]]},
+        {"kind": "turn", "t0": t0 + 12, "e2e_ms": 50.0, "error": "server error: boom", "bursts": []},
+        {"kind": "end", "t": t0 + 20},
+    ]
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("\n".join(json.dumps(r) for r in recs) + "\n{\"kind\": \"tu")  # torn last line
+    s = report.summarize(raw)
+    one, two = s["levels"]
+    assert (one["users"], one["requests"], one["failures"], one["tokens"]) == (1, 1, 0, 7)
+    assert one["tokens_per_s"] == pytest.approx(0.7) and one["ttft_p50_ms"] == pytest.approx(100.0)
+    # per-token ITL values: 4 x 50 ms and 2 x 20 ms
+    assert one["itl_p50_ms"] == pytest.approx(50.0) and one["itl_p99_ms"] == pytest.approx(50.0)
+    assert one["tau"] == pytest.approx(1 + 3 / 3)
+    assert (two["users"], two["requests"], two["failures"], two["tokens"]) == (2, 2, 1, 5)
+    assert two["itl_p50_ms"] == pytest.approx(100.0) and two["tau"] == pytest.approx(1.0)
+    assert s["all"]["failures"] == 1 and s["all"]["requests"] == 3
+    x, tau, toks = report.tau_over_time(raw, 5.0)
+    assert tau[0] == pytest.approx(2.0) and toks.sum() == 12
+    report.write_summary(s, tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert [r["users"] for r in rows] == ["1", "2", "all"]
+    pngs = report.plot_all(s, raw, tmp_path)
+    assert all(p.stat().st_size > 10_000 for p in pngs)
+
+
+def test_sampled_share_refused_on_greedy_model(tmp_path):
+    if not (CKPT / "model.safetensors").exists():
+        pytest.skip(f"{CKPT} has no model.safetensors")
+    p = _runner("--sampled-share", "0.5", "--checkpoint", str(CKPT), "--report-dir", str(tmp_path / "r"), timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "TEMPERATURE" in p.stderr and "greedily" in p.stderr
+    assert not (tmp_path / "r").exists()  # refused before anything ran
+
+
+@pytest.mark.integration
+def test_short_ramp_zero_failures(tmp_path):
+    """The runner starts its own tritonserver, ramps 1 -> 2 users (5 s per step, 8 tokens per turn)
+    and leaves Locust's CSV/HTML, the PNG plots and a summary with both user levels."""
+    if not (CKPT / "model.safetensors").exists():
+        pytest.skip(f"{CKPT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
+    out = tmp_path / "report"
+    p = _runner("--users", "2", "--step-seconds", "5", "--max-tokens", "8", "--sessions", "64",
+                "--max-prompt-tokens", "256", "--checkpoint", str(CKPT), "--report-dir", str(out), "--quiet",
+                "--stop-timeout", "20", timeout=240)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    for name in ("locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv", "locust.html",
+                 "throughput.png", "ttft.png", "itl.png", "acceptance.png", "summary.csv", "summary.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stats = {r["Name"]: r for r in csv.DictReader(open(out / "locust_stats.csv"))}
+    assert {"TTFT", "ITL", "E2E", "tokens/s"} <= set(stats)
+    assert stats["Aggregated"]["Failure Count"] == "0" and int(stats["E2E"]["Request Count"]) > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["users"] for r in summary["levels"]] == [1, 2]
+    assert summary["all"]["failures"] == 0
+    # every turn Locust counted is in the raw records the summary was built from
+    assert summary["all"]["requests"] == int(stats["E2E"]["Request Count"])
+    for r in summary["levels"]:
+        assert r["requests"] > 0 and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tau"] >= 1.0
+    assert "TTFT p50 ms" in p.stdout and "all" in p.stdout

@@ -1,0 +1,215 @@
+"""Integration: a real tritonserver (the nvidia-pytriton wheel's) serving model_repository/.
+
+One server per module, on free ports, with ``TANDEM_CHECKPOINT`` = ``$TANDEM_TEST_CHECKPOINT`` or
+``model_repository/weights/tandem-tiny``. The served stream is compared token for token with the
+in-process :class:`tandem.engine.Engine` on the same checkpoint and dtype (bf16) and the same
+draft/burst settings as ``model_repository/tandem/config.pbtxt`` (k=3, 4 rounds per burst).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tritonclient.grpc")
+
+from tandem.serve import MODELS, REPO_ROOT, model_states, running_server  # noqa: E402
+from tandem_client.client import TandemClientError, generate, new_sequence_id  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or REPO_ROOT / "model_repository" / "weights" / "tandem-tiny")
+MAX_CTX = 4096  # tandem/config.pbtxt max_ctx (and the checkpoints' max_position_embeddings)
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not (CKPT / "model.safetensors").exists():
+        pytest.skip(f"{CKPT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
+    with running_server(env={"TANDEM_CHECKPOINT": str(CKPT.resolve())}, ready_timeout_s=240) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    from tandem.engine import Engine
+
+    # the model processes run one torch thread each; match it so bf16 reductions are identical
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield Engine(CKPT, "bf16", k=3, burst_rounds=4, max_ctx=MAX_CTX)
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_models_ready(server):
+    import tritonclient.grpc as grpcclient
+
+    assert {m: model_states(server.http_port).get(m) for m in MODELS} == {m: "READY" for m in MODELS}
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        assert c.is_server_ready()
+        assert all(c.is_model_ready(m) for m in MODELS)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("spec", ["mtp", "off"])
+def test_stream_equals_engine(server, engine, spec):
+    prompt = engine.tokenizer.chat_prompt("Write a short poem about the sea.")
+    ref = engine.generate(prompt, max_tokens=40, spec=spec)
+    bursts = []
+    got = generate(prompt, max_tokens=40, url=server.grpc_url, spec=spec, on_tokens=bursts.append)
+    assert got["token_ids"] == ref["token_ids"]
+    assert (got["rounds"], got["drafted"], got["accepted"]) == (ref["rounds"], ref["drafted"], ref["accepted"])
+    assert got["finish_reason"] == ref["finish_reason"]
+    assert got["mean_acceptance_length"] == pytest.approx(ref["mean_acceptance_length"])
+    # streamed: the first token alone (prime), then one response per burst
+    assert len(bursts) == got["bursts"] == ref["bursts"] and len(bursts) >= 2
+    assert bursts[0] == ref["token_ids"][:1]
+    if spec == "off":
+        assert got["drafted"] == 0 and got["mean_acceptance_length"] == 1.0
+
+
+def test_unknown_sequence_rejected_while_other_stream_completes(server, engine):
+    prompt = engine.tokenizer.chat_prompt("Tell me about the weather today.")
+    ref = engine.generate(prompt, max_tokens=48, spec="mtp")
+    box: dict = {}
+
+    def long_stream():
+        try:
+            box["res"] = generate(prompt, max_tokens=48, url=server.grpc_url, spec="mtp")
+        except Exception as e:  # noqa: BLE001
+            box["err"] = e
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    try:
+        # Triton's sequence batcher: no START on a sequence it does not know
+        with pytest.raises(TandemClientError, match="START"):
+            generate(prompt[:4], max_tokens=4, url=server.grpc_url, sequence_start=False)
+        # a sequence Triton knows (START, no END) whose session the worker closed (its first turn
+        # failed): the scheduler itself answers "unknown sequence id"
+        sid = new_sequence_id()
+        with pytest.raises(TandemClientError, match="input_ids"):
+            generate([1] * (MAX_CTX + 8), max_tokens=4, url=server.grpc_url, sequence_id=sid, sequence_end=False)
+        with pytest.raises(TandemClientError, match=f"unknown sequence id {sid}"):
+            generate(prompt[:4], max_tokens=4, url=server.grpc_url, sequence_id=sid, sequence_start=False)
+    finally:
+        t.join(timeout=120)
+    assert "err" not in box, box.get("err")
+    assert box["res"]["token_ids"] == ref["token_ids"]
+    assert box["res"]["finish_reason"] == ref["finish_reason"]
+
+
+def test_oversize_prompt_names_input_ids(server):
+    with pytest.raises(TandemClientError) as ei:
+        generate([5] * (MAX_CTX + 1), max_tokens=4, url=server.grpc_url)
+    msg = str(ei.value)
+    assert "input_ids" in msg.lower() and str(MAX_CTX) in msg
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"spec": "dflash"}, "SPEC"),
+    ({"max_tokens": 0}, "MAX_TOKENS"),
+    ({"num_draft_tokens": 99}, "num_draft_tokens"),
+])
+def test_bad_input_names_field(server, kwargs, field):
+    args = {"max_tokens": 4, **kwargs}
+    with pytest.raises(TandemClientError, match=field):
+        generate([10, 11, 12], url=server.grpc_url, **args)
+
+
+def test_multi_turn_sequence(server, engine):
+    """Two turns on one sequence: the second continues from the first's anchor; the server keeps
+    the session between them (START only on the first turn, END only on the last)."""
+    sid = new_sequence_id()
+    tok = engine.tokenizer
+    a = generate(tok.chat_prompt("Hi!"), max_tokens=6, url=server.grpc_url, sequence_id=sid, sequence_end=False)
+    b = generate(tok.encode("<|user|>\nMore<|assistant|>\n"), max_tokens=6, url=server.grpc_url, sequence_id=sid,
+                 sequence_start=False)
+    assert len(a["token_ids"]) <= 6 and 1 <= len(b["token_ids"]) <= 6
+    with pytest.raises(TandemClientError, match="START"):  # END closed the sequence
+        generate([], max_tokens=2, url=server.grpc_url, sequence_id=sid, sequence_start=False)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "tandem"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
+
+
+def test_cli_generate_json(server, engine):
+    p = _cli("generate", "Hello", "--max-tokens", "12", "--url", server.grpc_url, "--json", "--checkpoint", str(CKPT))
+    assert p.returncode == 0, p.stderr
+    obj = json.loads(p.stdout)
+    ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=12, spec="mtp")
+    assert obj["token_ids"] == ref["token_ids"]
+    assert obj["text"] == engine.tokenizer.decode(ref["token_ids"])
+    assert (obj["rounds"], obj["drafted"], obj["accepted"]) == (ref["rounds"], ref["drafted"], ref["accepted"])
+    assert obj["finish_reason"] == ref["finish_reason"] and obj["tokens_per_s"] > 0
+    assert obj["mean_acceptance_length"] == pytest.approx(1 + ref["accepted"] / ref["rounds"])
+
+
+def test_cli_generate_text_and_unreachable(server, engine):
+    p = _cli("generate", "Hello", "--max-tokens", "8", "--spec", "off", "--url", server.grpc_url, "--checkpoint", str(CKPT))
+    assert p.returncode == 0, p.stderr
+    ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=8, spec="off")
+    assert p.stdout == engine.tokenizer.decode(ref["token_ids"]) + "\n"
+    assert "tokens/s" in p.stderr and "tau 1.00" in p.stderr
+    from tandem.serve import free_ports
+
+    p = _cli("generate", "Hello", "--url", f"127.0.0.1:{free_ports(1)[0]}", "--checkpoint", str(CKPT))
+    assert p.returncode == 2 and "cannot reach" in p.stderr
+
+
+def _infer(server, model, arrays):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        ins = []
+        for name, a in arrays.items():
+            a = np.asarray(a)
+            x = grpcclient.InferInput(name, list(a.shape), "BYTES" if a.dtype == object else
+                                      {"int64": "INT64", "int32": "INT32", "float32": "FP32"}[str(a.dtype)])
+            x.set_data_from_numpy(a)
+            ins.append(x)
+        return c.infer(model, ins)
+    finally:
+        c.close()
+
+
+def test_stage_models_name_the_field(server):
+    """The BLS stage models answer a bad op with a TritonError that names the field."""
+    import numpy as np
+    from tritonclient.utils import InferenceServerException
+
+    op = lambda s: np.array([s.encode()], dtype=object)  # noqa: E731
+    sid = np.array([424242], np.int64)
+    with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
+        _infer(server, "trunk", {"OP": op("verify"), "SIDS": sid, "TOKENS": np.array([1], np.int64),
+                                 "LENGTHS": np.array([1], np.int32)})
+    with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
+        _infer(server, "drafter_mtp", {"OP": op("draft"), "SIDS": sid, "HIDDEN": np.zeros((1, 8), np.float32),
+                                       "NEXT_TOKENS": np.array([1], np.int64), "LENGTHS": np.array([1], np.int32),
+                                       "K": np.array([2], np.int32)})
+    _infer(server, "trunk", {"OP": op("open"), "SIDS": sid})
+    try:
+        with pytest.raises(InferenceServerException, match="TOKENS: context full"):
+            _infer(server, "trunk", {"OP": op("prime"), "SIDS": sid, "TOKENS": np.ones(MAX_CTX + 1, np.int64),
+                                     "LENGTHS": np.array([MAX_CTX + 1], np.int32)})
+        r = _infer(server, "trunk", {"OP": op("prime"), "SIDS": sid, "TOKENS": np.array([5, 6, 7], np.int64),
+                                     "LENGTHS": np.array([3], np.int32)})
+        assert r.as_numpy("ARGMAX").shape == (3,) and r.as_numpy("HIDDEN").shape[0] == 3
+    finally:
+        _infer(server, "trunk", {"OP": op("close"), "SIDS": sid})
