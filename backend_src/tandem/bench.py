@@ -121,7 +121,7 @@ def main(
     from .data import humaneval_prompts, sharegpt_prompts
     from .engine import DEFAULT_CHECKPOINT, Engine, parse_dtype
 
-    console = Console()
+    console = Console(width=160)
     if quick:
         prompts, humaneval, max_tokens = 2, 1, 32
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
@@ -198,7 +198,7 @@ def main(
         exact = sum(r["token_ids"] == plain_ref[r["prompt"]] for r in runs) / len(runs)
         out_rows.append({
             "name": n, "tokens_per_s": med, "tokens_per_s_q1": q1, "tokens_per_s_q3": q3,
-            "mean_acceptance_length": (1 + acc / rounds) if spec_row and rounds else (1.0 if rounds else None),
+            "mean_acceptance_length": (1 + acc / rounds) if spec_row and rounds else None,
             "acceptance_per_position": per_pos, "ttft_s": statistics.median(ttfts) if ttfts else None,
             "peak_rss_mb": rss_server if "served" in n else max(rss_inproc, rss_after),
             "exact_match_rate": exact, "new_tokens": sum(len(r["token_ids"]) for r in runs),
@@ -225,7 +225,7 @@ def main(
     table = Table(title=f"tandem bench — {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, "
                         f"{threads} thread(s), interleaved")
     for c in ("row", "tok/s (median)", "IQR", "tau", "accept/pos", "TTFT ms", "RSS MB", "exact vs plain"):
-        table.add_column(c, justify="right" if c != "row" else "left")
+        table.add_column(c, justify="right" if c != "row" else "left", no_wrap=True)
     for r in out_rows:
         table.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_q1']:.1f}-{r['tokens_per_s_q3']:.1f}",
                       "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
