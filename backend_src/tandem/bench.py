@@ -97,12 +97,39 @@ class TransformersRow:
                 "rounds": len(new), "accepted": 0, "accepted_at": []}
 
 
+def served_profile(log: Path, by: dict, k: int, t_spec: dict, t_plain: dict) -> dict:
+    """Per-round breakdown of the served MTP arm from the ``tandem`` model's BLS call statistics
+    (logged at unload: mean ms per ``model.op`` call, compute included) against the in-process
+    stage times: BLS/IPC overhead = served call - in-process stage; "other" = the round's wall time
+    (tau / tokens_per_s) minus the served calls."""
+    import ast
+    import re
+
+    text = log.read_text(errors="replace")
+    m = re.findall(r"tandem: BLS calls (\{.*\})", text)
+    if not m:
+        return {}
+    calls = ast.literal_eval(m[-1])
+    row = by[f"mtp k={k} (served)"]
+    rounds = max(t_spec["rounds"], 1)
+    stages = {}
+    for name, key, ip in (("draft", "drafter_mtp.draft", t_spec["draft_s"]), ("verify", "trunk.verify", t_spec["verify_s"]),
+                          ("commit", "trunk.commit", t_spec["commit_s"])):
+        if key in calls:
+            served_ms = calls[key]["mean_ms"]
+            stages[name] = {"served_ms": served_ms, "inprocess_ms": 1e3 * ip / rounds, "bls_ms": served_ms - 1e3 * ip / rounds}
+    round_ms = 1e3 * row["mean_acceptance_length"] / row["tokens_per_s"] if row["tokens_per_s"] else 0.0
+    other = round_ms - sum(v["served_ms"] for v in stages.values())
+    return {"stages": stages, "round_ms": round_ms, "other_ms": other, "bls_calls": calls}
+
+
 @app.command()
 def main(
     prompts: int = typer.Option(8, help="ShareGPT prompts"),
     humaneval: int = typer.Option(4, help="HumanEval prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
-    k: int = typer.Option(3, help="MTP drafts per round"),
+    ks: str = typer.Option("1,3", "--k", help="MTP drafts per round, one in-process arm per value (comma list); "
+                                                "the served arm uses the first"),
     dtype: str = typer.Option("bf16", help="bf16 | fp32"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     threads: int = typer.Option(1, help="torch threads in-process (the served models use 1 each)"),
@@ -128,8 +155,10 @@ def main(
     torch.set_num_threads(threads)
     dt = parse_dtype(dtype)
     texts = sharegpt_prompts(prompts, seed=seed) + (humaneval_prompts(humaneval, seed=seed) if humaneval else [])
+    k_list = [int(x) for x in ks.split(",") if x.strip()]
+    k = k_list[0]
     plain_eng = Engine(checkpoint, dtype=dt, k=k)
-    spec_eng = Engine(model=plain_eng.model, tokenizer=plain_eng.tokenizer, k=k)
+    spec_engs = {kk: Engine(model=plain_eng.model, tokenizer=plain_eng.tokenizer, k=kk) for kk in k_list}
     tok = plain_eng.tokenizer
     prompt_ids = [tok.chat_prompt(t) if i < prompts else tok.encode(t) for i, t in enumerate(texts)]
     rss_inproc = _rss_mb([os.getpid()])
@@ -137,9 +166,11 @@ def main(
     rows: dict[str, dict] = {}
     runners = {
         "plain (in-process)": lambda ids: plain_eng.generate(ids, max_tokens, spec="off"),
-        f"mtp k={k} (in-process)": lambda ids: spec_eng.generate(ids, max_tokens, spec="mtp"),
     }
+    for kk, eng in spec_engs.items():
+        runners[f"mtp k={kk} (in-process)"] = lambda ids, eng=eng: eng.generate(ids, max_tokens, spec="mtp")
     server_ctx = None
+    server_log = None
     if served:
         from tandem_client.client import generate as served_generate
 
@@ -147,7 +178,10 @@ def main(
 
         env = {"TANDEM_CHECKPOINT": str(checkpoint), "TANDEM_DTYPE": dtype}
         console.print("starting tritonserver for the served rows ...")
-        server_ctx = running_server(env=env)
+        import tempfile
+
+        server_log = Path(tempfile.mkstemp(prefix="bench-tritonserver-", suffix=".log")[1])
+        server_ctx = running_server(env=env, log_path=server_log)
         server = server_ctx.__enter__()
         url = server.grpc_url
         runners["plain (served)"] = lambda ids: served_generate(ids, max_tokens, url=url, spec="off")
@@ -165,7 +199,8 @@ def main(
         for n in names:
             runners[n](prompt_ids[0][:32])
         plain_eng.sched.timing = {key: 0.0 for key in plain_eng.sched.timing}
-        spec_eng.sched.timing = {key: 0.0 for key in spec_eng.sched.timing}
+        for eng in spec_engs.values():
+            eng.sched.timing = {key: 0.0 for key in eng.sched.timing}
         with Progress(console=console) as prog:
             task = prog.add_task("bench (interleaved rows)", total=len(prompt_ids) * len(names))
             for i, ids in enumerate(prompt_ids):
@@ -205,22 +240,33 @@ def main(
         })
     by = {r["name"]: r for r in out_rows}
     plain_ip = by["plain (in-process)"]["tokens_per_s"]
-    arm_ip = by[f"mtp k={k} (in-process)"]["tokens_per_s"]
-    ratios = {"best_arm_vs_plain": arm_ip / plain_ip}
+    best_k = max(k_list, key=lambda kk: by[f"mtp k={kk} (in-process)"]["tokens_per_s"])
+    arm_ip = by[f"mtp k={best_k} (in-process)"]["tokens_per_s"]
+    ratios = {"best_arm_vs_plain": arm_ip / plain_ip, "best_arm": f"mtp k={best_k}"}
     if served:
-        ratios["served_vs_inprocess"] = by[f"mtp k={k} (served)"]["tokens_per_s"] / arm_ip
+        ratios["served_vs_inprocess"] = by[f"mtp k={k} (served)"]["tokens_per_s"] / by[f"mtp k={k} (in-process)"]["tokens_per_s"]
         ratios["served_vs_inprocess_plain"] = by["plain (served)"]["tokens_per_s"] / plain_ip
     if hf:
         ratios["plain_vs_transformers"] = plain_ip / by["transformers generate"]["tokens_per_s"]
 
-    # analytical ceiling from measured stage times (in-process)
-    tp, ts = plain_eng.sched.timing, spec_eng.sched.timing
+    # analytical ceiling per arm from measured stage times (in-process)
+    tp = plain_eng.sched.timing
     t_plain = sum(tp[x] for x in ("draft_s", "verify_s", "accept_s", "commit_s")) / max(tp["rounds"], 1)
-    t_round = {x: ts[x] / max(ts["rounds"], 1) for x in ("draft_s", "verify_s", "accept_s", "commit_s")}
-    tau = by[f"mtp k={k} (in-process)"]["mean_acceptance_length"]
-    ceiling = tau * t_plain / sum(t_round.values()) if sum(t_round.values()) else None
-    profile = {"plain_round_s": t_plain, "mtp_round_s": t_round, "mtp_rounds": ts["rounds"],
-               "ceiling_speedup": ceiling, "measured_speedup": ratios["best_arm_vs_plain"]}
+    profile = {"plain_round_s": t_plain, "arms": {}}
+    for kk, eng in spec_engs.items():
+        ts = eng.sched.timing
+        t_round = {x: ts[x] / max(ts["rounds"], 1) for x in ("draft_s", "verify_s", "accept_s", "commit_s")}
+        row = by[f"mtp k={kk} (in-process)"]
+        tau = row["mean_acceptance_length"]
+        ceiling = tau * t_plain / sum(t_round.values()) if sum(t_round.values()) else None
+        row["ceiling_speedup"] = ceiling
+        profile["arms"][f"mtp k={kk}"] = {"round_s": t_round, "rounds": ts["rounds"], "tau": tau,
+                                          "ceiling_speedup": ceiling,
+                                          "measured_speedup": row["tokens_per_s"] / plain_ip}
+
+    if served and server_log is not None and server_log.exists():
+        profile["served"] = served_profile(server_log, by, k, spec_engs[k].sched.timing, plain_eng.sched.timing)
+        server_log.unlink()
 
     table = Table(title=f"tandem bench — {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, "
                         f"{threads} thread(s), interleaved")
@@ -234,14 +280,21 @@ def main(
                       f"{r['peak_rss_mb']:.0f}", f"{r['exact_match_rate']:.0%}")
     console.print(table)
     for key, v in ratios.items():
-        console.print(f"{key:>28}: {v:.2f}x")
-    console.print(f"{'ceiling (mtp, in-process)':>28}: {ceiling:.2f}x  (tau {tau:.2f}; per round: "
-                  + ", ".join(f"{k_[:-2]} {v * 1e3:.1f} ms" for k_, v in t_round.items())
-                  + f"; plain round {t_plain * 1e3:.1f} ms)")
+        console.print(f"{key:>28}: " + (f"{v:.2f}x" if isinstance(v, float) else str(v)))
+    for name, a in profile["arms"].items():
+        console.print(f"{'ceiling ' + name:>28}: {a['ceiling_speedup']:.2f}x  measured {a['measured_speedup']:.2f}x "
+                      f"(tau {a['tau']:.2f}; per round: "
+                      + ", ".join(f"{k_[:-2]} {v * 1e3:.1f} ms" for k_, v in a["round_s"].items())
+                      + f"; plain round {t_plain * 1e3:.1f} ms)")
+    sp = profile.get("served")
+    if sp:
+        console.print(f"{'served round (mtp k=' + str(k) + ')':>28}: " + ", ".join(
+            f"{name} {v['served_ms']:.1f} ms (compute {v['inprocess_ms']:.1f} + BLS/IPC {v['bls_ms']:.1f})"
+            for name, v in sp["stages"].items()) + f"; other Python/stream {sp['other_ms']:.1f} ms of {sp['round_ms']:.1f} ms")
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "threads": threads},
               "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval,
-                           "max_tokens": max_tokens, "k": k, "dtype": dtype, "seed": seed, "checkpoint": str(checkpoint)},
+                           "max_tokens": max_tokens, "k": k_list, "dtype": dtype, "seed": seed, "checkpoint": str(checkpoint)},
               "rows": out_rows, "ratios": ratios, "profile": profile}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
