@@ -305,13 +305,14 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port (127.0.0.1)"),
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_term)
+    asked_to_stop = False
     try:
         waited = wait_ready(proc, http_port, MODELS, ready_timeout_s)
         print(f"tandem: ready in {waited:.1f} s — gRPC 127.0.0.1:{grpc_port}, HTTP 127.0.0.1:{http_port}, "
               f"metrics 127.0.0.1:{metrics_port}, models {', '.join(MODELS)}", flush=True)
         proc.wait()
     except KeyboardInterrupt:
-        pass
+        asked_to_stop = True
     except ServerError as e:
         print(f"tandem: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(1)
@@ -320,6 +321,12 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port (127.0.0.1)"),
         for f in _shm_files() - shm_before:
             with contextlib.suppress(OSError):
                 os.unlink(f)
+    if asked_to_stop:
+        # Triton exits non-zero when its exit timeout expires with a sequence still open; the stop
+        # was ours and everything is cleaned up, so report success.
+        if proc.returncode:
+            print(f"tandem: tritonserver stopped (exit {proc.returncode}: open sequences were dropped)", flush=True)
+        raise typer.Exit(0)
     raise typer.Exit(proc.returncode or 0)
 
 

@@ -108,8 +108,9 @@ class SpecSession:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         base = len(self.committed) + (1 if self.anchor is not None else 0)
         if base + len(new_tokens) >= self.max_ctx:
-            raise ValueError(f"input_ids: {base} context + {len(new_tokens)} new tokens exceeds the context "
-                             f"capacity of {self.max_ctx} tokens")
+            raise ValueError(f"input_ids: {base} context + {len(new_tokens)} new tokens leaves no room to generate "
+                             f"within the context capacity of {self.max_ctx} tokens (at most {self.max_ctx - 1 - base} "
+                             f"new tokens)")
         if self.anchor is None and not new_tokens:
             raise ValueError("input_ids: the first turn of a sequence needs at least 1 token")
 
