@@ -183,7 +183,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     ``iters - 1`` row+column steps, each ``x / (sum + eps)``. ``comb [..., N, N]`` fp32.
 
     Without autograd the loop runs in numpy on the (tiny) ``[..., N, N]`` array: the same IEEE
-    float32 divisions and additions, ~20x less per-operator overhead than torch's dispatcher.
+    float32 divisions and additions at ~2.5x less overhead than the torch loop (measured on [1, 4, 2, 2]).
     """
     if torch.is_grad_enabled() and comb.requires_grad:
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
