@@ -17,24 +17,24 @@ BACKEND := triton_backends/.stamp-backend
 
 # the Python backend folder tritonserver needs, assembled from the nvidia-pytriton wheel
 $(BACKEND): $(STAMP)
-	$(VPY) -m tandem.serve backend-dir
+	$(VPY) -m tandem.serving.serve backend-dir
 	@touch $(BACKEND)
 
 setup: $(STAMP) $(BACKEND)
 
 # Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics); CHECKPOINT=dir overrides the weights
 serve: setup
-	$(VPY) -m tandem.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
+	$(VPY) -m tandem.serving.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
 test: setup
 	$(VPY) -m pytest -q tests
 
 model: setup
-	$(VPY) -m tandem.train $(ARGS)
+	$(VPY) -m tandem.tools.train $(ARGS)
 
 # side-by-side benchmark; QUICK=1 for a smoke run, JSON=path to keep the figures
 bench: setup
-	$(VPY) -m tandem.bench $(if $(QUICK),--quick) $(if $(JSON),--json $(JSON)) $(ARGS)
+	$(VPY) -m tandem.tools.bench $(if $(QUICK),--quick) $(if $(JSON),--json $(JSON)) $(ARGS)
 
 # Locust load test: ramp 1 -> USERS users (STEP_SECONDS s per step), MAX_TOKENS output tokens per turn at
 # most; starts its own tritonserver unless URL=host:port; reports in reports/loadtest-<UTC time>/

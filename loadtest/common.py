@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import ipaddress
 
-#: Name of the input a sampling-capable ``tandem`` model takes (a later issue adds it).
-TEMPERATURE_INPUT = "TEMPERATURE"
+from tandem import schema
+
+TEMPERATURE_INPUT = schema.TEMPERATURE
 _NUMPY = {"FP32": "float32", "FP16": "float16", "FP64": "float64", "BF16": "float32"}
 
 
@@ -62,7 +63,7 @@ def sampling_input(metadata: dict) -> dict | None:
     return None
 
 
-def model_max_ctx(config: dict, default: int = 4096) -> int:
+def model_max_ctx(config: dict, default: int = schema.DEFAULTS.max_ctx) -> int:
     """The ``max_ctx`` parameter (tokens) from ``get_model_config(..., as_json=True)``; ``default``
     when the model does not declare one."""
     cfg = config.get("config", config)

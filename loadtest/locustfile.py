@@ -46,6 +46,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadtest.common import ramp_levels, sampling_input, split_host  # noqa: E402
 from loadtest.workload import SessionSpec, build_sessions, load_workload  # noqa: E402
+from tandem import schema  # noqa: E402
 
 log = logging.getLogger("tandem.loadtest")
 
@@ -84,14 +85,14 @@ def _add_arguments(parser) -> None:
     g.add_argument("--checkpoint", default="", help="folder with tokenizer.json (only when building the workload)")
     g.add_argument("--max-output-tokens", type=int, default=128, help="cap on each turn's MAX_TOKENS")
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="cap on each turn's prompt tokens")
-    g.add_argument("--max-context-tokens", type=int, default=4096, help="a session's prompt + output budget")
+    g.add_argument("--max-context-tokens", type=int, default=schema.DEFAULTS.max_ctx, help="a session's prompt + output budget")
     g.add_argument("--multi-turn-share", type=float, default=0.5, help="share of multi-turn sessions")
     g.add_argument("--max-turns", type=int, default=4, help="turns per multi-turn session at most")
     g.add_argument("--sampled-share", type=float, default=0.0, help="share of sampled sessions (needs TEMPERATURE)")
     g.add_argument("--temperature", type=float, default=1.0, help="temperature of sampled requests")
     g.add_argument("--sessions", type=int, default=256, help="sessions in the workload")
     g.add_argument("--seed", type=int, default=0, help="workload and per-user seed")
-    g.add_argument("--spec", default="mtp", choices=["mtp", "off"], help="speculation mode")
+    g.add_argument("--spec", default=schema.DEFAULTS.spec, choices=list(schema.SPECS), help="speculation mode")
     g.add_argument("--num-draft-tokens", type=int, default=0, help="drafts per round (0: server default)")
     g.add_argument("--response-timeout", type=float, default=120.0, help="seconds to wait for each response")
     g.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take in all (gRPC deadline)")
@@ -111,7 +112,7 @@ def _on_init(environment, **_kw) -> None:
     if o.tandem_workload:
         _Shared.sessions = load_workload(o.tandem_workload)
     else:
-        from tandem.tokenizer import ChatTokenizer
+        from tandem.model.tokenizer import ChatTokenizer
         from tandem_client.client import default_checkpoint
 
         tok = ChatTokenizer(Path(o.checkpoint or default_checkpoint()) / "tokenizer.json")
@@ -213,11 +214,11 @@ class TandemUser(User):
             inputs.append(x)
 
         if ids:
-            add("INPUT_IDS", np.asarray(ids, dtype=np.int32), "INT32")
-        add("MAX_TOKENS", np.array([max_tokens], dtype=np.int32), "INT32")
-        add("SPEC", np.array([self.opts.spec.encode()], dtype=np.object_), "BYTES")
+            add(schema.INPUT_IDS, np.asarray(ids, dtype=np.int32), "INT32")
+        add(schema.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32")
+        add(schema.SPEC, np.array([self.opts.spec.encode()], dtype=np.object_), "BYTES")
         if self.opts.num_draft_tokens > 0:
-            add("NUM_DRAFT_TOKENS", np.array([self.opts.num_draft_tokens], dtype=np.int32), "INT32")
+            add(schema.NUM_DRAFT_TOKENS, np.array([self.opts.num_draft_tokens], dtype=np.int32), "INT32")
         if sampled and _Shared.sampling is not None:
             s = _Shared.sampling
             add(s["name"], np.full(s["shape"], self.opts.temperature, dtype=s["numpy"]), s["datatype"])
@@ -251,14 +252,14 @@ class TandemUser(User):
                     if "triton_final_response" in resp.parameters else False
                 if resp.outputs:
                     now = time.time()
-                    ids = result.as_numpy("OUTPUT_IDS")
-                    fr = result.as_numpy("FINISH_REASON")[0]
+                    ids = result.as_numpy(schema.OUTPUT_IDS)
+                    fr = result.as_numpy(schema.FINISH_REASON)[0]
                     fr = fr.decode() if isinstance(fr, bytes) else str(fr)
                     if fr:
                         out["finish_reason"] = fr
                     if ids is not None and len(ids):
-                        b = [now, int(len(ids)), int(result.as_numpy("ROUNDS")[0]),
-                             int(result.as_numpy("ACCEPTED")[0]), int(result.as_numpy("DRAFTED")[0])]
+                        b = [now, int(len(ids)), int(result.as_numpy(schema.ROUNDS)[0]),
+                             int(result.as_numpy(schema.ACCEPTED)[0]), int(result.as_numpy(schema.DRAFTED)[0])]
                         out["bursts"].append(b)
                         if on_burst is not None:
                             on_burst(b, time.perf_counter(), out["sent"])

@@ -1,6 +1,6 @@
 """``make loadtest``: a headless Locust ramp against tandem, with reports and plots.
 
-Steps: start ``tritonserver`` on free 127.0.0.1 ports (:func:`tandem.serve.running_server`)
+Steps: start ``tritonserver`` on free 127.0.0.1 ports (:func:`tandem.serving.serve.running_server`)
 unless ``--url`` is given; check the model (ready, metadata, context limit; sampled requests only
 when it has a ``TEMPERATURE`` input); build the ShareGPT workload; run ``loadtest/locustfile.py``
 headless in a subprocess (1 -> ``--users`` users in steps) with Locust's ``--csv`` and ``--html``;
@@ -34,9 +34,10 @@ if str(REPO_ROOT) not in sys.path:
 from loadtest import report  # noqa: E402
 from loadtest.common import TEMPERATURE_INPUT, model_max_ctx, ramp_levels, sampling_input, split_host  # noqa: E402
 from loadtest.workload import build_sessions, describe, save_workload  # noqa: E402
+from tandem import schema  # noqa: E402
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
-MODEL = "tandem"
+MODEL = schema.TANDEM.name
 #: Seconds allowed beyond the ramp for Locust's start-up and shutdown before it is killed.
 LOCUST_GRACE_S = 90.0
 
@@ -87,8 +88,7 @@ def preflight(url: str, sampled: bool, timeout_s: float = 30.0) -> dict:
 
 
 def _local_model_takes_temperature() -> bool:
-    text = (REPO_ROOT / "model_repository" / MODEL / "config.pbtxt").read_text()
-    return f'"{TEMPERATURE_INPUT}"' in text
+    return TEMPERATURE_INPUT in schema.TANDEM.input_names
 
 
 
@@ -175,7 +175,7 @@ def main(
     max_prompt_tokens: int = typer.Option(1024, "--max-prompt-tokens", min=8, help="cap on each turn's prompt tokens"),
     sessions: int = typer.Option(256, "--sessions", min=1, help="sessions drawn from ShareGPT"),
     seed: int = typer.Option(0, "--seed", help="workload and per-user seed"),
-    spec: str = typer.Option("mtp", "--spec", help="speculation: mtp or off"),
+    spec: str = typer.Option(schema.DEFAULTS.spec, "--spec", help="speculation: " + " | ".join(schema.SPECS)),
     num_draft_tokens: int = typer.Option(0, "--num-draft-tokens", min=0, help="drafts per round (0: server default)"),
     response_timeout: float = typer.Option(120.0, "--response-timeout", min=1.0,
                                            help="seconds a user waits for each streamed response"),
@@ -189,8 +189,8 @@ def main(
     """Ramp 1 -> USERS users against the tandem model and report TTFT, ITL, throughput and tau."""
     # SIGTERM unwinds like Ctrl-C, so the server started here and Locust are always stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if spec not in ("mtp", "off"):
-        typer.echo(f"error: --spec must be mtp or off, got {spec!r}", err=True)
+    if spec not in schema.SPECS:
+        typer.echo(f"error: --spec must be one of {schema.SPECS}, got {spec!r}", err=True)
         raise typer.Exit(2)
     try:
         target = split_host(url, allow_remote=allow_remote) if url else ""
@@ -218,8 +218,8 @@ def main(
     print(f"loadtest: ramp {' -> '.join(map(str, levels))} users, {step_seconds:g} s per step "
           f"({len(levels) * step_seconds:g} s), max {max_tokens} output tokens per turn, checkpoint {ckpt}")
 
-    from tandem.serve import ServerError, running_server
-    from tandem.tokenizer import ChatTokenizer
+    from tandem.model.tokenizer import ChatTokenizer
+    from tandem.serving.serve import ServerError, running_server
 
     rc = 0
     with contextlib.ExitStack() as stack:

@@ -25,6 +25,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tandem import schema
+
 #: Tokens kept free below the server's context limit (the anchor token and rounding).
 CONTEXT_MARGIN = 8
 
@@ -71,11 +73,11 @@ def user_turn_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
 
 def build_sessions(tokenizer, n_sessions: int = 256, max_output_tokens: int = 128, max_prompt_tokens: int = 1024,
                    multi_turn_share: float = 0.5, max_turns: int = 4, sampled_share: float = 0.0,
-                   max_context_tokens: int = 4096, seed: int = 0, scan: int = 4000,
+                   max_context_tokens: int = schema.DEFAULTS.max_ctx, seed: int = 0, scan: int = 4000,
                    conversations: list[list[dict]] | None = None) -> list[SessionSpec]:
     """Draw ``n_sessions`` sessions (with replacement) from the first ``scan`` ShareGPT
     conversations, seeded by ``seed``. Lengths are in tokens of ``tokenizer`` (a
-    :class:`tandem.tokenizer.ChatTokenizer`). ``conversations`` replaces the dataset (tests).
+    :class:`tandem.model.tokenizer.ChatTokenizer`). ``conversations`` replaces the dataset (tests).
 
     Raises ``ValueError`` on out-of-range arguments or when no usable conversation is found.
     """
@@ -87,7 +89,7 @@ def build_sessions(tokenizer, n_sessions: int = 256, max_output_tokens: int = 12
     if max_prompt_tokens + max_output_tokens + CONTEXT_MARGIN > max_context_tokens:
         max_prompt_tokens = max(8, max_context_tokens - max_output_tokens - CONTEXT_MARGIN)
     if conversations is None:
-        from tandem.data import sharegpt_conversations
+        from tandem.tools.data import sharegpt_conversations
 
         conversations = list(sharegpt_conversations(limit=scan))
     pool = [(i, ex) for i, c in enumerate(conversations) if (ex := exchanges(c)) and ex[0][0].strip()]

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.engine import DEFAULT_CHECKPOINT
-from tandem.tokenizer import ChatTokenizer
-from tandem.trunk import load_trunk
+from tandem.model.checkpoint import DEFAULT_CHECKPOINT, load_trunk
+from tandem.model.tokenizer import ChatTokenizer
 
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 
@@ -36,6 +35,6 @@ def trunk_fp32(checkpoint):
 
 @pytest.fixture(scope="session")
 def sharegpt_prompts():
-    from tandem.data import sharegpt_prompts as sp
+    from tandem.tools.data import sharegpt_prompts as sp
 
     return sp(20, seed=1234, max_chars=600)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tandem.kda import kda_chunked, kda_recurrent, l2norm
+from tandem.model.kda import kda_chunked, kda_recurrent, l2norm
 
 
 def _inputs(B, T, H, dk, dv, seed):

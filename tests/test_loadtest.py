@@ -16,7 +16,7 @@ import pytest
 from loadtest import report
 from loadtest.common import model_max_ctx, ramp_levels, sampling_input, split_host
 from loadtest.workload import build_sessions, describe, exchanges, load_workload, save_workload
-from tandem.serve import REPO_ROOT
+from tandem.serving.serve import REPO_ROOT
 
 CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or REPO_ROOT / "model_repository" / "weights" / "tandem-tiny")
 
@@ -104,7 +104,7 @@ def test_workload_shape_and_budget(tmp_path):
 def test_workload_from_sharegpt():
     if not (CKPT / "tokenizer.json").exists():
         pytest.skip(f"{CKPT} has no tokenizer.json")
-    from tandem.tokenizer import ChatTokenizer
+    from tandem.model.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer(CKPT / "tokenizer.json")
     s = build_sessions(tok, n_sessions=64, max_output_tokens=32, max_prompt_tokens=256, seed=3, scan=500)

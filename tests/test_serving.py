@@ -2,8 +2,8 @@
 
 One server per module, on free ports, with ``TANDEM_CHECKPOINT`` = ``$TANDEM_TEST_CHECKPOINT`` or
 ``model_repository/weights/tandem-tiny``. The served stream is compared token for token with the
-in-process :class:`tandem.engine.Engine` on the same checkpoint and dtype (bf16) and the same
-draft/burst settings as ``model_repository/tandem/config.pbtxt`` (k=3, 4 rounds per burst).
+in-process :class:`tandem.engine.inprocess.Engine` on the same checkpoint and dtype (bf16) and the same
+draft/burst settings as ``model_repository/tandem/config.pbtxt`` (tandem.schema.DEFAULTS: num_draft_tokens 3, 4 rounds per burst).
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("tritonclient.grpc")
 
-from tandem.serve import MODELS, REPO_ROOT, model_states, running_server  # noqa: E402
+from tandem import schema  # noqa: E402
+from tandem.model.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
+from tandem.serving.serve import MODELS, model_states, running_server  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or REPO_ROOT / "model_repository" / "weights" / "tandem-tiny")
-MAX_CTX = 4096  # tandem/config.pbtxt max_ctx (and the checkpoints' max_position_embeddings)
+CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or DEFAULT_CHECKPOINT)
+MAX_CTX = schema.DEFAULTS.max_ctx  # tandem/config.pbtxt max_ctx (and the checkpoints' max_position_embeddings)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +41,13 @@ def server():
 
 @pytest.fixture(scope="module")
 def engine(server):
-    from tandem.engine import Engine
+    from tandem.engine.inprocess import Engine
 
     # the model processes run one torch thread each; match it so bf16 reductions are identical
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield Engine(CKPT, "bf16", k=3, burst_rounds=4, max_ctx=MAX_CTX)
+        yield Engine(CKPT, "bf16")
     finally:
         torch.set_num_threads(n)
 
@@ -99,7 +101,7 @@ def test_unknown_sequence_rejected_while_other_stream_completes(server, engine):
         # a sequence Triton knows (START, no END) whose session the worker closed (its first turn
         # failed): the scheduler itself answers "unknown sequence id"
         sid = new_sequence_id()
-        with pytest.raises(TandemClientError, match="input_ids"):
+        with pytest.raises(TandemClientError, match="INPUT_IDS"):
             generate([1] * (MAX_CTX + 8), max_tokens=4, url=server.grpc_url, sequence_id=sid, sequence_end=False)
         with pytest.raises(TandemClientError, match=f"unknown sequence id {sid}"):
             generate(prompt[:4], max_tokens=4, url=server.grpc_url, sequence_id=sid, sequence_start=False)
@@ -114,13 +116,13 @@ def test_oversize_prompt_names_input_ids(server):
     with pytest.raises(TandemClientError) as ei:
         generate([5] * (MAX_CTX + 1), max_tokens=4, url=server.grpc_url)
     msg = str(ei.value)
-    assert "input_ids" in msg.lower() and str(MAX_CTX) in msg
+    assert schema.INPUT_IDS in msg and str(MAX_CTX) in msg
 
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"spec": "dflash"}, "SPEC"),
     ({"max_tokens": 0}, "MAX_TOKENS"),
-    ({"num_draft_tokens": 99}, "num_draft_tokens"),
+    ({"num_draft_tokens": 99}, "NUM_DRAFT_TOKENS"),
 ])
 def test_bad_input_names_field(server, kwargs, field):
     args = {"max_tokens": 4, **kwargs}
@@ -143,7 +145,7 @@ def test_multi_turn_sequence(server, engine):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "tandem"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.client"]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
 
 
@@ -165,7 +167,7 @@ def test_cli_generate_text_and_unreachable(server, engine):
     ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=8, spec="off")
     assert p.stdout == engine.tokenizer.decode(ref["token_ids"]) + "\n"
     assert "tokens/s" in p.stderr and "tau 1.00" in p.stderr
-    from tandem.serve import free_ports
+    from tandem.serving.serve import free_ports
 
     p = _cli("generate", "Hello", "--url", f"127.0.0.1:{free_ports(1)[0]}", "--checkpoint", str(CKPT))
     assert p.returncode == 2 and "cannot reach" in p.stderr
@@ -202,7 +204,7 @@ def test_stage_models_name_the_field(server):
     with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
         _infer(server, "drafter_mtp", {"OP": op("draft"), "SIDS": sid, "HIDDEN": np.zeros((1, 8), np.float32),
                                        "NEXT_TOKENS": np.array([1], np.int64), "LENGTHS": np.array([1], np.int32),
-                                       "K": np.array([2], np.int32)})
+                                       "NUM_DRAFT_TOKENS": np.array([2], np.int32)})
     _infer(server, "trunk", {"OP": op("open"), "SIDS": sid})
     try:
         with pytest.raises(InferenceServerException, match="TOKENS: context full"):

@@ -4,7 +4,7 @@ own full forward (sparse regime)."""
 import pytest
 import torch
 
-from tandem.trunk import load_trunk
+from tandem.model.checkpoint import load_trunk
 
 
 def _hf_model(checkpoint, index_topk):

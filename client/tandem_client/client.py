@@ -1,23 +1,29 @@
-"""Streaming gRPC client for the decoupled ``tandem`` Triton model.
+"""The tandem client: a streaming gRPC client for the decoupled ``tandem`` Triton model, and the
+``tandem`` command.
 
 :func:`generate` sends one turn (a fresh sequence, START and END set) over a tritonclient gRPC
 stream and collects the streamed bursts; :class:`IncrementalDecoder` turns token bursts into text
-without splitting multi-byte characters.
+without splitting multi-byte characters; ``tandem generate`` / ``tandem health`` (:data:`app`) are
+the command line. Wire names and defaults come from :mod:`tandem.schema`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import random
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
+import typer
+
+from tandem import schema
 
 DEFAULT_URL = "127.0.0.1:8001"
-DEFAULT_MODEL = "tandem"
 
 
 class TandemClientError(RuntimeError):
@@ -29,11 +35,12 @@ class ServerUnreachable(TandemClientError):
 
 
 def default_checkpoint() -> Path:
-    """``$TANDEM_CHECKPOINT`` if set, else the repository's ``model_repository/weights/tandem-tiny``."""
+    """``$TANDEM_CHECKPOINT`` if set, else the shipped checkpoint (``model_repository/`` +
+    :attr:`tandem.schema.ServingConfig.checkpoint`)."""
     env = os.environ.get("TANDEM_CHECKPOINT")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "model_repository" / "weights" / "tandem-tiny"
+    return Path(__file__).resolve().parents[2] / "model_repository" / schema.DEFAULTS.checkpoint
 
 
 def new_sequence_id() -> int:
@@ -79,20 +86,20 @@ def _check_reachable(client, url: str, timeout_s: float) -> None:
         raise ServerUnreachable(f"the Triton server at {url} is not live")
 
 
-def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_URL, spec: str = "mtp",
-             num_draft_tokens: int | None = None, sequence_id: int | None = None, model: str = DEFAULT_MODEL,
+def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_URL, spec: str = schema.DEFAULTS.spec,
+             num_draft_tokens: int | None = None, sequence_id: int | None = None, model: str = schema.TANDEM.name,
              on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
              connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
     Args: ``prompt_ids`` — token ids (e.g. ``ChatTokenizer.chat_prompt``); ``max_tokens`` ≥ 1;
-    ``url`` — ``host:port`` of Triton's gRPC endpoint; ``spec`` — ``"mtp"`` or ``"off"``;
+    ``url`` — ``host:port`` of Triton's gRPC endpoint; ``spec`` — one of :data:`tandem.schema.SPECS`;
     ``num_draft_tokens`` — drafts per round (server default when None); ``on_tokens(ids)`` — called
     on the stream's thread for each burst's new ids; ``timeout_s`` — limit between responses.
 
     Returns ``token_ids``, ``rounds``, ``drafted``, ``accepted``, ``mean_acceptance_length``
-    (tau = 1 + accepted / rounds, 0 without rounds), ``finish_reason``, ``bursts``, ``ttft_s``,
+    (tau = 1 + accepted / rounds; None without rounds), ``finish_reason``, ``bursts``, ``ttft_s``,
     ``elapsed_s`` (request sent to final response, seconds), ``tokens_per_s``, ``sequence_id``.
 
     Raises :class:`ServerUnreachable` when nothing answers at ``url``, :class:`TandemClientError`
@@ -112,11 +119,11 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
             inputs.append(x)
 
         if len(prompt_ids):  # a later turn may send no new tokens (the server continues from its anchor)
-            add("INPUT_IDS", np.asarray(prompt_ids, dtype=np.int32).reshape(-1), "INT32")
-        add("MAX_TOKENS", np.array([max_tokens], dtype=np.int32), "INT32")
-        add("SPEC", np.array([spec.encode()], dtype=np.object_), "BYTES")
+            add(schema.INPUT_IDS, np.asarray(prompt_ids, dtype=np.int32).reshape(-1), "INT32")
+        add(schema.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32")
+        add(schema.SPEC, np.array([spec.encode()], dtype=np.object_), "BYTES")
         if num_draft_tokens is not None:
-            add("NUM_DRAFT_TOKENS", np.array([num_draft_tokens], dtype=np.int32), "INT32")
+            add(schema.NUM_DRAFT_TOKENS, np.array([num_draft_tokens], dtype=np.int32), "INT32")
         sid = sequence_id if sequence_id is not None else new_sequence_id()
         q: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -139,15 +146,15 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
                 final = resp.parameters["triton_final_response"].bool_param if "triton_final_response" in \
                     resp.parameters else False
                 if resp.outputs:
-                    ids = result.as_numpy("OUTPUT_IDS").astype(np.int64).tolist()
+                    ids = result.as_numpy(schema.OUTPUT_IDS).astype(np.int64).tolist()
                     if ids and out["ttft_s"] is None:
                         out["ttft_s"] = time.perf_counter() - t0
                     out["token_ids"] += ids
-                    out["rounds"] += int(result.as_numpy("ROUNDS")[0])
-                    out["drafted"] += int(result.as_numpy("DRAFTED")[0])
-                    out["accepted"] += int(result.as_numpy("ACCEPTED")[0])
+                    out["rounds"] += int(result.as_numpy(schema.ROUNDS)[0])
+                    out["drafted"] += int(result.as_numpy(schema.DRAFTED)[0])
+                    out["accepted"] += int(result.as_numpy(schema.ACCEPTED)[0])
                     out["bursts"] += 1
-                    fr = result.as_numpy("FINISH_REASON")[0]
+                    fr = result.as_numpy(schema.FINISH_REASON)[0]
                     fr = fr.decode() if isinstance(fr, bytes) else str(fr)
                     if fr:
                         out["finish_reason"] = fr
@@ -166,5 +173,96 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     el = time.perf_counter() - t0
     out["elapsed_s"] = el
     out["tokens_per_s"] = len(out["token_ids"]) / el if el > 0 else 0.0
-    out["mean_acceptance_length"] = 1.0 + out["accepted"] / out["rounds"] if out["rounds"] else 0.0
+    out["mean_acceptance_length"] = 1.0 + out["accepted"] / out["rounds"] if out["rounds"] else None
     return out
+
+
+# -- the `tandem` command ----------------------------------------------------------------------------
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="tandem: speculative decoding sessions served from Triton.")
+
+
+def _tokenizer(checkpoint: Path):
+    from tandem.model.tokenizer import ChatTokenizer
+
+    try:
+        return ChatTokenizer(checkpoint / "tokenizer.json")
+    except FileNotFoundError as e:
+        typer.echo(f"error: {e} (pass --checkpoint DIR or set TANDEM_CHECKPOINT)", err=True)
+        raise typer.Exit(2)
+
+
+@app.command("generate")
+def generate_cmd(
+    prompt: str = typer.Argument(..., help="user message; wrapped in the chat template"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="tokens to generate at most"),
+    spec: str = typer.Option(schema.DEFAULTS.spec, "--spec", help="speculation: " + " | ".join(schema.SPECS)),
+    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", "-k", help="drafts per round"),
+    url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="folder with tokenizer.json "
+                                              "[default: $TANDEM_CHECKPOINT or the shipped checkpoint]"),
+    system: Optional[str] = typer.Option(None, "--system", help="optional system message"),
+    timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait between responses"),
+) -> None:
+    """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
+    if spec not in schema.SPECS:
+        typer.echo(f"error: --spec must be one of {schema.SPECS}, got {spec!r}", err=True)
+        raise typer.Exit(2)
+    tok = _tokenizer(checkpoint or default_checkpoint())
+    ids = tok.chat_prompt(prompt, system=system)
+    dec = IncrementalDecoder(tok.decode)
+
+    def on_tokens(new_ids):
+        piece = dec.push(new_ids)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    try:
+        res = generate(ids, max_tokens=max_tokens, url=url, spec=spec, num_draft_tokens=num_draft_tokens,
+                       on_tokens=None if as_json else on_tokens, timeout_s=timeout_s)
+    except ServerUnreachable as e:
+        typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
+        raise typer.Exit(2)
+    except TandemClientError as e:
+        typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
+        raise typer.Exit(1)
+    text = tok.decode(res["token_ids"])
+    if as_json:
+        keys = ("token_ids", "rounds", "drafted", "accepted", "mean_acceptance_length", "finish_reason", "tokens_per_s")
+        obj = {k: res[k] for k in keys}
+        obj["text"] = text
+        obj["ttft_s"] = res["ttft_s"]
+        print(json.dumps(obj, ensure_ascii=False))
+        return
+    sys.stdout.write(dec.flush() + "\n")
+    sys.stdout.flush()
+    tau = res["mean_acceptance_length"]
+    typer.echo(f"[{len(res['token_ids'])} tokens, {res['rounds']} rounds, tau {'-' if tau is None else f'{tau:.2f}'} "
+               f"({res['accepted']}/{res['drafted']} drafts accepted), {res['tokens_per_s']:.1f} tokens/s, "
+               f"finish {res['finish_reason']}]", err=True)
+
+
+@app.command("health")
+def health_cmd(url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port")) -> None:
+    """Check that the server is live and the tandem models are ready."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        states = {m: c.is_model_ready(m, client_timeout=5) for m in schema.MODELS}
+    except InferenceServerException as e:
+        typer.echo(f"error: cannot reach a Triton server at {url} ({e.message() or e})", err=True)
+        raise typer.Exit(2)
+    finally:
+        c.close()
+    for m, ok in states.items():
+        typer.echo(f"{m}: {'READY' if ok else 'NOT READY'}")
+    if not all(states.values()):
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,29 +1,32 @@
-"""Triton adapter for the `drafter_mtp` model: tandem.stages.MTPStage behind tandem.bls.DrafterService."""
+"""Triton adapter for the `drafter_mtp` model: pb_utils tensors <-> tandem.engine.mtp_stage.MTPStage.handle."""
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
-from tandem import bls
-from tandem.engine import parse_dtype
-from tandem.stages import MTPStage
-from tandem.trunk import load_trunk
-
-INPUTS = ("OP", "SIDS", "HIDDEN", "NEXT_TOKENS", "LENGTHS", "K")
+from tandem import schema
+from tandem.engine.mtp_stage import MTPStage
+from tandem.model.checkpoint import load_trunk, parse_dtype
+from tandem.serving import backend
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        bls.set_torch_threads(1)
-        params = bls.model_parameters(json.loads(args["model_config"]))
-        ckpt = bls.resolve_checkpoint(params, args["model_repository"])
-        dtype = bls.resolve_dtype(params)
-        stage = MTPStage(load_trunk(ckpt, parse_dtype(dtype)))
-        self.service = bls.DrafterService(stage, max_k=int(params.get("max_k", "16")))
-        pb_utils.Logger.log_info(f"drafter_mtp: loaded {ckpt} ({dtype})")
+        backend.set_torch_threads(1)
+        cfg = backend.serving_config(json.loads(args["model_config"]))
+        ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
+        self.stage = MTPStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), cfg.max_num_draft_tokens)
+        pb_utils.Logger.log_info(f"drafter_mtp: loaded {ckpt} ({cfg.dtype})")
 
     def execute(self, requests):
-        return bls.execute_service(pb_utils, self.service, requests, INPUTS, log=pb_utils.Logger.log_error)
-
-    def finalize(self):
-        self.service = None
+        responses = []
+        for r in requests:
+            try:
+                arrays = {n: t.as_numpy() for n in schema.DRAFTER_MTP.input_names
+                          if (t := pb_utils.get_input_tensor_by_name(r, n)) is not None}
+                out = self.stage.handle(arrays)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+            except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
+                msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"
+                responses.append(pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg)))
+        return responses

@@ -1,6 +1,6 @@
 """The tparallel gate: compare a session's trunk cache with a fresh prime of its committed tokens.
 
-DESIGN.md §3: at every burst boundary every committed row's trunk state must equal what a plain
+README ("The session contract"): at every burst boundary every committed row's trunk state must equal what a plain
 prime of ``committed`` would hold; the accept walk relies on it.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import KDAState, MLACache, TrunkCache
-from .trunk import Trunk
+from ..model.cache import KDAState, MLACache, TrunkCache
+from ..model.trunk import Trunk
 
 
 def cache_diff(a: TrunkCache, b: TrunkCache) -> dict[str, float]:

@@ -45,7 +45,6 @@ class ChatTokenizer:
         self.tok = Tokenizer.from_file(str(p))
         self.eos_id = self.tok.token_to_id("<|endoftext|>")
         self.user_id = self.tok.token_to_id("<|user|>")
-        self.assistant_id = self.tok.token_to_id("<|assistant|>")
         self.stop_ids = (self.eos_id, self.user_id)
 
     @property

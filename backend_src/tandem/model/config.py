@@ -17,48 +17,53 @@ class TrunkConfig:
     Defaults are tandem's toy scale; every field mirrors the transformers field of the same name.
     """
 
-    vocab_size: int = 8192
-    hidden_size: int = 256
+    # sizes, special tokens and per-layer patterns (None: transformers' defaults, see __post_init__)
+    layer_types: list[str] | None = None
     intermediate_size: int = 512
-    moe_intermediate_size: int = 256
+    bos_token_id: int | None = None
+    hidden_size: int = 256
+    vocab_size: int = 8192
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    pad_token_id: int | None = None
     num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    n_shared_experts: int = 1
-    n_routed_experts: int = 4
-    num_experts_per_tok: int = 2
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
+    eos_token_id: int | list[int] | None = None
+    # MoE: sigmoid router over routed experts, plus shared experts; the clamped SwiGLU
+    swiglu_limit: float = 10.0
     n_group: int = 1
     topk_group: int = 1
-    kv_lora_rank: int = 64
-    q_lora_rank: int = 128
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 64
-    v_head_dim: int = 64
-    rms_norm_eps: float = 1e-5
-    swiglu_limit: float = 10.0
-    index_topk: int = 64
-    index_head_dim: int = 32
-    index_n_heads: int = 4
-    index_kpool: int = 4
-    index_kpool_always_select_tail: bool = True
+    routed_scaling_factor: float = 1.0
+    n_routed_experts: int = 4
+    mlp_layer_types: list[str] | None = None
+    norm_topk_prob: bool = True
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 256
+    n_shared_experts: int = 1
+    # KDA (linear_attention layers)
     linear_head_dim: int = 64
-    linear_num_heads: int = 4
     linear_conv_kernel_dim: int = 4
     linear_lower_bound: float | None = -5.0
-    hc_mult: int = 2
-    hc_eps: float = 1e-6
-    hc_sinkhorn_iters: int = 20
-    num_nextn_predict_layers: int = 1
-    max_position_embeddings: int = 4096
-    layer_types: list[str] | None = None
-    mlp_layer_types: list[str] | None = None
+    linear_num_heads: int = 4
+    # MLA (indexed_attention layers), NoPE, and its DSA indexer (top-k over k-pools)
+    v_head_dim: int = 64
+    qk_rope_head_dim: int = 0
+    index_n_heads: int = 4
+    kv_lora_rank: int = 64
+    index_kpool_always_select_tail: bool = True
+    qk_nope_head_dim: int = 64
     indexer_types: list[str] | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
-    tie_word_embeddings: bool = False
+    num_key_value_heads: int = 4
+    index_kpool: int = 4
+    index_head_dim: int = 32
+    num_attention_heads: int = 4
+    q_lora_rank: int = 128
+    index_topk: int = 64
+    # mHC hyper-connections, norms, MTP
+    rms_norm_eps: float = 1e-5
+    hc_eps: float = 1e-6
+    num_nextn_predict_layers: int = 1
+    hc_mult: int = 2
+    hc_sinkhorn_iters: int = 20
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -81,11 +86,6 @@ class TrunkConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def mtp_layer_index(self) -> int:
-        """Checkpoint index of the MTP layer (GLM layout: right after the trunk layers)."""
-        return self.num_hidden_layers
 
     def to_hf_dict(self) -> dict:
         """The config.json body (model_type glm5_next_text) transformers reads."""

@@ -10,7 +10,9 @@ Outputs in ``--out``: ``config.json``, ``model.safetensors`` (bf16), ``tokenizer
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import math
 import random
 import time
@@ -21,14 +23,60 @@ import torch
 import torch.nn.functional as F
 import typer
 
-from .config import TrunkConfig
+from ..model.checkpoint import DEFAULT_CHECKPOINT, init_weights, load_trunk, save_trunk
+from ..model.config import TrunkConfig
+from ..model.layers import MoE
+from ..model.mla import MLAttention
+from ..model.tokenizer import ChatTokenizer, train_tokenizer
+from ..model.trunk import Trunk
 from .data import sharegpt_conversations, stdlib_sources
-from .tokenizer import ChatTokenizer, train_tokenizer
-from .layers import MoE
-from .mla import MLAttention
-from .trunk import Trunk, init_weights, save_trunk
 
 app = typer.Typer(add_completion=False)
+
+
+def grow_trunk(src: Trunk, n_layers: int, seed: int = 0, comb_logit: float = 4.0) -> Trunk:
+    """Function-preserving growth of a trained trunk to ``n_layers`` (progressive stacking, Gong et
+    al. 2019, with zero-initialised outputs): layers ``0..n_old-1`` and the MTP layer are copied;
+    each new layer ``i`` copies old layer ``i % 4`` (same layer type in the default 3:1 pattern;
+    parameters whose shape differs keep a fresh init) with its attention and MLP output
+    projections zeroed and its mHC ``comb`` pinned near the identity (``base = +-comb_logit``), so
+    the grown model's logits equal the source's to ~1e-5 and training starts from its quality.
+    """
+    old = src.cfg
+    period = 4
+    cfg = dataclasses.replace(old, num_hidden_layers=n_layers, layer_types=None, mlp_layer_types=None, indexer_types=None)
+    dst = init_weights(Trunk(cfg), seed=seed)
+    sd_src = src.state_dict()
+    sd = dst.state_dict()
+    n_old = old.num_hidden_layers
+    new = {}
+    for k, v in sd.items():
+        if not k.startswith("layers."):
+            new[k] = sd_src[k].clone(); continue
+        i = int(k.split(".")[1]); rest = k.split(".", 2)[2]
+        if i == n_layers:  # MTP
+            new[k] = sd_src[f"layers.{n_old}.{rest}"].clone(); continue
+        j = i if i < n_old else i % period
+        sk = f"layers.{j}.{rest}"
+        if sk in sd_src and sd_src[sk].shape == v.shape:
+            new[k] = sd_src[sk].clone()
+        else:
+            new[k] = v.clone()
+    n = cfg.hc_mult
+    for i in range(n_old, n_layers):
+        p = f"layers.{i}."
+        for k in list(new):
+            if not k.startswith(p): continue
+            if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.experts.down_proj",
+                           "mlp.shared_experts.down_proj.weight")):
+                new[k].zero_()
+        for hc in ("attn_hc", "ffn_hc"):
+            fn = new[p + hc + ".fn"]; fn[2 * n:].zero_()
+            base = new[p + hc + ".base"]
+            eye = torch.eye(n).flatten()
+            base[2 * n:] = comb_logit * (2 * eye - 1)
+    dst.load_state_dict(new)
+    return dst
 
 
 def build_corpus(tok: ChatTokenizer, max_tokens: int, code_share: float, seed: int) -> np.ndarray:
@@ -107,7 +155,7 @@ def plot_curve(log: list[dict], path: Path) -> None:
 
 @app.command()
 def main(
-    out: Path = typer.Option(Path("model_repository/weights/tandem-tiny"), help="checkpoint folder"),
+    out: Path = typer.Option(DEFAULT_CHECKPOINT, help="checkpoint folder"),
     minutes: float = typer.Option(90.0, help="training time budget (minutes, excluding data prep)"),
     seed: int = typer.Option(0, help="random seed"),
     seq_len: int = typer.Option(256, help="training sequence length (tokens)"),
@@ -120,6 +168,9 @@ def main(
     threads: int = typer.Option(2, help="torch threads"),
     bf16: bool = typer.Option(True, help="bf16 autocast for matmuls"),
     resume: bool = typer.Option(False, help="continue from the checkpoint and tokenizer already in OUT"),
+    layers: int = typer.Option(4, help="trunk layers (num_hidden_layers) of a fresh or grown model"),
+    grow_from: Path = typer.Option(None, help="start from this trained checkpoint, grown to --layers (function-"
+                                              "preserving; its tokenizer is reused)"),
 ) -> None:
     """Train the tokenizer, trunk and MTP layer; write the checkpoint to OUT."""
     torch.set_num_threads(threads)
@@ -127,7 +178,11 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     tok_path = out / "tokenizer.json"
-    if resume:
+    if grow_from is not None:
+        if grow_from.resolve() != out.resolve():
+            shutil.copy(grow_from / "tokenizer.json", tok_path)
+        print(f"[1/4] tokenizer: reusing {grow_from / 'tokenizer.json'}")
+    elif resume:
         print(f"[1/4] tokenizer: reusing {tok_path}")
     else:
         print(f"[1/4] tokenizer -> {tok_path}")
@@ -146,8 +201,11 @@ def main(
     print(f"      {len(train)/1e6:.2f}M train tokens, {len(val)/1e3:.0f}k validation tokens")
 
     cfg = TrunkConfig(vocab_size=tok.vocab_size, eos_token_id=list(tok.stop_ids), bos_token_id=None,
-                      pad_token_id=tok.eos_id)
+                      pad_token_id=tok.eos_id, num_hidden_layers=layers)
     model = init_weights(Trunk(cfg), seed=seed).train()
+    if grow_from is not None:
+        model = grow_trunk(load_trunk(grow_from, torch.float32), layers, seed=seed).train()
+        print(f"      grown from {grow_from} to {layers} layers (function-preserving)")
     prev_report = None
     if resume:
         from safetensors.torch import load_file
@@ -166,7 +224,8 @@ def main(
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    gen = torch.Generator().manual_seed(seed + (1 if resume else 0))
+    # a resumed or grown run draws other batches than the run it continues
+    gen = torch.Generator().manual_seed(seed + (1 if resume else 0) + (2 if grow_from is not None else 0))
     log: list[dict] = []
     tokens0 = prev_report["train_tokens_seen"] if prev_report else 0
     if resume and (out / "train_log.jsonl").exists():

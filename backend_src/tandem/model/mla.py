@@ -15,12 +15,17 @@ transformers' ``Glm5NextTextModel`` is the oracle).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TrunkConfig
 from .layers import RMSNorm
+
+if TYPE_CHECKING:
+    from .cache import MLACache
 
 
 class Indexer(nn.Module):
@@ -91,7 +96,6 @@ class MLAttention(nn.Module):
         super().__init__()
         self.h = cfg.num_attention_heads
         self.dqk, self.dv = cfg.qk_head_dim, cfg.v_head_dim
-        self.kv_lora = cfg.kv_lora_rank
         D = cfg.hidden_size
         self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps)
@@ -137,6 +141,30 @@ class MLAttention(nn.Module):
         if self.training and pk.shape[1] > 0:
             self.last_aux_loss = self.indexer_kl(x, rows, pk)
         return y, rows
+
+    def rows(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
+        """Run rows ``x [1, R, D]`` at positions ``len(cache) ..``, appending them (and any pools they
+        complete) to ``cache``. Returns ``[1, R, D]``."""
+        pos0 = len(cache)
+        rows = self.project(x)
+        cache.append(rows)
+        n_complete = len(cache) // cache.kp
+        if n_complete > cache.n_pools():
+            lo, hi = cache.n_pools() * cache.kp, n_complete * cache.kp
+            cache.add_pools(self.indexer.pool_keys(cache.ik[:, lo:hi], cache.ig[:, lo:hi]))
+        q_pos = pos0 + torch.arange(x.shape[1], device=x.device)
+        pk = cache.pk if cache.pk is not None else cache.ik.new_zeros(1, 0, cache.ik.shape[-1])
+        y, _ = self.attend(x, rows, cache.k, cache.v, pk, q_pos)
+        return y
+
+    def prime(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
+        """Prefill rows ``x [1, T, D]``: the full causal pass when ``cache`` is empty, else :meth:`rows`."""
+        if len(cache) > 0:
+            return self.rows(x, cache)
+        y, rows = self(x)
+        cache.append(rows)
+        cache.add_pools(rows["pk"])
+        return y
 
     def indexer_kl(self, x: torch.Tensor, rows: dict[str, torch.Tensor], pk: torch.Tensor) -> torch.Tensor:
         """DSA indexer warm-up loss (DeepSeek-V3.2, §2.1): KL(p_attn || p_index) per query, where

@@ -3,8 +3,8 @@
 The wheel ships ``tritonserver`` 2.51.0, the Python backend and one backend stub per Python
 version, but not laid out as a backend folder. :func:`ensure_backend_dir` assembles
 ``triton_backends/python/`` (repo root, gitignored) from it; :func:`server_command_and_env` builds
-the argv and environment (DESIGN.md §6); :func:`running_server` starts a server for tests and
-always stops it; ``python -m tandem.serve serve`` runs one in the foreground.
+the argv and environment (README, "Running tritonserver from the wheel"); :func:`running_server` starts a server for tests and
+always stops it; ``python -m tandem.serving.serve serve`` runs one in the foreground.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from typing import Iterator
 
 import typer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from .. import schema
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 BACKEND_ROOT = REPO_ROOT / "triton_backends"
 #: Models the server loads (explicit model control: ``model_repository/weights`` is not a model).
-MODELS = ("trunk", "drafter_mtp", "tandem")
+MODELS = tuple(schema.MODELS)
 SHM_GLOB = "/dev/shm/triton_python_backend_shm_region_*"
 
 
@@ -218,7 +220,7 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 30.0) -> int | None:
 
 class RunningServer:
     """Handle yielded by :func:`running_server`: ``http_port``, ``grpc_port``, ``metrics_port``,
-    ``grpc_url`` (``127.0.0.1:port``), ``http_url``, ``proc``, ``log_path``, ``ready_s``."""
+    ``grpc_url`` (``127.0.0.1:port``), ``proc``, ``log_path``, ``ready_s``."""
 
     def __init__(self, proc: subprocess.Popen, ports: tuple[int, int, int], log_path: Path, ready_s: float) -> None:
         self.proc = proc
@@ -229,10 +231,6 @@ class RunningServer:
     @property
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
 
     def log(self) -> str:
         """The server log so far."""

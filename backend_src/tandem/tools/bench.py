@@ -6,7 +6,7 @@ stream); transformers' ``generate`` (greedy) on the same checkpoint. Per row: me
 its interquartile spread, mean acceptance length (tau) and per-position acceptance, median time to
 first token, peak RSS, greedy exact-match rate vs plain. Ratios: best arm / plain,
 served / in-process, tandem plain / transformers. The analytical ceiling of each arm is
-``tau * T_plain / (T_draft + T_verify(k+1) + T_accept + T_commit)`` from the measured stage times
+``tau * T_plain / (T_draft + T_verify(d+1) + T_accept + T_commit)`` (d = num_draft_tokens) from the measured stage times
 (Leviathan et al. 2023, eq. for expected walltime improvement, with measured rather than modelled costs).
 """
 
@@ -63,7 +63,7 @@ class TransformersRow:
         from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
         from transformers.utils import logging as hf_logging
 
-        from .config import TrunkConfig
+        from ..model.config import TrunkConfig
 
         hf_logging.set_verbosity_error()
         cfg = TrunkConfig.load(checkpoint)
@@ -97,7 +97,7 @@ class TransformersRow:
                 "rounds": len(new), "accepted": 0, "accepted_at": []}
 
 
-def served_profile(log: Path, by: dict, k: int, t_spec: dict, t_plain: dict) -> dict:
+def served_profile(log: Path, by: dict, d: int, t_spec: dict) -> dict:
     """Per-round breakdown of the served MTP arm from the ``tandem`` model's BLS call statistics
     (logged at unload: mean ms per ``model.op`` call, compute included) against the in-process
     stage times: BLS/IPC overhead = served call - in-process stage; "other" = the round's wall time
@@ -110,7 +110,7 @@ def served_profile(log: Path, by: dict, k: int, t_spec: dict, t_plain: dict) -> 
     if not m:
         return {}
     calls = ast.literal_eval(m[-1])
-    row = by[f"mtp k={k} (served)"]
+    row = by[f"mtp d={d} (served)"]
     rounds = max(t_spec["rounds"], 1)
     stages = {}
     for name, key, ip in (("draft", "drafter_mtp.draft", t_spec["draft_s"]), ("verify", "trunk.verify", t_spec["verify_s"]),
@@ -128,7 +128,7 @@ def main(
     prompts: int = typer.Option(8, help="ShareGPT prompts"),
     humaneval: int = typer.Option(4, help="HumanEval prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
-    ks: str = typer.Option("1,3", "--k", help="MTP drafts per round, one in-process arm per value (comma list); "
+    drafts: str = typer.Option("1,3", "--num-draft-tokens", help="MTP drafts per round, one in-process arm per value (comma list); "
                                                 "the served arm uses the first"),
     dtype: str = typer.Option("bf16", help="bf16 | fp32"),
     seed: int = typer.Option(0, help="prompt sample seed"),
@@ -146,7 +146,8 @@ def main(
     from rich.table import Table
 
     from .data import humaneval_prompts, sharegpt_prompts
-    from .engine import DEFAULT_CHECKPOINT, Engine, parse_dtype
+    from ..engine.inprocess import Engine
+    from ..model.checkpoint import DEFAULT_CHECKPOINT, parse_dtype
 
     console = Console(width=160)
     if quick:
@@ -155,10 +156,10 @@ def main(
     torch.set_num_threads(threads)
     dt = parse_dtype(dtype)
     texts = sharegpt_prompts(prompts, seed=seed) + (humaneval_prompts(humaneval, seed=seed) if humaneval else [])
-    k_list = [int(x) for x in ks.split(",") if x.strip()]
-    k = k_list[0]
-    plain_eng = Engine(checkpoint, dtype=dt, k=k)
-    spec_engs = {kk: Engine(model=plain_eng.model, tokenizer=plain_eng.tokenizer, k=kk) for kk in k_list}
+    d_list = [int(x) for x in drafts.split(",") if x.strip()]
+    d0 = d_list[0]
+    plain_eng = Engine(checkpoint, dtype=dt)
+    spec_engs = {d: Engine(model=plain_eng.model, tokenizer=plain_eng.tokenizer, num_draft_tokens=d) for d in d_list}
     tok = plain_eng.tokenizer
     prompt_ids = [tok.chat_prompt(t) if i < prompts else tok.encode(t) for i, t in enumerate(texts)]
     rss_inproc = _rss_mb([os.getpid()])
@@ -167,14 +168,14 @@ def main(
     runners = {
         "plain (in-process)": lambda ids: plain_eng.generate(ids, max_tokens, spec="off"),
     }
-    for kk, eng in spec_engs.items():
-        runners[f"mtp k={kk} (in-process)"] = lambda ids, eng=eng: eng.generate(ids, max_tokens, spec="mtp")
+    for d, eng in spec_engs.items():
+        runners[f"mtp d={d} (in-process)"] = lambda ids, eng=eng: eng.generate(ids, max_tokens, spec="mtp")
     server_ctx = None
     server_log = None
     if served:
         from tandem_client.client import generate as served_generate
 
-        from .serve import running_server
+        from ..serving.serve import running_server
 
         env = {"TANDEM_CHECKPOINT": str(checkpoint), "TANDEM_DTYPE": dtype}
         console.print("starting tritonserver for the served rows ...")
@@ -185,8 +186,8 @@ def main(
         server = server_ctx.__enter__()
         url = server.grpc_url
         runners["plain (served)"] = lambda ids: served_generate(ids, max_tokens, url=url, spec="off")
-        runners[f"mtp k={k} (served)"] = lambda ids: served_generate(ids, max_tokens, url=url, spec="mtp",
-                                                                     num_draft_tokens=k)
+        runners[f"mtp d={d0} (served)"] = lambda ids: served_generate(ids, max_tokens, url=url, spec="mtp",
+                                                                      num_draft_tokens=d0)
     if hf:
         console.print("loading transformers Glm5NextForConditionalGeneration ...")
         hf_row = TransformersRow(checkpoint, dt)
@@ -227,7 +228,7 @@ def main(
         spec_row = "mtp" in n
         per_pos = []
         if spec_row:
-            per_pos = [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / rounds for j in range(k)] \
+            per_pos = [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / rounds for j in range(int(n.split("d=")[1].split()[0]))] \
                 if any(r["accepted_at"] for r in runs) else []
         ttfts = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
         exact = sum(r["token_ids"] == plain_ref[r["prompt"]] for r in runs) / len(runs)
@@ -240,11 +241,11 @@ def main(
         })
     by = {r["name"]: r for r in out_rows}
     plain_ip = by["plain (in-process)"]["tokens_per_s"]
-    best_k = max(k_list, key=lambda kk: by[f"mtp k={kk} (in-process)"]["tokens_per_s"])
-    arm_ip = by[f"mtp k={best_k} (in-process)"]["tokens_per_s"]
-    ratios = {"best_arm_vs_plain": arm_ip / plain_ip, "best_arm": f"mtp k={best_k}"}
+    best_d = max(d_list, key=lambda d: by[f"mtp d={d} (in-process)"]["tokens_per_s"])
+    arm_ip = by[f"mtp d={best_d} (in-process)"]["tokens_per_s"]
+    ratios = {"best_arm_vs_plain": arm_ip / plain_ip, "best_arm": f"mtp d={best_d}"}
     if served:
-        ratios["served_vs_inprocess"] = by[f"mtp k={k} (served)"]["tokens_per_s"] / by[f"mtp k={k} (in-process)"]["tokens_per_s"]
+        ratios["served_vs_inprocess"] = by[f"mtp d={d0} (served)"]["tokens_per_s"] / by[f"mtp d={d0} (in-process)"]["tokens_per_s"]
         ratios["served_vs_inprocess_plain"] = by["plain (served)"]["tokens_per_s"] / plain_ip
     if hf:
         ratios["plain_vs_transformers"] = plain_ip / by["transformers generate"]["tokens_per_s"]
@@ -253,19 +254,19 @@ def main(
     tp = plain_eng.sched.timing
     t_plain = sum(tp[x] for x in ("draft_s", "verify_s", "accept_s", "commit_s")) / max(tp["rounds"], 1)
     profile = {"plain_round_s": t_plain, "arms": {}}
-    for kk, eng in spec_engs.items():
+    for d, eng in spec_engs.items():
         ts = eng.sched.timing
         t_round = {x: ts[x] / max(ts["rounds"], 1) for x in ("draft_s", "verify_s", "accept_s", "commit_s")}
-        row = by[f"mtp k={kk} (in-process)"]
+        row = by[f"mtp d={d} (in-process)"]
         tau = row["mean_acceptance_length"]
         ceiling = tau * t_plain / sum(t_round.values()) if sum(t_round.values()) else None
         row["ceiling_speedup"] = ceiling
-        profile["arms"][f"mtp k={kk}"] = {"round_s": t_round, "rounds": ts["rounds"], "tau": tau,
+        profile["arms"][f"mtp d={d}"] = {"round_s": t_round, "rounds": ts["rounds"], "tau": tau,
                                           "ceiling_speedup": ceiling,
                                           "measured_speedup": row["tokens_per_s"] / plain_ip}
 
     if served and server_log is not None and server_log.exists():
-        profile["served"] = served_profile(server_log, by, k, spec_engs[k].sched.timing, plain_eng.sched.timing)
+        profile["served"] = served_profile(server_log, by, d0, spec_engs[d0].sched.timing)
         server_log.unlink()
 
     table = Table(title=f"tandem bench — {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, "
@@ -288,13 +289,13 @@ def main(
                       + f"; plain round {t_plain * 1e3:.1f} ms)")
     sp = profile.get("served")
     if sp:
-        console.print(f"{'served round (mtp k=' + str(k) + ')':>28}: " + ", ".join(
+        console.print(f"{'served round (mtp d=' + str(d0) + ')':>28}: " + ", ".join(
             f"{name} {v['served_ms']:.1f} ms (compute {v['inprocess_ms']:.1f} + BLS/IPC {v['bls_ms']:.1f})"
             for name, v in sp["stages"].items()) + f"; other Python/stream {sp['other_ms']:.1f} ms of {sp['round_ms']:.1f} ms")
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "threads": threads},
               "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval,
-                           "max_tokens": max_tokens, "k": k_list, "dtype": dtype, "seed": seed, "checkpoint": str(checkpoint)},
+                           "max_tokens": max_tokens, "num_draft_tokens": d_list, "dtype": dtype, "seed": seed, "checkpoint": str(checkpoint)},
               "rows": out_rows, "ratios": ratios, "profile": profile}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Acceptance and exactness report: greedy speculative vs plain decoding on real prompts.
 
-``python -m tandem.evaluate --prompts 20 --max-tokens 128 --dtype bf16`` prints per prompt the
+``python -m tandem.tools.evaluate --prompts 20 --max-tokens 128 --dtype bf16`` prints per prompt the
 acceptance length (tau) and whether the speculative output equals plain decoding; every
 divergence is located and its top-2 logit gap (from both runs' trunk logits at that position) is
 compared with ``--tie-bound`` to show it is a bf16 near-tie.
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import typer
 
+from ..engine.inprocess import Engine
+from ..model.checkpoint import DEFAULT_CHECKPOINT
 from .data import sharegpt_prompts
-from .engine import DEFAULT_CHECKPOINT, Engine
 
 app = typer.Typer(add_completion=False)
 
@@ -38,7 +39,7 @@ def main(
     prompts: int = typer.Option(20, help="number of ShareGPT prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
     dtype: str = typer.Option("bf16", help="bf16 | fp32"),
-    k: int = typer.Option(3, help="MTP draft tokens per round"),
+    num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", help="MTP draft tokens per round"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     tie_bound: float = typer.Option(0.125, help="top-2 logit gap below which a divergence is a near-tie"),
     json_out: Path = typer.Option(None, "--json", help="write the report here"),
@@ -49,7 +50,7 @@ def main(
     from tqdm import tqdm
 
     torch.set_num_threads(threads)
-    eng = Engine(checkpoint, dtype=dtype, k=k)
+    eng = Engine(checkpoint, dtype=dtype, num_draft_tokens=num_draft_tokens)
     ps = sharegpt_prompts(prompts, seed=seed)
     rows = []
     for p in tqdm(ps, desc="prompts"):
@@ -62,11 +63,11 @@ def main(
                      "spec_tokens_per_s": s["tokens_per_s"], "plain_tokens_per_s": pl["tokens_per_s"], **c})
     rounds = sum(r["rounds"] for r in rows)
     acc = sum(r["accepted"] for r in rows)
-    per_pos = [sum(r["accepted_at"][i] for r in rows if i < len(r["accepted_at"])) / rounds for i in range(k)]
+    per_pos = [sum(r["accepted_at"][i] for r in rows if i < len(r["accepted_at"])) / rounds for i in range(num_draft_tokens)]
     div = [r for r in rows if not r["equal"]]
     report = {
-        "checkpoint": str(checkpoint), "dtype": dtype, "k": k, "prompts": len(rows), "max_tokens": max_tokens,
-        "mean_acceptance_length": 1 + acc / rounds if rounds else 0.0,
+        "checkpoint": str(checkpoint), "dtype": dtype, "num_draft_tokens": num_draft_tokens, "prompts": len(rows), "max_tokens": max_tokens,
+        "mean_acceptance_length": 1 + acc / rounds if rounds else None,
         "acceptance_per_position": per_pos,
         "exact_match": len(rows) - len(div), "divergences": len(div),
         "divergence_gaps": [r["top2_gap"] for r in div], "tie_bound": tie_bound,
@@ -78,7 +79,7 @@ def main(
     for i, r in enumerate(rows):
         print(f"{i:>3} {r['tau']:5.2f} {str(r['equal']):>6} {r.get('position', ''):>5} "
               f"{'' if r['equal'] else format(r['top2_gap'], '.4f'):>7}")
-    print(f"mean acceptance length tau = {report['mean_acceptance_length']:.3f} (k={k}, {dtype}); "
+    print(f"mean acceptance length tau = {report['mean_acceptance_length']:.3f} (num_draft_tokens={num_draft_tokens}, {dtype}); "
           f"per-position acceptance {[round(x, 3) for x in per_pos]}")
     print(f"exact match {report['exact_match']}/{len(rows)}; divergences {len(div)} "
           f"(all near-ties below {tie_bound}: {report['all_divergences_near_ties']}); "

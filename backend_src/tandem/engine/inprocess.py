@@ -1,0 +1,88 @@
+"""In-process engine: load a checkpoint, build the stages and a scheduler, generate synchronously.
+
+The same stages and scheduler run behind Triton; this is the reference the integration tests
+compare the served stream against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+from .. import schema
+from ..model.checkpoint import DEFAULT_CHECKPOINT, load_trunk, parse_dtype
+from ..model.tokenizer import ChatTokenizer
+from ..model.trunk import Trunk
+from .mtp_stage import MTPStage
+from .scheduler import Scheduler, Turn
+from .trunk_stage import TrunkStage
+
+
+class Engine:
+    """Trunk + MTP drafter + scheduler in one process.
+
+    Args: ``checkpoint`` folder (config.json, model.safetensors, tokenizer.json); ``dtype``
+    (``"bf16"``, ``"fp32"`` or a torch dtype); ``model``/``tokenizer`` to share loaded ones;
+    ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.
+    ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``).
+    """
+
+    def __init__(self, checkpoint: str | Path = DEFAULT_CHECKPOINT, dtype: str | torch.dtype = schema.DEFAULTS.dtype,
+                 model: Trunk | None = None, tokenizer: ChatTokenizer | None = None, **config) -> None:
+        dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        self.model = model if model is not None else load_trunk(checkpoint, dt)
+        self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
+        self.config = dataclasses.replace(schema.DEFAULTS, **config)
+        self.trunk = TrunkStage(self.model, self.config.max_ctx)
+        self.drafter = MTPStage(self.model, self.config.max_num_draft_tokens) if self.model.mtp is not None else None
+        self.sched = Scheduler(self.trunk, self.drafter, self.config, stop_ids=self.tokenizer.stop_ids)
+        self._ids = itertools.count(1 << 40)
+
+    def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str = schema.DEFAULTS.spec,
+                 num_draft_tokens: int | None = None, on_burst=None) -> dict:
+        """Generate one turn in a fresh sequence. Returns ``token_ids``, ``rounds``, ``drafted``,
+        ``accepted``, ``accepted_at``, ``mean_acceptance_length`` (None without verify rounds),
+        ``finish_reason``, ``ttft_s``, ``elapsed_s``, ``tokens_per_s``, ``bursts`` and ``top2_gaps``;
+        ``on_burst(receipt)`` sees each burst.
+
+        Raises ``ValueError`` with the scheduler's message on bad input.
+        """
+        sid = next(self._ids)
+        out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "accepted_at": [], "finish_reason": None,
+               "bursts": 0, "top2_gaps": [], "error": None, "ttft_s": None}
+        t0 = time.perf_counter()
+
+        def emit(r, err, final):
+            if err:
+                out["error"] = err
+                return
+            if out["ttft_s"] is None:
+                out["ttft_s"] = time.perf_counter() - t0
+            out["token_ids"] += r.tokens
+            for key in ("rounds", "drafted", "accepted"):
+                out[key] += getattr(r, key)
+            out["top2_gaps"] += r.top2_gaps
+            acc = out["accepted_at"]
+            acc += [0] * (len(r.accepted_at) - len(acc))
+            for i, v in enumerate(r.accepted_at):
+                acc[i] += v
+            out["bursts"] += 1
+            if final:
+                out["finish_reason"] = r.finish_reason
+            if on_burst is not None:
+                on_burst(r)
+
+        self.sched.admit([Turn(sid, list(prompt_ids), max_tokens, emit, spec=spec, num_draft_tokens=num_draft_tokens)])
+        while sid in self.sched.turns:
+            self.sched.burst()
+        if out["error"]:
+            raise ValueError(out["error"])
+        el = time.perf_counter() - t0
+        out["elapsed_s"] = el
+        out["tokens_per_s"] = len(out["token_ids"]) / el if el > 0 else 0.0
+        out["mean_acceptance_length"] = 1.0 + out["accepted"] / out["rounds"] if out["rounds"] else None
+        return out

@@ -1,0 +1,87 @@
+"""What the scheduler exchanges with its stages: per-sequence items (small dataclasses) and the stage
+interfaces as ``typing.Protocol``s. In-process stages (:mod:`tandem.engine.trunk_stage`,
+:mod:`tandem.engine.mtp_stage`) and their BLS proxies (:mod:`tandem.serving.front`) both implement them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+
+@dataclasses.dataclass
+class Rows:
+    """Trunk rows of one sequence: ``tokens`` at positions ``pos .. pos + len - 1`` (prime: committed;
+    verify: ``[anchor, *drafts]``, kept pending until :class:`Commit`)."""
+
+    sid: int
+    tokens: list[int]
+
+
+@dataclasses.dataclass
+class Commit:
+    """Keep the first ``n_rows`` (>= 1) rows of a sequence's pending verify."""
+
+    sid: int
+    n_rows: int
+
+
+@dataclasses.dataclass
+class DraftRequest:
+    """One sequence's drafter call: ingest ``n`` committed rows (trunk ``hidden [n, D]`` fp32 and the
+    token after each row, ``next_tokens [n]``), then propose ``num_draft_tokens`` tokens."""
+
+    sid: int
+    hidden: torch.Tensor
+    next_tokens: list[int]
+    num_draft_tokens: int
+
+
+@dataclasses.dataclass
+class VerifyOut:
+    """A trunk pass over ``R`` rows: ``argmax [R]`` int64, ``hidden [R, D]`` fp32 (final normalised
+    hidden), ``top2_gap [R]`` fp32 (top-1 minus top-2 logit, for near-tie analysis)."""
+
+    argmax: torch.Tensor
+    hidden: torch.Tensor
+    top2_gap: torch.Tensor
+
+
+class UnknownSequence(KeyError):
+    """A stage was asked about a sequence id it does not hold."""
+
+
+class TrunkAPI(Protocol):
+    """The trunk stage: one hybrid cache per open sequence. Every method is one batched call."""
+
+    vocab_size: int
+
+    def open(self, sids: list[int]) -> None:
+        """Create empty caches (replacing any)."""
+
+    def close(self, sids: list[int]) -> None:
+        """Drop caches; unknown ids are ignored; never raises."""
+
+    def prime(self, items: list[Rows]) -> list[VerifyOut]:
+        """Prefill and commit each item's rows; one output per item over its rows."""
+
+    def verify(self, items: list[Rows]) -> list[VerifyOut]:
+        """Run each item's rows without committing (follow with :meth:`commit`)."""
+
+    def commit(self, items: list[Commit]) -> None:
+        """Keep ``n_rows`` of each pending verify, drop the rest (exact rollback)."""
+
+
+class DrafterAPI(Protocol):
+    """A drafter stage: per-sequence drafter state (its own KV of committed context)."""
+
+    def open(self, sids: list[int]) -> None:
+        """Create empty drafter state (replacing any)."""
+
+    def close(self, sids: list[int]) -> None:
+        """Drop drafter state; unknown ids are ignored; never raises."""
+
+    def draft(self, items: list[DraftRequest]) -> list[list[int]]:
+        """Ingest each item's committed rows and return its ``num_draft_tokens`` greedy drafts."""

@@ -1,0 +1,291 @@
+"""The scheduler: admits turns, runs every active session in bursts of verify rounds (all sessions'
+draft work batched into one drafter call per round, all verify work into one trunk call, all commits
+into one), and publishes one receipt per session per burst. Stage state is opened and closed here,
+batched. Synchronous: in-process it is driven directly, behind Triton by the worker thread of
+:mod:`tandem.serving.front`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+from .. import schema
+from ..schema import ServingConfig
+from .accept import accept_walk
+from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
+from .session import Receipt, SpecSession
+
+#: ``emit(receipt, error, final)``: one streamed response (``receipt`` None when ``error`` is set).
+Emit = Callable[[Receipt | None, str | None, bool], None]
+
+
+@dataclasses.dataclass
+class Turn:
+    """One request in a sequence: append ``tokens`` and generate up to ``max_tokens``.
+
+    ``spec``: one of :data:`tandem.schema.SPECS`; ``start``/``end``: Triton sequence flags;
+    ``num_draft_tokens``: None for the server default; ``emit`` is called once per burst and
+    once with ``final=True``.
+    """
+
+    sid: int
+    tokens: list[int]
+    max_tokens: int
+    emit: Emit
+    spec: str = schema.DEFAULTS.spec
+    start: bool = True
+    end: bool = True
+    num_draft_tokens: int | None = None
+
+
+class Scheduler:
+    """Sessions by sequence id, and the round / burst loop over them.
+
+    Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafter`` — a
+    :class:`~tandem.engine.protocols.DrafterAPI` or None (``spec="mtp"`` then refused);
+    ``config`` — defaults and limits; ``stop_ids`` — tokens that end a turn.
+    ``request_cancel`` may be called from any thread; everything else from one thread.
+    """
+
+    def __init__(self, trunk: TrunkAPI, drafter: DrafterAPI | None = None, config: ServingConfig = schema.DEFAULTS,
+                 stop_ids: tuple[int, ...] = ()) -> None:
+        self.trunk, self.drafter = trunk, drafter
+        self.config = config
+        self.stop_ids = tuple(stop_ids)
+        self.sessions: dict[int, SpecSession] = {}
+        self.turns: dict[int, Turn] = {}
+        self._to_close: list[SpecSession] = []
+        self._cancel_lock = threading.Lock()
+        self._to_cancel: dict[int, Turn | None] = {}
+        self.stats = {"sessions_opened": 0, "sessions_expired": 0, "cancelled": 0, "rounds": 0, "drafted": 0,
+                      "accepted": 0}
+        #: wall seconds per stage of :meth:`round` (summed; a batched round counts once)
+        self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "commit_s": 0.0, "rounds": 0}
+
+    # -- admission --------------------------------------------------------------------------------
+    def validate(self, t: Turn) -> str | None:
+        """The one validation of a turn: error text naming the wire field and its limit, or None."""
+        cfg, s = self.config, self.sessions.get(t.sid)
+        if t.spec not in schema.SPECS:
+            return f"{schema.SPEC} must be one of {schema.SPECS}, got {t.spec!r}"
+        if t.spec == schema.MTP and self.drafter is None:
+            return f"{schema.SPEC} 'mtp' needs the drafter_mtp model, which is not loaded"
+        try:
+            schema.check_range(schema.TANDEM.input(schema.MAX_TOKENS), t.max_tokens, hi=cfg.max_ctx)
+            if t.num_draft_tokens is not None:
+                schema.check_range(schema.TANDEM.input(schema.NUM_DRAFT_TOKENS), t.num_draft_tokens,
+                                   hi=cfg.max_num_draft_tokens)
+        except schema.WireError as e:
+            return str(e)
+        vocab = getattr(self.trunk, "vocab_size", None)
+        bad = next((x for x in t.tokens if vocab is not None and not 0 <= x < vocab), None)
+        if bad is not None:
+            return f"{schema.INPUT_IDS}: token ids must be in [0, {vocab}), got {bad}"
+        if not t.start and s is None:
+            return f"{schema.CORRID}: unknown sequence id {t.sid} (send START with the first turn)"
+        if t.sid in self.turns:
+            return f"{schema.CORRID}: sequence id {t.sid} already has a turn in progress"
+        base = 0 if t.start or s is None else len(s.committed) + (s.anchor is not None)
+        if base + len(t.tokens) >= cfg.max_ctx:
+            return (f"{schema.INPUT_IDS}: {base} context + {len(t.tokens)} new tokens leaves no room to generate "
+                    f"within the context capacity of {cfg.max_ctx} tokens (at most {cfg.max_ctx - 1 - base} new tokens)")
+        if base == 0 and not t.tokens:
+            return f"{schema.INPUT_IDS}: the first turn of a sequence needs at least 1 token"
+        return None
+
+    def admit(self, turns: list[Turn]) -> None:
+        """Validate, open the new sessions' stage state (one call per stage), prime every admitted
+        turn in one trunk call, and emit each turn's first token."""
+        ok: list[tuple[Turn, SpecSession, list[int]]] = []
+        seen: set[int] = set()
+        for t in turns:
+            err = self.validate(t)
+            if err is None and t.sid in seen:
+                err = f"{schema.CORRID}: sequence id {t.sid} sent two turns at once; the first one runs"
+            if err is not None:
+                t.emit(None, err, True)
+                continue
+            seen.add(t.sid)
+            if t.start and t.sid in self.sessions:
+                self.close(t.sid)
+            s = self.sessions.get(t.sid)
+            if s is None:
+                k = (t.num_draft_tokens or self.config.num_draft_tokens) if t.spec == schema.MTP else 0
+                s = SpecSession(t.sid, k, self.config.max_ctx, trunk=self.trunk)
+            rows = ([s.anchor] if s.anchor is not None else []) + list(t.tokens)
+            ok.append((t, s, rows))
+        self._flush_closes()
+        if not ok:
+            return
+        new = [s for _, s, _ in ok if s.sid not in self.sessions]
+        for s in new:
+            self.sessions[s.sid] = s
+        self.stats["sessions_opened"] += len(new)
+        try:
+            if new:
+                self.trunk.open([s.sid for s in new])
+                if any(s.num_draft_tokens for s in new):
+                    self.drafter.open([s.sid for s in new if s.num_draft_tokens])
+            outs = self.trunk.prime([Rows(s.sid, rows) for _, s, rows in ok])
+        except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
+            for t, s, _ in ok:
+                self.close(s.sid)
+                t.emit(None, f"admission failed: {type(e).__name__}: {e}", True)
+            self._flush_closes()
+            return
+        for (t, s, rows), out in zip(ok, outs):
+            self.turns[s.sid] = t
+            self._publish(s, self._after_prime(s, rows, out, t.max_tokens))
+        self._flush_closes()
+
+    def _after_prime(self, s: SpecSession, rows: list[int], out: VerifyOut, max_tokens: int) -> Receipt:
+        s.committed.extend(rows)
+        tok = int(out.argmax[-1])
+        s.anchor, s.turn_remaining, s.finish_reason, s.turn_done = tok, max_tokens - 1, None, False
+        s.ingest = (out.hidden, rows[1:] + [tok])
+        s.last_active = time.monotonic()
+        r = Receipt(tokens=[tok], top2_gaps=[float(out.top2_gap[-1])], accepted_at=[0] * len(s.accepted_at))
+        self._finish(s, r, "stop" if tok in self.stop_ids else ("length" if s.turn_remaining <= 0 else None))
+        return r
+
+    def _finish(self, s: SpecSession, r: Receipt, finish: str | None) -> None:
+        if finish is None and len(s.committed) + 1 >= s.max_ctx:
+            finish = "context"
+        if finish is not None:
+            r.finish_reason = s.finish_reason = finish
+            s.turn_done = True
+
+    # -- rounds -----------------------------------------------------------------------------------
+    def active(self) -> list[SpecSession]:
+        """Sessions with a turn that still generates."""
+        return [self.sessions[sid] for sid in self.turns if not self.sessions[sid].turn_done]
+
+    def round(self, receipts: dict[int, Receipt]) -> None:
+        """One verify round over every active session: one drafter call, one trunk verify, one commit."""
+        act = self.active()
+        if not act:
+            return
+        clock = time.perf_counter
+        t0 = clock()
+        spec = [s for s in act if s.num_draft_tokens]
+        drafts: dict[int, list[int]] = {s.sid: [] for s in act}
+        if spec:
+            reqs = [DraftRequest(s.sid, s.ingest[0], s.ingest[1], s.draft_budget()) for s in spec]
+            for s, d in zip(spec, self.drafter.draft(reqs)):
+                drafts[s.sid] = d
+        t1 = clock()
+        outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid]) for s in act])
+        t2 = clock()
+        commits = []
+        for s, out in zip(act, outs):
+            r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
+            commits.append(Commit(s.sid, self._after_verify(s, drafts[s.sid], out, r)))
+        t3 = clock()
+        self.trunk.commit(commits)
+        t4 = clock()
+        self.stats["rounds"] += len(act)
+        tm = self.timing
+        tm["draft_s"] += t1 - t0
+        tm["verify_s"] += t2 - t1
+        tm["accept_s"] += t3 - t2
+        tm["commit_s"] += t4 - t3
+        tm["rounds"] += 1
+
+    def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt) -> int:
+        """Apply the accept walk to the session and the burst's receipt; returns rows to commit."""
+        w = accept_walk(drafts, out.argmax.tolist(), self.stop_ids, s.turn_remaining)
+        m = len(w.emitted)
+        s.rounds += 1
+        s.drafted += len(drafts)
+        s.accepted += w.accepted
+        r.rounds += 1
+        r.drafted += len(drafts)
+        r.accepted += w.accepted
+        for i in range(w.accepted):
+            s.accepted_at[i] += 1
+            r.accepted_at[i] += 1
+        s.committed.extend([s.anchor] + w.emitted[:-1])
+        s.anchor = w.emitted[-1]
+        s.turn_remaining -= m
+        r.tokens.extend(w.emitted)
+        r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
+        s.ingest = (out.hidden[:m], w.emitted)
+        s.last_active = time.monotonic()
+        self._finish(s, r, w.finish)
+        return m
+
+    def burst(self) -> None:
+        """Close the turns cancelled since the last burst, run up to ``burst_rounds`` rounds, then
+        publish each session's receipt (a burst boundary)."""
+        self._apply_cancels()
+        receipts: dict[int, Receipt] = {}
+        for _ in range(self.config.burst_rounds):
+            if not self.active():
+                break
+            self.round(receipts)
+        for sid, r in receipts.items():
+            self._publish(self.sessions[sid], r)
+        self._flush_closes()
+
+    def _publish(self, s: SpecSession, r: Receipt) -> None:
+        t = self.turns[s.sid]
+        self.stats["drafted"] += r.drafted
+        self.stats["accepted"] += r.accepted
+        if r.finish_reason is None:
+            t.emit(r, None, False)
+            return
+        del self.turns[s.sid]
+        t.emit(r, None, True)
+        if t.end:
+            self.close(s.sid)
+
+    # -- closing ----------------------------------------------------------------------------------
+    def close(self, sid: int) -> None:
+        """Forget ``sid``; its stage state is dropped with the next batched close."""
+        s = self.sessions.pop(sid, None)
+        self.turns.pop(sid, None)
+        if s is not None:
+            self._to_close.append(s)
+
+    def _flush_closes(self) -> None:
+        gone, self._to_close = self._to_close, []
+        if gone:
+            self.trunk.close([s.sid for s in gone])
+            if any(s.num_draft_tokens for s in gone):
+                self.drafter.close([s.sid for s in gone if s.num_draft_tokens])
+
+    def expire_idle(self, now: float | None = None) -> list[int]:
+        """Close sessions with no turn in progress and no activity for ``idle_timeout_s``."""
+        now = time.monotonic() if now is None else now
+        gone = [sid for sid, s in self.sessions.items()
+                if sid not in self.turns and now - s.last_active > self.config.idle_timeout_s]
+        for sid in gone:
+            self.close(sid)
+        self._flush_closes()
+        self.stats["sessions_expired"] += len(gone)
+        return gone
+
+    def cancel(self, sid: int, reason: str = "cancelled") -> None:
+        """Abort a sequence's turn and close it; the turn gets one final error."""
+        t = self.turns.get(sid)
+        self.close(sid)
+        self._flush_closes()
+        if t is not None:
+            t.emit(None, reason, True)
+
+    def request_cancel(self, sid: int, turn: Turn | None = None) -> None:
+        """Thread-safe: cancel ``sid``'s turn at the next burst boundary (only ``turn``, when given,
+        not a later turn of the same sequence)."""
+        with self._cancel_lock:
+            self._to_cancel[sid] = turn
+
+    def _apply_cancels(self) -> None:
+        with self._cancel_lock:
+            gone, self._to_cancel = self._to_cancel, {}
+        for sid, turn in gone.items():
+            if sid in self.turns and (turn is None or self.turns[sid] is turn):
+                self.cancel(sid, "cancelled by the client")
+                self.stats["cancelled"] += 1

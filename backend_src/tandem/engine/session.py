@@ -1,0 +1,112 @@
+"""`SpecSession`: the state of one request stream's speculative decoding (README, "The session contract").
+
+At every burst boundary: ``pos() == len(committed)`` rows are in the trunk cache; every committed
+row's trunk state equals a fresh prime of ``committed`` (checked by :mod:`tandem.engine.gate`);
+exactly one emitted-but-uncommitted anchor exists (row 0 of the next verify).
+
+The session holds state only: the :class:`~tandem.engine.scheduler.Scheduler` opens and closes
+its stage state (batched over sessions) and applies each round's results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class Receipt:
+    """What one burst produced for one session: ``tokens`` emitted, and the deltas of verify
+    ``rounds``, ``drafted`` and ``accepted`` tokens; ``accepted_at[i]`` counts rounds whose draft
+    ``i`` was accepted; ``finish_reason`` is None while the turn continues, else ``"stop"`` (a stop
+    token), ``"length"`` (MAX_TOKENS) or ``"context"`` (context capacity); ``top2_gaps`` the
+    trunk's top-1 minus top-2 logit at each emitted token (near-tie analysis)."""
+
+    tokens: list[int]
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    top2_gaps: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class SpecSession:
+    """One sequence: committed tokens, the anchor, counters and the current turn.
+
+    ``num_draft_tokens`` is 0 for plain decoding; ``trunk`` is the trunk stage (or its proxy),
+    read only by :meth:`cache_ref`; ``ingest`` holds the committed rows (trunk hidden ``[n, D]``,
+    next tokens ``[n]``) the drafter has not seen yet.
+    """
+
+    sid: int
+    num_draft_tokens: int
+    max_ctx: int
+    trunk: Any = None
+    committed: list[int] = dataclasses.field(default_factory=list)
+    anchor: int | None = None
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = dataclasses.field(default_factory=list)
+    turn_remaining: int = 0
+    turn_done: bool = True
+    finish_reason: str | None = None
+    last_active: float = dataclasses.field(default_factory=time.monotonic)
+    ingest: tuple[torch.Tensor, list[int]] | None = None
+    prefix_capture: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.accepted_at:
+            self.accepted_at = [0] * max(self.num_draft_tokens, 1)
+
+    # -- the session contract -----------------------------------------------------------------------
+    def cache_max_ctx(self) -> int:
+        """Context capacity in tokens (the server's context guard)."""
+        return self.max_ctx
+
+    def pos(self) -> int:
+        """Trunk rows committed (``len(committed)`` at a burst boundary)."""
+        return len(self.committed)
+
+    def finished(self) -> bool:
+        """True once the current turn committed a stop token or the context guard tripped."""
+        return self.finish_reason in ("stop", "context")
+
+    def take_prefix_capture(self):
+        """Drain the prompt-boundary capture for the prefix cache. None on the arms that exist
+        (the native MTP arm and plain decoding keep no capture)."""
+        cap, self.prefix_capture = self.prefix_capture, None
+        return cap
+
+    def prefix_capture_ready(self) -> bool:
+        """A capture exists and the drafter KV covers the boundary; False while none is held."""
+        return self.prefix_capture is not None
+
+    def export_draft_tail(self, upto: int):
+        """The drafter's readable KV tail at ``upto`` rows: None on the native MTP arm (its KV is
+        not a block drafter's window) and for plain decoding."""
+        return None
+
+    def cache_ref(self):
+        """Read-only view of the trunk cache (in-process trunk stage); None behind BLS, where the
+        cache lives in the ``trunk`` process."""
+        caches = getattr(self.trunk, "caches", None)
+        return None if caches is None else caches.get(self.sid)
+
+    def demote_eligible(self) -> bool:
+        """True: every session is greedy today, and a greedy stream is the same under plain decoding."""
+        return True
+
+    def mean_acceptance_length(self) -> float | None:
+        """tau = 1 + accepted / rounds (bonus included); None before any verify round."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else None
+
+    # -- rounds -----------------------------------------------------------------------------------
+    def draft_budget(self) -> int:
+        """Drafts to propose this round: ``num_draft_tokens`` capped by the context left after the anchor."""
+        return max(0, min(self.num_draft_tokens, self.max_ctx - len(self.committed) - 1))

@@ -1,0 +1,33 @@
+"""The glm5_next decoder block shared by the trunk layers and the MTP layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .config import TrunkConfig
+from .kda import LinearAttention
+from .layers import MLP, MoE, HyperConnection, RMSNorm, hc_merge
+from .mla import MLAttention
+
+
+class DecoderLayer(nn.Module):
+    """One glm5_next block: mHC-collapsed input -> norm -> KDA or MLA -> mHC merge -> norm -> MLP/MoE
+    -> mHC merge. Streams ``[B, T, N, D]`` in and out."""
+
+    def __init__(self, cfg: TrunkConfig, layer_type: str, mlp_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = LinearAttention(cfg) if layer_type == "linear_attention" else MLAttention(cfg)
+        self.mlp = MoE(cfg) if mlp_type == "sparse" else MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def run(self, streams: torch.Tensor, attn_fn) -> torch.Tensor:
+        """Apply the block with ``attn_fn(normed_input [B,T,D]) -> [B,T,D]``."""
+        post, comb, x = self.attn_hc(streams)
+        streams = hc_merge(post, comb, attn_fn(self.input_layernorm(x)), streams)
+        post, comb, x = self.ffn_hc(streams)
+        return hc_merge(post, comb, self.mlp(self.post_attention_layernorm(x)), streams)

@@ -1,0 +1,114 @@
+"""Checkpoints: load and save the Hugging Face layout (``config.json`` + ``model.safetensors``), the
+fp32-kept parameters, and transformers-style initialisation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import schema
+from .config import TrunkConfig
+from .trunk import Trunk
+
+#: The shipped checkpoint: ``model_repository/<ServingConfig.checkpoint>``.
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[3] / "model_repository" / schema.DEFAULTS.checkpoint
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bf16"`` / ``"fp32"`` (:data:`tandem.schema.DTYPES`) -> torch dtype. Raises ``ValueError`` otherwise."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {schema.DTYPES}, got {name!r}") from None
+
+
+FP32_KEEP = ("e_score_correction_bias", "gate.weight", "conv1d", "dt_bias", "A_log",
+             "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale")
+
+
+def is_fp32_param(name: str) -> bool:
+    """Parameters kept in fp32 whatever the compute dtype (transformers' ``_keep_in_fp32_modules_strict``)."""
+    return any(k in name for k in FP32_KEEP)
+
+
+def cast_trunk(model: Trunk, dtype: torch.dtype) -> Trunk:
+    """Cast to ``dtype`` except the fp32-kept parameters and buffers. Returns ``model``."""
+    for name, p in model.named_parameters():
+        p.data = p.data.to(torch.float32 if is_fp32_param(name) else dtype)
+    for name, b in model.named_buffers():
+        if not is_fp32_param(name):
+            b.data = b.data.to(dtype)
+    return model
+
+
+def load_trunk(folder: str | Path, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
+               overrides: dict | None = None) -> Trunk:
+    """Load ``config.json`` + ``model.safetensors`` from a checkpoint folder; ``overrides`` replace
+    config fields (e.g. ``{"index_topk": 4096}`` for the dense DSA regime).
+
+    Raises ``FileNotFoundError`` if the folder lacks them, ``KeyError`` on missing trunk keys.
+    """
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / "model.safetensors").exists():
+        raise FileNotFoundError(f"no model.safetensors in {folder} (run `make model`)")
+    cfg = TrunkConfig.load(folder)
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    model = Trunk(cfg, with_mtp=with_mtp)
+    sd = load_file(str(folder / "model.safetensors"))
+    if not with_mtp:
+        prefix = f"layers.{cfg.num_hidden_layers}."
+        sd = {k: v for k, v in sd.items() if not k.startswith(prefix)}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise KeyError(f"checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    model.eval().requires_grad_(False)
+    return cast_trunk(model, dtype)
+
+
+def save_trunk(model: Trunk, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (``dtype`` except fp32-kept parameters)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.cfg.save(folder)
+    sd = {}
+    for k, v in model.state_dict().items():
+        sd[k] = v.detach().to(torch.float32 if is_fp32_param(k) else dtype).contiguous()
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def init_weights(model: Trunk, seed: int = 0, std: float = 0.02) -> Trunk:
+    """Initialise like transformers' ``_init_weights`` (normal(0, std) linears/embeddings, KDA gate
+    per FLA, mHC ``fn ~ N(0, std)``, ``base = 0``, ``scale = 1``)."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight") or "k_norm.weight" in name:
+                p.fill_(1.0)
+            elif "k_norm.bias" in name or name.endswith(".base") or "compress_ape" in name:
+                p.zero_()
+            elif name.endswith(".scale"):
+                p.fill_(1.0)
+            elif "compress_gate" in name:
+                p.normal_(0.0, std, generator=g)
+            elif name.endswith("A_log"):
+                p.zero_()
+            elif name.endswith("dt_bias"):
+                dt = torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp().clamp_min(1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif "conv1d" in name:
+                p.normal_(0.0, 0.5, generator=g)
+            else:
+                p.normal_(0.0, std, generator=g)
+    return model

@@ -1,0 +1,135 @@
+"""The glm5_next trunk and its native MTP layer, in tandem's own torch code.
+
+Module and parameter names equal the Hugging Face checkpoint keys (``embed_tokens``,
+``layers.{i}.…``, ``norm``, ``lm_head``; the MTP layer at ``layers.{num_hidden_layers}``), so
+``state_dict()`` is the checkpoint and transformers' ``Glm5NextTextModel`` loads it.
+
+Three entry points share one set of layer functions:
+
+* :meth:`Trunk.hidden` — full causal pass from position 0 (training);
+* :meth:`Trunk.prime` — prefill rows into a :class:`TrunkCache` (chunked KDA);
+* :meth:`Trunk.verify` — rows appended after the committed ones, keeping every row's KDA state
+  so :meth:`TrunkCache.commit` can roll back exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .cache import KDAState, TrunkCache
+from .config import TrunkConfig
+from .block import DecoderLayer
+from .layers import RMSNorm
+from .mtp import MTPLayer
+
+
+def _check_rows(cache: TrunkCache, ids: torch.Tensor, what: str) -> int:
+    """Rows in ``ids [1, T]``; raises ``ValueError`` if a verify is pending or they overflow the cache."""
+    if cache.pending is not None:
+        raise ValueError(f"{what} while a verify pass is pending")
+    n = ids.shape[1]
+    if cache.pos + n > cache.max_ctx:
+        raise ValueError(f"context full: {cache.pos} + {n} tokens > max_ctx {cache.max_ctx}")
+    return n
+
+
+class Trunk(nn.Module):
+    """glm5_next trunk + LM head + (optional) MTP layer.
+
+    ``dtype`` is the compute dtype (bf16 serving default, fp32 exactness mode); parameters listed
+    in :data:`FP32_KEEP` stay fp32 as in transformers.
+    """
+
+    def __init__(self, cfg: TrunkConfig, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers = [DecoderLayer(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i]) for i in range(cfg.num_hidden_layers)]
+        if with_mtp:
+            layers.append(MTPLayer(cfg))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def mtp(self) -> MTPLayer | None:
+        """The native MTP layer (:class:`~tandem.model.mtp.MTPLayer`) or None."""
+        n = self.cfg.num_hidden_layers
+        return self.layers[n] if len(self.layers) > n else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def _streams(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens(ids)
+        return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+
+    def _final(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.norm(streams.mean(2))
+
+    # -- training / full pass -------------------------------------------------------------------
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full causal pass. ``ids [B, T]`` -> final normalised hidden ``[B, T, D]``."""
+        s = self._streams(ids)
+        for layer in self.layers[: self.cfg.num_hidden_layers]:
+            s = layer.run(s, lambda x, l=layer: l.self_attn(x)[0])
+        return self._final(s)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head in fp32: ``[..., D] -> [..., V]``."""
+        return self.lm_head(h).float()
+
+    # -- serving ----------------------------------------------------------------------------------
+    def new_cache(self, max_ctx: int | None = None) -> TrunkCache:
+        """An empty cache with capacity ``max_ctx`` tokens (default ``max_position_embeddings``)."""
+        return TrunkCache(self.cfg.layer_types, self.cfg.index_kpool, max_ctx or self.cfg.max_position_embeddings)
+
+    @torch.no_grad()
+    def prime(self, cache: TrunkCache, ids: torch.Tensor) -> torch.Tensor:
+        """Prefill ``ids [1, T]`` after the committed rows; commits them. Returns hidden ``[1, T, D]``.
+
+        Raises ``ValueError`` when the rows do not fit in ``cache.max_ctx`` or a verify is pending.
+        """
+        T = _check_rows(cache, ids, "prime")
+        s = self._streams(ids)
+        for i, layer in enumerate(self.layers[: self.cfg.num_hidden_layers]):
+            st = cache.layers[i]
+            if layer.layer_type == "linear_attention":
+                def fn(x, l=layer, i=i, st=st):
+                    y, (tail, S) = l.self_attn(x, None if st is None else (st.tail, st.S))
+                    cache.layers[i] = KDAState(tail, S)
+                    return y
+            else:
+                def fn(x, l=layer, st=st):
+                    return l.self_attn.prime(x, st)
+            s = layer.run(s, fn)
+        cache.pos += T
+        return self._final(s)
+
+    @torch.no_grad()
+    def verify(self, cache: TrunkCache, ids: torch.Tensor) -> torch.Tensor:
+        """Run ``ids [1, R]`` (anchor + drafts) at positions ``cache.pos ..`` without committing.
+        Returns hidden ``[1, R, D]``; follow with ``cache.commit(n_rows)``.
+
+        Raises ``ValueError`` when the rows do not fit in ``cache.max_ctx`` or a verify is pending.
+        """
+        R = _check_rows(cache, ids, "verify")
+        pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        s = self._streams(ids)
+        for i, layer in enumerate(self.layers[: self.cfg.num_hidden_layers]):
+            st = cache.layers[i]
+            if layer.layer_type == "linear_attention":
+                if st is None:
+                    st = KDAState(*layer.self_attn.init_state(1, ids.device))
+                def fn(x, l=layer, i=i, st=st):
+                    y, full, states = l.self_attn.forward_rows(x, (st.tail, st.S))
+                    pending[i] = (full, states)
+                    return y
+            else:
+                def fn(x, l=layer, st=st):
+                    return l.self_attn.rows(x, st)
+            s = layer.run(s, fn)
+        cache.pending, cache.pending_rows = pending, R
+        return self._final(s)

@@ -1,0 +1,1 @@
+"""Tools that use the engine: training (``make model``), data, benchmark (``make bench``), evaluation."""

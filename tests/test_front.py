@@ -1,0 +1,199 @@
+"""The serving layer without Triton: the stages' wire form, the BLS proxies over an in-process
+transport, request parsing, the tandem front (worker thread), and the client's incremental decoder."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import schema
+from tandem.engine.mtp_stage import MTPStage
+from tandem.engine.protocols import Commit, DraftRequest, Rows
+from tandem.engine.scheduler import Scheduler, Turn
+from tandem.engine.trunk_stage import TrunkStage
+from tandem.model.checkpoint import cast_trunk, init_weights
+from tandem.model.config import TrunkConfig
+from tandem.model.trunk import Trunk
+from tandem.serving import front as fr
+from tandem_client.client import IncrementalDecoder
+
+
+@pytest.fixture(scope="module")
+def model() -> Trunk:
+    cfg = TrunkConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32,
+                      qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=16,
+                      linear_head_dim=32, linear_num_heads=2, max_position_embeddings=64)
+    return cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)
+
+
+def local(model, max_ctx=None):
+    return fr.LocalTransport({"trunk": TrunkStage(model, max_ctx), "drafter_mtp": MTPStage(model)})
+
+
+def test_sid_wire_roundtrip():
+    sids = [0, 1, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
+    w = schema.sids_to_wire(sids)
+    assert w.dtype == np.int64 and schema.sids_from_wire(w) == sids
+    assert w.tolist()[-1] == -1
+    with pytest.raises(OverflowError):
+        schema.sids_to_wire([2**64])
+
+
+def test_proxy_equals_stage(model):
+    """prime / verify / commit / draft through the wire format give the in-process stages' results."""
+    tr = local(model)
+    trunk, drafter = fr.TrunkProxy(tr), fr.DrafterProxy(tr)
+    ref_t, ref_d = TrunkStage(model), MTPStage(model)
+    items = [Rows(1, [5, 6, 7, 8, 9]), Rows(2**63 + 7, [10, 11])]
+    for st in (trunk, ref_t, drafter, ref_d):
+        st.open([it.sid for it in items])
+    got, ref = trunk.prime(items), ref_t.prime(items)
+    for g, r in zip(got, ref):
+        assert torch.equal(g.argmax, r.argmax) and torch.equal(g.hidden, r.hidden)
+        assert torch.equal(g.top2_gap, r.top2_gap)
+    d_items = [DraftRequest(it.sid, o.hidden, it.tokens[1:] + [int(o.argmax[-1])], 3) for it, o in zip(items, ref)]
+    drafts = drafter.draft(d_items)
+    assert drafts == ref_d.draft(d_items) and [len(d) for d in drafts] == [3, 3]
+    v = [Rows(1, [3, 4, 5]), Rows(2**63 + 7, [6])]
+    for g, r in zip(trunk.verify(v), ref_t.verify(v)):
+        assert torch.equal(g.argmax, r.argmax) and torch.equal(g.hidden, r.hidden)
+    trunk.commit([Commit(1, 2), Commit(2**63 + 7, 1)])
+    ref_t.commit([Commit(1, 2), Commit(2**63 + 7, 1)])
+    assert tr.stages["trunk"].caches[1].pos == ref_t.caches[1].pos == 7
+    trunk.close([1, 2**63 + 7])
+    drafter.close([1, 2**63 + 7])
+    assert not tr.stages["trunk"].caches and not tr.stages["drafter_mtp"].states
+
+
+def test_service_errors_name_the_field(model):
+    tr = local(model, max_ctx=16)
+    trunk = fr.TrunkProxy(tr)
+    with pytest.raises(fr.StageError, match="SIDS: unknown sequence id 9"):
+        trunk.prime([Rows(9, [1, 2])])
+    trunk.open([9])
+    with pytest.raises(fr.StageError, match="TOKENS: context full .* max_ctx 16"):
+        trunk.prime([Rows(9, list(range(17)))])
+    with pytest.raises(fr.StageError, match=rf"TOKENS: token ids must be in \[0, 512\), got 512"):
+        trunk.prime([Rows(9, [model.cfg.vocab_size])])
+    with pytest.raises(fr.StageError, match="N_ROWS: .* no pending verify"):
+        trunk.commit([Commit(9, 1)])
+    assert tr.stages["trunk"].caches[9].pos == 0  # rejected requests changed nothing
+    stage = tr.stages["trunk"]
+    with pytest.raises(schema.WireError, match="OP must be one of"):
+        stage.handle({"OP": schema.string_array("train"), "SIDS": np.array([9])})
+    with pytest.raises(schema.WireError, match="LENGTHS sum to 3 but TOKENS has 2"):
+        stage.handle({"OP": schema.string_array("prime"), "SIDS": np.array([9]), "TOKENS": np.array([1, 2]),
+                      "LENGTHS": np.array([3], np.int32)})
+    with pytest.raises(schema.WireError, match="SIDS: a sequence id appears twice"):
+        stage.handle({"OP": schema.string_array("commit"), "SIDS": np.array([9, 9]), "N_ROWS": np.array([1, 1])})
+    trunk.close([12345])  # closing an unknown sequence is a no-op
+    drafter = fr.DrafterProxy(tr)
+    with pytest.raises(fr.StageError, match="SIDS: unknown sequence id 4"):
+        drafter.draft([DraftRequest(4, torch.zeros(1, model.cfg.hidden_size), [1], 2)])
+    drafter.open([4])
+    with pytest.raises(fr.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
+        drafter.draft([DraftRequest(4, torch.zeros(1, model.cfg.hidden_size), [1], 9)])
+
+
+def test_parse_turn():
+    t = fr.parse_turn({"INPUT_IDS": np.array([1, 2], np.int32), "MAX_TOKENS": np.array([5], np.int32),
+                        "START": np.array([1], np.int32), "END": np.array([0], np.int32),
+                        "CORRID": np.array([2**64 - 2], np.uint64), "SPEC": np.array([b"OFF"], object)})
+    assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens) == \
+        (2**64 - 2, [1, 2], 5, "off", True, False, None)
+    t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2])}, correlation_id=7)
+    assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end) == ([], schema.DEFAULTS.spec, 2, True, True)
+    for inputs, msg in [({}, "CORRID: the request carries no sequence id"),
+                        ({"CORRID": np.array([1], np.uint64)}, "MAX_TOKENS is required"),
+                        ({"CORRID": np.array([1], np.uint64), "MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))},
+                         "INPUT_IDS must be 1-D"),
+                        ({"CORRID": np.array([1], np.uint64), "MAX_TOKENS": np.array([1]),
+                          "NUM_DRAFT_TOKENS": np.array([1, 2])}, "NUM_DRAFT_TOKENS must hold exactly 1 value")]:
+        with pytest.raises(schema.WireError, match=msg):
+            fr.parse_turn(inputs)
+
+
+def _run(front, req):
+    done, out = threading.Event(), {"ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "bursts": 0, "err": None}
+
+    def send(arrays, err, final):
+        if err is not None:
+            out["err"] = err
+        else:
+            out["ids"] += arrays["OUTPUT_IDS"].tolist()
+            for k in ("rounds", "drafted", "accepted"):
+                out[k] += int(arrays[k.upper()][0])
+            out["bursts"] += 1
+            out["finish"] = arrays[schema.FINISH_REASON][0].decode()
+        if final:
+            done.set()
+
+    front.submit(req, send)
+    assert done.wait(60)
+    return out
+
+
+def test_front_over_proxies_equals_in_process(model):
+    """The worker over BLS-shaped proxies streams what the in-process scheduler produces."""
+    tr = local(model)
+    cfg = schema.ServingConfig(max_ctx=64)
+    front = fr.TandemFront(fr.TrunkProxy(tr, vocab_size=model.cfg.vocab_size), fr.DrafterProxy(tr), stop_ids=(),
+                           config=cfg)
+    try:
+        ref_s = Scheduler(TrunkStage(model), MTPStage(model), cfg)
+        for spec in ("mtp", "off"):
+            ref = {"ids": [], "rounds": 0}
+
+            def emit(r, err, final, ref=ref):
+                assert err is None
+                ref["ids"] += r.tokens
+                ref["rounds"] += r.rounds
+
+            ref_s.admit([Turn(5, [1, 2, 3, 4], 12, emit, spec=spec)])
+            while 5 in ref_s.turns:
+                ref_s.burst()
+            got = _run(front, fr.TurnRequest(2**64 - 5, [1, 2, 3, 4], 12, spec))
+            assert got["err"] is None and got["ids"] == ref["ids"] and got["rounds"] == ref["rounds"]
+            assert got["finish"] == "length" and got["bursts"] >= 2
+        bad = _run(front, fr.TurnRequest(6, [1] * 70, 4))
+        assert bad["err"].startswith("INPUT_IDS: 0 context + 70 new tokens") and "64" in bad["err"]
+        assert _run(front, fr.TurnRequest(7, [1], 4, start=False))["err"] == \
+            "CORRID: unknown sequence id 7 (send START with the first turn)"
+        assert not front.sched.sessions and not tr.stages["trunk"].caches and not tr.stages["drafter_mtp"].states
+    finally:
+        front.stop()
+
+
+def test_front_survives_a_broken_client(model):
+    tr = local(model)
+    front = fr.TandemFront(fr.TrunkProxy(tr), fr.DrafterProxy(tr), stop_ids=(),
+                           config=schema.ServingConfig(max_ctx=64, burst_rounds=1))
+    logs = []
+    front.log = logs.append
+    try:
+        def broken(arrays, err, final):
+            raise ConnectionError("client gone")
+
+        front.submit(fr.TurnRequest(1, [1, 2], 30), broken)
+        ok = _run(front, fr.TurnRequest(2, [1, 2], 6))
+        assert ok["err"] is None and len(ok["ids"]) == 6
+        for _ in range(200):
+            if 1 not in front.sched.sessions:
+                break
+            threading.Event().wait(0.01)
+        assert 1 not in front.sched.sessions and any("client gone" in m for m in logs)
+    finally:
+        front.stop()
+
+
+def test_incremental_decoder_keeps_multibyte_whole():
+    dec = IncrementalDecoder(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    b = "héllo €".encode()
+    pieces = [dec.push([x]) for x in b]
+    assert "".join(pieces) + dec.flush() == "héllo €"
+    assert "\ufffd" not in "".join(pieces)
+    assert pieces[1] == "" and pieces[2] == "é"

@@ -1,0 +1,99 @@
+"""Every config.pbtxt agrees with tandem.schema, read with Triton's own model-config protobuf.
+
+The checker compares both directions (each schema tensor is in the config with the same dtype,
+dims and optional flag, and the config has no tensor the schema lacks), so renaming an input in
+either place fails until the other follows; `test_checker_catches_a_renamed_input` proves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tandem import schema
+from tandem.serving.serve import MODELS, MODEL_REPOSITORY
+
+
+def load_config(name: str) -> mc.ModelConfig:
+    return text_format.Parse((MODEL_REPOSITORY / name / "config.pbtxt").read_text(), mc.ModelConfig())
+
+
+def _tensors(entries) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    return {e.name: (mc.DataType.Name(e.data_type), tuple(e.dims), getattr(e, "optional", False)) for e in entries}
+
+
+def config_errors(spec: schema.ModelSpec, cfg: mc.ModelConfig) -> list[str]:
+    """Every disagreement between a model's schema and its parsed config, as readable lines."""
+    errs = []
+    if cfg.name != spec.name:
+        errs.append(f"name {cfg.name!r} != {spec.name!r}")
+    for what, want_specs, got in (("input", spec.inputs, _tensors(cfg.input)), ("output", spec.outputs, _tensors(cfg.output))):
+        want = {t.name: (t.dtype, t.dims, t.optional if what == "input" else False) for t in want_specs}
+        for n in sorted(want.keys() - got.keys()):
+            errs.append(f"{what} {n} is in the schema but not in config.pbtxt")
+        for n in sorted(got.keys() - want.keys()):
+            errs.append(f"{what} {n} is in config.pbtxt but not in the schema")
+        for n in sorted(want.keys() & got.keys()):
+            if want[n] != got[n]:
+                errs.append(f"{what} {n}: schema (dtype, dims, optional) {want[n]} != config {got[n]}")
+    if cfg.model_transaction_policy.decoupled != spec.decoupled:
+        errs.append(f"decoupled {cfg.model_transaction_policy.decoupled} != {spec.decoupled}")
+    controls = {c.name: mc.ModelSequenceBatching.Control.Kind.Name(c.control[0].kind)
+                for c in cfg.sequence_batching.control_input}
+    if controls != dict(spec.controls):
+        errs.append(f"sequence controls {controls} != {dict(spec.controls)}")
+    if set(cfg.parameters) != set(spec.parameters):
+        errs.append(f"parameters {sorted(cfg.parameters)} != {sorted(spec.parameters)}")
+    for k in set(cfg.parameters) & set(spec.parameters):
+        default = getattr(schema.DEFAULTS, k)
+        if str(default) != cfg.parameters[k].string_value:
+            errs.append(f"parameter {k} = {cfg.parameters[k].string_value!r}, schema default {default!r}")
+    return errs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_config_matches_schema(name):
+    assert config_errors(schema.MODELS[name], load_config(name)) == []
+
+
+def test_sequence_idle_matches_the_session_timeout():
+    cfg = load_config("tandem")
+    assert cfg.sequence_batching.max_sequence_idle_microseconds == int(schema.DEFAULTS.idle_timeout_s * 1e6)
+
+
+def test_checker_catches_a_renamed_input():
+    spec = schema.TANDEM
+    renamed = dataclasses.replace(spec, inputs=tuple(
+        dataclasses.replace(t, name="MAX_NEW_TOKENS") if t.name == schema.MAX_TOKENS else t for t in spec.inputs))
+    errs = config_errors(renamed, load_config("tandem"))
+    assert "input MAX_NEW_TOKENS is in the schema but not in config.pbtxt" in errs
+    assert "input MAX_TOKENS is in config.pbtxt but not in the schema" in errs
+    retyped = dataclasses.replace(spec, outputs=tuple(
+        dataclasses.replace(t, dims=(-1,)) if t.name == schema.ROUNDS else t for t in spec.outputs))
+    assert any(e.startswith("output ROUNDS:") for e in config_errors(retyped, load_config("tandem")))
+    cfg = load_config("trunk")
+    cfg.parameters["dtype"].string_value = "fp32"
+    assert config_errors(schema.TRUNK, cfg) == ["parameter dtype = 'fp32', schema default 'bf16'"]
+
+
+def test_serving_config_parameters():
+    cfg = schema.ServingConfig.from_parameters({"num_draft_tokens": "2", "max_ctx": "512"}, dtype="fp32")
+    assert (cfg.num_draft_tokens, cfg.max_ctx, cfg.dtype, cfg.burst_rounds) == (2, 512, "fp32", schema.DEFAULTS.burst_rounds)
+    with pytest.raises(ValueError, match="unknown model parameter 'max_k'"):
+        schema.ServingConfig.from_parameters({"max_k": "16"})
+    with pytest.raises(ValueError, match="model parameter 'max_ctx' must be int, got 'lots'"):
+        schema.ServingConfig.from_parameters({"max_ctx": "lots"})
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[1, 8\], got 9"):
+        schema.ServingConfig(num_draft_tokens=9)
+
+
+def test_range_errors_use_wire_names():
+    spec = schema.TANDEM.input(schema.NUM_DRAFT_TOKENS)
+    schema.check_range(spec, 8)
+    with pytest.raises(schema.WireError, match=r"^NUM_DRAFT_TOKENS must be in \[1, 4\], got 5$"):
+        schema.check_range(spec, 5, hi=4)
+    with pytest.raises(schema.WireError, match=r"^LENGTHS must be >= 1, got 0$"):
+        schema.check_range(schema.TRUNK.input("LENGTHS"), 0)
