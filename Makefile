@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup test serve model bench loadtest clean
+.PHONY: setup test serve model drafter bench loadtest clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -29,8 +29,14 @@ serve: setup
 test: setup
 	$(VPY) -m pytest -q tests
 
+# trunk + MTP layer (ARGS go to tandem.tools.train), then the DFlash drafters distilled from it
 model: setup
 	$(VPY) -m tandem.tools.train $(ARGS)
+	$(VPY) -m tandem.tools.distill $(DISTILL_ARGS)
+
+# the DFlash / DFlash2 drafters alone, distilled from the checkpoint's trunk (DISTILL_ARGS: see --help)
+drafter: setup
+	$(VPY) -m tandem.tools.distill $(DISTILL_ARGS)
 
 # side-by-side benchmark; QUICK=1 for a smoke run, JSON=path to keep the figures
 bench: setup

@@ -51,6 +51,21 @@ def split_host(url: str, allow_remote: bool = False) -> str:
     return u
 
 
+def spec_arms(spec: str) -> list[str]:
+    """The arms of a ``--spec`` value: one arm or a comma list (each new session picks one at random).
+
+    >>> spec_arms("mtp,dflash2")
+    ['mtp', 'dflash2']
+
+    Raises ``ValueError`` naming an unknown arm.
+    """
+    arms = [a.strip() for a in spec.split(",") if a.strip()]
+    bad = [a for a in arms if a not in schema.SPECS]
+    if bad or not arms:
+        raise ValueError(f"--spec takes arms from {schema.SPECS} (comma list), got {spec!r}")
+    return arms
+
+
 def sampling_input(metadata: dict) -> dict | None:
     """The ``TEMPERATURE`` input of a model, from ``get_model_metadata(..., as_json=True)``:
     ``{"name", "datatype", "shape" (dims, -1 -> 1), "numpy" (dtype name)}``; None when the model

@@ -44,7 +44,7 @@ from locust import LoadTestShape, User, constant, events, task  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loadtest.common import ramp_levels, sampling_input, split_host  # noqa: E402
+from loadtest.common import ramp_levels, sampling_input, spec_arms, split_host  # noqa: E402
 from loadtest.workload import SessionSpec, build_sessions, load_workload  # noqa: E402
 from tandem import schema  # noqa: E402
 
@@ -92,7 +92,9 @@ def _add_arguments(parser) -> None:
     g.add_argument("--temperature", type=float, default=1.0, help="temperature of sampled requests")
     g.add_argument("--sessions", type=int, default=256, help="sessions in the workload")
     g.add_argument("--seed", type=int, default=0, help="workload and per-user seed")
-    g.add_argument("--spec", default=schema.DEFAULTS.spec, choices=list(schema.SPECS), help="speculation mode")
+    g.add_argument("--spec", default=schema.DEFAULTS.spec,
+                   help="speculation arm, or a comma list of arms each new session picks from at random: "
+                        + ", ".join(schema.SPECS))
     g.add_argument("--num-draft-tokens", type=int, default=0, help="drafts per round (0: server default)")
     g.add_argument("--response-timeout", type=float, default=120.0, help="seconds to wait for each response")
     g.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take in all (gRPC deadline)")
@@ -194,6 +196,7 @@ class TandemUser(User):
         self.url = split_host(self.host, allow_remote=o.allow_remote)
         self.client = grpcclient.InferenceServerClient(self.url)
         self.session: SessionSpec | None = None
+        self.arm = schema.DEFAULTS.spec
         self.turn_index = 0
         self.sid = 0
         self.sequence_open = False
@@ -205,7 +208,7 @@ class TandemUser(User):
             self.client.close()
 
     # --- one turn -------------------------------------------------------------------------------
-    def _inputs(self, ids: list[int], max_tokens: int, sampled: bool) -> list:
+    def _inputs(self, ids: list[int], max_tokens: int, sampled: bool, arm: str) -> list:
         inputs = []
 
         def add(name, arr, dtype):
@@ -216,7 +219,7 @@ class TandemUser(User):
         if ids:
             add(schema.INPUT_IDS, np.asarray(ids, dtype=np.int32), "INT32")
         add(schema.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32")
-        add(schema.SPEC, np.array([self.opts.spec.encode()], dtype=np.object_), "BYTES")
+        add(schema.SPEC, np.array([arm.encode()], dtype=np.object_), "BYTES")
         if self.opts.num_draft_tokens > 0:
             add(schema.NUM_DRAFT_TOKENS, np.array([self.opts.num_draft_tokens], dtype=np.int32), "INT32")
         if sampled and _Shared.sampling is not None:
@@ -281,13 +284,14 @@ class TandemUser(User):
         """One turn of the current session (a new session starts when none is open)."""
         if self.session is None:
             self.session = self.rng.choice(_Shared.sessions)
+            self.arm = self.rng.choice(spec_arms(self.opts.spec))
             self.turn_index = 0
             self.sid = self.rng.getrandbits(62) + 1
         s, k = self.session, self.turn_index
         spec = s.turns[k]
         start, end = k == 0, k == len(s.turns) - 1
         rec = {"kind": "turn", "user": self.uid, "sid": self.sid, "turn": k, "turns": len(s.turns),
-               "sampled": s.sampled, "prompt_tokens": len(spec.input_ids), "max_tokens": spec.max_tokens,
+               "sampled": s.sampled, "spec": self.arm, "prompt_tokens": len(spec.input_ids), "max_tokens": spec.max_tokens,
                "users": self.environment.runner.user_count if self.environment.runner else 0}
         state = {"last": None, "first": None}
 
@@ -306,7 +310,7 @@ class TandemUser(User):
         self.sequence_open = True
         t_start = time.perf_counter()
         try:
-            res = self._stream(self._inputs(spec.input_ids, spec.max_tokens, s.sampled), start, end,
+            res = self._stream(self._inputs(spec.input_ids, spec.max_tokens, s.sampled, self.arm), start, end,
                                self.opts.response_timeout, on_burst)
             if not res["bursts"]:
                 raise TurnFailed(f"final response without tokens (finish_reason {res['finish_reason']!r})")
@@ -343,7 +347,7 @@ class TandemUser(User):
         self.sequence_open = False
         self.session = None
         try:
-            self._stream(self._inputs([], 1, False), False, True, min(15.0, self.opts.response_timeout))
+            self._stream(self._inputs([], 1, False, self.arm), False, True, min(15.0, self.opts.response_timeout))
             log.info(f"user {self.uid}: ended open sequence {self.sid}")
         except (TurnFailed, InferenceServerException) as e:
             # expected after a failed or cancelled turn: the server has already dropped the sequence

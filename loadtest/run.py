@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from loadtest import report  # noqa: E402
-from loadtest.common import TEMPERATURE_INPUT, model_max_ctx, ramp_levels, sampling_input, split_host  # noqa: E402
+from loadtest.common import TEMPERATURE_INPUT, model_max_ctx, ramp_levels, sampling_input, spec_arms, split_host  # noqa: E402
 from loadtest.workload import build_sessions, describe, save_workload  # noqa: E402
 from tandem import schema  # noqa: E402
 
@@ -175,7 +175,8 @@ def main(
     max_prompt_tokens: int = typer.Option(1024, "--max-prompt-tokens", min=8, help="cap on each turn's prompt tokens"),
     sessions: int = typer.Option(256, "--sessions", min=1, help="sessions drawn from ShareGPT"),
     seed: int = typer.Option(0, "--seed", help="workload and per-user seed"),
-    spec: str = typer.Option(schema.DEFAULTS.spec, "--spec", help="speculation: " + " | ".join(schema.SPECS)),
+    spec: str = typer.Option(schema.DEFAULTS.spec, "--spec", help="speculation arm, or a comma list of arms that "
+                             "sessions pick from at random: " + ", ".join(schema.SPECS)),
     num_draft_tokens: int = typer.Option(0, "--num-draft-tokens", min=0, help="drafts per round (0: server default)"),
     response_timeout: float = typer.Option(120.0, "--response-timeout", min=1.0,
                                            help="seconds a user waits for each streamed response"),
@@ -189,8 +190,10 @@ def main(
     """Ramp 1 -> USERS users against the tandem model and report TTFT, ITL, throughput and tau."""
     # SIGTERM unwinds like Ctrl-C, so the server started here and Locust are always stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if spec not in schema.SPECS:
-        typer.echo(f"error: --spec must be one of {schema.SPECS}, got {spec!r}", err=True)
+    try:
+        spec_arms(spec)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     try:
         target = split_host(url, allow_remote=allow_remote) if url else ""

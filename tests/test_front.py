@@ -106,7 +106,7 @@ def test_parse_turn():
     assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens) == \
         (2**64 - 2, [1, 2], 5, "off", True, False, None)
     t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2])}, correlation_id=7)
-    assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end) == ([], schema.DEFAULTS.spec, 2, True, True)
+    assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end) == ([], None, 2, True, True)
     for inputs, msg in [({}, "CORRID: the request carries no sequence id"),
                         ({"CORRID": np.array([1], np.uint64)}, "MAX_TOKENS is required"),
                         ({"CORRID": np.array([1], np.uint64), "MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))},
@@ -141,10 +141,10 @@ def test_front_over_proxies_equals_in_process(model):
     """The worker over BLS-shaped proxies streams what the in-process scheduler produces."""
     tr = local(model)
     cfg = schema.ServingConfig(max_ctx=64)
-    front = fr.TandemFront(fr.TrunkProxy(tr, vocab_size=model.cfg.vocab_size), fr.DrafterProxy(tr), stop_ids=(),
+    front = fr.TandemFront(fr.TrunkProxy(tr, vocab_size=model.cfg.vocab_size), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(),
                            config=cfg)
     try:
-        ref_s = Scheduler(TrunkStage(model), MTPStage(model), cfg)
+        ref_s = Scheduler(TrunkStage(model), {"mtp": MTPStage(model)}, cfg)
         for spec in ("mtp", "off"):
             ref = {"ids": [], "rounds": 0}
 
@@ -170,7 +170,7 @@ def test_front_over_proxies_equals_in_process(model):
 
 def test_front_survives_a_broken_client(model):
     tr = local(model)
-    front = fr.TandemFront(fr.TrunkProxy(tr), fr.DrafterProxy(tr), stop_ids=(),
+    front = fr.TandemFront(fr.TrunkProxy(tr), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(),
                            config=schema.ServingConfig(max_ctx=64, burst_rounds=1))
     logs = []
     front.log = logs.append

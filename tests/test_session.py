@@ -173,7 +173,7 @@ def test_session_contract_members(engine, tokenizer, spec):
     assert s.demote_eligible()
     sched.close(sid)
     sched.burst()
-    assert sid not in engine.trunk.caches and sid not in engine.drafter.states
+    assert sid not in engine.trunk.caches and sid not in engine.drafters["mtp"].states
 
 
 def test_two_turns_for_one_sequence_in_one_drain(engine, tokenizer):
@@ -190,7 +190,7 @@ def test_two_turns_for_one_sequence_in_one_drain(engine, tokenizer):
     _drive(sched, 9400)
     assert first[-1][2] and first[-1][1] is None and other[-1][2] and other[-1][1] is None
     assert all(e is None for _, e, _ in other)
-    assert 9400 not in engine.trunk.caches and 9401 not in engine.trunk.caches and 9401 not in engine.drafter.states
+    assert 9400 not in engine.trunk.caches and 9401 not in engine.trunk.caches and 9401 not in engine.drafters["mtp"].states
 
 
 class _FailingPrime:
@@ -214,13 +214,13 @@ def test_stage_failure_during_admission(trunk_fp32, tokenizer):
     stage, no state is left for them, a running session continues, and the next request works."""
     eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=2)
     trunk = _FailingPrime(eng.trunk)
-    sched = type(eng.sched)(trunk, eng.drafter, eng.config, stop_ids=tokenizer.stop_ids)
+    sched = type(eng.sched)(trunk, eng.drafters, eng.config, stop_ids=tokenizer.stop_ids)
     running, failed = [], []
     sched.admit([Turn(1, tokenizer.chat_prompt("Hello"), 16, lambda r, e, f: running.append((r, e, f)))])
     trunk.fail = True
     sched.admit([Turn(s, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: failed.append((e, f))) for s in (2, 3)])
     assert failed == [("admission failed: RuntimeError: trunk.prime: stage process gone", True)] * 2
-    assert set(sched.sessions) == {1} and set(eng.trunk.caches) == {1} and set(eng.drafter.states) == {1}
+    assert set(sched.sessions) == {1} and set(eng.trunk.caches) == {1} and set(eng.drafters["mtp"].states) == {1}
     _drive(sched, 1)
     assert running[-1][2] and all(e is None for _, e, _ in running)
     ok = []

@@ -78,7 +78,9 @@ class ServingConfig:
     ``parameters`` carry the same values, checked by a test).
 
     ``num_draft_tokens``: drafts per verify round when a request does not say;
-    ``max_num_draft_tokens``: the most a request may ask for; ``burst_rounds``: verify rounds per
+    ``max_num_draft_tokens``: the most a request may ask for; ``block_size``: the DFlash block
+    (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens unless a request asks for
+    fewer); ``burst_rounds``: verify rounds per
     streamed response; ``max_ctx``: tokens per session (prompt + generated, all turns), also the
     ``MAX_TOKENS`` limit; ``idle_timeout_s``: sessions idle longer are closed; ``spec``: the
     default arm; ``checkpoint``: weights folder relative to the model repository; ``dtype``:
@@ -87,14 +89,17 @@ class ServingConfig:
 
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
+    spec: str = "mtp"
     burst_rounds: int = 4
+    block_size: int = 8
+    checkpoint: str = "weights/tandem-tiny"
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
-    spec: str = "mtp"
-    checkpoint: str = "weights/tandem-tiny"
     dtype: str = "bf16"
 
     def __post_init__(self) -> None:
+        if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
+            raise ValueError(f"block_size must be in [2, {self.max_num_draft_tokens + 1}], got {self.block_size}")
         if not 1 <= self.num_draft_tokens <= self.max_num_draft_tokens:
             raise ValueError(f"num_draft_tokens must be in [1, {self.max_num_draft_tokens}], got {self.num_draft_tokens}")
         if self.spec not in SPECS:
@@ -123,9 +128,12 @@ class ServingConfig:
         return cls(**kw)
 
 
-#: Speculation arms a request may ask for: the native MTP drafter, or plain decoding.
-MTP, OFF = "mtp", "off"
-SPECS = (MTP, OFF)
+#: Speculation arms a request may ask for: the native MTP drafter, the DFlash block drafter, DFlash2
+#: (DFlash plus two-tap convolutions and the candidate-path selector), or plain decoding.
+MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"
+SPECS = (MTP, DFLASH, DFLASH2, OFF)
+#: The arms served by the ``drafter_dflash`` model.
+DFLASH_ARMS = (DFLASH, DFLASH2)
 DTYPES = ("bf16", "fp32")
 DEFAULTS = ServingConfig()
 FINISH_REASONS = ("stop", "length", "context")
@@ -145,7 +153,8 @@ TANDEM = ModelSpec(
     inputs=(
         TensorSpec(INPUT_IDS, "TYPE_INT32", (-1,), optional=True, default=(), doc="new tokens of this turn"),
         TensorSpec(MAX_TOKENS, "TYPE_INT32", (1,), lo=1, hi=DEFAULTS.max_ctx, doc="tokens to generate at most"),
-        TensorSpec(SPEC, "TYPE_STRING", (1,), optional=True, default=DEFAULTS.spec, doc=" | ".join(SPECS)),
+        TensorSpec(SPEC, "TYPE_STRING", (1,), optional=True, doc=" | ".join(SPECS) + f" (default {DEFAULTS.spec}; "
+                   "later turns keep the sequence's arm)"),
         TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), optional=True, default=DEFAULTS.num_draft_tokens,
                    lo=1, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per verify round"),
     ),
@@ -156,7 +165,7 @@ TANDEM = ModelSpec(
         TensorSpec(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
     ),
-    parameters=("checkpoint", "num_draft_tokens", "max_num_draft_tokens", "burst_rounds", "max_ctx"),
+    parameters=("checkpoint", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx"),
     decoupled=True,
     controls=((START, "CONTROL_SEQUENCE_START"), (END, "CONTROL_SEQUENCE_END"), (CORRID, "CONTROL_SEQUENCE_CORRID")),
 )
@@ -178,6 +187,7 @@ TRUNK = ModelSpec(
         TensorSpec("ARGMAX", "TYPE_INT64", (-1,)),
         TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), doc="[rows, hidden_size]"),
         TensorSpec("TOP2_GAP", "TYPE_FP32", (-1,), doc="top-1 minus top-2 logit"),
+        TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
     ),
     parameters=("checkpoint", "dtype"),
     ops=("open", "close", "prime", "verify", "commit"),
@@ -201,7 +211,26 @@ DRAFTER_MTP = ModelSpec(
     ops=("open", "close", "draft"),
 )
 
-MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, TANDEM)}
+DRAFTER_DFLASH = ModelSpec(
+    name="drafter_dflash",
+    inputs=(
+        _OP, _SIDS,
+        TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, n_target * hidden_size] to ingest"),
+        _LENGTHS,
+        TensorSpec("ANCHORS", "TYPE_INT64", (-1,), optional=True, doc="the anchor token per sequence"),
+        TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (-1,), optional=True, lo=0, hi=DEFAULTS.max_num_draft_tokens,
+                   doc="drafts per sequence (block size - 1 at most)"),
+        TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True, doc="arm per sequence: " + " | ".join(DFLASH_ARMS)),
+    ),
+    outputs=(
+        TensorSpec("DRAFTS", "TYPE_INT64", (-1,)),
+        TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
+    ),
+    parameters=("checkpoint", "dtype", "max_num_draft_tokens"),
+    ops=("open", "close", "draft"),
+)
+
+MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
 
 
 # -- array helpers -------------------------------------------------------------------------------------------

@@ -14,35 +14,47 @@ from pathlib import Path
 import torch
 
 from .. import schema
-from ..model.checkpoint import DEFAULT_CHECKPOINT, load_trunk, parse_dtype
+from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, parse_dtype
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
+from .dflash_stage import DFlashStage
 from .mtp_stage import MTPStage
 from .scheduler import Scheduler, Turn
 from .trunk_stage import TrunkStage
 
 
 class Engine:
-    """Trunk + MTP drafter + scheduler in one process.
+    """Trunk + drafters (the MTP layer; the DFlash drafters the checkpoint holds) + scheduler in one process.
 
-    Args: ``checkpoint`` folder (config.json, model.safetensors, tokenizer.json); ``dtype``
-    (``"bf16"``, ``"fp32"`` or a torch dtype); ``model``/``tokenizer`` to share loaded ones;
+    Args: ``checkpoint`` folder (config.json, model.safetensors, tokenizer.json, optional
+    ``dflash/`` and ``dflash2/`` drafters); ``dtype`` (``"bf16"``, ``"fp32"`` or a torch dtype);
+    ``model``/``tokenizer`` to share loaded ones; ``dflash`` — arm -> drafter to use instead of the
+    checkpoint's (e.g. a freshly trained one);
     ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.
     ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``).
     """
 
     def __init__(self, checkpoint: str | Path = DEFAULT_CHECKPOINT, dtype: str | torch.dtype = schema.DEFAULTS.dtype,
-                 model: Trunk | None = None, tokenizer: ChatTokenizer | None = None, **config) -> None:
+                 model: Trunk | None = None, tokenizer: ChatTokenizer | None = None, dflash: dict | None = None,
+                 **config) -> None:
         dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
         self.model = model if model is not None else load_trunk(checkpoint, dt)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         self.config = dataclasses.replace(schema.DEFAULTS, **config)
-        self.trunk = TrunkStage(self.model, self.config.max_ctx)
-        self.drafter = MTPStage(self.model, self.config.max_num_draft_tokens) if self.model.mtp is not None else None
-        self.sched = Scheduler(self.trunk, self.drafter, self.config, stop_ids=self.tokenizer.stop_ids)
+        if dflash is None:
+            dflash = {arm: load_dflash(checkpoint, arm, self.model.dtype) for arm in dflash_arms(checkpoint)}
+        feature_layers = next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
+        self.trunk = TrunkStage(self.model, self.config.max_ctx, tuple(feature_layers))
+        self.drafters: dict = {}
+        if self.model.mtp is not None:
+            self.drafters[schema.MTP] = MTPStage(self.model, self.config.max_num_draft_tokens)
+        if dflash:
+            stage = DFlashStage(dflash, self.model.embed_tokens, self.model.lm_head, self.config.max_num_draft_tokens)
+            self.drafters.update({arm: stage for arm in dflash})
+        self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids)
         self._ids = itertools.count(1 << 40)
 
-    def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str = schema.DEFAULTS.spec,
+    def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str | None = None,
                  num_draft_tokens: int | None = None, on_burst=None) -> dict:
         """Generate one turn in a fresh sequence. Returns ``token_ids``, ``rounds``, ``drafted``,
         ``accepted``, ``accepted_at``, ``mean_acceptance_length`` (None without verify rounds),

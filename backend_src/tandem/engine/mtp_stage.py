@@ -1,6 +1,6 @@
 """The native MTP drafter stage: per-sequence MTP KV, ingest committed trunk rows, chain
-``num_draft_tokens`` greedy steps. :meth:`MTPStage.handle` is the wire form
-(:data:`tandem.schema.DRAFTER_MTP`) that runs inside the ``drafter_mtp`` Triton model.
+``num_draft_tokens`` greedy steps. Its wire form (``handle``, :data:`tandem.schema.DRAFTER_MTP`)
+runs inside the ``drafter_mtp`` Triton model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from .. import schema
 from ..model.cache import MLACache
 from ..model.trunk import Trunk
 from ..schema import WireError
-from .protocols import DraftRequest, UnknownSequence
+from .drafter_stage import DrafterStage
+from .protocols import DraftRequest
 
 
 @dataclasses.dataclass
@@ -26,7 +27,7 @@ class MTPState:
     committed: int = 0
 
 
-class MTPStage:
+class MTPStage(DrafterStage):
     """Implements :class:`~tandem.engine.protocols.DrafterAPI` with the trunk's native MTP layer.
 
     MTP entry ``i`` takes the trunk hidden of position ``i`` and the token at ``i + 1`` and
@@ -34,32 +35,25 @@ class MTPStage:
     Raises ``ValueError`` when the checkpoint has no MTP layer.
     """
 
+    spec = schema.DRAFTER_MTP
+
     def __init__(self, model: Trunk, max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> None:
         if model.mtp is None:
             raise ValueError("checkpoint has no MTP layer")
+        super().__init__(max_num_draft_tokens)
         self.model = model
-        self.max_num_draft_tokens = max_num_draft_tokens
-        self.states: dict[int, MTPState] = {}
 
-    def open(self, sids: list[int]) -> None:
-        for sid in sids:
-            self.states[sid] = MTPState(MLACache(self.model.cfg.index_kpool))
-
-    def close(self, sids: list[int]) -> None:
-        for sid in sids:
-            self.states.pop(sid, None)
+    def new_state(self) -> MTPState:
+        return MTPState(MLACache(self.model.cfg.index_kpool))
 
     @torch.no_grad()
     def draft(self, items: list[DraftRequest]) -> list[list[int]]:
         """For each item: drop speculative entries, ingest its ``n`` committed rows, return
-        ``num_draft_tokens`` greedy drafts (``[]`` for 0). Raises :class:`UnknownSequence`."""
+        ``num_draft_tokens`` greedy drafts (``[]`` for 0). Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
         mtp, emb = self.model.mtp, self.model.embed_tokens
         res = []
         for it in items:
-            try:
-                st = self.states[it.sid]
-            except KeyError:
-                raise UnknownSequence(it.sid) from None
+            st = self.state(it.sid)
             st.cache.truncate(st.committed)
             h = it.hidden.to(self.model.dtype).unsqueeze(0)
             hn = mtp.rows(emb(torch.tensor([it.next_tokens])), h, st.cache)[:, -1:]
@@ -73,36 +67,16 @@ class MTPStage:
             res.append(out)
         return res
 
-    # -- wire form ----------------------------------------------------------------------------------
-    def handle(self, arrays: schema.Arrays) -> schema.Arrays:
-        """Run one packed request (:data:`tandem.schema.DRAFTER_MTP`), checked before any state
-        changes. Returns ``DRAFTS [sum k]``, ``DRAFT_LENGTHS [S]``. Raises :class:`~tandem.schema.WireError`."""
-        spec = schema.DRAFTER_MTP
-        op = schema.get_op(arrays, spec)
-        sids = schema.get_sids(arrays)
-        if op in ("open", "close"):
-            getattr(self, op)(sids)
-            return {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(len(sids), np.int32)}
-        for s in sids:
-            if s not in self.states:
-                raise WireError(f"SIDS: unknown sequence id {s} (not open in the drafter)")
-        hidden = schema.get_vector(arrays, spec.input("HIDDEN"), ndim=2)
-        nxt = schema.get_vector(arrays, spec.input("NEXT_TOKENS"))
+    def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
+        """The draft items of a packed request: ``HIDDEN [N, D]``, ``NEXT_TOKENS [N]``, ``LENGTHS [S]``."""
+        hidden = schema.get_vector(arrays, self.spec.input("HIDDEN"), ndim=2)
+        nxt = schema.get_vector(arrays, self.spec.input("NEXT_TOKENS"))
         D = self.model.cfg.hidden_size
         if hidden.shape[1] != D:
             raise WireError(f"HIDDEN must be [N, {D}], got {list(hidden.shape)}")
         if hidden.shape[0] != nxt.size:
             raise WireError(f"HIDDEN has {hidden.shape[0]} rows but NEXT_TOKENS has {nxt.size}")
         lengths = schema.lengths_of(arrays, len(sids), nxt.size, "NEXT_TOKENS")
-        k_spec = spec.input(schema.NUM_DRAFT_TOKENS)
-        ks = [int(x) for x in schema.get_vector(arrays, k_spec)]
-        if len(ks) != len(sids):
-            raise WireError(f"{k_spec.name} has {len(ks)} entries for {len(sids)} SIDS")
-        for k in ks:
-            schema.check_range(k_spec, k, hi=self.max_num_draft_tokens)
         schema.check_tokens("NEXT_TOKENS", nxt, self.model.cfg.vocab_size)
         hs = schema.split_rows(torch.from_numpy(np.ascontiguousarray(hidden)), lengths)
-        res = self.draft([DraftRequest(s, h, n.tolist(), k)
-                          for s, h, n, k in zip(sids, hs, schema.split_rows(nxt, lengths), ks)])
-        return {"DRAFTS": np.array([t for d in res for t in d], dtype=np.int64),
-                "DRAFT_LENGTHS": np.array([len(d) for d in res], dtype=np.int32)}
+        return [DraftRequest(s, h, n.tolist(), k) for s, h, n, k in zip(sids, hs, schema.split_rows(nxt, lengths), ks)]

@@ -6,7 +6,7 @@ interfaces as ``typing.Protocol``s. In-process stages (:mod:`tandem.engine.trunk
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,27 +30,64 @@ class Commit:
 
 @dataclasses.dataclass
 class DraftRequest:
-    """One sequence's drafter call: ingest ``n`` committed rows (trunk ``hidden [n, D]`` fp32 and the
-    token after each row, ``next_tokens [n]``), then propose ``num_draft_tokens`` tokens."""
+    """One sequence's drafter call: ingest ``n`` committed rows, then propose ``num_draft_tokens``
+    tokens. A row is its trunk ``hidden [n, D]`` (fp32, read by the MTP arm) and target-layer
+    ``features [n, F]`` (fp32, read by the DFlash arms; ``F = 0`` when the trunk exports none), and
+    ``next_tokens [n]`` the token after each row (the last one is the anchor). ``arm`` is the
+    session's speculation arm (one of :data:`tandem.schema.SPECS` but ``off``)."""
 
     sid: int
     hidden: torch.Tensor
     next_tokens: list[int]
     num_draft_tokens: int
+    features: torch.Tensor | None = None
+    arm: str = "mtp"
 
 
 @dataclasses.dataclass
 class VerifyOut:
     """A trunk pass over ``R`` rows: ``argmax [R]`` int64, ``hidden [R, D]`` fp32 (final normalised
-    hidden), ``top2_gap [R]`` fp32 (top-1 minus top-2 logit, for near-tie analysis)."""
+    hidden), ``top2_gap [R]`` fp32 (top-1 minus top-2 logit, for near-tie analysis), ``features
+    [R, F]`` fp32 (the DFlash target-layer features; ``F = 0`` when no DFlash drafter is loaded)."""
 
     argmax: torch.Tensor
     hidden: torch.Tensor
     top2_gap: torch.Tensor
+    features: torch.Tensor
+
+    def rows(self, n: int) -> "VerifyOut":
+        """The first ``n`` rows."""
+        return VerifyOut(self.argmax[:n], self.hidden[:n], self.top2_gap[:n], self.features[:n])
 
 
 class UnknownSequence(KeyError):
     """A stage was asked about a sequence id it does not hold."""
+
+
+class KeyedStates:
+    """Per-sequence state of a stage, keyed by sequence id: batched ``open`` (fresh state from
+    ``new_state()``, replacing any) and ``close`` (unknown ids ignored), and ``state(sid)``."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, Any] = {}
+
+    def new_state(self) -> Any:
+        raise NotImplementedError
+
+    def open(self, sids: list[int]) -> None:
+        for sid in sids:
+            self.states[sid] = self.new_state()
+
+    def close(self, sids: list[int]) -> None:
+        for sid in sids:
+            self.states.pop(sid, None)
+
+    def state(self, sid: int) -> Any:
+        """The state of ``sid``. Raises :class:`UnknownSequence`."""
+        try:
+            return self.states[sid]
+        except KeyError:
+            raise UnknownSequence(sid) from None
 
 
 class TrunkAPI(Protocol):

@@ -26,7 +26,8 @@ Emit = Callable[[Receipt | None, str | None, bool], None]
 class Turn:
     """One request in a sequence: append ``tokens`` and generate up to ``max_tokens``.
 
-    ``spec``: one of :data:`tandem.schema.SPECS`; ``start``/``end``: Triton sequence flags;
+    ``spec``: one of :data:`tandem.schema.SPECS` (None: the session's arm, or the server default for
+    a new session); ``start``/``end``: Triton sequence flags;
     ``num_draft_tokens``: None for the server default; ``emit`` is called once per burst and
     once with ``final=True``.
     """
@@ -35,7 +36,7 @@ class Turn:
     tokens: list[int]
     max_tokens: int
     emit: Emit
-    spec: str = schema.DEFAULTS.spec
+    spec: str | None = None
     start: bool = True
     end: bool = True
     num_draft_tokens: int | None = None
@@ -44,15 +45,16 @@ class Turn:
 class Scheduler:
     """Sessions by sequence id, and the round / burst loop over them.
 
-    Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafter`` — a
-    :class:`~tandem.engine.protocols.DrafterAPI` or None (``spec="mtp"`` then refused);
-    ``config`` — defaults and limits; ``stop_ids`` — tokens that end a turn.
+    Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
+    :class:`~tandem.engine.protocols.DrafterAPI` (arms not listed are refused; one stage may serve
+    several arms, and gets one call per round for all of them); ``config`` — defaults and limits;
+    ``stop_ids`` — tokens that end a turn.
     ``request_cancel`` may be called from any thread; everything else from one thread.
     """
 
-    def __init__(self, trunk: TrunkAPI, drafter: DrafterAPI | None = None, config: ServingConfig = schema.DEFAULTS,
-                 stop_ids: tuple[int, ...] = ()) -> None:
-        self.trunk, self.drafter = trunk, drafter
+    def __init__(self, trunk: TrunkAPI, drafters: dict[str, DrafterAPI] | None = None,
+                 config: ServingConfig = schema.DEFAULTS, stop_ids: tuple[int, ...] = ()) -> None:
+        self.trunk, self.drafters = trunk, dict(drafters or {})
         self.config = config
         self.stop_ids = tuple(stop_ids)
         self.sessions: dict[int, SpecSession] = {}
@@ -69,10 +71,14 @@ class Scheduler:
     def validate(self, t: Turn) -> str | None:
         """The one validation of a turn: error text naming the wire field and its limit, or None."""
         cfg, s = self.config, self.sessions.get(t.sid)
-        if t.spec not in schema.SPECS:
+        if t.spec is not None and t.spec not in schema.SPECS:
             return f"{schema.SPEC} must be one of {schema.SPECS}, got {t.spec!r}"
-        if t.spec == schema.MTP and self.drafter is None:
-            return f"{schema.SPEC} 'mtp' needs the drafter_mtp model, which is not loaded"
+        arm = self._arm(t)
+        if arm != schema.OFF and arm not in self.drafters:
+            model = schema.DRAFTER_MTP.name if arm == schema.MTP else schema.DRAFTER_DFLASH.name
+            return f"{schema.SPEC} {arm!r} needs the {model} model with a {arm} drafter, which is not loaded"
+        if s is not None and not t.start and t.spec is not None and t.spec != s.arm:
+            return f"{schema.SPEC}: sequence {t.sid} runs {s.arm!r}; a later turn cannot switch to {t.spec!r}"
         try:
             schema.check_range(schema.TANDEM.input(schema.MAX_TOKENS), t.max_tokens, hi=cfg.max_ctx)
             if t.num_draft_tokens is not None:
@@ -113,8 +119,7 @@ class Scheduler:
                 self.close(t.sid)
             s = self.sessions.get(t.sid)
             if s is None:
-                k = (t.num_draft_tokens or self.config.num_draft_tokens) if t.spec == schema.MTP else 0
-                s = SpecSession(t.sid, k, self.config.max_ctx, trunk=self.trunk)
+                s = SpecSession(t.sid, self._num_draft_tokens(t), self.config.max_ctx, trunk=self.trunk, arm=self._arm(t))
             rows = ([s.anchor] if s.anchor is not None else []) + list(t.tokens)
             ok.append((t, s, rows))
         self._flush_closes()
@@ -127,8 +132,8 @@ class Scheduler:
         try:
             if new:
                 self.trunk.open([s.sid for s in new])
-                if any(s.num_draft_tokens for s in new):
-                    self.drafter.open([s.sid for s in new if s.num_draft_tokens])
+                for stage, group in self._by_drafter(new):
+                    stage.open([s.sid for s in group])
             outs = self.trunk.prime([Rows(s.sid, rows) for _, s, rows in ok])
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
             for t, s, _ in ok:
@@ -145,7 +150,7 @@ class Scheduler:
         s.committed.extend(rows)
         tok = int(out.argmax[-1])
         s.anchor, s.turn_remaining, s.finish_reason, s.turn_done = tok, max_tokens - 1, None, False
-        s.ingest = (out.hidden, rows[1:] + [tok])
+        s.ingest = (out, rows[1:] + [tok])
         s.last_active = time.monotonic()
         r = Receipt(tokens=[tok], top2_gaps=[float(out.top2_gap[-1])], accepted_at=[0] * len(s.accepted_at))
         self._finish(s, r, "stop" if tok in self.stop_ids else ("length" if s.turn_remaining <= 0 else None))
@@ -157,6 +162,29 @@ class Scheduler:
         if finish is not None:
             r.finish_reason = s.finish_reason = finish
             s.turn_done = True
+
+    def _arm(self, t: Turn) -> str:
+        s = self.sessions.get(t.sid)
+        return t.spec if t.spec is not None else (s.arm if s is not None and not t.start else self.config.spec)
+
+    def _num_draft_tokens(self, t: Turn) -> int:
+        """Drafts per round of a new session: 0 for plain decoding; the request's value or the server
+        default, capped by ``block_size - 1`` on the DFlash arms (whose default is the whole block)."""
+        arm = self._arm(t)
+        if arm == schema.OFF:
+            return 0
+        if arm in schema.DFLASH_ARMS:
+            return min(t.num_draft_tokens or self.config.block_size - 1, self.config.block_size - 1)
+        return t.num_draft_tokens or self.config.num_draft_tokens
+
+    def _by_drafter(self, sessions: list[SpecSession]) -> list[tuple[DrafterAPI, list[SpecSession]]]:
+        """Sessions that draft, grouped by drafter stage (one call per stage)."""
+        groups: dict[int, tuple[DrafterAPI, list[SpecSession]]] = {}
+        for s in sessions:
+            if s.arm != schema.OFF:
+                stage = self.drafters[s.arm]
+                groups.setdefault(id(stage), (stage, []))[1].append(s)
+        return list(groups.values())
 
     # -- rounds -----------------------------------------------------------------------------------
     def active(self) -> list[SpecSession]:
@@ -170,11 +198,11 @@ class Scheduler:
             return
         clock = time.perf_counter
         t0 = clock()
-        spec = [s for s in act if s.num_draft_tokens]
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
-        if spec:
-            reqs = [DraftRequest(s.sid, s.ingest[0], s.ingest[1], s.draft_budget()) for s in spec]
-            for s, d in zip(spec, self.drafter.draft(reqs)):
+        for stage, group in self._by_drafter(act):
+            reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
+                    for s in group]
+            for s, d in zip(group, stage.draft(reqs)):
                 drafts[s.sid] = d
         t1 = clock()
         outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid]) for s in act])
@@ -212,7 +240,7 @@ class Scheduler:
         s.turn_remaining -= m
         r.tokens.extend(w.emitted)
         r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
-        s.ingest = (out.hidden[:m], w.emitted)
+        s.ingest = (out.rows(m), w.emitted)
         s.last_active = time.monotonic()
         self._finish(s, r, w.finish)
         return m
@@ -254,8 +282,8 @@ class Scheduler:
         gone, self._to_close = self._to_close, []
         if gone:
             self.trunk.close([s.sid for s in gone])
-            if any(s.num_draft_tokens for s in gone):
-                self.drafter.close([s.sid for s in gone if s.num_draft_tokens])
+            for stage, group in self._by_drafter(gone):
+                stage.close([s.sid for s in group])
 
     def expire_idle(self, now: float | None = None) -> list[int]:
         """Close sessions with no turn in progress and no activity for ``idle_timeout_s``."""

@@ -38,15 +38,17 @@ class Receipt:
 class SpecSession:
     """One sequence: committed tokens, the anchor, counters and the current turn.
 
-    ``num_draft_tokens`` is 0 for plain decoding; ``trunk`` is the trunk stage (or its proxy),
-    read only by :meth:`cache_ref`; ``ingest`` holds the committed rows (trunk hidden ``[n, D]``,
-    next tokens ``[n]``) the drafter has not seen yet.
+    ``arm`` is the speculation arm (:data:`tandem.schema.SPECS`); ``num_draft_tokens`` is 0 for
+    plain decoding; ``trunk`` is the trunk stage (or its proxy), read only by :meth:`cache_ref`;
+    ``ingest`` holds the committed rows the drafter has not seen yet (their trunk pass
+    :class:`~tandem.engine.protocols.VerifyOut` and next tokens ``[n]``).
     """
 
     sid: int
     num_draft_tokens: int
     max_ctx: int
     trunk: Any = None
+    arm: str = "mtp"
     committed: list[int] = dataclasses.field(default_factory=list)
     anchor: int | None = None
     rounds: int = 0
@@ -57,7 +59,7 @@ class SpecSession:
     turn_done: bool = True
     finish_reason: str | None = None
     last_active: float = dataclasses.field(default_factory=time.monotonic)
-    ingest: tuple[torch.Tensor, list[int]] | None = None
+    ingest: tuple[Any, list[int]] | None = None
     prefix_capture: Any = None
 
     def __post_init__(self) -> None:

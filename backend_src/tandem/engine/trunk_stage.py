@@ -1,5 +1,6 @@
 """The trunk stage: one :class:`~tandem.model.cache.TrunkCache` per open sequence, batched prime /
-verify / commit. :meth:`TrunkStage.handle` is the same API in wire form (:data:`tandem.schema.TRUNK`):
+verify / commit, each pass exporting the rows' argmax, hidden and (for the DFlash arms)
+target-layer features. :meth:`TrunkStage.handle` is the same API in wire form (:data:`tandem.schema.TRUNK`):
 it is what runs inside the ``trunk`` Triton model, and in-process behind a local transport.
 """
 
@@ -12,49 +13,53 @@ from .. import schema
 from ..model.cache import TrunkCache
 from ..model.trunk import Trunk
 from ..schema import WireError
-from .protocols import Commit, Rows, UnknownSequence, VerifyOut
+from .protocols import Commit, KeyedStates, Rows, VerifyOut
 
 
-def _out(model: Trunk, h: torch.Tensor) -> VerifyOut:
+def _out(model: Trunk, out, features: tuple[int, ...]) -> VerifyOut:
+    h, f = out if features else (out, None)
     logits = model.logits(h[0])
     top = logits.topk(2, dim=-1)
-    return VerifyOut(top.indices[:, 0], h[0].float(), top.values[:, 0] - top.values[:, 1])
+    f = h.new_zeros(h.shape[1], 0) if f is None else f[0]
+    return VerifyOut(top.indices[:, 0], h[0].float(), top.values[:, 0] - top.values[:, 1], f.float())
 
 
-class TrunkStage:
+class TrunkStage(KeyedStates):
     """Implements :class:`~tandem.engine.protocols.TrunkAPI` in this process.
 
-    Args: ``model``; ``max_ctx`` tokens per sequence (default ``max_position_embeddings``).
+    Args: ``model``; ``max_ctx`` tokens per sequence (default ``max_position_embeddings``);
+    ``feature_layers`` — trunk layers whose outputs every pass exports as ``features`` (the DFlash
+    drafter's ``target_layer_ids``; empty: none).
     Raises :class:`UnknownSequence` for ids it does not hold and ``ValueError`` (from the cache)
     for context overflow or out-of-order calls.
     """
 
-    def __init__(self, model: Trunk, max_ctx: int | None = None) -> None:
+    def __init__(self, model: Trunk, max_ctx: int | None = None, feature_layers: tuple[int, ...] = ()) -> None:
+        super().__init__()
         self.model = model
+        self.feature_layers = tuple(feature_layers)
         self.max_ctx = max_ctx or model.cfg.max_position_embeddings
         self.vocab_size = model.cfg.vocab_size
-        self.caches: dict[int, TrunkCache] = {}
 
-    def open(self, sids: list[int]) -> None:
-        for sid in sids:
-            self.caches[sid] = self.model.new_cache(self.max_ctx)
+    @property
+    def caches(self) -> dict[int, TrunkCache]:
+        """The open sequences' caches (read-only use)."""
+        return self.states
 
-    def close(self, sids: list[int]) -> None:
-        for sid in sids:
-            self.caches.pop(sid, None)
+    def new_state(self) -> TrunkCache:
+        return self.model.new_cache(self.max_ctx)
 
     def cache(self, sid: int) -> TrunkCache:
-        """The cache of ``sid``. Raises :class:`UnknownSequence`."""
-        try:
-            return self.caches[sid]
-        except KeyError:
-            raise UnknownSequence(sid) from None
+        """The cache of ``sid``. Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
+        return self.state(sid)
 
     def prime(self, items: list[Rows]) -> list[VerifyOut]:
-        return [_out(self.model, self.model.prime(self.cache(it.sid), torch.tensor([it.tokens]))) for it in items]
+        f = self.feature_layers
+        return [_out(self.model, self.model.prime(self.cache(it.sid), torch.tensor([it.tokens]), f), f) for it in items]
 
     def verify(self, items: list[Rows]) -> list[VerifyOut]:
-        return [_out(self.model, self.model.verify(self.cache(it.sid), torch.tensor([it.tokens]))) for it in items]
+        f = self.feature_layers
+        return [_out(self.model, self.model.verify(self.cache(it.sid), torch.tensor([it.tokens]), f), f) for it in items]
 
     def commit(self, items: list[Commit]) -> None:
         for it in items:
@@ -66,7 +71,7 @@ class TrunkStage:
         any is touched, so a rejected request changes no cache. Returns ``ARGMAX [R]``,
         ``HIDDEN [R, D]``, ``TOP2_GAP [R]`` over all rows (``R = 0`` for open/close/commit).
 
-        Raises :class:`~tandem.schema.WireError` naming the field.
+        ``FEATURES [R, F]`` too. Raises :class:`~tandem.schema.WireError` naming the field.
         """
         op = schema.get_op(arrays, schema.TRUNK)
         sids = schema.get_sids(arrays)
@@ -102,8 +107,10 @@ class TrunkStage:
 
     def _pack(self, outs: list[VerifyOut]) -> schema.Arrays:
         if not outs:
-            return {"ARGMAX": np.zeros(0, np.int64), "HIDDEN": np.zeros((0, self.model.cfg.hidden_size), np.float32),
-                    "TOP2_GAP": np.zeros(0, np.float32)}
+            D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
+            return {"ARGMAX": np.zeros(0, np.int64), "HIDDEN": np.zeros((0, D), np.float32),
+                    "TOP2_GAP": np.zeros(0, np.float32), "FEATURES": np.zeros((0, F), np.float32)}
         return {"ARGMAX": torch.cat([o.argmax for o in outs]).numpy().astype(np.int64, copy=False),
                 "HIDDEN": torch.cat([o.hidden for o in outs]).float().numpy(),
-                "TOP2_GAP": torch.cat([o.top2_gap for o in outs]).float().numpy()}
+                "TOP2_GAP": torch.cat([o.top2_gap for o in outs]).float().numpy(),
+                "FEATURES": torch.cat([o.features for o in outs]).float().numpy()}

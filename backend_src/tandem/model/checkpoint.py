@@ -112,3 +112,47 @@ def init_weights(model: Trunk, seed: int = 0, std: float = 0.02) -> Trunk:
             else:
                 p.normal_(0.0, std, generator=g)
     return model
+
+
+# -- DFlash drafters: <checkpoint>/<arm>/{config.json, model.safetensors}, arm in tandem.schema.DFLASH_ARMS --------
+def dflash_arms(folder: str | Path) -> list[str]:
+    """The DFlash arms whose drafter checkpoint exists under ``folder``."""
+    return [a for a in schema.DFLASH_ARMS if (Path(folder) / a / "model.safetensors").exists()]
+
+
+def dflash_feature_layers(folder: str | Path) -> tuple[int, ...]:
+    """The trunk layers every DFlash drafter under ``folder`` reads (empty without drafters).
+    Raises ``ValueError`` when two drafters want different layers (the trunk exports one set)."""
+    from .dflash import DFlashConfig
+
+    sets = {tuple(DFlashConfig.load(Path(folder) / a).target_layer_ids) for a in dflash_arms(folder)}
+    if len(sets) > 1:
+        raise ValueError(f"DFlash drafters in {folder} read different target layers: {sorted(sets)}")
+    return sets.pop() if sets else ()
+
+
+def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16):
+    """The ``arm`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder, in
+    eval mode. Raises ``FileNotFoundError`` when it is missing, ``KeyError`` on missing or unexpected keys."""
+    from safetensors.torch import load_file
+
+    from .dflash import DFlashConfig, DFlashDrafter
+
+    sub = Path(folder) / arm
+    if not (sub / "model.safetensors").exists():
+        raise FileNotFoundError(f"no {arm} drafter in {folder} (expected {sub}/model.safetensors; `make model` trains it)")
+    model = DFlashDrafter(DFlashConfig.load(sub), dflash2=arm == schema.DFLASH2)
+    missing, unexpected = model.load_state_dict(load_file(str(sub / "model.safetensors")), strict=False)
+    if missing or unexpected:
+        raise KeyError(f"{arm} drafter checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    return model.eval().requires_grad_(False).to(dtype)
+
+
+def save_dflash(model, folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``<folder>/<arm>/config.json`` and ``model.safetensors``."""
+    from safetensors.torch import save_file
+
+    sub = Path(folder) / arm
+    model.cfg.save(sub)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()},
+              str(sub / "model.safetensors"), metadata={"format": "pt"})

@@ -69,13 +69,23 @@ class Trunk(nn.Module):
     def _final(self, streams: torch.Tensor) -> torch.Tensor:
         return self.norm(streams.mean(2))
 
+    def _layers(self, s: torch.Tensor, attn_fn, features: tuple[int, ...]):
+        """Run the trunk layers on streams ``s [B, T, N, D]`` with ``attn_fn(i, layer)`` giving each
+        layer's attention function. Returns the final hidden ``[B, T, D]``, or with ``features`` the
+        pair (hidden, the mean of the streams after each listed layer, concatenated ``[B, T, n*D]``)."""
+        feats = []
+        for i, layer in enumerate(self.layers[: self.cfg.num_hidden_layers]):
+            s = layer.run(s, attn_fn(i, layer))
+            if i in features:
+                feats.append(s.mean(2))
+        h = self._final(s)
+        return (h, torch.cat(feats, -1)) if features else h
+
     # -- training / full pass -------------------------------------------------------------------
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """Full causal pass. ``ids [B, T]`` -> final normalised hidden ``[B, T, D]``."""
-        s = self._streams(ids)
-        for layer in self.layers[: self.cfg.num_hidden_layers]:
-            s = layer.run(s, lambda x, l=layer: l.self_attn(x)[0])
-        return self._final(s)
+    def hidden(self, ids: torch.Tensor, features: tuple[int, ...] = ()):
+        """Full causal pass. ``ids [B, T]`` -> final normalised hidden ``[B, T, D]`` (and with
+        ``features``, the target-layer features ``[B, T, len(features) * D]``)."""
+        return self._layers(self._streams(ids), lambda i, l: (lambda x: l.self_attn(x)[0]), tuple(features))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head in fp32: ``[..., D] -> [..., V]``."""
@@ -87,49 +97,53 @@ class Trunk(nn.Module):
         return TrunkCache(self.cfg.layer_types, self.cfg.index_kpool, max_ctx or self.cfg.max_position_embeddings)
 
     @torch.no_grad()
-    def prime(self, cache: TrunkCache, ids: torch.Tensor) -> torch.Tensor:
-        """Prefill ``ids [1, T]`` after the committed rows; commits them. Returns hidden ``[1, T, D]``.
+    def prime(self, cache: TrunkCache, ids: torch.Tensor, features: tuple[int, ...] = ()):
+        """Prefill ``ids [1, T]`` after the committed rows; commits them. Returns hidden ``[1, T, D]``
+        (and with ``features`` the target-layer features, see :meth:`hidden`).
 
         Raises ``ValueError`` when the rows do not fit in ``cache.max_ctx`` or a verify is pending.
         """
         T = _check_rows(cache, ids, "prime")
-        s = self._streams(ids)
-        for i, layer in enumerate(self.layers[: self.cfg.num_hidden_layers]):
+
+        def attn_fn(i, layer):
             st = cache.layers[i]
-            if layer.layer_type == "linear_attention":
-                def fn(x, l=layer, i=i, st=st):
-                    y, (tail, S) = l.self_attn(x, None if st is None else (st.tail, st.S))
-                    cache.layers[i] = KDAState(tail, S)
-                    return y
-            else:
-                def fn(x, l=layer, st=st):
-                    return l.self_attn.prime(x, st)
-            s = layer.run(s, fn)
+            if layer.layer_type != "linear_attention":
+                return lambda x: layer.self_attn.prime(x, st)
+
+            def fn(x):
+                y, (tail, S) = layer.self_attn(x, None if st is None else (st.tail, st.S))
+                cache.layers[i] = KDAState(tail, S)
+                return y
+            return fn
+
+        out = self._layers(self._streams(ids), attn_fn, tuple(features))
         cache.pos += T
-        return self._final(s)
+        return out
 
     @torch.no_grad()
-    def verify(self, cache: TrunkCache, ids: torch.Tensor) -> torch.Tensor:
+    def verify(self, cache: TrunkCache, ids: torch.Tensor, features: tuple[int, ...] = ()):
         """Run ``ids [1, R]`` (anchor + drafts) at positions ``cache.pos ..`` without committing.
-        Returns hidden ``[1, R, D]``; follow with ``cache.commit(n_rows)``.
+        Returns hidden ``[1, R, D]`` (and with ``features`` the target-layer features); follow with
+        ``cache.commit(n_rows)``.
 
         Raises ``ValueError`` when the rows do not fit in ``cache.max_ctx`` or a verify is pending.
         """
         R = _check_rows(cache, ids, "verify")
         pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        s = self._streams(ids)
-        for i, layer in enumerate(self.layers[: self.cfg.num_hidden_layers]):
+
+        def attn_fn(i, layer):
             st = cache.layers[i]
-            if layer.layer_type == "linear_attention":
-                if st is None:
-                    st = KDAState(*layer.self_attn.init_state(1, ids.device))
-                def fn(x, l=layer, i=i, st=st):
-                    y, full, states = l.self_attn.forward_rows(x, (st.tail, st.S))
-                    pending[i] = (full, states)
-                    return y
-            else:
-                def fn(x, l=layer, st=st):
-                    return l.self_attn.rows(x, st)
-            s = layer.run(s, fn)
+            if layer.layer_type != "linear_attention":
+                return lambda x: layer.self_attn.rows(x, st)
+            if st is None:
+                st = KDAState(*layer.self_attn.init_state(1, ids.device))
+
+            def fn(x):
+                y, full, states = layer.self_attn.forward_rows(x, (st.tail, st.S))
+                pending[i] = (full, states)
+                return y
+            return fn
+
+        out = self._layers(self._streams(ids), attn_fn, tuple(features))
         cache.pending, cache.pending_rows = pending, R
-        return self._final(s)
+        return out

@@ -35,7 +35,7 @@ class TurnRequest:
     sid: int
     tokens: list[int]
     max_tokens: int
-    spec: str = schema.DEFAULTS.spec
+    spec: str | None = None
     start: bool = True
     end: bool = True
     num_draft_tokens: int | None = None
@@ -64,9 +64,8 @@ def parse_turn(arrays: Arrays, correlation_id: int | None = None) -> TurnRequest
     if ids is not None and np.asarray(ids).ndim != 1:
         raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
     tokens = [] if ids is None else np.asarray(ids).astype(np.int64).tolist()
-    return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)),
-                       schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower() or schema.DEFAULTS.spec,
-                       start, end,
+    arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
+    return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None, start, end,
                        None if schema.NUM_DRAFT_TOKENS not in arrays
                        else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)))
 
@@ -165,9 +164,25 @@ class BLSTransport:
 
 
 # -- stage proxies ------------------------------------------------------------------------------------
+def _rows_of(items: list[DraftRequest], field: str) -> np.ndarray:
+    """The items' per-row tensors ``field`` (``hidden`` or ``features``) stacked ``[sum n, width]`` fp32."""
+    return np.ascontiguousarray(np.concatenate(
+        [getattr(it, field).detach().float().reshape(len(it.next_tokens), -1).numpy() for it in items]), dtype=np.float32)
+
+
 class _Proxy:
     def __init__(self, transport: Transport, spec: schema.ModelSpec, on_error: Callable[[str], None] | None) -> None:
         self.t, self.spec, self.on_error = transport, spec, on_error
+
+    def _drafts(self, items: list[DraftRequest], arrays) -> list[list[int]]:
+        """One ``draft`` call: ``arrays(items)`` packs the model-specific inputs; SIDS and
+        NUM_DRAFT_TOKENS are added here. Returns the drafts per item."""
+        if not items:
+            return []
+        out = self.t(self.spec, "draft", {"SIDS": schema.sids_to_wire([it.sid for it in items]),
+                                          schema.NUM_DRAFT_TOKENS: np.array([it.num_draft_tokens for it in items], np.int32),
+                                          **arrays(items)})
+        return [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
 
     def open(self, sids: list[int]) -> None:
         """Create empty state for ``sids`` (replacing any). Raises :class:`StageError`."""
@@ -199,7 +214,7 @@ class TrunkProxy(_Proxy):
                                      "TOKENS": np.array([x for it in items for x in it.tokens], np.int64),
                                      "LENGTHS": np.array(lens, np.int32)})
         cols = [schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens) for n in schema.TRUNK.output_names]
-        return [VerifyOut(a.long(), h.float(), g.float()) for a, h, g in zip(*cols)]
+        return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
 
     def prime(self, items: list[Rows]) -> list[VerifyOut]:
         return self._rows("prime", items)
@@ -220,34 +235,44 @@ class DrafterProxy(_Proxy):
         super().__init__(transport, schema.DRAFTER_MTP, on_error)
 
     def draft(self, items: list[DraftRequest]) -> list[list[int]]:
-        if not items:
-            return []
-        hidden = np.concatenate([it.hidden.detach().float().reshape(len(it.next_tokens), -1).numpy() for it in items])
-        out = self.t(self.spec, "draft", {
-            "SIDS": schema.sids_to_wire([it.sid for it in items]),
-            "HIDDEN": np.ascontiguousarray(hidden, dtype=np.float32),
-            "NEXT_TOKENS": np.array([t for it in items for t in it.next_tokens], np.int64),
-            "LENGTHS": np.array([len(it.next_tokens) for it in items], np.int32),
-            schema.NUM_DRAFT_TOKENS: np.array([it.num_draft_tokens for it in items], np.int32)})
-        return [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
+        return self._drafts(items, lambda its: {
+            "HIDDEN": _rows_of(its, "hidden"),
+            "NEXT_TOKENS": np.array([t for it in its for t in it.next_tokens], np.int64),
+            "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32)})
+
+
+class DFlashProxy(_Proxy):
+    """:class:`~tandem.engine.protocols.DrafterAPI` for the DFlash arms over a transport (model
+    ``drafter_dflash``): each row's target-layer features and each sequence's anchor go out, the
+    drafts come back. Raises :class:`StageError`."""
+
+    def __init__(self, transport: Transport, on_error: Callable[[str], None] | None = None) -> None:
+        super().__init__(transport, schema.DRAFTER_DFLASH, on_error)
+
+    def draft(self, items: list[DraftRequest]) -> list[list[int]]:
+        return self._drafts(items, lambda its: {
+            "FEATURES": _rows_of(its, "features"),
+            "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32),
+            "ANCHORS": np.array([it.next_tokens[-1] for it in its], np.int64),
+            schema.SPEC: np.array([it.arm.encode() for it in its], dtype=np.object_)})
 
 
 # -- the worker ---------------------------------------------------------------------------------------
 class TandemFront:
     """Sessions of the ``tandem`` model: a :class:`Scheduler` on a daemon worker thread.
 
-    Args: ``trunk`` / ``drafter`` — stages or proxies (``drafter`` None refuses ``spec="mtp"``);
-    ``stop_ids``; ``config``; ``log(message)`` for errors that have no request; ``info(message)``
+    Args: ``trunk`` — the trunk stage or proxy; ``drafters`` — arm -> drafter stage or proxy (arms
+    not listed are refused); ``stop_ids``; ``config``; ``log(message)`` for errors that have no request; ``info(message)``
     for notable events (a client cancelled a turn). Emits happen on the worker thread; an exception
     inside a burst fails only the turns in flight, with one final error each.
     """
 
-    def __init__(self, trunk, drafter, stop_ids: tuple[int, ...], config: ServingConfig = schema.DEFAULTS,
+    def __init__(self, trunk, drafters: dict, stop_ids: tuple[int, ...], config: ServingConfig = schema.DEFAULTS,
                  log: Callable[[str], None] | None = None, info: Callable[[str], None] | None = None,
                  poll_s: float = 0.005) -> None:
         self.log = log or (lambda msg: None)
         self.info = info or (lambda msg: None)
-        self.sched = Scheduler(trunk, drafter, config, stop_ids=stop_ids)
+        self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids)
         self.q: queue.Queue[Turn] = queue.Queue()
         self.poll_s = poll_s
         self._stop = threading.Event()

@@ -30,6 +30,7 @@ from ..model.mla import MLAttention
 from ..model.tokenizer import ChatTokenizer, train_tokenizer
 from ..model.trunk import Trunk
 from .data import sharegpt_conversations, stdlib_sources
+from .plots import save_curves
 
 app = typer.Typer(add_completion=False)
 
@@ -134,23 +135,10 @@ def losses(model: Trunk, ids: torch.Tensor, kl_weight: float) -> dict[str, torch
 
 
 def plot_curve(log: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Trunk and MTP training loss over tokens seen."""
     toks = [r["tokens"] / 1e6 for r in log]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(toks, [r["ce"] for r in log], label="trunk CE (t+1)")
-    ax.plot(toks, [r["mtp"] for r in log], label="MTP CE (t+2)")
-    ax.set_xlabel("training tokens (millions)")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("tandem trunk + MTP training loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_curves({"trunk CE (t+1)": (toks, [r["ce"] for r in log]), "MTP CE (t+2)": (toks, [r["mtp"] for r in log])},
+                "training tokens (millions)", "cross-entropy (nats/token)", "tandem trunk + MTP training loss", path)
 
 
 @app.command()

@@ -7,6 +7,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from tandem import schema
+from tandem.model.checkpoint import dflash_arms
 from tandem.model.config import TrunkConfig
 from tandem.model.tokenizer import ChatTokenizer
 from tandem.serving import backend, front
@@ -26,8 +27,10 @@ class TritonPythonModel:
                                   idle_timeout_s=idle_us / 1e6)
         log = pb_utils.Logger.log_error
         self.transport = front.BLSTransport(pb_utils)
-        self.front = front.TandemFront(front.TrunkProxy(self.transport, tcfg.vocab_size, on_error=log),
-                                       front.DrafterProxy(self.transport, on_error=log),
+        drafters = {schema.MTP: front.DrafterProxy(self.transport, on_error=log)}
+        dflash = front.DFlashProxy(self.transport, on_error=log)
+        drafters.update({arm: dflash for arm in dflash_arms(ckpt)})
+        self.front = front.TandemFront(front.TrunkProxy(self.transport, tcfg.vocab_size, on_error=log), drafters,
                                        ChatTokenizer(ckpt / "tokenizer.json").stop_ids, cfg, log=log,
                                        info=pb_utils.Logger.log_info)
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")

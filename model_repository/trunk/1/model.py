@@ -6,7 +6,7 @@ import triton_python_backend_utils as pb_utils
 
 from tandem import schema
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model.checkpoint import load_trunk, parse_dtype
+from tandem.model.checkpoint import dflash_feature_layers, load_trunk, parse_dtype
 from tandem.serving import backend
 
 
@@ -15,8 +15,9 @@ class TritonPythonModel:
         backend.set_torch_threads(1)
         cfg = backend.serving_config(json.loads(args["model_config"]))
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
-        self.stage = TrunkStage(load_trunk(ckpt, parse_dtype(cfg.dtype)))
-        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({cfg.dtype})")
+        features = dflash_feature_layers(ckpt)
+        self.stage = TrunkStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), feature_layers=features)
+        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({cfg.dtype}), DFlash features from layers {list(features)}")
 
     def execute(self, requests):
         responses = []

@@ -1,0 +1,272 @@
+"""Distil the DFlash / DFlash2 block drafters from the trunk (``make model ARGS=...`` runs it after the
+trunk, or ``python -m tandem.tools.distill``).
+
+1. **Data**: the trunk's own greedy continuations (bf16, the serving dtype) of training prompts —
+   ShareGPT first turns in the chat template and CPython stdlib source — generated in batches of
+   equal-length prompts through the trunk cache, then one full pass per sequence for the
+   target-layer features (stored bf16).
+2. **Training** (DFlash, Chen et al. 2026, §3): random anchors in the generated part; the block
+   ``[anchor, MASK x (B-1)]`` attends to the context features before the anchor and to its own
+   block (many blocks per sequence in one pass, by an attention mask); loss = CE of the trunk's
+   tokens at block positions ``1..B-1`` through the trunk's frozen LM head, weighted
+   ``exp(-(k-1)/gamma)`` along the block. DFlash2 adds the selector's pair loss: CE of the true
+   token among the top-K candidates (plus the true token), scored with the true predecessor.
+
+Outputs ``<out>/dflash/`` and ``<out>/dflash2/`` (config.json, model.safetensors) plus
+``distill_log.jsonl``, ``distill_curve.png`` and ``distill_report.json`` beside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import typer
+
+from .. import schema
+from ..model.checkpoint import DEFAULT_CHECKPOINT, load_trunk, save_dflash
+from ..model.dflash import DFlashConfig, DFlashDrafter
+from ..model.tokenizer import ChatTokenizer
+from ..model.trunk import Trunk
+from .plots import save_curves
+
+app = typer.Typer(add_completion=False)
+
+
+@torch.no_grad()
+def generate_batch(trunk: Trunk, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuations of equal-length ``prompts [B, P]`` through the trunk cache (one verify
+    row per sequence and step, then commit). Returns ``[B, P + new_tokens]``."""
+    cache = trunk.new_cache(prompts.shape[1] + new_tokens + 1)
+    h = trunk.prime(cache, prompts)
+    nxt = trunk.logits(h[:, -1]).argmax(-1)
+    out = [prompts, nxt[:, None]]
+    for _ in range(new_tokens - 1):
+        h = trunk.verify(cache, nxt[:, None])
+        cache.commit(1)
+        nxt = trunk.logits(h[:, -1]).argmax(-1)
+        out.append(nxt[:, None])
+    return torch.cat(out, 1)
+
+
+def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_share: float = 0.25) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` tokens: chat prompts (ShareGPT first turns, the user text
+    cut so the template fits) and windows of stdlib source. Seeded."""
+    from .data import sharegpt_conversations, stdlib_sources
+
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    n_code = int(n * code_share)
+    for text in stdlib_sources():
+        ids = tok.encode(text)
+        if len(ids) > length + 8:
+            s = rng.randrange(0, len(ids) - length)
+            out.append(ids[s: s + length])
+        if len(out) >= n_code:
+            break
+    for conv in sharegpt_conversations(limit=40000):
+        if len(out) >= n:
+            break
+        if conv[0].get("from") != "human":
+            continue
+        user = tok.encode(conv[0].get("value", ""))
+        ids = tok.chat_prompt(tok.decode(user[: max(1, length)]))
+        if len(ids) >= length:  # keep the template's tail (<|assistant|>\n): cut the user text
+            ids = ids[:3] + ids[len(ids) - (length - 3):]
+        if len(ids) == length:
+            out.append(ids)
+    rng.shuffle(out)
+    return out[:n]
+
+
+def block_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
+    """Visibility ``[B, K*block, ctx_len + K*block]`` (True = visible) for ``anchors [B, K]``: block
+    ``j`` sees context positions ``< anchors[:, j]`` and its own ``block`` rows, nothing else."""
+    b, k = anchors.shape
+    ctx = torch.arange(ctx_len)[None, None, :] < anchors[:, :, None]  # [B, K, C]
+    ctx = ctx.repeat_interleave(block, 1)  # [B, K*block, C]
+    own = torch.block_diag(*[torch.ones(block, block, dtype=torch.bool)] * k)  # [K*block, K*block]
+    return torch.cat([ctx, own.expand(b, -1, -1)], -1)
+
+
+def block_losses(drafter: DFlashDrafter, trunk: Trunk, seqs: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
+                 gamma: float) -> dict[str, torch.Tensor]:
+    """Losses of one batch: ``seqs [B, T]`` token ids, ``feats [B, T, F]`` trunk features, ``anchors [B, K]``
+    anchor positions (each ``<= T - block``). Returns ``ce`` (weighted block CE), ``sel`` (DFlash2
+    selector CE, 0 for DFlash) and ``acc`` (top-1 accuracy per block position ``[block - 1]``)."""
+    bs = drafter.cfg.block_size
+    b, t = seqs.shape
+    ctx = drafter.context(feats)
+    kv = drafter.context_kv(ctx, torch.arange(t))
+    k = anchors.shape[1]
+    offs = torch.arange(bs)
+    pos = (anchors[:, :, None] + offs).reshape(b, k * bs)  # [B, K*bs]
+    x = drafter.block_input(seqs.gather(1, anchors.reshape(b, k)).reshape(-1), trunk.embed_tokens, bs)
+    x = x.view(b, k * bs, -1)
+    h = drafter(x, pos, kv, block=bs, mask=block_mask(anchors, t, bs)).view(b, k, bs, -1)[:, :, 1:]
+    target = seqs.gather(1, pos).view(b, k, bs)[:, :, 1:]  # [B, K, bs-1]
+    logits = trunk.lm_head(h.to(trunk.lm_head.weight.dtype)).float()
+    w = torch.exp(-torch.arange(bs - 1, dtype=torch.float32) / gamma)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none").view(b, k, bs - 1)
+    out = {"ce": (ce * w).sum(-1).mean() / w.sum(), "acc": (logits.argmax(-1) == target).float().mean((0, 1))}
+    sel = drafter.selector
+    if sel is None:
+        out["sel"] = ce.new_zeros(())
+        return out
+    prev = seqs.gather(1, pos).view(b, k, bs)[:, :, :-1]  # true predecessor of each position
+    unary, cand = logits.detach().topk(sel.top_k, dim=-1)
+    hit = (cand == target[..., None])
+    cand = torch.where(hit.any(-1, keepdim=True), cand, torch.cat([cand[..., :-1], target[..., None]], -1))
+    unary = logits.gather(-1, cand)
+    sc = sel.pair_scores(h.reshape(-1, h.shape[-1]), prev.reshape(-1), cand.reshape(-1, sel.top_k),
+                         unary.reshape(-1, sel.top_k))
+    idx = (cand == target[..., None]).float().argmax(-1).reshape(-1)
+    out["sel"] = (F.cross_entropy(sc, idx, reduction="none").view(b, k, bs - 1) * w).sum(-1).mean() / w.sum()
+    return out
+
+
+#: GLM-5.3-Flash's DFlash2 target layers (of its 45 trunk layers).
+GLM_TARGET_LAYERS = (5, 14, 24, 33, 42)
+
+
+def default_target_layers(n_layers: int) -> list[int]:
+    """GLM-5.3-Flash's target layers scaled to a trunk of ``n_layers`` (``round(l * n / 45)``, distinct,
+    at most ``n_layers - 1``): 45 -> [5, 14, 24, 33, 42]; 9 -> [1, 3, 5, 7, 8]."""
+    return sorted({min(n_layers - 1, round(l * n_layers / 45)) for l in GLM_TARGET_LAYERS})
+
+
+@app.command()
+def main(
+    checkpoint: Path = typer.Option(DEFAULT_CHECKPOINT, help="trunk checkpoint; drafters are written beside it"),
+    minutes: float = typer.Option(12.0, help="training budget per drafter (minutes)"),
+    gen_minutes: float = typer.Option(15.0, help="data generation budget (minutes)"),
+    arms: str = typer.Option(",".join(schema.DFLASH_ARMS), help="drafters to train (comma list)"),
+    prompt_len: int = typer.Option(48, help="prompt tokens per generated sequence"),
+    new_tokens: int = typer.Option(96, help="trunk greedy tokens per sequence"),
+    gen_batch: int = typer.Option(32, help="sequences generated together"),
+    batch: int = typer.Option(16, help="sequences per training step"),
+    anchors: int = typer.Option(8, help="blocks per sequence per step"),
+    block_size: int = typer.Option(schema.DEFAULTS.block_size, help="block size B (B - 1 drafts)"),
+    layers: int = typer.Option(1, help="drafter layers (keep trunk:drafter depth >= 9:1)"),
+    lr: float = typer.Option(2e-3, help="peak learning rate"),
+    gamma: float = typer.Option(4.0, help="loss decay along the block: weight exp(-(k-1)/gamma)"),
+    seed: int = typer.Option(0, help="random seed"),
+    threads: int = typer.Option(2, help="torch threads"),
+) -> None:
+    """Generate the trunk's greedy continuations, then train each DFlash drafter on them."""
+    from tqdm import tqdm
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    tok = ChatTokenizer(checkpoint / "tokenizer.json")
+    trunk_bf16 = load_trunk(checkpoint, torch.bfloat16, with_mtp=False)
+    n_layers = trunk_bf16.cfg.num_hidden_layers
+    if n_layers < 9 * layers:
+        raise typer.BadParameter(f"{layers} drafter layers for a {n_layers}-layer trunk is more favourable to the "
+                                 f"drafter than GLM-5.3-Flash's 9:1", param_hint="--layers")
+    target_layers = default_target_layers(n_layers)
+    t0 = time.time()
+    print(f"[1/3] data: greedy continuations ({gen_minutes:.0f} min budget), target layers {target_layers}")
+    prompts = training_prompts(tok, 20000, prompt_len, seed)
+    seqs, feats = [], []
+    bar = tqdm(total=int(gen_minutes * 60), desc="generate", unit="s")
+    for i in range(0, len(prompts), gen_batch):
+        if time.time() - t0 > gen_minutes * 60:
+            break
+        s = generate_batch(trunk_bf16, torch.tensor(prompts[i: i + gen_batch]), new_tokens)
+        with torch.no_grad():
+            feats.append(trunk_bf16.hidden(s, features=tuple(target_layers))[1].to(torch.bfloat16))
+        seqs.append(s)
+        bar.n = int(time.time() - t0)
+        bar.set_postfix(sequences=sum(len(x) for x in seqs), tokens=sum(x.numel() for x in seqs))
+        bar.refresh()
+    bar.close()
+    seqs_t, feats_t = torch.cat(seqs), torch.cat(feats)
+    gen_s = time.time() - t0
+    n_val = max(gen_batch, len(seqs_t) // 20)
+    print(f"      {len(seqs_t)} sequences, {(seqs_t.shape[1] - prompt_len) * len(seqs_t)} generated tokens "
+          f"in {gen_s:.0f} s; {n_val} held out")
+    trunk32 = load_trunk(checkpoint, torch.float32, with_mtp=False)
+    report = {"target_layers": target_layers, "sequences": len(seqs_t), "generation_seconds": round(gen_s, 1),
+              "prompt_len": prompt_len, "new_tokens": new_tokens, "drafters": {}}
+    log_f = open(checkpoint / "distill_log.jsonl", "w")
+    for step_i, arm in enumerate(a for a in arms.split(",") if a):
+        print(f"[{2 + step_i}/3] train {arm} ({minutes:.0f} min)")
+        cfg = DFlashConfig(hidden_size=trunk32.cfg.hidden_size, vocab_size=trunk32.cfg.vocab_size, num_hidden_layers=layers,
+                           block_size=block_size, target_layer_ids=target_layers,
+                           intermediate_size=trunk32.cfg.intermediate_size, swiglu_limit=trunk32.cfg.swiglu_limit)
+        report["drafters"][arm] = train_drafter(DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2), trunk32, seqs_t,
+                                                feats_t, n_val, prompt_len, minutes, batch, anchors, lr, gamma, seed,
+                                                arm, log_f)
+        save_dflash(report["drafters"][arm].pop("model"), checkpoint, arm)
+    log_f.close()
+    plot_curves(checkpoint / "distill_log.jsonl", checkpoint / "distill_curve.png")
+    (checkpoint / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+def train_drafter(model: DFlashDrafter, trunk: Trunk, seqs, feats, n_val, prompt_len, minutes, batch, n_anchor, lr,
+                  gamma, seed, arm, log_f) -> dict:
+    """Train one drafter for ``minutes``; returns its figures and the model (key ``model``)."""
+    from tqdm import tqdm
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.mask_embedding.normal_(0.0, 0.02, generator=g)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    bs, t = model.cfg.block_size, seqs.shape[1]
+    train_idx = torch.arange(n_val, len(seqs))
+    budget, t0, step, tokens = minutes * 60, time.time(), 0, 0
+    bar = tqdm(total=int(budget), desc=arm, unit="s")
+    while time.time() - t0 < budget:
+        frac = (time.time() - t0) / budget
+        for grp in opt.param_groups:
+            grp["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        rows = train_idx[torch.randint(0, len(train_idx), (batch,), generator=g)]
+        anc = torch.randint(prompt_len, t - bs + 1, (batch, n_anchor), generator=g)
+        ls = block_losses(model, trunk, seqs[rows], feats[rows].float(), anc, gamma)
+        loss = ls["ce"] + ls["sel"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += batch * n_anchor * (bs - 1)
+        if step % 10 == 0:
+            rec = {"arm": arm, "step": step, "seconds": round(time.time() - t0, 1), "ce": ls["ce"].item(),
+                   "sel": ls["sel"].item(), "acc": [round(x, 3) for x in ls["acc"].tolist()]}
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
+            bar.n = int(rec["seconds"])
+            bar.set_postfix(ce=f"{rec['ce']:.3f}", acc1=f"{rec['acc'][0]:.2f}", steps=step)
+            bar.refresh()
+    bar.close()
+    model.eval()
+    with torch.no_grad():
+        va = torch.arange(prompt_len, t - bs + 1, bs)[None].expand(n_val, -1)
+        ls = block_losses(model, trunk, seqs[:n_val], feats[:n_val].float(), va, gamma)
+    acc = ls["acc"].tolist()
+    # expected accepted drafts per block if each position's hit were independent: sum of prefix products
+    exp_acc = sum(math.prod(acc[: i + 1]) for i in range(len(acc)))
+    return {"model": model, "steps": step, "seconds": round(time.time() - t0, 1),
+            "blocks_per_s": round(tokens / (bs - 1) / max(time.time() - t0, 1e-9), 1), "val_ce": ls["ce"].item(),
+            "val_acc_per_position": [round(x, 3) for x in acc], "val_tau_estimate": round(1 + exp_acc, 2)}
+
+
+def plot_curves(log: Path, path: Path) -> None:
+    """Block CE per drafter over training steps."""
+    recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    series = {f"{arm} block CE": ([r["step"] for r in recs if r["arm"] == arm], [r["ce"] for r in recs if r["arm"] == arm])
+              for arm in sorted({r["arm"] for r in recs})}
+    save_curves(series, "step", "weighted block cross-entropy (nats/token)", "DFlash drafters distilled from the trunk",
+                path)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,173 @@
+"""The DFlash arms on a tiny random trunk and drafter: exactness of greedy speculation, deferred
+ingest of the prompt, the wire form, and the drafter's building blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import schema
+from tandem.engine.dflash_stage import DFlashStage
+from tandem.engine.inprocess import Engine
+from tandem.engine.protocols import DraftRequest
+from tandem.engine.scheduler import Turn
+from tandem.model.checkpoint import cast_trunk, init_weights
+from tandem.model.config import TrunkConfig
+from tandem.model.dflash import DFlashConfig, DFlashDrafter, TwoTapConv, rope
+from tandem.model.trunk import Trunk
+from tandem.serving import front as fr
+
+
+class _Tok:
+    stop_ids = ()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = TrunkConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32,
+                      qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=16,
+                      linear_head_dim=32, linear_num_heads=2, max_position_embeddings=256)
+    trunk = cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)
+    dcfg = DFlashConfig(hidden_size=64, vocab_size=512, num_attention_heads=2, head_dim=32, intermediate_size=128,
+                        block_size=5, target_layer_ids=[1, 3], selector_rank=8, selector_top_k=3)
+    drafters = {}
+    for arm in schema.DFLASH_ARMS:
+        d = DFlashDrafter(dcfg, dflash2=arm == schema.DFLASH2)
+        with torch.no_grad():
+            d.mask_embedding.normal_(0, 1)
+            if d.selector is not None:
+                for conv in (m for m in d.modules() if isinstance(m, TwoTapConv)):
+                    conv.weight[1].normal_(0, 0.1)
+        drafters[arm] = d.eval().requires_grad_(False)
+    return trunk, drafters
+
+
+def _engine(tiny, **kw):
+    trunk, drafters = tiny
+    return Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, **kw)
+
+
+@pytest.mark.parametrize("arm", schema.DFLASH_ARMS)
+def test_greedy_dflash_equals_plain_fp32(tiny, arm):
+    eng = _engine(tiny, burst_rounds=2)
+    for seed in range(3):
+        ids = torch.randint(4, 512, (20 + 7 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        a = eng.generate(ids, 40, spec=arm)
+        b = eng.generate(ids, 40, spec="off")
+        assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 40
+        assert a["drafted"] == 4 * a["rounds"] and b["drafted"] == 0  # block 5: 4 drafts a round
+
+
+def test_dflash_ingest_is_deferred_to_round_one(tiny):
+    eng = _engine(tiny, burst_rounds=1)
+    stage = eng.drafters[schema.DFLASH]
+    ids = list(range(10, 40))
+    got = []
+    eng.sched.admit([Turn(1, ids, 20, lambda r, e, f: got.append((r, e)), spec="dflash2", end=False)])
+    assert stage.covered_rows(1) == 0  # primed, but the prompt's features are not ingested yet
+    eng.sched.burst()
+    s = eng.sched.sessions[1]
+    first_round = got[1][0]
+    assert stage.covered_rows(1) == len(ids) and first_round.rounds == 1
+    eng.sched.burst()
+    assert stage.covered_rows(1) == len(ids) + len(first_round.tokens) == len(s.committed) - len(got[2][0].tokens)
+    while 1 in eng.sched.turns:
+        eng.sched.burst()
+    assert stage.states[1].arm == "dflash2"
+    eng.sched.close(1)
+    eng.sched.burst()
+    assert 1 not in stage.states
+
+
+def test_dflash_proxy_equals_stage(tiny):
+    trunk, drafters = tiny
+    ref = DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)
+    tr = fr.LocalTransport({"drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)})
+    proxy = fr.DFlashProxy(tr)
+    feats = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    items = [DraftRequest(1, torch.zeros(0), [5, 6, 7, 9], 4, feats[:4], "dflash"),
+             DraftRequest(2**64 - 1, torch.zeros(0), [8, 11], 2, feats[4:], "dflash2")]
+    for st in (ref, proxy):
+        st.open([1, 2**64 - 1])
+    got, want = proxy.draft(items), ref.draft(items)
+    assert got == want and [len(d) for d in got] == [4, 2]
+    with pytest.raises(fr.StageError, match=r"SPEC: sequence 1 drafts with dflash, not dflash2"):
+        proxy.draft([DraftRequest(1, torch.zeros(0), [5], 4, feats[:1], "dflash2")])
+    with pytest.raises(fr.StageError, match=r"FEATURES must be \[N, 128\]"):
+        proxy.draft([DraftRequest(1, torch.zeros(0), [5], 4, feats[:1, :64], "dflash")])
+    with pytest.raises(fr.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
+        proxy.draft([DraftRequest(1, torch.zeros(0), [5], 9, feats[:1], "dflash")])
+
+
+def test_arms_without_a_drafter_are_refused(tiny):
+    trunk, _ = tiny
+    eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256)
+    errs = []
+    eng.sched.admit([Turn(1, [5, 6], 4, lambda r, e, f: errs.append(e), spec="dflash")])
+    assert errs == ["SPEC 'dflash' needs the drafter_dflash model with a dflash drafter, which is not loaded"]
+    eng = _engine(tiny)
+    eng.sched.admit([Turn(2, [5, 6], 4, lambda r, e, f: errs.append(e), spec="mtp", end=False)])
+    while 2 in eng.sched.turns:
+        eng.sched.burst()
+    eng.sched.admit([Turn(2, [7], 4, lambda r, e, f: errs.append(e), spec="dflash", start=False)])
+    assert errs[-1] == "SPEC: sequence 2 runs 'mtp'; a later turn cannot switch to 'dflash'"
+
+
+def test_rope_depends_on_relative_position_only():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 1, 32, generator=g), torch.randn(1, 2, 1, 32, generator=g)
+    dots = [(rope(q, torch.tensor([p + 7]), 1e4) * rope(k, torch.tensor([p]), 1e4)).sum().item() for p in (0, 5, 300)]
+    assert dots[0] == pytest.approx(dots[1], rel=1e-4) and dots[0] == pytest.approx(dots[2], rel=1e-4)
+
+
+def test_two_tap_conv_is_causal_within_each_block():
+    conv = TwoTapConv(3)
+    x = torch.randn(1, 8, 3)
+    assert torch.equal(conv(x, 4), x)  # identity at initialisation
+    with torch.no_grad():
+        conv.weight[1].fill_(1.0)
+    y = conv(x, 4)
+    assert torch.allclose(y[0, 1:4], x[0, 1:4] + x[0, 0:3]) and torch.allclose(y[0, 4], x[0, 4])  # no leak across blocks
+
+
+def test_training_blocks_equal_inference_blocks(tiny):
+    """The masked many-blocks training pass gives each block the hidden the stage's inference pass gives it."""
+    from tandem.tools.distill import block_mask
+
+    trunk, drafters = tiny
+    d = drafters["dflash2"]
+    bs = d.cfg.block_size
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(4, 512, (1, 30), generator=g)
+    feats = torch.randn(1, 30, d.cfg.feature_size, generator=g)
+    anchors = torch.tensor([[6, 17, 25]])
+    with torch.no_grad():
+        kv = d.context_kv(d.context(feats), torch.arange(30))
+        pos = (anchors[:, :, None] + torch.arange(bs)).reshape(1, -1)
+        x = d.block_input(seq[0, anchors[0]], trunk.embed_tokens, bs).reshape(1, -1, 64)
+        h = d(x, pos, kv, block=bs, mask=block_mask(anchors, 30, bs)).view(3, bs, -1)
+        for j, a in enumerate(anchors[0].tolist()):
+            kv_a = d.context_kv(d.context(feats[:, :a]), torch.arange(a))
+            ref = d(d.block_input(seq[0, a:a + 1], trunk.embed_tokens, bs), torch.arange(a, a + bs), kv_a, block=bs)
+            assert torch.allclose(h[j], ref[0], atol=1e-5), j
+
+
+def test_batched_generation_equals_plain_decoding(tiny):
+    from tandem.tools.distill import generate_batch
+
+    trunk, _ = tiny
+    prompts = torch.randint(4, 512, (2, 12), generator=torch.Generator().manual_seed(9))
+    out = generate_batch(trunk, prompts, 10)
+    eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256)
+    for i in range(2):
+        assert out[i, 12:].tolist() == eng.generate(prompts[i].tolist(), 10, spec="off")["token_ids"]
+
+
+def test_default_target_layers_follow_glm():
+    from tandem.tools.distill import default_target_layers
+
+    assert default_target_layers(45) == [5, 14, 24, 33, 42]
+    assert default_target_layers(9) == [1, 3, 5, 7, 8]
+    assert default_target_layers(4) == [0, 1, 2, 3]
