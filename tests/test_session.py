@@ -227,3 +227,51 @@ def test_stage_failure_during_admission(trunk_fp32, tokenizer):
     sched.admit([Turn(4, tokenizer.chat_prompt("Hi"), 4, lambda r, e, f: ok.append((r, e, f)))])
     _drive(sched, 4)
     assert ok[-1][2] and ok[-1][1] is None and not eng.trunk.caches
+
+
+class _OracleDrafter:
+    """Drafts the trunk's own greedy continuation (known in advance), so every draft is accepted."""
+
+    def __init__(self, prompt, continuation):
+        self.seq, self.pos = list(prompt) + list(continuation), {}
+
+    def open(self, sids):
+        for s in sids:
+            self.pos[s] = 0
+
+    def close(self, sids):
+        for s in sids:
+            self.pos.pop(s, None)
+
+    def draft(self, items):
+        out = []
+        for it in items:
+            self.pos[it.sid] += len(it.next_tokens)  # rows ingested so far; the anchor sits at this position
+            p = self.pos[it.sid] + 1
+            out.append(self.seq[p: p + it.num_draft_tokens])
+        return out
+
+
+@pytest.mark.parametrize("max_ctx", [40, 41, 42, 43])
+def test_context_capacity_holds_when_every_draft_is_accepted(engine, tokenizer, max_ctx):
+    """Prompt + emitted tokens never exceed max_ctx, even when whole blocks are accepted at the edge."""
+    from tandem.engine.scheduler import Scheduler
+    from tandem.schema import ServingConfig
+
+    ids = tokenizer.chat_prompt("Tell me a long story about a lighthouse keeper and the sea, in many short sentences.")[:20]
+    assert len(ids) == 20
+    plain = engine.generate(ids, 60, spec="off")["token_ids"]
+    cfg = ServingConfig(max_ctx=max_ctx, num_draft_tokens=4)
+    sched = Scheduler(engine.trunk, {"mtp": _OracleDrafter(ids, plain)}, cfg, stop_ids=())
+    got = []
+    sched.admit([Turn(77, ids, 30, lambda r, e, f: got.append((r, e, f)), end=False)])
+    while 77 in sched.turns:
+        sched.burst()
+    assert all(e is None for _, e, _ in got), [e for _, e, _ in got]
+    emitted = [t for r, _, _ in got for t in r.tokens]
+    s = sched.sessions[77]
+    assert got[-1][0].finish_reason == "context" and emitted == plain[: len(emitted)]
+    assert len(ids) + len(emitted) == max_ctx and len(s.committed) == max_ctx - 1
+    assert s.accepted == s.drafted  # the oracle's drafts were all accepted
+    sched.close(77)
+    sched.burst()

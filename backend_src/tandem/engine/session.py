@@ -110,5 +110,6 @@ class SpecSession:
 
     # -- rounds -----------------------------------------------------------------------------------
     def draft_budget(self) -> int:
-        """Drafts to propose this round: ``num_draft_tokens`` capped by the context left after the anchor."""
-        return max(0, min(self.num_draft_tokens, self.max_ctx - len(self.committed) - 1))
+        """Drafts to propose this round: ``num_draft_tokens`` capped so that even when every draft is
+        accepted, the committed rows plus the new anchor stay within ``max_ctx`` tokens."""
+        return max(0, min(self.num_draft_tokens, self.max_ctx - len(self.committed) - 2))

@@ -280,7 +280,10 @@ def main(
               + [{"tokens": tokens, "seconds": round(train_s, 1), "resumed": resume}],
               "train_seconds": round(train_s, 1), "tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
               "val_ce": float(np.mean([a for a, _ in vl])), "val_mtp_ce": float(np.mean([b for _, b in vl])),
-              "total_seconds": round(time.time() - t_start, 1), "seq_len": seq_len, "batch": batch}
+              "total_seconds": round(time.time() - t_start, 1), "seq_len": seq_len, "batch": batch,
+              "layers": layers}
+    if grow_from is not None and (grow_from / "train_report.json").exists():
+        report["grown_from"] = {"checkpoint": grow_from.name, **json.loads((grow_from / "train_report.json").read_text())}
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
