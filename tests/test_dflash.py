@@ -106,7 +106,8 @@ def test_arms_without_a_drafter_are_refused(tiny):
     eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256)
     errs = []
     eng.sched.admit([Turn(1, [5, 6], 4, lambda r, e, f: errs.append(e), spec="dflash")])
-    assert errs == ["SPEC 'dflash' needs the drafter_dflash model with a dflash drafter, which is not loaded"]
+    assert errs == ["SPEC 'dflash' needs the drafter_dflash model with a dflash drafter, which is not loaded "
+                    "(the checkpoint has none: `make drafter` trains it)"]
     eng = _engine(tiny)
     eng.sched.admit([Turn(2, [5, 6], 4, lambda r, e, f: errs.append(e), spec="mtp", end=False)])
     while 2 in eng.sched.turns:

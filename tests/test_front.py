@@ -197,3 +197,12 @@ def test_incremental_decoder_keeps_multibyte_whole():
     assert "".join(pieces) + dec.flush() == "héllo €"
     assert "\ufffd" not in "".join(pieces)
     assert pieces[1] == "" and pieces[2] == "é"
+
+
+def test_client_never_sends_a_wrapped_int32():
+    from tandem_client.client import TandemClientError, generate
+
+    with pytest.raises(TandemClientError, match=r"MAX_TOKENS must fit in an int32 .* got 4294967301"):
+        generate([1, 2], max_tokens=2**32 + 5, url="127.0.0.1:1")
+    with pytest.raises(TandemClientError, match=r"NUM_DRAFT_TOKENS must fit in an int32"):
+        generate([1, 2], max_tokens=4, num_draft_tokens=2**32 + 1, url="127.0.0.1:1")

@@ -275,3 +275,22 @@ def test_context_capacity_holds_when_every_draft_is_accepted(engine, tokenizer, 
     assert s.accepted == s.drafted  # the oracle's drafts were all accepted
     sched.close(77)
     sched.burst()
+
+
+def test_later_turn_changes_num_draft_tokens(engine, tokenizer):
+    """NUM_DRAFT_TOKENS on a later turn applies to that turn (the arm stays)."""
+    sched = engine.sched
+    got = []
+    emit = lambda r, e, f: got.append((r, e, f))  # noqa: E731
+    sched.admit([Turn(9500, tokenizer.chat_prompt("Name a fruit."), 6, emit, end=False, num_draft_tokens=1)])
+    while 9500 in sched.turns:
+        sched.burst()
+    s = sched.sessions[9500]
+    assert s.num_draft_tokens == 1 and s.drafted == s.rounds
+    d0, r0 = s.drafted, s.rounds
+    sched.admit([Turn(9500, tokenizer.encode("<|user|>\nAnother.<|assistant|>\n"), 20, emit, start=False,
+                      num_draft_tokens=4)])
+    while 9500 in sched.turns:
+        sched.burst()
+    assert all(e is None for _, e, _ in got) and s.num_draft_tokens == 4 and len(s.accepted_at) == 4
+    assert s.drafted - d0 == 4 * (s.rounds - r0)

@@ -108,6 +108,9 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
+    for name, v in ((schema.MAX_TOKENS, max_tokens), (schema.NUM_DRAFT_TOKENS, num_draft_tokens)):
+        if v is not None and not -(2**31) <= v < 2**31:  # the wire is int32: never send a wrapped value
+            raise TandemClientError(f"{name} must fit in an int32 (the server's limit is far lower), got {v}")
     client = grpcclient.InferenceServerClient(url)
     try:
         _check_reachable(client, url, connect_timeout_s)

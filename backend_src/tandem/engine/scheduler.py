@@ -76,7 +76,8 @@ class Scheduler:
         arm = self._arm(t)
         if arm != schema.OFF and arm not in self.drafters:
             model = schema.DRAFTER_MTP.name if arm == schema.MTP else schema.DRAFTER_DFLASH.name
-            return f"{schema.SPEC} {arm!r} needs the {model} model with a {arm} drafter, which is not loaded"
+            return (f"{schema.SPEC} {arm!r} needs the {model} model with a {arm} drafter, which is not loaded"
+                    + (" (the checkpoint has none: `make drafter` trains it)" if arm in schema.DFLASH_ARMS else ""))
         if s is not None and not t.start and t.spec is not None and t.spec != s.arm:
             return f"{schema.SPEC}: sequence {t.sid} runs {s.arm!r}; a later turn cannot switch to {t.spec!r}"
         try:
@@ -120,6 +121,9 @@ class Scheduler:
             s = self.sessions.get(t.sid)
             if s is None:
                 s = SpecSession(t.sid, self._num_draft_tokens(t), self.config.max_ctx, trunk=self.trunk, arm=self._arm(t))
+            elif t.num_draft_tokens is not None and s.arm != schema.OFF:  # a later turn may change the draft count
+                s.num_draft_tokens = self._num_draft_tokens(t)
+                s.accepted_at += [0] * (s.num_draft_tokens - len(s.accepted_at))
             rows = ([s.anchor] if s.anchor is not None else []) + list(t.tokens)
             ok.append((t, s, rows))
         self._flush_closes()
