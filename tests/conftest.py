@@ -38,3 +38,16 @@ def sharegpt_prompts():
     from tandem.tools.data import sharegpt_prompts as sp
 
     return sp(20, seed=1234, max_chars=600)
+
+
+def make_tiny_trunk(max_position_embeddings: int = 64):
+    """A tiny random fp32 glm5_next trunk (vocab 512, hidden 64, 4 layers) for fast stage tests."""
+    from tandem.model.checkpoint import cast_trunk, init_weights
+    from tandem.model.config import TrunkConfig
+    from tandem.model.trunk import Trunk
+
+    cfg = TrunkConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32,
+                      qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=16,
+                      linear_head_dim=32, linear_num_heads=2, max_position_embeddings=max_position_embeddings)
+    return cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)

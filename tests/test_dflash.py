@@ -11,11 +11,10 @@ from tandem.engine.dflash_stage import DFlashStage
 from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import DraftRequest
 from tandem.engine.scheduler import Turn
-from tandem.model.checkpoint import cast_trunk, init_weights
-from tandem.model.config import TrunkConfig
 from tandem.model.dflash import DFlashConfig, DFlashDrafter, TwoTapConv, rope
-from tandem.model.trunk import Trunk
 from tandem.serving import front as fr
+
+from conftest import make_tiny_trunk
 
 
 class _Tok:
@@ -25,11 +24,7 @@ class _Tok:
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    cfg = TrunkConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32,
-                      qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=16,
-                      linear_head_dim=32, linear_num_heads=2, max_position_embeddings=256)
-    trunk = cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)
+    trunk = make_tiny_trunk(max_position_embeddings=256)
     dcfg = DFlashConfig(hidden_size=64, vocab_size=512, num_attention_heads=2, head_dim=32, intermediate_size=128,
                         block_size=5, target_layer_ids=[1, 3], selector_rank=8, selector_top_k=3)
     drafters = {}
@@ -160,7 +155,10 @@ def test_batched_generation_equals_plain_decoding(tiny):
 
     trunk, _ = tiny
     prompts = torch.randint(4, 512, (2, 12), generator=torch.Generator().manual_seed(9))
-    out = generate_batch(trunk, prompts, 10)
+    out, feats = generate_batch(trunk, prompts, 10, features=(1, 3))
+    assert feats.shape == (2, 22, 128) and not feats[:, -1].any()
+    ref = trunk.hidden(out, features=(1, 3))[1]
+    assert torch.allclose(feats[:, :-1], ref[:, :-1], atol=1e-4)  # cached passes == full pass
     eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256)
     for i in range(2):
         assert out[i, 12:].tolist() == eng.generate(prompts[i].tolist(), 10, spec="off")["token_ids"]
@@ -172,3 +170,23 @@ def test_default_target_layers_follow_glm():
     assert default_target_layers(45) == [5, 14, 24, 33, 42]
     assert default_target_layers(9) == [1, 3, 5, 7, 8]
     assert default_target_layers(4) == [0, 1, 2, 3]
+
+
+def test_second_turn_drafter_sees_every_committed_row(tiny):
+    """The rows committed by a turn's last round reach the drafter with the next turn's prime, so the
+    drafter's positions stay aligned with the trunk's across turns."""
+    eng = _engine(tiny, burst_rounds=1)
+    stage = eng.drafters[schema.DFLASH]
+    got = []
+    emit = lambda r, e, f: got.append((r, e, f))  # noqa: E731
+    eng.sched.admit([Turn(3, list(range(10, 30)), 9, emit, spec="dflash", end=False)])
+    while 3 in eng.sched.turns:
+        eng.sched.burst()
+    eng.sched.admit([Turn(3, [40, 41, 42], 9, emit, start=False)])
+    eng.sched.burst()
+    s = eng.sched.sessions[3]
+    assert all(e is None for _, e, _ in got)
+    # after a round the drafter holds every committed row but the ones that round committed
+    assert stage.covered_rows(3) == len(s.committed) - len(got[-1][0].tokens)
+    while 3 in eng.sched.turns:
+        eng.sched.burst()

@@ -14,20 +14,15 @@ from tandem.engine.mtp_stage import MTPStage
 from tandem.engine.protocols import Commit, DraftRequest, Rows
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model.checkpoint import cast_trunk, init_weights
-from tandem.model.config import TrunkConfig
-from tandem.model.trunk import Trunk
 from tandem.serving import front as fr
 from tandem_client.client import IncrementalDecoder
 
+from conftest import make_tiny_trunk
+
 
 @pytest.fixture(scope="module")
-def model() -> Trunk:
-    cfg = TrunkConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32,
-                      qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=16,
-                      linear_head_dim=32, linear_num_heads=2, max_position_embeddings=64)
-    return cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)
+def model():
+    return make_tiny_trunk()
 
 
 def local(model, max_ctx=None):

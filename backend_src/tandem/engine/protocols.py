@@ -59,6 +59,11 @@ class VerifyOut:
         """The first ``n`` rows."""
         return VerifyOut(self.argmax[:n], self.hidden[:n], self.top2_gap[:n], self.features[:n])
 
+    def then(self, other: "VerifyOut") -> "VerifyOut":
+        """These rows followed by ``other``'s."""
+        return VerifyOut(*(torch.cat([getattr(self, f.name), getattr(other, f.name)])
+                           for f in dataclasses.fields(self)))
+
 
 class UnknownSequence(KeyError):
     """A stage was asked about a sequence id it does not hold."""

@@ -3,8 +3,8 @@ trunk, or ``python -m tandem.tools.distill``).
 
 1. **Data**: the trunk's own greedy continuations (bf16, the serving dtype) of training prompts —
    ShareGPT first turns in the chat template and CPython stdlib source — generated in batches of
-   equal-length prompts through the trunk cache, then one full pass per sequence for the
-   target-layer features (stored bf16).
+   equal-length prompts through the trunk cache; the target-layer features come from the same
+   prime and verify passes the serving trunk runs (stored bf16).
 2. **Training** (DFlash, Chen et al. 2026, §3): random anchors in the generated part; the block
    ``[anchor, MASK x (B-1)]`` attends to the context features before the anchor and to its own
    block (many blocks per sequence in one pass, by an attention mask); loss = CE of the trunk's
@@ -39,19 +39,30 @@ app = typer.Typer(add_completion=False)
 
 
 @torch.no_grad()
-def generate_batch(trunk: Trunk, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def generate_batch(trunk: Trunk, prompts: torch.Tensor, new_tokens: int,
+                   features: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Greedy continuations of equal-length ``prompts [B, P]`` through the trunk cache (one verify
-    row per sequence and step, then commit). Returns ``[B, P + new_tokens]``."""
+    row per sequence and step, then commit), as serving computes them. Returns the sequences
+    ``[B, T = P + new_tokens]`` and, with ``features``, each row's target-layer features
+    ``[B, T, n * D]`` from the same passes (the last row never ran through the trunk: zeros; no
+    training block can see it), else None."""
     cache = trunk.new_cache(prompts.shape[1] + new_tokens + 1)
-    h = trunk.prime(cache, prompts)
+    out = trunk.prime(cache, prompts, features)
+    h, f = out if features else (out, None)
+    feats = [f]
     nxt = trunk.logits(h[:, -1]).argmax(-1)
-    out = [prompts, nxt[:, None]]
+    toks = [prompts, nxt[:, None]]
     for _ in range(new_tokens - 1):
-        h = trunk.verify(cache, nxt[:, None])
+        out = trunk.verify(cache, nxt[:, None], features)
+        h, f = out if features else (out, None)
+        feats.append(f)
         cache.commit(1)
         nxt = trunk.logits(h[:, -1]).argmax(-1)
-        out.append(nxt[:, None])
-    return torch.cat(out, 1)
+        toks.append(nxt[:, None])
+    if not features:
+        return torch.cat(toks, 1), None
+    feats.append(torch.zeros_like(feats[-1]))
+    return torch.cat(toks, 1), torch.cat(feats, 1)
 
 
 def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_share: float = 0.25) -> list[list[int]]:
@@ -178,9 +189,8 @@ def main(
     for i in range(0, len(prompts), gen_batch):
         if time.time() - t0 > gen_minutes * 60:
             break
-        s = generate_batch(trunk_bf16, torch.tensor(prompts[i: i + gen_batch]), new_tokens)
-        with torch.no_grad():
-            feats.append(trunk_bf16.hidden(s, features=tuple(target_layers))[1].to(torch.bfloat16))
+        s, f = generate_batch(trunk_bf16, torch.tensor(prompts[i: i + gen_batch]), new_tokens, tuple(target_layers))
+        feats.append(f.to(torch.bfloat16))
         seqs.append(s)
         bar.n = int(time.time() - t0)
         bar.set_postfix(sequences=sum(len(x) for x in seqs), tokens=sum(x.numel() for x in seqs))
