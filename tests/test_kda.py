@@ -46,3 +46,15 @@ def test_matches_transformers_reference():
     o, s = kda_chunked(l2norm(raw_q) * 16 ** -0.5, l2norm(raw_k), v, g, beta, s0, chunk=16)
     assert (o - ref_o).abs().max() < 1e-5
     assert (s - ref_s).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("B,T,H,dk,dv", [(1, 1, 1, 8, 8), (1, 8, 4, 64, 64), (2, 5, 3, 16, 24), (1, 16, 2, 7, 5)])
+def test_rows_closed_form_matches_recurrent_states(B, T, H, dk, dv):
+    from tandem.model.kda import kda_rows
+
+    q, k, v, g, beta, s0 = _inputs(B, T, H, dk, dv, seed=11 + T)
+    o1, st1 = kda_recurrent(q, k, v, g, beta, s0, keep_states=True)
+    o2, st2 = kda_rows(q, k, v, g, beta, s0)
+    assert st2.shape == (B, T, H, dk, dv)
+    assert (o1 - o2).abs().max() < 1e-5
+    assert (st1 - st2).abs().max() < 1e-5

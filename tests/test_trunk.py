@@ -75,3 +75,21 @@ def test_cached_paths_equal_full_forward_sparse_regime(trunk_fp32, tokenizer, sh
     assert cache.pos == len(ids)
     assert (got - full).abs().max().item() < 1e-4
     assert torch.equal(got.argmax(-1), full.argmax(-1))
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_dense_expert_rows_equal_per_expert_dispatch(trunk_fp32, n):
+    """The dense path for a few rows (every expert, unselected ones weighted 0) equals dispatch per expert."""
+    from tandem.model.layers import MoE
+
+    moe = next(l.mlp for l in trunk_fp32.layers if isinstance(l.mlp, MoE))
+    x = torch.randn(n, trunk_fp32.cfg.hidden_size, generator=torch.Generator().manual_seed(n))
+    _, w, idx = moe.gate(x)
+    dense = moe.experts(x, idx, w)
+    old, moe.experts.dense_rows = moe.experts.dense_rows, 0
+    try:
+        loop = moe.experts(x, idx, w)
+    finally:
+        moe.experts.dense_rows = old
+    assert (dense - loop).abs().max() < 1e-5
+    assert loop.abs().max() > 1e-3  # the experts contribute

@@ -6,7 +6,8 @@ Recurrence per head (Kimi Linear, arXiv:2510.26692, eq. 1-2), state ``S [dk, dv]
     S_t  = S'_t + beta_t k_t (v_t - S'_t^T k_t)^T
     o_t  = S_t^T q_t                       (q, k L2-normalised, q scaled by dk^-1/2)
 
-``kda_recurrent`` runs it row by row and can return every row's state (verify rollback);
+``kda_recurrent`` runs it row by row and can return every row's state (the reference);
+``kda_rows`` gives every row's state in one closed-form pass (verify rollback);
 ``kda_chunked`` is the chunk-parallel form (WY / UT transform with a unit-lower-triangular solve)
 used for prime and training. Both are pure torch, fp32.
 """
@@ -50,6 +51,40 @@ def kda_recurrent(
             states.append(S)
     o = torch.stack(outs, 1)
     return o, (torch.stack(states, 1) if keep_states else S)
+
+
+def kda_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's KDA output and state in one closed-form pass (verify: a few rows, fixed op count).
+
+    Same arguments as :func:`kda_recurrent`; returns ``o [B, T, H, dv]`` and every row's state
+    ``[B, T, H, dk, dv]`` (what ``kda_recurrent(..., keep_states=True)`` returns, to fp32 rounding).
+    With ``G`` the inclusive cumulative log-decay and ``D_tj = exp(G_t - G_j)`` for ``j <= t`` (else 0;
+    every entry in ``[0, 1]``, so no overflow), the WY form of the delta rule (Yang et al. 2024,
+    "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", §3; per-channel
+    decay as in Kimi Linear, arXiv:2510.26692) gives pseudo-values ``U`` from
+    ``(I + diag(beta) A) U = diag(beta) (V - (exp(G) * K) S0)``, ``A_tj = sum_d k_t D_tj k_j`` (``j < t``),
+    and ``S_t = exp(G_t) * S0 + sum_j (D_tj * k_j) u_j^T``, ``o_t = S_t^T q_t``.
+    Cost: ``O(T^2 dk dv)`` per head; meant for ``T <= 16``.
+    """
+    B, T, H, dk = k.shape
+    q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))  # [B, H, T, d]
+    beta = beta.transpose(1, 2)  # [B, H, T]
+    G = g.cumsum(-2)
+    idx = torch.arange(T, device=k.device)
+    incl = (idx[:, None] >= idx[None, :])[:, :, None]  # [T, T, 1]
+    D = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~incl, float("-inf")).exp()  # [B, H, T, T, dk]
+    KD = D * k.unsqueeze(-3)  # [B, H, T(t), T(j), dk]: D_tj * k_j
+    A = torch.einsum("bhtd,bhtjd->bhtj", k, KD).masked_fill(~incl[..., 0] | torch.eye(T, dtype=torch.bool), 0.0)
+    eG = G.exp()
+    rhs = beta.unsqueeze(-1) * (v - (eG * k) @ state)
+    Tm = torch.eye(T, dtype=k.dtype, device=k.device) + beta.unsqueeze(-1) * A
+    U = torch.linalg.solve_triangular(Tm, rhs, upper=False, unitriangular=True)  # [B, H, T, dv]
+    states = eG.unsqueeze(-1) * state.unsqueeze(2) + torch.einsum("bhtjd,bhjv->bhtdv", KD, U)
+    o = torch.einsum("bhtdv,bhtd->bhtv", states, q)
+    return o.transpose(1, 2), states.transpose(1, 2)
 
 
 def kda_chunked(
@@ -208,5 +243,5 @@ class LinearAttention(nn.Module):
         tail, S = state
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
-        o, states = kda_recurrent(q, k, v, g, beta, S, keep_states=True)
+        o, states = kda_rows(q, k, v, g, beta, S)
         return self._out(x, o), full, states
