@@ -75,16 +75,15 @@ class ModelSpec:
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     """Serving defaults and limits (each written once; the ``tandem`` model's config.pbtxt
-    ``parameters`` carry the same values, checked by a test).
-
-    ``num_draft_tokens``: drafts per verify round when a request does not say;
-    ``max_num_draft_tokens``: the most a request may ask for; ``block_size``: the DFlash block
-    (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens unless a request asks for
-    fewer); ``burst_rounds``: verify rounds per
-    streamed response; ``max_ctx``: tokens per session (prompt + generated, all turns), also the
-    ``MAX_TOKENS`` limit; ``idle_timeout_s``: sessions idle longer are closed; ``spec``: the
-    default arm; ``checkpoint``: weights folder relative to the model repository; ``dtype``:
-    compute dtype of the stage models.
+    ``parameters`` carry the same values, checked by a test). ``num_draft_tokens``: drafts per verify
+    round when a request does not say; ``max_num_draft_tokens``: the most a request may ask for;
+    ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens
+    unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response;
+    ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
+    ``idle_timeout_s``: sessions idle longer are closed; ``spec``: the default arm; ``checkpoint``:
+    weights folder relative to the model repository; ``dtype``: compute dtype of the stage models;
+    ``prefix_cache_mb``: memory bound of the prefix cache (published prompt blocks: trunk state and
+    DFlash drafter tails), 0 turns it off.
     """
 
     num_draft_tokens: int = 3
@@ -96,6 +95,7 @@ class ServingConfig:
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
     dtype: str = "bf16"
+    prefix_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
@@ -106,6 +106,8 @@ class ServingConfig:
             raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
         for name in ("burst_rounds", "max_ctx"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -136,6 +138,10 @@ SPECS = (MTP, DFLASH, DFLASH2, OFF)
 DFLASH_ARMS = (DFLASH, DFLASH2)
 DTYPES = ("bf16", "fp32")
 DEFAULTS = ServingConfig()
+#: Tokens per prefix-cache block: prompts are published and reused in whole blocks, and with the
+#: prefix cache on every prime and DFlash ingest is computed in pieces ending at multiples of it (a
+#: multiple of the KDA chunk, 16, and of ``index_kpool``), so warm and cold starts are bit-identical.
+PREFIX_BLOCK = 64
 FINISH_REASONS = ("stop", "length", "context")
 
 # -- the tandem model ----------------------------------------------------------------------------------------
@@ -165,7 +171,8 @@ TANDEM = ModelSpec(
         TensorSpec(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
     ),
-    parameters=("checkpoint", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx"),
+    parameters=("checkpoint", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
+                "prefix_cache_mb"),
     decoupled=True,
     controls=((START, "CONTROL_SEQUENCE_START"), (END, "CONTROL_SEQUENCE_END"), (CORRID, "CONTROL_SEQUENCE_CORRID")),
 )
@@ -174,6 +181,11 @@ TANDEM = ModelSpec(
 _OP = TensorSpec("OP", "TYPE_STRING", (1,))
 _SIDS = TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)")
 _LENGTHS = TensorSpec("LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="rows per sequence")
+_PREFIX_KEYS = TensorSpec("PREFIX_KEYS", "TYPE_INT64", (-1,), optional=True,
+                          doc="prefix-cache block keys (hash chain), concatenated over sequences")
+_PREFIX_LENGTHS = TensorSpec("PREFIX_LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=-1,
+                             doc="keys per sequence; prime: -1 = no prefix cache for that sequence")
+_NBYTES = TensorSpec("NBYTES", "TYPE_INT64", (-1,), doc="publish: bytes newly stored per sequence")
 
 TRUNK = ModelSpec(
     name="trunk",
@@ -182,15 +194,17 @@ TRUNK = ModelSpec(
         TensorSpec("TOKENS", "TYPE_INT64", (-1,), optional=True, doc="rows of every sequence, concatenated"),
         _LENGTHS,
         TensorSpec("N_ROWS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="commit: rows kept per sequence"),
+        _PREFIX_KEYS, _PREFIX_LENGTHS,
     ),
     outputs=(
         TensorSpec("ARGMAX", "TYPE_INT64", (-1,)),
         TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), doc="[rows, hidden_size]"),
         TensorSpec("TOP2_GAP", "TYPE_FP32", (-1,), doc="top-1 minus top-2 logit"),
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
+        _NBYTES,
     ),
     parameters=("checkpoint", "dtype"),
-    ops=("open", "close", "prime", "verify", "commit"),
+    ops=("open", "close", "prime", "verify", "commit", "publish", "evict"),
 )
 
 DRAFTER_MTP = ModelSpec(
@@ -221,13 +235,15 @@ DRAFTER_DFLASH = ModelSpec(
         TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (-1,), optional=True, lo=0, hi=DEFAULTS.max_num_draft_tokens,
                    doc="drafts per sequence (block size - 1 at most)"),
         TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True, doc="arm per sequence: " + " | ".join(DFLASH_ARMS)),
+        _PREFIX_KEYS, _PREFIX_LENGTHS,
     ),
     outputs=(
         TensorSpec("DRAFTS", "TYPE_INT64", (-1,)),
         TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
+        _NBYTES,
     ),
     parameters=("checkpoint", "dtype", "max_num_draft_tokens"),
-    ops=("open", "close", "draft"),
+    ops=("open", "close", "draft", "publish", "evict"),
 )
 
 MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
@@ -320,6 +336,27 @@ def lengths_of(arrays: Arrays, n_sids: int, total: int, of: str) -> list[int]:
     if sum(lengths) != total:
         raise WireError(f"LENGTHS sum to {sum(lengths)} but {of} has {total} rows")
     return lengths
+
+
+def prefixes_to_wire(prefixes: list[list[int] | None]) -> Arrays:
+    """Per-sequence prefix keys (None = no prefix cache for that sequence) -> ``PREFIX_KEYS`` [sum n]
+    int64 and ``PREFIX_LENGTHS [S]`` int32 (-1 for None)."""
+    return {_PREFIX_KEYS.name: np.array([k for p in prefixes if p for k in p], dtype=np.int64),
+            _PREFIX_LENGTHS.name: np.array([-1 if p is None else len(p) for p in prefixes], dtype=np.int32)}
+
+
+def prefixes_from_wire(arrays: Arrays, n_sids: int) -> list[list[int] | None]:
+    """Inverse of :func:`prefixes_to_wire`; all None when ``PREFIX_LENGTHS`` is absent. Raises
+    :class:`WireError` when the counts disagree with ``SIDS`` or ``PREFIX_KEYS``."""
+    if _PREFIX_LENGTHS.name not in arrays:
+        return [None] * n_sids
+    lens = [int(x) for x in get_vector(arrays, _PREFIX_LENGTHS)]
+    keys = get_vector(arrays, _PREFIX_KEYS) if _PREFIX_KEYS.name in arrays else np.zeros(0, np.int64)
+    if len(lens) != n_sids or any(n < -1 for n in lens) or sum(max(0, n) for n in lens) != keys.size:
+        raise WireError(f"PREFIX_LENGTHS {lens} must hold one entry >= -1 per SIDS ({n_sids}) summing (over entries "
+                        f">= 0) to the {keys.size} PREFIX_KEYS")
+    offs = np.cumsum([0] + [max(0, n) for n in lens])
+    return [None if n < 0 else keys[offs[i]:offs[i + 1]].tolist() for i, n in enumerate(lens)]
 
 
 def check_tokens(name: str, toks: np.ndarray, vocab: int) -> None:

@@ -16,7 +16,10 @@ from .. import schema
 from ..model.dflash import DFlashDrafter
 from ..schema import WireError
 from .drafter_stage import DrafterStage
+from .prefix import split_points
 from .protocols import DraftRequest
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: keys, values [1, H, rows, d]
 
 
 @dataclasses.dataclass
@@ -50,9 +53,62 @@ class DFlashStage(DrafterStage):
         super().__init__(max_num_draft_tokens)
         self.drafters, self.embed, self.head = drafters, embed, head
         self.feature_size = sizes.pop()
+        #: published drafter tails: (arm, chain key) -> the context K/V of that block's rows
+        self.tails: dict[tuple[str, int], KV] = {}
 
     def new_state(self) -> DFlashState:
         return DFlashState()
+
+    def open(self, sids: list[int], prefixes: list[tuple[str, list[int]] | None] | None = None) -> None:
+        """Fresh state for ``sids``; a sequence with a prefix ``(arm, keys)`` starts from those published
+        tails (``len(keys) * PREFIX_BLOCK`` rows covered, arm fixed). Raises ``KeyError`` (nothing
+        opened) when a tail is not published."""
+        prefixes = prefixes or [None] * len(sids)
+        for p in prefixes:
+            for k in (p[1] if p else []):
+                if (p[0], k) not in self.tails:
+                    raise KeyError(f"no {p[0]} drafter tail for prefix block {k}")
+        super().open(sids)
+        for sid, p in zip(sids, prefixes):
+            if p and p[1]:
+                st, blocks = self.states[sid], [self.tails[(p[0], k)] for k in p[1]]
+                st.arm, st.rows = p[0], len(p[1]) * schema.PREFIX_BLOCK
+                st.kv = [(torch.cat([b[i][0] for b in blocks], 2), torch.cat([b[i][1] for b in blocks], 2))
+                         for i in range(len(blocks[0]))]
+
+    def export_tail(self, sid: int, upto: int) -> KV | None:
+        """The context K/V of rows ``[0, upto)`` (views), or None when the drafter covers fewer rows."""
+        st = self.state(sid)
+        if st.kv is None or st.rows < upto or upto < 1:
+            return None
+        return [(k[:, :, :upto], v[:, :, :upto]) for k, v in st.kv]
+
+    def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
+        """Store each sequence's tail blocks ``keys`` (block ``i`` = rows ``[i*C, (i+1)*C)``; blocks already
+        stored for its arm are skipped). Returns bytes newly stored per item. Raises ``ValueError``
+        (nothing stored) when a sequence covers fewer rows than its keys."""
+        C = schema.PREFIX_BLOCK
+        for sid, keys in items:
+            if keys and self.export_tail(sid, len(keys) * C) is None:
+                raise ValueError(f"sequence {sid}: the drafter covers {self.state(sid).rows} rows, "
+                                 f"not the {len(keys) * C} of its prefix")
+        out = []
+        for sid, keys in items:
+            st, n = self.state(sid), 0
+            for j, key in enumerate(keys):
+                if (st.arm, key) in self.tails:
+                    continue
+                blk = [(k[:, :, j * C:(j + 1) * C].clone(), v[:, :, j * C:(j + 1) * C].clone()) for k, v in st.kv]
+                self.tails[(st.arm, key)] = blk
+                n += sum(t.numel() * t.element_size() for kv in blk for t in kv)
+            out.append(n)
+        return out
+
+    def evict(self, keys: list[int]) -> None:
+        """Drop the tails of ``keys`` for every arm (unknown ones ignored)."""
+        for k in keys:
+            for arm in self.drafters:
+                self.tails.pop((arm, k), None)
 
     def covered_rows(self, sid: int) -> int:
         """Committed positions the drafter KV of ``sid`` covers. Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
@@ -73,10 +129,14 @@ class DFlashStage(DrafterStage):
                 raise ValueError(f"sequence {it.sid} drafts with {st.arm}, not {it.arm}")
             model = self.drafters[it.arm]
             n = len(it.next_tokens)
-            pos = torch.arange(st.rows, st.rows + n)
-            kv = model.context_kv(model.context(it.features.reshape(1, n, -1)), pos)
-            st.kv = kv if st.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                                              for (k0, v0), (k1, v1) in zip(st.kv, kv)]
+            feats = it.features.reshape(1, n, -1)
+            pts = split_points(st.rows, st.rows + n)  # pieces end at multiples of PREFIX_BLOCK: warm == cold
+            pieces = [model.context_kv(model.context(feats[:, a - pts[0]: b - pts[0]]), torch.arange(a, b))
+                      for a, b in zip(pts, pts[1:])]
+            if st.kv is not None:
+                pieces.insert(0, st.kv)
+            st.kv = [(torch.cat([p[i][0] for p in pieces], 2), torch.cat([p[i][1] for p in pieces], 2))
+                     for i in range(len(pieces[0]))]
             st.rows += n
             k = min(it.num_draft_tokens, model.cfg.block_size - 1)
             if k <= 0:
@@ -90,6 +150,45 @@ class DFlashStage(DrafterStage):
                        else logits.argmax(-1).tolist())
         return res
 
+    def handle(self, arrays: schema.Arrays) -> schema.Arrays:
+        """The wire form (:data:`tandem.schema.DRAFTER_DFLASH`): ``draft`` and ``close`` as every drafter;
+        ``open`` with optional ``SPEC`` + ``PREFIX_KEYS`` / ``PREFIX_LENGTHS`` (warm start), ``publish``
+        (``NBYTES`` per sequence), ``evict`` (keys in one ``PREFIX_LENGTHS`` entry). Raises
+        :class:`~tandem.schema.WireError` naming the field."""
+        op = schema.get_op(arrays, self.spec)
+        nbytes = np.zeros(0, np.int64)
+        if op in ("open", "publish", "evict"):
+            sids = schema.get_sids(arrays)
+            try:
+                if op == "evict":
+                    self.evict(schema.prefixes_from_wire(arrays, 1)[0] or [])
+                elif op == "open":
+                    pre = schema.prefixes_from_wire(arrays, len(sids))
+                    arms = self._arms(arrays, len(sids)) if any(pre) else [None] * len(sids)
+                    self.open(sids, [(a, p) if p else None for a, p in zip(arms, pre)])
+                else:
+                    for s in sids:
+                        if s not in self.states:
+                            raise WireError(f"SIDS: unknown sequence id {s} (not open in the drafter)")
+                    nbytes = np.array(self.publish(list(zip(sids, [p or [] for p in
+                                                                  schema.prefixes_from_wire(arrays, len(sids))]))),
+                                      np.int64)
+            except (KeyError, ValueError) as e:
+                if isinstance(e, WireError):
+                    raise
+                raise WireError(f"PREFIX_KEYS: {e.args[0] if e.args else e}") from None
+            return {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(len(sids), np.int32), "NBYTES": nbytes}
+        return {**super().handle(arrays), "NBYTES": nbytes}
+
+    def _arms(self, arrays: schema.Arrays, n: int) -> list[str]:
+        arms = [a.decode() if isinstance(a, bytes) else str(a) for a in np.asarray(arrays.get(schema.SPEC, [])).reshape(-1)]
+        if len(arms) != n:
+            raise WireError(f"{schema.SPEC} has {len(arms)} entries for {n} SIDS")
+        for a in arms:
+            if a not in self.drafters:
+                raise WireError(f"{schema.SPEC}: {a!r} is not served here (loaded: {sorted(self.drafters)})")
+        return arms
+
     def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
         """The draft items of a packed request: ``FEATURES [N, F]``, ``LENGTHS [S]``, ``ANCHORS [S]``,
         ``SPEC [S]``."""
@@ -98,13 +197,10 @@ class DFlashStage(DrafterStage):
             raise WireError(f"FEATURES must be [N, {self.feature_size}], got {list(feats.shape)}")
         lengths = schema.lengths_of(arrays, len(sids), feats.shape[0], "FEATURES")
         anchors = schema.get_vector(arrays, self.spec.input("ANCHORS"))
-        arms = [a.decode() if isinstance(a, bytes) else str(a) for a in np.asarray(arrays.get(schema.SPEC, [])).reshape(-1)]
-        for name, got in (("ANCHORS", anchors.size), (schema.SPEC, len(arms))):
-            if got != len(sids):
-                raise WireError(f"{name} has {got} entries for {len(sids)} SIDS")
+        if anchors.size != len(sids):
+            raise WireError(f"ANCHORS has {anchors.size} entries for {len(sids)} SIDS")
+        arms = self._arms(arrays, len(sids))
         for s, a in zip(sids, arms):
-            if a not in self.drafters:
-                raise WireError(f"{schema.SPEC}: {a!r} is not served here (loaded: {sorted(self.drafters)})")
             if self.states[s].arm not in (None, a):
                 raise WireError(f"{schema.SPEC}: sequence {s} drafts with {self.states[s].arm}, not {a}")
         schema.check_tokens("ANCHORS", anchors, self.embed.num_embeddings)

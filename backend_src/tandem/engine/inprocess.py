@@ -54,6 +54,14 @@ class Engine:
         self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids)
         self._ids = itertools.count(1 << 40)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every published prefix (index and stores): the next prompts start cold."""
+        if self.sched.prefix is not None:
+            self.sched.prefix = type(self.sched.prefix)(self.sched.prefix.capacity)
+        self.trunk.blocks.clear()
+        for stage in {id(d): d for d in self.drafters.values()}.values():
+            getattr(stage, "tails", {}).clear()
+
     def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str | None = None,
                  num_draft_tokens: int | None = None, on_burst=None) -> dict:
         """Generate one turn in a fresh sequence. Returns ``token_ids``, ``rounds``, ``drafted``,

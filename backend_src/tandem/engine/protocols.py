@@ -18,6 +18,10 @@ class Rows:
 
     sid: int
     tokens: list[int]
+    #: prime only: None = no prefix cache; else the chain keys of the published blocks to start from
+    #: (``len * PREFIX_BLOCK`` rows restored before ``tokens``; may be empty), and the prime is
+    #: computed in pieces ending at multiples of ``PREFIX_BLOCK``, capturing the state at each
+    prefix: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -114,6 +118,14 @@ class TrunkAPI(Protocol):
 
     def commit(self, items: list[Commit]) -> None:
         """Keep ``n_rows`` of each pending verify, drop the rest (exact rollback)."""
+
+    def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
+        """Store blocks ``keys`` (block ``i`` of each ``(sid, keys)`` item is the chain key of rows
+        ``[i*C, (i+1)*C)``; keys already stored are skipped) from the sequence's prime capture; returns
+        the bytes newly stored per item."""
+
+    def evict(self, keys: list[int]) -> None:
+        """Drop published blocks (unknown keys ignored)."""
 
 
 class DrafterAPI(Protocol):

@@ -15,6 +15,7 @@ from typing import Callable
 from .. import schema
 from ..schema import ServingConfig
 from .accept import accept_walk
+from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
 from .session import Receipt, SpecSession
 
@@ -64,6 +65,8 @@ class Scheduler:
         self._to_cancel: dict[int, Turn | None] = {}
         self.stats = {"sessions_opened": 0, "sessions_expired": 0, "cancelled": 0, "rounds": 0, "drafted": 0,
                       "accepted": 0}
+        #: the prefix cache's index (None when ``config.prefix_cache_mb`` is 0)
+        self.prefix = PrefixIndex(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
         #: wall seconds per stage of :meth:`round` (summed; a batched round counts once)
         self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "commit_s": 0.0, "rounds": 0}
 
@@ -120,12 +123,14 @@ class Scheduler:
                 self.close(t.sid)
             s = self.sessions.get(t.sid)
             if s is None:
-                s = SpecSession(t.sid, self._num_draft_tokens(t), self.config.max_ctx, trunk=self.trunk, arm=self._arm(t))
+                arm = self._arm(t)
+                s = SpecSession(t.sid, self._num_draft_tokens(t), self.config.max_ctx, trunk=self.trunk, arm=arm,
+                                drafter=self.drafters.get(arm))
             elif t.num_draft_tokens is not None and s.arm != schema.OFF:  # a later turn may change the draft count
                 s.num_draft_tokens = self._num_draft_tokens(t)
                 s.accepted_at += [0] * (s.num_draft_tokens - len(s.accepted_at))
             rows = ([s.anchor] if s.anchor is not None else []) + list(t.tokens)
-            ok.append((t, s, rows))
+            ok.append((t, s, self._prefix_rows(s, rows)))
         self._flush_closes()
         if not ok:
             return
@@ -137,8 +142,14 @@ class Scheduler:
             if new:
                 self.trunk.open([s.sid for s in new])
                 for stage, group in self._by_drafter(new):
-                    stage.open([s.sid for s in group])
-            outs = self.trunk.prime([Rows(s.sid, rows) for _, s, rows in ok])
+                    item = {x.sid: r for _, x, r in ok}
+                    warm = [(s.arm, item[s.sid].prefix) if item[s.sid].prefix and s.arm in schema.DFLASH_ARMS else None
+                            for s in group]
+                    if any(warm):
+                        stage.open([s.sid for s in group], warm)
+                    else:
+                        stage.open([s.sid for s in group])
+            outs = self.trunk.prime([rows for _, _, rows in ok])
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
             for t, s, _ in ok:
                 self.close(s.sid)
@@ -150,7 +161,21 @@ class Scheduler:
             self._publish(s, self._after_prime(s, rows, out, t.max_tokens))
         self._flush_closes()
 
-    def _after_prime(self, s: SpecSession, rows: list[int], out: VerifyOut, max_tokens: int) -> Receipt:
+    def _prefix_rows(self, s: SpecSession, rows: list[int]) -> Rows:
+        """The prime item of a turn: with the prefix cache on, a new session's prompt (plain or DFlash
+        arm) is looked up block by block and captured; its published leading blocks are skipped."""
+        if self.prefix is None or s.committed or s.arm == schema.MTP or reusable_blocks(len(rows)) == 0:
+            return Rows(s.sid, rows)
+        keys = block_keys(rows, reusable_blocks(len(rows)))
+        hit = self.prefix.lookup(keys, s.arm)
+        s.prefix_capture, s.warm_rows = PrefixCapture(keys), hit * schema.PREFIX_BLOCK
+        s.drafter_rows = s.warm_rows if s.arm in schema.DFLASH_ARMS else 0
+        return Rows(s.sid, rows[s.warm_rows:], keys[:hit])
+
+    def _after_prime(self, s: SpecSession, item: Rows, out: VerifyOut, max_tokens: int) -> Receipt:
+        rows = item.tokens
+        if item.prefix:  # the restored rows are the first turn's leading tokens
+            s.committed.extend(self.turns[s.sid].tokens[: s.warm_rows])
         s.committed.extend(rows)
         tok = int(out.argmax[-1])
         s.anchor, s.turn_remaining, s.finish_reason, s.turn_done = tok, max_tokens - 1, None, False
@@ -209,6 +234,8 @@ class Scheduler:
         for stage, group in self._by_drafter(act):
             reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
                     for s in group]
+            for s in group:
+                s.drafter_rows = len(s.committed)
             for s, d in zip(group, stage.draft(reqs)):
                 drafts[s.sid] = d
         t1 = clock()
@@ -261,6 +288,8 @@ class Scheduler:
             if not self.active():
                 break
             self.round(receipts)
+        if self.prefix is not None:
+            publish_ready(self.prefix, [self.sessions[sid] for sid in receipts], self.trunk, self.drafters)
         for sid, r in receipts.items():
             self._publish(self.sessions[sid], r)
         self._flush_closes()

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from typing import Any
 
-import torch
+from .. import schema
 
 
 @dataclasses.dataclass
@@ -40,8 +40,12 @@ class SpecSession:
 
     ``arm`` is the speculation arm (:data:`tandem.schema.SPECS`); ``num_draft_tokens`` is 0 for
     plain decoding; ``trunk`` is the trunk stage (or its proxy), read only by :meth:`cache_ref`;
+    ``drafter`` the session's drafter stage (or proxy), read only by :meth:`export_draft_tail`;
     ``ingest`` holds the committed rows the drafter has not seen yet (their trunk pass
-    :class:`~tandem.engine.protocols.VerifyOut` and next tokens ``[n]``).
+    :class:`~tandem.engine.protocols.VerifyOut` and next tokens ``[n]``); ``drafter_rows`` counts the
+    committed rows the drafter has ingested; ``prefix_capture`` is the prompt-boundary
+    :class:`~tandem.engine.prefix.PrefixCapture` (None when the prefix cache is off, the arm is MTP, or
+    the prompt has no whole reusable block); ``warm_rows`` the prompt rows taken from the prefix cache.
     """
 
     sid: int
@@ -61,6 +65,9 @@ class SpecSession:
     last_active: float = dataclasses.field(default_factory=time.monotonic)
     ingest: tuple[Any, list[int]] | None = None
     prefix_capture: Any = None
+    drafter: Any = None
+    drafter_rows: int = 0
+    warm_rows: int = 0
 
     def __post_init__(self) -> None:
         if not self.accepted_at:
@@ -80,19 +87,26 @@ class SpecSession:
         return self.finish_reason in ("stop", "context")
 
     def take_prefix_capture(self):
-        """Drain the prompt-boundary capture for the prefix cache. None on the arms that exist
-        (the native MTP arm and plain decoding keep no capture)."""
+        """Drain the prompt-boundary capture (a :class:`~tandem.engine.prefix.PrefixCapture`, or None:
+        the MTP arm keeps none, nor does a prompt shorter than one block + 1 or a server without a
+        prefix cache). The scheduler publishes it once :meth:`prefix_capture_ready`."""
         cap, self.prefix_capture = self.prefix_capture, None
         return cap
 
     def prefix_capture_ready(self) -> bool:
-        """A capture exists and the drafter KV covers the boundary; False while none is held."""
-        return self.prefix_capture is not None
+        """A capture exists AND the drafter KV covers its boundary: at once for plain decoding (no
+        drafter), after round 1 on the DFlash arms (the prompt's features are ingested then)."""
+        cap = self.prefix_capture
+        return cap is not None and (self.arm == schema.OFF or self.drafter_rows >= cap.boundary)
 
     def export_draft_tail(self, upto: int):
-        """The drafter's readable KV tail at ``upto`` rows: None on the native MTP arm (its KV is
-        not a block drafter's window) and for plain decoding."""
-        return None
+        """The DFlash drafter's context K/V of rows ``[0, upto)`` (per layer ``(k, v) [1, H, upto, d]``),
+        from an in-process drafter stage. None on the native MTP arm (its KV is not a block
+        drafter's window), for plain decoding, behind BLS (the drafter lives in its own process: the
+        scheduler publishes through its ``publish`` op) and when the drafter covers fewer than ``upto`` rows."""
+        if self.arm not in schema.DFLASH_ARMS or not hasattr(self.drafter, "export_tail"):
+            return None
+        return self.drafter.export_tail(self.sid, upto)
 
     def cache_ref(self):
         """Read-only view of the trunk cache (in-process trunk stage); None behind BLS, where the

@@ -6,14 +6,34 @@ it is what runs inside the ``trunk`` Triton model, and in-process behind a local
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from .. import schema
-from ..model.cache import TrunkCache
+from ..model.cache import KDAState, MLACache, TrunkCache
 from ..model.trunk import Trunk
 from ..schema import WireError
+from .prefix import split_points
 from .protocols import Commit, KeyedStates, Rows, VerifyOut
+
+_MLA_ROWS = ("latent", "ik", "ig")  # [1, L, .] per token
+_MLA_HEAD_ROWS = ("k", "v")  # [1, H, L, .] per token
+
+
+@dataclasses.dataclass
+class TrunkBlock:
+    """A published prefix block of ``PREFIX_BLOCK`` rows: per MLA layer its rows (``latent, ik, ig
+    [1, C, .]``, ``k, v [1, H, C, .]``, ``pk [1, C / kp, .]``), per KDA layer the state after the block's
+    last row (``tail, S``). Clones: nothing a session does later can change them."""
+
+    mla: dict[int, dict[str, torch.Tensor]]
+    kda: dict[int, KDAState]
+
+    def nbytes(self) -> int:
+        ts = [t for d in self.mla.values() for t in d.values()] + [t for st in self.kda.values() for t in (st.tail, st.S)]
+        return sum(t.numel() * t.element_size() for t in ts)
 
 
 def _out(model: Trunk, out, features: tuple[int, ...]) -> VerifyOut:
@@ -40,6 +60,20 @@ class TrunkStage(KeyedStates):
         self.feature_layers = tuple(feature_layers)
         self.max_ctx = max_ctx or model.cfg.max_position_embeddings
         self.vocab_size = model.cfg.vocab_size
+        #: published prefix blocks by chain key (changed only by :meth:`publish` / :meth:`evict`)
+        self.blocks: dict[int, TrunkBlock] = {}
+        #: per sequence, the KDA states captured at each multiple of PREFIX_BLOCK its prime reached
+        self.captures: dict[int, dict[int, dict[int, KDAState]]] = {}
+
+    def open(self, sids: list[int]) -> None:
+        super().open(sids)
+        for s in sids:
+            self.captures.pop(s, None)
+
+    def close(self, sids: list[int]) -> None:
+        super().close(sids)
+        for s in sids:
+            self.captures.pop(s, None)
 
     @property
     def caches(self) -> dict[int, TrunkCache]:
@@ -54,8 +88,81 @@ class TrunkStage(KeyedStates):
         return self.state(sid)
 
     def prime(self, items: list[Rows]) -> list[VerifyOut]:
+        """Prefill each item (see :class:`~tandem.engine.protocols.Rows` for ``prefix``): restore its
+        published blocks, then run its rows, in pieces ending at multiples of ``PREFIX_BLOCK`` when it uses
+        the prefix cache. Outputs cover the rows run (not the restored ones). Raises ``KeyError`` for an
+        unpublished key, ``ValueError`` when restoring into a non-empty cache."""
         f = self.feature_layers
-        return [_out(self.model, self.model.prime(self.cache(it.sid), torch.tensor([it.tokens]), f), f) for it in items]
+        outs = []
+        for it in items:
+            cache = self.cache(it.sid)
+            ids = torch.tensor([it.tokens])
+            if it.prefix is None:
+                outs.append(_out(self.model, self.model.prime(cache, ids, f), f))
+                continue
+            if it.prefix:
+                self._restore(it.sid, cache, it.prefix)
+            pts = split_points(cache.pos, cache.pos + len(it.tokens))
+            parts = []
+            for a, b in zip(pts, pts[1:]):
+                o = self.model.prime(cache, ids[:, a - pts[0]: b - pts[0]], f)
+                parts.append(o if f else (o,))
+                if cache.pos % schema.PREFIX_BLOCK == 0 and cache.pos < pts[-1]:
+                    self.captures.setdefault(it.sid, {})[cache.pos] = {
+                        i: l.clone() for i, l in enumerate(cache.layers) if isinstance(l, KDAState)}
+            cat = tuple(torch.cat(xs, 1) for xs in zip(*parts))
+            outs.append(_out(self.model, cat if f else cat[0], f))
+        return outs
+
+    def _restore(self, sid: int, cache: TrunkCache, keys: list[int]) -> None:
+        if cache.pos != 0:
+            raise ValueError(f"sequence {sid}: a prefix can only start an empty cache (it holds {cache.pos} rows)")
+        blocks = [self.blocks[k] for k in keys]
+        C = schema.PREFIX_BLOCK
+        caps = self.captures.setdefault(sid, {})
+        for j, b in enumerate(blocks):
+            caps[(j + 1) * C] = b.kda
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, MLACache):
+                layer.latent, layer.ik, layer.ig = (torch.cat([b.mla[i][n] for b in blocks], 1) for n in _MLA_ROWS)
+                layer.k, layer.v = (torch.cat([b.mla[i][n] for b in blocks], 2) for n in _MLA_HEAD_ROWS)
+                layer.pk = torch.cat([b.mla[i]["pk"] for b in blocks], 1)
+            elif i in blocks[-1].kda:
+                cache.layers[i] = blocks[-1].kda[i].clone()
+        cache.pos = len(keys) * C
+
+    def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
+        """See :meth:`~tandem.engine.protocols.TrunkAPI.publish`. The rows come from the sequence's
+        cache (append-only below its prime boundary), the KDA states from its prime capture, which is
+        dropped. Raises ``ValueError`` when a block was not captured."""
+        C, out = schema.PREFIX_BLOCK, []
+        for sid, keys in items:  # check everything first: a refused publish stores nothing
+            cache, caps = self.cache(sid), self.captures.get(sid, {})
+            for j, key in enumerate(keys):
+                if key not in self.blocks and ((j + 1) * C not in caps or cache.pos < (j + 1) * C):
+                    raise ValueError(f"sequence {sid}: block {j} (rows < {(j + 1) * C}) was not captured by its prime")
+        for sid, keys in items:
+            cache, caps = self.cache(sid), self.captures.pop(sid, {})
+            n = 0
+            for j, key in enumerate(keys):
+                if key in self.blocks:
+                    continue
+                lo, end = j * C, (j + 1) * C
+                mla = {}
+                for i, layer in enumerate(cache.layers):
+                    if isinstance(layer, MLACache):
+                        d = {n: getattr(layer, n)[:, lo:end].clone() for n in _MLA_ROWS}
+                        d.update({n: getattr(layer, n)[:, :, lo:end].clone() for n in _MLA_HEAD_ROWS})
+                        d["pk"] = layer.pk[:, lo // layer.kp: end // layer.kp].clone()
+                        mla[i] = d
+                self.blocks[key] = blk = TrunkBlock(mla, {i: st.clone() for i, st in caps[end].items()})
+                n += blk.nbytes()
+            out.append(n)
+        return out
+
+    def evict(self, keys: list[int]) -> None:
+        for k in keys:
+            self.blocks.pop(k, None)
 
     def verify(self, items: list[Rows]) -> list[VerifyOut]:
         f = self.feature_layers
@@ -69,18 +176,28 @@ class TrunkStage(KeyedStates):
     def handle(self, arrays: schema.Arrays) -> schema.Arrays:
         """Run one packed request (:data:`tandem.schema.TRUNK`). Every sequence is checked before
         any is touched, so a rejected request changes no cache. Returns ``ARGMAX [R]``,
-        ``HIDDEN [R, D]``, ``TOP2_GAP [R]`` over all rows (``R = 0`` for open/close/commit).
-
-        ``FEATURES [R, F]`` too. Raises :class:`~tandem.schema.WireError` naming the field.
+        ``HIDDEN [R, D]``, ``TOP2_GAP [R]``, ``FEATURES [R, F]`` over all rows (``R = 0`` but for
+        prime / verify) and ``NBYTES [S]`` (publish; else empty). ``PREFIX_KEYS`` / ``PREFIX_LENGTHS``
+        carry prime's prefix (-1: none), publish's chains and (one entry, no SIDS) evict's keys.
+        Raises :class:`~tandem.schema.WireError` naming the field.
         """
         op = schema.get_op(arrays, schema.TRUNK)
         sids = schema.get_sids(arrays)
         if op in ("open", "close"):
             getattr(self, op)(sids)
             return self._pack([])
+        if op == "evict":
+            self.evict(schema.prefixes_from_wire(arrays, 1)[0] or [])
+            return self._pack([])
         for s in sids:
             if s not in self.caches:
                 raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
+        prefixes = schema.prefixes_from_wire(arrays, len(sids))
+        if op == "publish":
+            try:
+                return self._pack([], self.publish([(s, p or []) for s, p in zip(sids, prefixes)]))
+            except ValueError as e:
+                raise WireError(f"PREFIX_KEYS: {e}") from None
         if op == "commit":
             n_rows = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
             if len(n_rows) != len(sids):
@@ -96,21 +213,30 @@ class TrunkStage(KeyedStates):
         toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))
         lengths = schema.lengths_of(arrays, len(sids), toks.size, "TOKENS")
         schema.check_tokens("TOKENS", toks, self.vocab_size)
-        for s, n in zip(sids, lengths):
+        for s, n, p in zip(sids, lengths, prefixes):
             c = self.caches[s]
             if c.pending is not None:
                 raise WireError(f"OP: {op} for sequence {s} while a verify is pending (commit first)")
+            if op == "prime" and p:
+                if c.pos != 0:
+                    raise WireError(f"PREFIX_KEYS: sequence {s} is not empty ({c.pos} rows); a prefix starts a sequence")
+                missing = [k for k in p if k not in self.blocks]
+                if missing:
+                    raise WireError(f"PREFIX_KEYS: block {missing[0]} is not published")
+                n += len(p) * schema.PREFIX_BLOCK
             if c.pos + n > c.max_ctx:
                 raise WireError(f"TOKENS: context full for sequence {s}: {c.pos} + {n} rows > max_ctx {c.max_ctx}")
-        items = [Rows(s, rows.tolist()) for s, rows in zip(sids, schema.split_rows(toks, lengths))]
+        items = [Rows(s, rows.tolist(), p if op == "prime" else None)
+                 for s, rows, p in zip(sids, schema.split_rows(toks, lengths), prefixes)]
         return self._pack(getattr(self, op)(items))
 
-    def _pack(self, outs: list[VerifyOut]) -> schema.Arrays:
+    def _pack(self, outs: list[VerifyOut], nbytes: list[int] = ()) -> schema.Arrays:
+        nb = np.array(list(nbytes), np.int64)
         if not outs:
             D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
             return {"ARGMAX": np.zeros(0, np.int64), "HIDDEN": np.zeros((0, D), np.float32),
-                    "TOP2_GAP": np.zeros(0, np.float32), "FEATURES": np.zeros((0, F), np.float32)}
+                    "TOP2_GAP": np.zeros(0, np.float32), "FEATURES": np.zeros((0, F), np.float32), "NBYTES": nb}
         return {"ARGMAX": torch.cat([o.argmax for o in outs]).numpy().astype(np.int64, copy=False),
                 "HIDDEN": torch.cat([o.hidden for o in outs]).float().numpy(),
                 "TOP2_GAP": torch.cat([o.top2_gap for o in outs]).float().numpy(),
-                "FEATURES": torch.cat([o.features for o in outs]).float().numpy()}
+                "FEATURES": torch.cat([o.features for o in outs]).float().numpy(), "NBYTES": nb}

@@ -17,11 +17,14 @@ def model_parameters(model_config: dict) -> dict[str, str]:
 
 
 def serving_config(model_config: dict) -> schema.ServingConfig:
-    """The model's parameters over :data:`tandem.schema.DEFAULTS`, with ``$TANDEM_CHECKPOINT`` and
-    ``$TANDEM_DTYPE`` overriding ``checkpoint`` and ``dtype``. Raises ``ValueError`` on a bad parameter."""
-    env = {k: os.environ[v] for k, v in (("checkpoint", "TANDEM_CHECKPOINT"), ("dtype", "TANDEM_DTYPE"))
-           if os.environ.get(v)}
-    return schema.ServingConfig.from_parameters(model_parameters(model_config), **env)
+    """The model's parameters over :data:`tandem.schema.DEFAULTS`, with ``$TANDEM_CHECKPOINT``,
+    ``$TANDEM_DTYPE`` and ``$TANDEM_PREFIX_CACHE_MB`` overriding ``checkpoint``, ``dtype`` and
+    ``prefix_cache_mb`` (where the model has that parameter). Raises ``ValueError`` on a bad parameter."""
+    params = model_parameters(model_config)
+    for k, v in (("checkpoint", "TANDEM_CHECKPOINT"), ("dtype", "TANDEM_DTYPE"), ("prefix_cache_mb", "TANDEM_PREFIX_CACHE_MB")):
+        if os.environ.get(v) and (k in params or k != "prefix_cache_mb"):
+            params[k] = os.environ[v]
+    return schema.ServingConfig.from_parameters(params)
 
 
 def resolve_checkpoint(config: schema.ServingConfig, model_dir: str | Path, require_weights: bool = True) -> Path:

@@ -41,10 +41,18 @@ def sharegpt_conversations(limit: int | None = None) -> Iterator[list[dict]]:
             yield conv
 
 
-def sharegpt_prompts(n: int, seed: int = 0, min_chars: int = 16, max_chars: int = 2000) -> list[str]:
-    """A fixed, seeded sample of ``n`` first-turn human prompts from ShareGPT."""
+#: ShareGPT conversations the drafter distillation draws its prompts from (the first ones in file
+#: order); benchmarks that must use unseen prompts skip them (``sharegpt_prompts(skip=...)``).
+DISTILL_CONVERSATIONS = 40000
+
+
+def sharegpt_prompts(n: int, seed: int = 0, min_chars: int = 16, max_chars: int = 2000, skip: int = 0) -> list[str]:
+    """A fixed, seeded sample of ``n`` first-turn human prompts from ShareGPT conversations
+    ``skip .. skip + 20000`` (file order)."""
     pool = []
-    for conv in sharegpt_conversations(limit=20000):
+    for i, conv in enumerate(sharegpt_conversations(limit=skip + 20000)):
+        if i < skip:
+            continue
         t = conv[0]
         if t.get("from") == "human" and min_chars <= len(t.get("value", "")) <= max_chars:
             pool.append(t["value"])

@@ -68,7 +68,7 @@ def generate_batch(trunk: Trunk, prompts: torch.Tensor, new_tokens: int,
 def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_share: float = 0.25) -> list[list[int]]:
     """``n`` prompts of exactly ``length`` tokens: chat prompts (ShareGPT first turns, the user text
     cut so the template fits) and windows of stdlib source. Seeded."""
-    from .data import sharegpt_conversations, stdlib_sources
+    from .data import DISTILL_CONVERSATIONS, sharegpt_conversations, stdlib_sources
 
     rng = random.Random(seed)
     out: list[list[int]] = []
@@ -80,7 +80,7 @@ def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_sh
             out.append(ids[s: s + length])
         if len(out) >= n_code:
             break
-    for conv in sharegpt_conversations(limit=40000):
+    for conv in sharegpt_conversations(limit=DISTILL_CONVERSATIONS):
         if len(out) >= n:
             break
         if conv[0].get("from") != "human":
