@@ -181,3 +181,21 @@ def test_warm_start_over_the_wire_equals_cold(tiny):  # noqa: F811
     with pytest.raises(fr.StageError, match="PREFIX_KEYS: no dflash drafter tail for prefix block 5"):
         sched.drafters["dflash"].open([99], [("dflash", [5])])
     sched.trunk.close([99])
+
+
+def test_a_failed_publication_loses_only_the_cache_entry(tiny):  # noqa: F811
+    eng = _engine(tiny, burst_rounds=2)
+    stage = eng.drafters["dflash"]
+
+    def broken(items):
+        raise RuntimeError("drafter store full")
+
+    stage.publish = broken
+    ids = _ids(C + 30, 41)
+    out, _ = _run(eng.sched, 1, ids, 20, "dflash")  # the turn completes
+    st = eng.sched.prefix.stats
+    assert len(out) == 20 and st["errors"] == 1 and "drafter store full" in st["last_error"]
+    assert eng.trunk.blocks == {} and st["blocks"] == 0  # the trunk's half was evicted again
+    del stage.publish
+    again, _ = _run(eng.sched, 2, ids, 20, "dflash")
+    assert again == out and st["misses"] == 2 and st["blocks"] == 1

@@ -75,8 +75,9 @@ def test_checker_catches_a_renamed_input():
         dataclasses.replace(t, dims=(-1,)) if t.name == schema.ROUNDS else t for t in spec.outputs))
     assert any(e.startswith("output ROUNDS:") for e in config_errors(retyped, load_config("tandem")))
     cfg = load_config("trunk")
-    cfg.parameters["dtype"].string_value = "fp32"
-    assert config_errors(schema.TRUNK, cfg) == ["parameter dtype = 'fp32', schema default 'bf16'"]
+    other = next(d for d in schema.DTYPES if d != schema.DEFAULTS.dtype)
+    cfg.parameters["dtype"].string_value = other
+    assert config_errors(schema.TRUNK, cfg) == [f"parameter dtype = {other!r}, schema default {schema.DEFAULTS.dtype!r}"]
 
 
 def test_serving_config_parameters():

@@ -2,7 +2,7 @@
 
 One server per module, on free ports, with ``TANDEM_CHECKPOINT`` = ``$TANDEM_TEST_CHECKPOINT`` or
 ``model_repository/weights/tandem-tiny``. The served stream is compared token for token with the
-in-process :class:`tandem.engine.inprocess.Engine` on the same checkpoint and dtype (bf16) and the same
+in-process :class:`tandem.engine.inprocess.Engine` on the same checkpoint and dtype (the serving default) and the same
 draft/burst settings as ``model_repository/tandem/config.pbtxt`` (tandem.schema.DEFAULTS: num_draft_tokens 3, 4 rounds per burst).
 """
 
@@ -43,11 +43,11 @@ def server():
 def engine(server):
     from tandem.engine.inprocess import Engine
 
-    # the model processes run one torch thread each; match it so bf16 reductions are identical
+    # the model processes run one torch thread each; match it so reductions are identical
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield Engine(CKPT, "bf16")
+        yield Engine(CKPT, schema.DEFAULTS.dtype)
     finally:
         torch.set_num_threads(n)
 
@@ -64,8 +64,10 @@ def test_models_ready(server):
         c.close()
 
 
-@pytest.mark.parametrize("spec", ["mtp", "off"])
+@pytest.mark.parametrize("spec", ["mtp", "off", "dflash", "dflash2"])
 def test_stream_equals_engine(server, engine, spec):
+    if spec in schema.DFLASH_ARMS and spec not in engine.drafters:
+        pytest.fail(f"the checkpoint {CKPT} has no {spec} drafter (`make drafter`)")
     prompt = engine.tokenizer.chat_prompt("Write a short poem about the sea.")
     ref = engine.generate(prompt, max_tokens=40, spec=spec)
     bursts = []
@@ -79,6 +81,38 @@ def test_stream_equals_engine(server, engine, spec):
     assert bursts[0] == ref["token_ids"][:1]
     if spec == "off":
         assert got["drafted"] == 0 and got["mean_acceptance_length"] == 1.0
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dflash2"])
+def test_served_dflash_equals_plain_decoding(server, engine, spec):
+    """In fp32 (the serving default) the DFlash arms stream exactly plain greedy decoding."""
+    assert schema.DEFAULTS.dtype == "fp32"
+    for text in ("Explain what a hash table is.", "def fibonacci(n):"):
+        prompt = engine.tokenizer.chat_prompt(text)
+        plain = engine.generate(prompt, max_tokens=48, spec="off")
+        got = generate(prompt, max_tokens=48, url=server.grpc_url, spec=spec)
+        assert got["token_ids"] == plain["token_ids"]
+        assert got["accepted"] > 0 and got["rounds"] < plain["rounds"]
+
+
+def test_served_prefix_cache_warm_equals_cold(server, engine):
+    """A long shared system prompt: the second sequence starts warm from the first one's published
+    blocks (its prompt is > 2 blocks) and streams exactly what a cold in-process start produces."""
+    from tandem.tools.bench_prefix import SYSTEM
+
+    a = engine.tokenizer.chat_prompt("What is a binary search tree?", system=SYSTEM)
+    b = engine.tokenizer.chat_prompt("How do I reverse a list in Python?", system=SYSTEM)
+    assert len(a) > 2 * schema.PREFIX_BLOCK
+    arm = next(x for x in schema.DFLASH_ARMS if x in engine.drafters)
+    cold = {}
+    for k, p in (("a", a), ("b", b)):
+        engine.reset_prefix_cache()
+        cold[k] = engine.generate(p, max_tokens=24, spec=arm)["token_ids"]
+    first = generate(a, max_tokens=24, url=server.grpc_url, spec=arm)
+    again = generate(a, max_tokens=24, url=server.grpc_url, spec=arm)
+    shared = generate(b, max_tokens=24, url=server.grpc_url, spec=arm)
+    assert first["token_ids"] == again["token_ids"] == cold["a"]
+    assert shared["token_ids"] == cold["b"]
 
 
 def test_unknown_sequence_rejected_while_other_stream_completes(server, engine):
@@ -120,7 +154,7 @@ def test_oversize_prompt_names_input_ids(server):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"spec": "dflash"}, "SPEC"),
+    ({"spec": "medusa"}, "SPEC"),
     ({"max_tokens": 0}, "MAX_TOKENS"),
     ({"num_draft_tokens": 99}, "NUM_DRAFT_TOKENS"),
 ])

@@ -94,7 +94,7 @@ class ServingConfig:
     checkpoint: str = "weights/tandem-tiny"
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
-    dtype: str = "bf16"
+    dtype: str = "fp32"
     prefix_cache_mb: int = 256
 
     def __post_init__(self) -> None:

@@ -142,8 +142,9 @@ class PrefixIndex:
 def publish_ready(index: PrefixIndex, sessions, trunk, drafters: dict) -> int:
     """Publish the capture of every session in ``sessions`` that is :meth:`prefix_capture_ready`:
     one trunk ``publish`` call, one per DFlash drafter stage, then (when the index is over its bound)
-    one ``evict`` per stage. ``drafters``: arm -> stage. Returns the sessions published. Stage errors
-    propagate (the captures are drained: a failed publication is not retried)."""
+    one ``evict`` per stage. ``drafters``: arm -> stage. Returns the sessions published. A stage error
+    propagates after the blocks this call may have stored are evicted again (the captures are
+    drained: a failed publication is not retried; ``index.stats["errors"]`` counts them)."""
     ready = [s for s in sessions if s.prefix_capture_ready()]
     if not ready:
         return 0
@@ -158,14 +159,25 @@ def publish_ready(index: PrefixIndex, sessions, trunk, drafters: dict) -> int:
         claimed_t.update(mt)
         claimed_d.update((s.arm, k) for k in md)
         plans.append((s, keys, mt, md))
-    t_bytes = trunk.publish([(s.sid, keys) for s, keys, _, _ in plans])
     d_bytes: dict[int, int] = {}
     by_stage: dict[int, tuple] = {}
     for s, keys, _, _ in plans:
         if s.arm in schema.DFLASH_ARMS:
             by_stage.setdefault(id(drafters[s.arm]), (drafters[s.arm], []))[1].append((s.sid, keys))
-    for stage, items in by_stage.values():
-        d_bytes.update(zip([sid for sid, _ in items], stage.publish(items)))
+    try:
+        t_bytes = trunk.publish([(s.sid, keys) for s, keys, _, _ in plans])
+        for stage, items in by_stage.values():
+            d_bytes.update(zip([sid for sid, _ in items], stage.publish(items)))
+    except Exception:
+        # undo what the stores may hold that the index does not know (best effort), then report
+        new_t = sorted(claimed_t)
+        for st in [trunk] + [st for st, _ in by_stage.values()]:
+            try:
+                st.evict(new_t if st is trunk else sorted({k for _, k in claimed_d}))
+            except Exception:  # noqa: BLE001 - the stage is failing already
+                pass
+        index.stats["errors"] = index.stats.get("errors", 0) + 1
+        raise
     gone: list[int] = []
     for (s, keys, mt, md), tb in zip(plans, t_bytes):
         gone += [k for k, _ in index.add(mt, tb, s.arm, md, d_bytes.get(s.sid, 0), keys)]

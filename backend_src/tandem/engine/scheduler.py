@@ -289,7 +289,10 @@ class Scheduler:
                 break
             self.round(receipts)
         if self.prefix is not None:
-            publish_ready(self.prefix, [self.sessions[sid] for sid in receipts], self.trunk, self.drafters)
+            try:
+                publish_ready(self.prefix, [self.sessions[sid] for sid in receipts], self.trunk, self.drafters)
+            except Exception as e:  # noqa: BLE001 - a prefix the stores could not take is only a lost cache entry
+                self.prefix.stats["last_error"] = f"{type(e).__name__}: {e}"  # counted in stats["errors"]
         for sid, r in receipts.items():
             self._publish(self.sessions[sid], r)
         self._flush_closes()

@@ -9,6 +9,7 @@ import torch
 
 from .. import schema
 from .config import TrunkConfig
+from .layers import input_major_linears
 from .trunk import Trunk
 
 #: The shipped checkpoint: ``model_repository/<ServingConfig.checkpoint>``.
@@ -35,13 +36,14 @@ def is_fp32_param(name: str) -> bool:
 
 
 def cast_trunk(model: Trunk, dtype: torch.dtype) -> Trunk:
-    """Cast to ``dtype`` except the fp32-kept parameters and buffers. Returns ``model``."""
+    """Cast to ``dtype`` except the fp32-kept parameters and buffers, linear weights stored
+    input-major (:func:`~tandem.model.layers.input_major_linears`). Returns ``model``."""
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if is_fp32_param(name) else dtype)
     for name, b in model.named_buffers():
         if not is_fp32_param(name):
             b.data = b.data.to(dtype)
-    return model
+    return input_major_linears(model)
 
 
 def load_trunk(folder: str | Path, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
@@ -145,7 +147,7 @@ def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat1
     missing, unexpected = model.load_state_dict(load_file(str(sub / "model.safetensors")), strict=False)
     if missing or unexpected:
         raise KeyError(f"{arm} drafter checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
-    return model.eval().requires_grad_(False).to(dtype)
+    return input_major_linears(model.eval().requires_grad_(False).to(dtype))
 
 
 def save_dflash(model, folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16) -> None:

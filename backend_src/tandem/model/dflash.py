@@ -185,7 +185,25 @@ class CandidateSelector(nn.Module):
     @torch.no_grad()
     def walk(self, h: torch.Tensor, logits: torch.Tensor, anchor: int) -> list[int]:
         """Greedy path from ``anchor`` through ``h [S, D]`` / ``logits [S, V]``: at each position the
-        candidate with the best pair score given the token chosen before it. Returns ``S`` ids."""
+        candidate with the best pair score given the token chosen before it. Returns ``S`` ids.
+
+        Every pair score is computed in one pass (``[S, K_prev, K]``: position 0's only predecessor is
+        the anchor); the walk itself is ``S`` argmaxes over ``K`` numbers."""
+        unary, cand = logits.float().topk(self.top_k, dim=-1)  # [S, K]
+        prev = torch.cat([torch.full((1, self.top_k), anchor, dtype=cand.dtype), cand[:-1]])  # [S, K_prev]
+        g = self.predecessor(prev).float() * self.hidden_proj(h).float().unsqueeze(1)  # [S, K_prev, r]
+        pair = unary.unsqueeze(1) + torch.einsum("sar,sbr->sab", g, self.successor(cand).float())  # [S, K_prev, K]
+        pair, cand_l = pair.numpy(), cand.tolist()
+        out, a = [], 0  # row 0 of position 0: the anchor (every row of it is the anchor)
+        for t in range(len(cand_l)):
+            b = int(pair[t, a].argmax())
+            out.append(cand_l[t][b])
+            a = b
+        return out
+
+    @torch.no_grad()
+    def walk_reference(self, h: torch.Tensor, logits: torch.Tensor, anchor: int) -> list[int]:
+        """:meth:`walk` one position at a time through :meth:`pair_scores` (the reference it is tested against)."""
         unary, cand = logits.float().topk(self.top_k, dim=-1)
         prev = torch.tensor([anchor])
         out = []

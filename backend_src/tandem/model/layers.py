@@ -13,6 +13,18 @@ import torch.nn.functional as F
 from .config import TrunkConfig
 
 
+def input_major_linears(module: nn.Module) -> nn.Module:
+    """Store every ``nn.Linear`` weight ``[out, in]`` input-major (an ``[in, out]`` contiguous buffer
+    viewed as ``[out, in]``): values and names unchanged, but ``F.linear`` then calls a
+    non-transposed GEMM, which this CPU runs faster for the few rows of decode and verify (fp32,
+    one thread: ``[8, 256] x [256, 8192]`` 1.35 -> 0.63 ms, ``[8, 256] x [256, 2048]`` 0.26 -> 0.15 ms,
+    ``[1, 256] x [256, 256]`` 11.6 -> 7.6 us; 200 rows unchanged). Returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.data = m.weight.data.t().contiguous().t()
+    return module
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019): ``w * x / sqrt(mean(x^2) + eps)``, statistics in fp32.
 
@@ -89,11 +101,13 @@ class Experts(nn.Module):
         weight 0 (``E / k`` times the FLOPs, a fixed ~10 ops instead of ~14 per expert hit: on CPU
         the op count, not the FLOPs, sets the speed of a few rows); more rows dispatch per expert."""
         if x.shape[0] <= self.dense_rows:
-            gu = torch.einsum("nd,eod->neo", x, self.gate_up_proj)  # [N, E, 2I]
+            n, (e, i2, d) = x.shape[0], self.gate_up_proj.shape
+            gu = F.linear(x, self.gate_up_proj.view(e * i2, d)).view(n, e, i2)  # [N, E, 2I], no weight copy
             g, u = gu.chunk(2, dim=-1)
-            h = torch.einsum("nei,edi->ned", clamped_swiglu(g, u, self.limit), self.down_proj)  # [N, E, D]
-            wf = torch.zeros(x.shape[0], self.num_experts, dtype=h.dtype).scatter_(1, idx, w.to(h.dtype))
-            return torch.einsum("ned,ne->nd", h, wf).to(x.dtype)
+            a = clamped_swiglu(g, u, self.limit).transpose(0, 1)  # [E, N, I]
+            h = torch.bmm(a, self.down_proj.transpose(1, 2))  # [E, N, D]
+            wf = torch.zeros(n, e, dtype=h.dtype).scatter_(1, idx, w.to(h.dtype))
+            return (h * wf.t().unsqueeze(-1)).sum(0).to(x.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)

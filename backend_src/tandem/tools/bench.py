@@ -1,13 +1,16 @@
-"""`make bench`: rows measured side by side in one run, interleaved prompt by prompt so machine
-drift cancels, on real prompts (seeded ShareGPT first turns + HumanEval).
+"""`make bench`: rows measured side by side in one run, interleaved prompt by prompt (rotating
+order) so machine drift cancels, on real prompts the drafters never saw in training (seeded ShareGPT
+first turns from beyond the distillation range, + HumanEval).
 
-Rows: plain greedy in-process; the MTP arm in-process; both through a running tritonserver (gRPC
+Rows: plain greedy in-process; each speculative arm in-process (``--arms``: MTP with d drafts per
+round, DFlash, DFlash2); plain and the ``--served-arms`` through a running tritonserver (gRPC
 stream); transformers' ``generate`` (greedy) on the same checkpoint. Per row: median tokens/s and
 its interquartile spread, mean acceptance length (tau) and per-position acceptance, median time to
-first token, peak RSS, greedy exact-match rate vs plain. Ratios: best arm / plain,
-served / in-process, tandem plain / transformers. The analytical ceiling of each arm is
-``tau * T_plain / (T_draft + T_verify(d+1) + T_accept + T_commit)`` (d = num_draft_tokens) from the measured stage times
-(Leviathan et al. 2023, eq. for expected walltime improvement, with measured rather than modelled costs).
+first token, peak RSS, greedy exact-match rate vs plain (divergences at near-ties counted), the
+analytical ceiling (:mod:`tandem.tools.bench_report`). Ratios: best arm / plain, served /
+in-process per arm, tandem plain / transformers. Then the prefix-cache section
+(:mod:`tandem.tools.bench_prefix`): TTFT warm / cold, prime rows skipped, tau warm / cold.
+The main rows run with the prefix cache off (so a row never reuses another row's prompt).
 """
 
 from __future__ import annotations
@@ -15,20 +18,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
 import typer
 
+from .. import schema
+
 app = typer.Typer(add_completion=False)
-
-
-def _quantiles(xs: list[float]) -> tuple[float, float, float]:
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], statistics.median(xs), q[2]
 
 
 def _rss_mb(pids: list[int]) -> float:
@@ -97,30 +94,19 @@ class TransformersRow:
                 "rounds": len(new), "accepted": 0, "accepted_at": []}
 
 
-def served_profile(log: Path, by: dict, d: int, t_spec: dict) -> dict:
-    """Per-round breakdown of the served MTP arm from the ``tandem`` model's BLS call statistics
-    (logged at unload: mean ms per ``model.op`` call, compute included) against the in-process
-    stage times: BLS/IPC overhead = served call - in-process stage; "other" = the round's wall time
-    (tau / tokens_per_s) minus the served calls."""
-    import ast
-    import re
+def parse_arm(spec: str) -> tuple[str, str, int | None]:
+    """``"mtp:3"`` -> ``("mtp d=3", "mtp", 3)``; ``"dflash"`` -> ``("dflash", "dflash", None)`` (the whole
+    block); ``"dflash2:4"`` -> ``("dflash2 d=4", "dflash2", 4)``; ``"off"`` -> ``("plain", "off", None)``.
+    Raises ``typer.BadParameter``."""
 
-    text = log.read_text(errors="replace")
-    m = re.findall(r"tandem: BLS calls (\{.*\})", text)
-    if not m:
-        return {}
-    calls = ast.literal_eval(m[-1])
-    row = by[f"mtp d={d} (served)"]
-    rounds = max(t_spec["rounds"], 1)
-    stages = {}
-    for name, key, ip in (("draft", "drafter_mtp.draft", t_spec["draft_s"]), ("verify", "trunk.verify", t_spec["verify_s"]),
-                          ("commit", "trunk.commit", t_spec["commit_s"])):
-        if key in calls:
-            served_ms = calls[key]["mean_ms"]
-            stages[name] = {"served_ms": served_ms, "inprocess_ms": 1e3 * ip / rounds, "bls_ms": served_ms - 1e3 * ip / rounds}
-    round_ms = 1e3 * row["mean_acceptance_length"] / row["tokens_per_s"] if row["tokens_per_s"] else 0.0
-    other = round_ms - sum(v["served_ms"] for v in stages.values())
-    return {"stages": stages, "round_ms": round_ms, "other_ms": other, "bls_calls": calls}
+
+    arm, _, d = spec.strip().partition(":")
+    if arm not in schema.SPECS:
+        raise typer.BadParameter(f"arm must be one of {schema.SPECS} (optionally :drafts), got {spec!r}")
+    if arm == schema.OFF:
+        return "plain", arm, None
+    k = int(d) if d else (schema.DEFAULTS.num_draft_tokens if arm == schema.MTP else None)
+    return (f"{arm} d={k}" if k is not None else arm), arm, k
 
 
 @app.command()
@@ -128,175 +114,134 @@ def main(
     prompts: int = typer.Option(8, help="ShareGPT prompts"),
     humaneval: int = typer.Option(4, help="HumanEval prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
-    drafts: str = typer.Option("1,3", "--num-draft-tokens", help="MTP drafts per round, one in-process arm per value (comma list); "
-                                                "the served arm uses the first"),
-    dtype: str = typer.Option("bf16", help="bf16 | fp32"),
+    arms: str = typer.Option("mtp:1,mtp:3,dflash,dflash2", help="in-process speculative arms (arm[:drafts], comma list; "
+                                                             "DFlash arms the checkpoint lacks are skipped)"),
+    served_arms: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
+    prefix_pairs: int = typer.Option(4, help="question pairs of the prefix-cache section (0: skip it)"),
+    dtype: str = typer.Option(schema.DEFAULTS.dtype, help="bf16 | fp32 (default: the serving default)"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     threads: int = typer.Option(1, help="torch threads in-process (the served models use 1 each)"),
     served: bool = typer.Option(True, help="include the served rows (starts a tritonserver)"),
     hf: bool = typer.Option(True, "--transformers/--no-transformers", help="include transformers generate"),
-    quick: bool = typer.Option(False, help="smoke run: 3 prompts x 32 tokens"),
+    quick: bool = typer.Option(False, help="SMOKE RUN (3 prompts x 32 tokens): checks the bench runs; its figures mean nothing"),
     checkpoint: Path = typer.Option(None, help="checkpoint folder (default: the shipped one)"),
-    json_out: Path = typer.Option(None, "--json", help="write all figures here"),
+    json_out: Path = typer.Option(None, "--json", help="write all figures (and every per-prompt run) here"),
 ) -> None:
     """Benchmark plain vs speculative decoding, in-process and served, and transformers."""
     import torch
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
-    from .data import humaneval_prompts, sharegpt_prompts
+
     from ..engine.inprocess import Engine
-    from ..model.checkpoint import DEFAULT_CHECKPOINT, parse_dtype
+    from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
+    from .bench_prefix import run_prefix_section
+    from .bench_report import ceilings, print_report, served_calls, speedup_ratios, summarize
+    from .data import humaneval_prompts, sharegpt_prompts
+    from .distill import used_sharegpt_turns
 
-    console = Console(width=160)
+    console = Console(width=200)
     if quick:
-        prompts, humaneval, max_tokens = 2, 1, 32
+        prompts, humaneval, max_tokens, prefix_pairs = 2, 1, 32, min(prefix_pairs, 1)
+        console.print("[bold yellow]QUICK: a smoke run; its figures are too few to mean anything[/]")
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     torch.set_num_threads(threads)
     dt = parse_dtype(dtype)
-    texts = sharegpt_prompts(prompts, seed=seed) + (humaneval_prompts(humaneval, seed=seed) if humaneval else [])
-    d_list = [int(x) for x in drafts.split(",") if x.strip()]
-    d0 = d_list[0]
-    plain_eng = Engine(checkpoint, dtype=dt)
-    spec_engs = {d: Engine(model=plain_eng.model, tokenizer=plain_eng.tokenizer, num_draft_tokens=d) for d in d_list}
+    have = set(dflash_arms(checkpoint)) | {schema.MTP, schema.OFF}
+    arm_list = [a for a in map(parse_arm, arms.split(",")) if a[1] in have and a[1] != schema.OFF]
+    served_list = [a for a in map(parse_arm, served_arms.split(",")) if a[1] in have] if served else []
+    skipped = sorted({parse_arm(x)[1] for x in (arms + "," + served_arms).split(",")} - have)
+    if skipped:
+        console.print(f"[yellow]skipping {skipped}: the checkpoint has no such drafter (`make drafter`)[/]")
+    seen = used_sharegpt_turns(checkpoint)  # the drafters' distillation prompts: never benchmarked
+    texts = sharegpt_prompts(prompts, seed=seed, exclude=seen) + (
+        humaneval_prompts(humaneval, seed=seed) if humaneval else [])
+    plain_eng = Engine(checkpoint, dtype=dt, prefix_cache_mb=0)
+    share = {"model": plain_eng.model, "tokenizer": plain_eng.tokenizer, "prefix_cache_mb": 0}
+    if any(a in schema.DFLASH_ARMS for _, a, _ in arm_list):
+        share["dflash"] = {a: plain_eng.drafters[a].drafters[a] for a in dflash_arms(checkpoint)}
+    engs = {label: Engine(**share, **({"num_draft_tokens": k} if k else {})) for label, arm, k in arm_list}
     tok = plain_eng.tokenizer
     prompt_ids = [tok.chat_prompt(t) if i < prompts else tok.encode(t) for i, t in enumerate(texts)]
     rss_inproc = _rss_mb([os.getpid()])
 
-    rows: dict[str, dict] = {}
-    runners = {
-        "plain (in-process)": lambda ids: plain_eng.generate(ids, max_tokens, spec="off"),
-    }
-    for d, eng in spec_engs.items():
-        runners[f"mtp d={d} (in-process)"] = lambda ids, eng=eng: eng.generate(ids, max_tokens, spec="mtp")
-    server_ctx = None
-    server_log = None
-    if served:
+    runners = {"plain (in-process)": lambda ids: plain_eng.generate(ids, max_tokens, spec="off")}
+    for label, arm, k in arm_list:
+        runners[f"{label} (in-process)"] = lambda ids, e=engs[label], a=arm, k=k: e.generate(ids, max_tokens, spec=a,
+                                                                                              num_draft_tokens=k)
+    server_ctx = server_log = server = None
+    if served_list:
+        import tempfile
+
         from tandem_client.client import generate as served_generate
 
         from ..serving.serve import running_server
 
-        env = {"TANDEM_CHECKPOINT": str(checkpoint), "TANDEM_DTYPE": dtype}
+        env = {"TANDEM_CHECKPOINT": str(checkpoint), "TANDEM_DTYPE": dtype, "TANDEM_PREFIX_CACHE_MB": "0"}
         console.print("starting tritonserver for the served rows ...")
-        import tempfile
-
         server_log = Path(tempfile.mkstemp(prefix="bench-tritonserver-", suffix=".log")[1])
         server_ctx = running_server(env=env, log_path=server_log)
         server = server_ctx.__enter__()
-        url = server.grpc_url
-        runners["plain (served)"] = lambda ids: served_generate(ids, max_tokens, url=url, spec="off")
-        runners[f"mtp d={d0} (served)"] = lambda ids: served_generate(ids, max_tokens, url=url, spec="mtp",
-                                                                      num_draft_tokens=d0)
+        for label, arm, k in served_list:
+            runners[f"{label} (served)"] = lambda ids, a=arm, k=k: served_generate(
+                ids, max_tokens, url=server.grpc_url, spec=a, num_draft_tokens=k)
     if hf:
         console.print("loading transformers Glm5NextForConditionalGeneration ...")
         hf_row = TransformersRow(checkpoint, dt)
         runners["transformers generate"] = lambda ids: hf_row.generate(ids, max_tokens)
     names = list(runners)
-    for n in names:
-        rows[n] = {"name": n, "runs": []}
+    raw: dict[str, list[dict]] = {n: [] for n in names}
+    prefix = None
     try:
-        # warm-up: one short run per row (first calls pay allocation and import costs)
-        for n in names:
+        for n in names:  # warm-up: one short run per row (first calls pay allocation and import costs)
             runners[n](prompt_ids[0][:32])
-        plain_eng.sched.timing = {key: 0.0 for key in plain_eng.sched.timing}
-        for eng in spec_engs.values():
-            eng.sched.timing = {key: 0.0 for key in eng.sched.timing}
+        for e in [plain_eng, *engs.values()]:
+            e.sched.timing = {key: 0.0 for key in e.sched.timing}
         with Progress(console=console) as prog:
             task = prog.add_task("bench (interleaved rows)", total=len(prompt_ids) * len(names))
             for i, ids in enumerate(prompt_ids):
-                order = names[i % len(names):] + names[: i % len(names)]  # rotate so no row always goes first
-                for n in order:
+                for n in names[i % len(names):] + names[: i % len(names)]:  # rotate: no row always goes first
                     r = runners[n](ids)
-                    rows[n]["runs"].append({"prompt": i, "token_ids": r["token_ids"], "tokens_per_s": r["tokens_per_s"],
-                                            "ttft_s": r.get("ttft_s"), "rounds": r.get("rounds", 0),
-                                            "accepted": r.get("accepted", 0), "accepted_at": r.get("accepted_at", [])})
+                    raw[n].append({"prompt": i, **{k: r.get(k) for k in ("token_ids", "tokens_per_s", "ttft_s", "top2_gaps")},
+                                   "rounds": r.get("rounds", 0), "accepted": r.get("accepted", 0),
+                                   "accepted_at": r.get("accepted_at", [])})
                     prog.advance(task)
-        rss_server = _rss_mb(_tree_pids(server.proc.pid)) if served else None
+        rss_server = _rss_mb(_tree_pids(server.proc.pid)) if server is not None else None
+        pre_arm = next((a for _, a, _ in arm_list if a in schema.DFLASH_ARMS), None)
+        if prefix_pairs and pre_arm:
+            peng = Engine(model=plain_eng.model, tokenizer=tok, dflash=share.get("dflash"))
+            qs = sharegpt_prompts(2 * prefix_pairs, seed=seed + 1, exclude=seen, max_chars=400)
+            with Progress(console=console) as prog:
+                task = prog.add_task(f"prefix cache warm vs cold ({pre_arm})", total=4 * prefix_pairs)
+                prefix = run_prefix_section(peng, tok, qs, max_tokens, pre_arm, on_step=lambda: prog.advance(task))
     finally:
         if server_ctx is not None:
             server_ctx.__exit__(None, None, None)
     rss_after = _rss_mb([os.getpid()])
 
-    plain_ref = {r["prompt"]: r["token_ids"] for r in rows["plain (in-process)"]["runs"]}
-    out_rows = []
-    for n in names:
-        runs = rows[n]["runs"]
-        q1, med, q3 = _quantiles([r["tokens_per_s"] for r in runs])
-        rounds = sum(r["rounds"] for r in runs)
-        acc = sum(r["accepted"] for r in runs)
-        spec_row = "mtp" in n
-        per_pos = []
-        if spec_row:
-            per_pos = [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / rounds for j in range(int(n.split("d=")[1].split()[0]))] \
-                if any(r["accepted_at"] for r in runs) else []
-        ttfts = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
-        exact = sum(r["token_ids"] == plain_ref[r["prompt"]] for r in runs) / len(runs)
-        out_rows.append({
-            "name": n, "tokens_per_s": med, "tokens_per_s_q1": q1, "tokens_per_s_q3": q3,
-            "mean_acceptance_length": (1 + acc / rounds) if spec_row and rounds else None,
-            "acceptance_per_position": per_pos, "ttft_s": statistics.median(ttfts) if ttfts else None,
-            "peak_rss_mb": rss_server if "served" in n else max(rss_inproc, rss_after),
-            "exact_match_rate": exact, "new_tokens": sum(len(r["token_ids"]) for r in runs),
-        })
+    plain_ref = {r["prompt"]: r for r in raw["plain (in-process)"]}
+    n_pos = {f"{label} ({w})": (k or schema.DEFAULTS.block_size - 1)
+             for label, a, k in arm_list + served_list if a != schema.OFF for w in ("in-process", "served")}
+    out_rows = [summarize(n, raw[n], plain_ref, n_pos.get(n, 0), rss_server if "served" in n else
+                          (None if "transformers" in n else max(rss_inproc, rss_after))) for n in names]
     by = {r["name"]: r for r in out_rows}
-    plain_ip = by["plain (in-process)"]["tokens_per_s"]
-    best_d = max(d_list, key=lambda d: by[f"mtp d={d} (in-process)"]["tokens_per_s"])
-    arm_ip = by[f"mtp d={best_d} (in-process)"]["tokens_per_s"]
-    ratios = {"best_arm_vs_plain": arm_ip / plain_ip, "best_arm": f"mtp d={best_d}"}
-    if served:
-        ratios["served_vs_inprocess"] = by[f"mtp d={d0} (served)"]["tokens_per_s"] / by[f"mtp d={d0} (in-process)"]["tokens_per_s"]
-        ratios["served_vs_inprocess_plain"] = by["plain (served)"]["tokens_per_s"] / plain_ip
-    if hf:
-        ratios["plain_vs_transformers"] = plain_ip / by["transformers generate"]["tokens_per_s"]
-
-    # analytical ceiling per arm from measured stage times (in-process)
-    tp = plain_eng.sched.timing
-    t_plain = sum(tp[x] for x in ("draft_s", "verify_s", "accept_s", "commit_s")) / max(tp["rounds"], 1)
-    profile = {"plain_round_s": t_plain, "arms": {}}
-    for d, eng in spec_engs.items():
-        ts = eng.sched.timing
-        t_round = {x: ts[x] / max(ts["rounds"], 1) for x in ("draft_s", "verify_s", "accept_s", "commit_s")}
-        row = by[f"mtp d={d} (in-process)"]
-        tau = row["mean_acceptance_length"]
-        ceiling = tau * t_plain / sum(t_round.values()) if sum(t_round.values()) else None
-        row["ceiling_speedup"] = ceiling
-        profile["arms"][f"mtp d={d}"] = {"round_s": t_round, "rounds": ts["rounds"], "tau": tau,
-                                          "ceiling_speedup": ceiling,
-                                          "measured_speedup": row["tokens_per_s"] / plain_ip}
-
-    if served and server_log is not None and server_log.exists():
-        profile["served"] = served_profile(server_log, by, d0, spec_engs[d0].sched.timing)
+    ratios = speedup_ratios(by, raw, [label for label, _, _ in arm_list], [label for label, _, _ in served_list], hf)
+    profile = {"ceilings": ceilings(by, {label: engs[label].sched.timing for label, _, _ in arm_list},
+                                    plain_eng.sched.timing)}
+    if server_log is not None and server_log.exists():
+        profile["served_calls"] = served_calls(server_log)
         server_log.unlink()
-
-    table = Table(title=f"tandem bench — {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, "
-                        f"{threads} thread(s), interleaved")
-    for c in ("row", "tok/s (median)", "IQR", "tau", "accept/pos", "TTFT ms", "RSS MB", "exact vs plain"):
-        table.add_column(c, justify="right" if c != "row" else "left", no_wrap=True)
-    for r in out_rows:
-        table.add_row(r["name"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_q1']:.1f}-{r['tokens_per_s_q3']:.1f}",
-                      "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
-                      " ".join(f"{p:.2f}" for p in r["acceptance_per_position"]),
-                      "" if r["ttft_s"] is None else f"{r['ttft_s'] * 1e3:.0f}",
-                      f"{r['peak_rss_mb']:.0f}", f"{r['exact_match_rate']:.0%}")
-    console.print(table)
-    for key, v in ratios.items():
-        console.print(f"{key:>28}: " + (f"{v:.2f}x" if isinstance(v, float) else str(v)))
-    for name, a in profile["arms"].items():
-        console.print(f"{'ceiling ' + name:>28}: {a['ceiling_speedup']:.2f}x  measured {a['measured_speedup']:.2f}x "
-                      f"(tau {a['tau']:.2f}; per round: "
-                      + ", ".join(f"{k_[:-2]} {v * 1e3:.1f} ms" for k_, v in a["round_s"].items())
-                      + f"; plain round {t_plain * 1e3:.1f} ms)")
-    sp = profile.get("served")
-    if sp:
-        console.print(f"{'served round (mtp d=' + str(d0) + ')':>28}: " + ", ".join(
-            f"{name} {v['served_ms']:.1f} ms (compute {v['inprocess_ms']:.1f} + BLS/IPC {v['bls_ms']:.1f})"
-            for name, v in sp["stages"].items()) + f"; other Python/stream {sp['other_ms']:.1f} ms of {sp['round_ms']:.1f} ms")
+    if prefix is not None:
+        profile["prefix"] = prefix
+    print_report(console, out_rows, ratios, profile,
+                 f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, {threads} thread(s), "
+                 "interleaved" + (" - QUICK SMOKE RUN" if quick else ""))
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "threads": threads},
-              "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval,
-                           "max_tokens": max_tokens, "num_draft_tokens": d_list, "dtype": dtype, "seed": seed, "checkpoint": str(checkpoint)},
-              "rows": out_rows, "ratios": ratios, "profile": profile}
+              "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval, "quick": quick,
+                           "max_tokens": max_tokens, "arms": arms, "served_arms": served_arms, "dtype": dtype,
+                           "seed": seed, "checkpoint": str(checkpoint)},
+              "rows": out_rows, "ratios": ratios, "profile": profile, "runs": raw}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {json_out}")

@@ -41,20 +41,20 @@ def sharegpt_conversations(limit: int | None = None) -> Iterator[list[dict]]:
             yield conv
 
 
-#: ShareGPT conversations the drafter distillation draws its prompts from (the first ones in file
-#: order); benchmarks that must use unseen prompts skip them (``sharegpt_prompts(skip=...)``).
+#: ShareGPT conversations the drafter distillation draws its prompts from (file order; the packaged
+#: dataset holds ~17.5K, so all of them); benchmarks exclude the first turns it actually used
+#: (:func:`tandem.tools.distill.used_sharegpt_turns`).
 DISTILL_CONVERSATIONS = 40000
 
 
-def sharegpt_prompts(n: int, seed: int = 0, min_chars: int = 16, max_chars: int = 2000, skip: int = 0) -> list[str]:
-    """A fixed, seeded sample of ``n`` first-turn human prompts from ShareGPT conversations
-    ``skip .. skip + 20000`` (file order)."""
+def sharegpt_prompts(n: int, seed: int = 0, min_chars: int = 16, max_chars: int = 2000,
+                     exclude: set[str] | frozenset = frozenset()) -> list[str]:
+    """A fixed, seeded sample of ``n`` first-turn human prompts from the first 20,000 ShareGPT
+    conversations, none of them in ``exclude``."""
     pool = []
-    for i, conv in enumerate(sharegpt_conversations(limit=skip + 20000)):
-        if i < skip:
-            continue
+    for conv in sharegpt_conversations(limit=20000):
         t = conv[0]
-        if t.get("from") == "human" and min_chars <= len(t.get("value", "")) <= max_chars:
+        if t.get("from") == "human" and min_chars <= len(t.get("value", "")) <= max_chars and t["value"] not in exclude:
             pool.append(t["value"])
     rng = random.Random(seed)
     return rng.sample(pool, n)

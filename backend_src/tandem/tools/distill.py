@@ -65,19 +65,24 @@ def generate_batch(trunk: Trunk, prompts: torch.Tensor, new_tokens: int,
     return torch.cat(toks, 1), torch.cat(feats, 1)
 
 
-def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_share: float = 0.25) -> list[list[int]]:
+def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_share: float = 0.25,
+                     with_sources: bool = False) -> list[list[int]] | list[tuple[list[int], str | None]]:
     """``n`` prompts of exactly ``length`` tokens: chat prompts (ShareGPT first turns, the user text
-    cut so the template fits) and windows of stdlib source. Seeded."""
+    cut so the template fits) and windows of stdlib source. Seeded. With ``with_sources``, pairs of
+    (prompt, the ShareGPT first turn it came from, or None for code): what :func:`used_sharegpt_turns`
+    reconstructs."""
     from .data import DISTILL_CONVERSATIONS, sharegpt_conversations, stdlib_sources
 
     rng = random.Random(seed)
     out: list[list[int]] = []
+    src: list[str | None] = []
     n_code = int(n * code_share)
     for text in stdlib_sources():
         ids = tok.encode(text)
         if len(ids) > length + 8:
             s = rng.randrange(0, len(ids) - length)
             out.append(ids[s: s + length])
+            src.append(None)
         if len(out) >= n_code:
             break
     for conv in sharegpt_conversations(limit=DISTILL_CONVERSATIONS):
@@ -91,8 +96,24 @@ def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_sh
             ids = ids[:3] + ids[len(ids) - (length - 3):]
         if len(ids) == length:
             out.append(ids)
-    rng.shuffle(out)
-    return out[:n]
+            src.append(conv[0].get("value", ""))
+    order = list(range(len(out)))
+    rng.shuffle(order)
+    if with_sources:
+        return [(out[i], src[i]) for i in order[:n]]
+    return [out[i] for i in order[:n]]
+
+
+def used_sharegpt_turns(checkpoint: Path) -> set[str]:
+    """The ShareGPT first turns the checkpoint's drafters were distilled from (reconstructed from
+    ``distill_report.json``: seed, prompt length, sequences generated); empty without a report."""
+    rep = checkpoint / "distill_report.json"
+    if not rep.exists():
+        return set()
+    r = json.loads(rep.read_text())
+    tok = ChatTokenizer(checkpoint / "tokenizer.json")
+    pairs = training_prompts(tok, r.get("prompts_listed", 20000), r["prompt_len"], r.get("seed", 0), with_sources=True)
+    return {s for _, s in pairs[: r["sequences"]] if s is not None}
 
 
 def block_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
@@ -203,7 +224,7 @@ def main(
           f"in {gen_s:.0f} s; {n_val} held out")
     trunk32 = load_trunk(checkpoint, torch.float32, with_mtp=False)
     report = {"target_layers": target_layers, "sequences": len(seqs_t), "generation_seconds": round(gen_s, 1),
-              "prompt_len": prompt_len, "new_tokens": new_tokens, "drafters": {}}
+              "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed, "prompts_listed": 20000, "drafters": {}}
     log_f = open(checkpoint / "distill_log.jsonl", "w")
     for step_i, arm in enumerate(a for a in arms.split(",") if a):
         print(f"[{2 + step_i}/3] train {arm} ({minutes:.0f} min)")
