@@ -209,3 +209,12 @@ def test_selector_walk_equals_its_reference(tiny):
         assert got == sel.walk_reference(h, logits, anchor=seed + 3)
         paths.add(tuple(got) != tuple(logits.argmax(-1).tolist()))
     assert True in paths  # the pair scores change the path (not just the per-position argmax)
+
+
+def test_default_arm_falls_back_without_its_drafter(tiny):
+    trunk, _ = tiny
+    assert _engine(tiny).sched.default_arm() == schema.DEFAULTS.spec == schema.DFLASH2
+    eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256)
+    assert eng.sched.default_arm() == schema.MTP
+    out = eng.generate(list(range(5, 25)), 8)  # no SPEC: the fallback arm, not an error
+    assert len(out["token_ids"]) == 8 and out["drafted"] > 0

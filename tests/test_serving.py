@@ -187,7 +187,8 @@ def test_cli_generate_json(server, engine):
     p = _cli("generate", "Hello", "--max-tokens", "12", "--url", server.grpc_url, "--json", "--checkpoint", str(CKPT))
     assert p.returncode == 0, p.stderr
     obj = json.loads(p.stdout)
-    ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=12, spec="mtp")
+    assert engine.sched.default_arm() == schema.DEFAULTS.spec  # the CLI sends no SPEC: the server's default
+    ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=12)
     assert obj["token_ids"] == ref["token_ids"]
     assert obj["text"] == engine.tokenizer.decode(ref["token_ids"])
     assert (obj["rounds"], obj["drafted"], obj["accepted"]) == (ref["rounds"], ref["drafted"], ref["accepted"])

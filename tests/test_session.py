@@ -216,9 +216,10 @@ def test_stage_failure_during_admission(trunk_fp32, tokenizer):
     trunk = _FailingPrime(eng.trunk)
     sched = type(eng.sched)(trunk, eng.drafters, eng.config, stop_ids=tokenizer.stop_ids)
     running, failed = [], []
-    sched.admit([Turn(1, tokenizer.chat_prompt("Hello"), 16, lambda r, e, f: running.append((r, e, f)))])
+    sched.admit([Turn(1, tokenizer.chat_prompt("Hello"), 16, lambda r, e, f: running.append((r, e, f)), spec="mtp")])
     trunk.fail = True
-    sched.admit([Turn(s, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: failed.append((e, f))) for s in (2, 3)])
+    sched.admit([Turn(s, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: failed.append((e, f)), spec="mtp")
+                 for s in (2, 3)])
     assert failed == [("admission failed: RuntimeError: trunk.prime: stage process gone", True)] * 2
     assert set(sched.sessions) == {1} and set(eng.trunk.caches) == {1} and set(eng.drafters["mtp"].states) == {1}
     _drive(sched, 1)

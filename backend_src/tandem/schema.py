@@ -74,21 +74,21 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
-    """Serving defaults and limits (each written once; the ``tandem`` model's config.pbtxt
-    ``parameters`` carry the same values, checked by a test). ``num_draft_tokens``: drafts per verify
-    round when a request does not say; ``max_num_draft_tokens``: the most a request may ask for;
+    """Serving defaults and limits (each written once; config.pbtxt ``parameters`` carry the same
+    values, checked by a test). ``num_draft_tokens``: drafts per verify round (MTP) when a request
+    does not say; ``max_num_draft_tokens``: the most a request may ask for;
     ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens
     unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response;
     ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
-    ``idle_timeout_s``: sessions idle longer are closed; ``spec``: the default arm; ``checkpoint``:
-    weights folder relative to the model repository; ``dtype``: compute dtype of the stage models;
-    ``prefix_cache_mb``: memory bound of the prefix cache (published prompt blocks: trunk state and
-    DFlash drafter tails), 0 turns it off.
+    ``idle_timeout_s``: sessions idle longer are closed; ``spec``: the default arm (the fastest measured;
+    without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
+    repository; ``dtype``: compute dtype of the stage models; ``prefix_cache_mb``: memory bound of
+    the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off.
     """
 
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
-    spec: str = "mtp"
+    spec: str = "dflash2"
     burst_rounds: int = 4
     block_size: int = 8
     checkpoint: str = "weights/tandem-tiny"

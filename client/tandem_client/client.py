@@ -86,7 +86,7 @@ def _check_reachable(client, url: str, timeout_s: float) -> None:
         raise ServerUnreachable(f"the Triton server at {url} is not live")
 
 
-def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_URL, spec: str = schema.DEFAULTS.spec,
+def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_URL, spec: str | None = None,
              num_draft_tokens: int | None = None, sequence_id: int | None = None, model: str = schema.TANDEM.name,
              on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
              connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True) -> dict:
@@ -94,7 +94,8 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
     Args: ``prompt_ids`` — token ids (e.g. ``ChatTokenizer.chat_prompt``); ``max_tokens`` ≥ 1;
-    ``url`` — ``host:port`` of Triton's gRPC endpoint; ``spec`` — one of :data:`tandem.schema.SPECS`;
+    ``url`` — ``host:port`` of Triton's gRPC endpoint; ``spec`` — one of :data:`tandem.schema.SPECS`
+    (None: not sent, so the server's default arm for a new sequence, the sequence's arm for a later turn);
     ``num_draft_tokens`` — drafts per round (server default when None); ``on_tokens(ids)`` — called
     on the stream's thread for each burst's new ids; ``timeout_s`` — limit between responses.
 
@@ -124,7 +125,8 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
         if len(prompt_ids):  # a later turn may send no new tokens (the server continues from its anchor)
             add(schema.INPUT_IDS, np.asarray(prompt_ids, dtype=np.int32).reshape(-1), "INT32")
         add(schema.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32")
-        add(schema.SPEC, np.array([spec.encode()], dtype=np.object_), "BYTES")
+        if spec is not None:
+            add(schema.SPEC, np.array([spec.encode()], dtype=np.object_), "BYTES")
         if num_draft_tokens is not None:
             add(schema.NUM_DRAFT_TOKENS, np.array([num_draft_tokens], dtype=np.int32), "INT32")
         sid = sequence_id if sequence_id is not None else new_sequence_id()
@@ -199,7 +201,8 @@ def _tokenizer(checkpoint: Path):
 def generate_cmd(
     prompt: str = typer.Argument(..., help="user message; wrapped in the chat template"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="tokens to generate at most"),
-    spec: str = typer.Option(schema.DEFAULTS.spec, "--spec", help="speculation: " + " | ".join(schema.SPECS)),
+    spec: Optional[str] = typer.Option(None, "--spec", help="speculation: " + " | ".join(schema.SPECS)
+                                       + f" [default: the server's, {schema.DEFAULTS.spec} when its drafter is loaded]"),
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", "-k", help="drafts per round"),
     url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
@@ -209,7 +212,7 @@ def generate_cmd(
     timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait between responses"),
 ) -> None:
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
-    if spec not in schema.SPECS:
+    if spec is not None and spec not in schema.SPECS:
         typer.echo(f"error: --spec must be one of {schema.SPECS}, got {spec!r}", err=True)
         raise typer.Exit(2)
     tok = _tokenizer(checkpoint or default_checkpoint())

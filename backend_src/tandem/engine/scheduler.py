@@ -197,7 +197,12 @@ class Scheduler:
 
     def _arm(self, t: Turn) -> str:
         s = self.sessions.get(t.sid)
-        return t.spec if t.spec is not None else (s.arm if s is not None and not t.start else self.config.spec)
+        return t.spec if t.spec is not None else (s.arm if s is not None and not t.start else self.default_arm())
+
+    def default_arm(self) -> str:
+        """The arm of a new sequence that names none: ``config.spec`` when its drafter is loaded, else
+        ``mtp`` when that is, else ``off``."""
+        return next(a for a in (self.config.spec, schema.MTP, schema.OFF) if a == schema.OFF or a in self.drafters)
 
     def _num_draft_tokens(self, t: Turn) -> int:
         """Drafts per round of a new session: 0 for plain decoding; the request's value or the server
