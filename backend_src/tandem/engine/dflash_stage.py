@@ -173,9 +173,9 @@ class DFlashStage(DrafterStage):
                     nbytes = np.array(self.publish(list(zip(sids, [p or [] for p in
                                                                   schema.prefixes_from_wire(arrays, len(sids))]))),
                                       np.int64)
-            except (KeyError, ValueError) as e:
-                if isinstance(e, WireError):
-                    raise
+            except WireError:
+                raise
+            except (KeyError, ValueError) as e:  # an unpublished tail, a too-short drafter cover
                 raise WireError(f"PREFIX_KEYS: {e.args[0] if e.args else e}") from None
             return {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(len(sids), np.int32), "NBYTES": nbytes}
         return {**super().handle(arrays), "NBYTES": nbytes}

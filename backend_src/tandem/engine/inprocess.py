@@ -19,6 +19,7 @@ from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
 from .dflash_stage import DFlashStage
 from .mtp_stage import MTPStage
+from .prefix import PrefixIndex
 from .scheduler import Scheduler, Turn
 from .trunk_stage import TrunkStage
 
@@ -57,7 +58,7 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget every published prefix (index and stores): the next prompts start cold."""
         if self.sched.prefix is not None:
-            self.sched.prefix = type(self.sched.prefix)(self.sched.prefix.capacity)
+            self.sched.prefix = PrefixIndex(self.sched.prefix.capacity)
         self.trunk.blocks.clear()
         for stage in {id(d): d for d in self.drafters.values()}.values():
             getattr(stage, "tails", {}).clear()

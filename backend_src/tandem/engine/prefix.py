@@ -183,6 +183,6 @@ def publish_ready(index: PrefixIndex, sessions, trunk, drafters: dict) -> int:
         gone += [k for k, _ in index.add(mt, tb, s.arm, md, d_bytes.get(s.sid, 0), keys)]
     if gone:
         trunk.evict(gone)
-        for stage, _ in {id(d): (d, 0) for a, d in drafters.items() if a in schema.DFLASH_ARMS}.values():
+        for stage in {id(d): d for a, d in drafters.items() if a in schema.DFLASH_ARMS}.values():
             stage.evict(gone)
     return len(plans)

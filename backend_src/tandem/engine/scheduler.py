@@ -141,12 +141,10 @@ class Scheduler:
         try:
             if new:
                 self.trunk.open([s.sid for s in new])
+                warm = {s.sid: (s.arm, r.prefix) for _, s, r in ok if r.prefix and s.arm in schema.DFLASH_ARMS}
                 for stage, group in self._by_drafter(new):
-                    item = {x.sid: r for _, x, r in ok}
-                    warm = [(s.arm, item[s.sid].prefix) if item[s.sid].prefix and s.arm in schema.DFLASH_ARMS else None
-                            for s in group]
-                    if any(warm):
-                        stage.open([s.sid for s in group], warm)
+                    if any(s.sid in warm for s in group):  # a DFlash drafter starts from published tails
+                        stage.open([s.sid for s in group], [warm.get(s.sid) for s in group])
                     else:
                         stage.open([s.sid for s in group])
             outs = self.trunk.prime([rows for _, _, rows in ok])

@@ -21,9 +21,10 @@ def serving_config(model_config: dict) -> schema.ServingConfig:
     ``$TANDEM_DTYPE`` and ``$TANDEM_PREFIX_CACHE_MB`` overriding ``checkpoint``, ``dtype`` and
     ``prefix_cache_mb`` (where the model has that parameter). Raises ``ValueError`` on a bad parameter."""
     params = model_parameters(model_config)
-    for k, v in (("checkpoint", "TANDEM_CHECKPOINT"), ("dtype", "TANDEM_DTYPE"), ("prefix_cache_mb", "TANDEM_PREFIX_CACHE_MB")):
-        if os.environ.get(v) and (k in params or k != "prefix_cache_mb"):
-            params[k] = os.environ[v]
+    env = {"checkpoint": "TANDEM_CHECKPOINT", "dtype": "TANDEM_DTYPE"}
+    if "prefix_cache_mb" in params:  # only the tandem model has it
+        env["prefix_cache_mb"] = "TANDEM_PREFIX_CACHE_MB"
+    params.update({k: os.environ[v] for k, v in env.items() if os.environ.get(v)})
     return schema.ServingConfig.from_parameters(params)
 
 

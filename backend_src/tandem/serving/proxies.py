@@ -132,7 +132,24 @@ class _Proxy:
                 self.on_error(f"{self.spec.name} close {sids}: {e}")
 
 
-class TrunkProxy(_Proxy):
+class _PrefixStoreProxy(_Proxy):
+    """The prefix-store ops of the ``trunk`` and ``drafter_dflash`` models."""
+
+    def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
+        """One ``publish`` call: ``(sid, chain keys)`` per sequence -> bytes newly stored per sequence."""
+        if not items:
+            return []
+        out = self.t(self.spec, "publish", {"SIDS": schema.sids_to_wire([s for s, _ in items]),
+                                            **schema.prefixes_to_wire([k for _, k in items])})
+        return [int(x) for x in out["NBYTES"]]
+
+    def evict(self, keys: list[int]) -> None:
+        """One ``evict`` call (keys in one PREFIX_LENGTHS entry, no SIDS)."""
+        if keys:
+            self.t(self.spec, "evict", {"SIDS": np.zeros(0, np.int64), **schema.prefixes_to_wire([list(keys)])})
+
+
+class TrunkProxy(_PrefixStoreProxy):
     """:class:`~tandem.engine.protocols.TrunkAPI` over a transport (``vocab_size`` lets the
     scheduler reject out-of-vocabulary prompts before any call). Raises :class:`StageError`."""
 
@@ -155,12 +172,6 @@ class TrunkProxy(_Proxy):
                 for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]
         return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
 
-    def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
-        return _publish(self, items)
-
-    def evict(self, keys: list[int]) -> None:
-        _evict(self, keys)
-
     def prime(self, items: list[Rows]) -> list[VerifyOut]:
         return self._rows("prime", items)
 
@@ -171,21 +182,6 @@ class TrunkProxy(_Proxy):
         if items:
             self.t(self.spec, "commit", {"SIDS": schema.sids_to_wire([it.sid for it in items]),
                                          "N_ROWS": np.array([it.n_rows for it in items], np.int32)})
-
-
-def _publish(proxy: _Proxy, items: list[tuple[int, list[int]]]) -> list[int]:
-    """One ``publish`` call: ``(sid, chain keys)`` per sequence -> bytes newly stored per sequence."""
-    if not items:
-        return []
-    out = proxy.t(proxy.spec, "publish", {"SIDS": schema.sids_to_wire([s for s, _ in items]),
-                                          **schema.prefixes_to_wire([k for _, k in items])})
-    return [int(x) for x in out["NBYTES"]]
-
-
-def _evict(proxy: _Proxy, keys: list[int]) -> None:
-    """One ``evict`` call (keys in one PREFIX_LENGTHS entry, no SIDS)."""
-    if keys:
-        proxy.t(proxy.spec, "evict", {"SIDS": np.zeros(0, np.int64), **schema.prefixes_to_wire([list(keys)])})
 
 
 class DrafterProxy(_Proxy):
@@ -201,7 +197,7 @@ class DrafterProxy(_Proxy):
             "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32)})
 
 
-class DFlashProxy(_Proxy):
+class DFlashProxy(_PrefixStoreProxy):
     """:class:`~tandem.engine.protocols.DrafterAPI` for the DFlash arms over a transport (model
     ``drafter_dflash``): each row's target-layer features and each sequence's anchor go out, the
     drafts come back. Raises :class:`StageError`."""
@@ -224,9 +220,3 @@ class DFlashProxy(_Proxy):
                                    schema.SPEC: np.array([(p or next(filter(None, prefixes)))[0].encode() for p in prefixes],
                                                          dtype=np.object_),
                                    **schema.prefixes_to_wire([p[1] if p else None for p in prefixes])})
-
-    def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
-        return _publish(self, items)
-
-    def evict(self, keys: list[int]) -> None:
-        _evict(self, keys)
