@@ -93,3 +93,40 @@ def test_dense_expert_rows_equal_per_expert_dispatch(trunk_fp32, n):
         moe.experts.dense_rows = old
     assert (dense - loop).abs().max() < 1e-5
     assert loop.abs().max() > 1e-3  # the experts contribute
+
+
+def test_batch_invariant_rows_bit_identical(checkpoint):
+    """With ``batch_invariant``, every row's logits (fp32, the serving dtype) are bit-identical
+    computed alone (plain decoding, M=1), inside a verify block of k+1 = 8 rows, and in a stage call
+    over 4 sessions; without it the M=1 rows differ in the last bits (the gap it closes)."""
+    from tandem.engine.protocols import Rows
+    from tandem.engine.trunk_stage import TrunkStage
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 8000, (1, n), generator=g) for n in (77, 64, 130, 9)]
+    block = torch.randint(5, 8000, (1, 8), generator=g)
+    model = load_trunk(checkpoint, torch.float32)
+    gaps = {}
+    for bi in (True, False):
+        stage = TrunkStage(model, 4096, batch_invariant=bi)
+        stage.open([1, 2, 3, 4, 5])
+        stage.prime([Rows(s, p[0].tolist()) for s, p in zip((1, 2, 3, 4), prompts)] + [Rows(5, prompts[0][0].tolist())])
+        alone = []
+        for i in range(8):  # session 5: the rows one at a time, each committed
+            alone.append(stage.verify([Rows(5, block[0, i:i + 1].tolist())])[0])
+            stage.cache(5).commit(1)
+        batch = stage.verify([Rows(s, block[0].tolist()) for s in (1, 2, 3, 4)])
+        one = TrunkStage(model, 4096, batch_invariant=bi)
+        one.open([9])
+        one.prime([Rows(9, prompts[2][0].tolist())])
+        solo = one.verify([Rows(9, block[0].tolist())])[0]
+        a = torch.cat([o.hidden for o in alone])
+        gaps[bi] = (a - batch[0].hidden).abs().max().item()
+        if bi:
+            assert torch.equal(a, batch[0].hidden), "M=1 rows differ from the same rows in a verify block"
+            assert torch.equal(solo.hidden, batch[2].hidden), "a session's rows differ inside a 4-session call"
+            assert torch.equal(torch.cat([o.top2_gap for o in alone]), batch[0].top2_gap)  # the stage's logits too
+            assert [int(o.argmax[0]) for o in alone] == batch[0].argmax.tolist()
+    model.batch_invariant = False
+    print(f"max |hidden diff| M=1 vs block: batch_invariant {gaps[True]:.1e}, without {gaps[False]:.1e}")
+    assert gaps[True] == 0.0 < gaps[False]

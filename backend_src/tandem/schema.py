@@ -3,10 +3,8 @@ defaults and limits, and the array helpers both sides of a BLS call use. Written
 ``config.pbtxt`` files are checked against it (``tests/test_schema.py``) and the engine, the
 serving layer, the client, the load test and the tests read names and defaults from it.
 
-numpy only (no torch, no Triton): the client imports it.
-
-Sequence ids are Triton correlation ids (uint64). Between tandem's own models they travel as int64
-with the same 64 bits (:func:`sids_to_wire`).
+numpy only (no torch, no Triton): the client imports it. Sequence ids are Triton correlation ids
+(uint64); between tandem's own models they travel as int64 with the same 64 bits (:func:`sids_to_wire`).
 """
 
 from __future__ import annotations
@@ -83,7 +81,9 @@ class ServingConfig:
     ``idle_timeout_s``: sessions idle longer are closed; ``spec``: the default arm (the fastest measured;
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
     repository; ``dtype``: compute dtype of the stage models; ``prefix_cache_mb``: memory bound of
-    the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off.
+    the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off;
+    ``batch_invariant``: pad plain decoding's one-row trunk passes to two rows so a row's logits are
+    bit-identical alone or in a verify block (off by default: it costs plain decoding ~16%, measured).
     """
 
     num_draft_tokens: int = 3
@@ -96,6 +96,7 @@ class ServingConfig:
     idle_timeout_s: float = 600.0
     dtype: str = "fp32"
     prefix_cache_mb: int = 256
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
@@ -123,15 +124,14 @@ class ServingConfig:
                 raise ValueError(f"unknown model parameter {k!r} (known: {sorted(fields)})")
             typ = type(getattr(cls(), k))
             try:
-                kw[k] = typ(v)
-            except ValueError:
+                kw[k] = {"true": True, "false": False}[v.lower()] if typ is bool else typ(v)
+            except (ValueError, KeyError):
                 raise ValueError(f"model parameter {k!r} must be {typ.__name__}, got {v!r}") from None
         kw.update(overrides)
         return cls(**kw)
 
 
-#: Speculation arms a request may ask for: the native MTP drafter, the DFlash block drafter, DFlash2
-#: (DFlash plus two-tap convolutions and the candidate-path selector), or plain decoding.
+#: Speculation arms: the native MTP drafter, DFlash, DFlash2 (two-tap convs + path selector), plain.
 MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"
 SPECS = (MTP, DFLASH, DFLASH2, OFF)
 #: The arms served by the ``drafter_dflash`` model.
@@ -203,7 +203,7 @@ TRUNK = ModelSpec(
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
         _NBYTES,
     ),
-    parameters=("checkpoint", "dtype"),
+    parameters=("checkpoint", "dtype", "batch_invariant"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict"),
 )
 

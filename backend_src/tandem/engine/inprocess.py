@@ -45,7 +45,7 @@ class Engine:
         if dflash is None:
             dflash = {arm: load_dflash(checkpoint, arm, self.model.dtype) for arm in dflash_arms(checkpoint)}
         feature_layers = next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
-        self.trunk = TrunkStage(self.model, self.config.max_ctx, tuple(feature_layers))
+        self.trunk = TrunkStage(self.model, self.config.max_ctx, tuple(feature_layers), self.config.batch_invariant)
         self.drafters: dict = {}
         if self.model.mtp is not None:
             self.drafters[schema.MTP] = MTPStage(self.model, self.config.max_num_draft_tokens)

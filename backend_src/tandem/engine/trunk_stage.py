@@ -49,14 +49,16 @@ class TrunkStage(KeyedStates):
 
     Args: ``model``; ``max_ctx`` tokens per sequence (default ``max_position_embeddings``);
     ``feature_layers`` — trunk layers whose outputs every pass exports as ``features`` (the DFlash
-    drafter's ``target_layer_ids``; empty: none).
+    drafter's ``target_layer_ids``; empty: none); ``batch_invariant`` — see :attr:`Trunk.batch_invariant`.
     Raises :class:`UnknownSequence` for ids it does not hold and ``ValueError`` (from the cache)
     for context overflow or out-of-order calls.
     """
 
-    def __init__(self, model: Trunk, max_ctx: int | None = None, feature_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: Trunk, max_ctx: int | None = None, feature_layers: tuple[int, ...] = (),
+                 batch_invariant: bool = schema.DEFAULTS.batch_invariant) -> None:
         super().__init__()
         self.model = model
+        model.batch_invariant = batch_invariant
         self.feature_layers = tuple(feature_layers)
         self.max_ctx = max_ctx or model.cfg.max_position_embeddings
         self.vocab_size = model.cfg.vocab_size

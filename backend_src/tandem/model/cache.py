@@ -12,62 +12,93 @@ import dataclasses
 import torch
 
 
-@dataclasses.dataclass
+#: MLACache fields and the dimension that grows with the rows: ``latent, ik, ig [1, L, .]``,
+#: ``k, v [1, H, L, .]``, ``pk [1, L // kp, .]``
+_MLA_DIMS = {"latent": 1, "k": 2, "v": 2, "ik": 1, "ig": 1, "pk": 1}
+
+
 class MLACache:
     """Append-only per-token tensors of one indexed layer for one sequence (batch dim 1).
 
     ``latent [1,L,r]``, ``k [1,H,L,dqk]``, ``v [1,H,L,dv]``, ``ik``/``ig [1,L,di]``,
-    ``pk [1, L // kp, di]`` (compressed keys of complete pools).
+    ``pk [1, L // kp, di]`` (compressed keys of complete pools); each attribute is a view of the used
+    part of a preallocated buffer that doubles when full (an append copies only the new rows), None
+    while empty. Assigning an attribute replaces its buffer (prefix restore).
     """
 
-    kp: int
-    latent: torch.Tensor | None = None
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    ik: torch.Tensor | None = None
-    ig: torch.Tensor | None = None
-    pk: torch.Tensor | None = None
+    def __init__(self, kp: int) -> None:
+        self.kp = kp
+        self._buf: dict[str, torch.Tensor | None] = dict.fromkeys(_MLA_DIMS)
+        self._n = 0  # rows
+        self._np = 0  # complete pools stored
+
+    def _view(self, name: str) -> torch.Tensor | None:
+        b = self._buf[name]
+        return None if b is None else b.narrow(_MLA_DIMS[name], 0, self._np if name == "pk" else self._n)
+
+    latent = property(lambda self: self._view("latent"), lambda self, t: self._set("latent", t))
+    k = property(lambda self: self._view("k"), lambda self, t: self._set("k", t))
+    v = property(lambda self: self._view("v"), lambda self, t: self._set("v", t))
+    ik = property(lambda self: self._view("ik"), lambda self, t: self._set("ik", t))
+    ig = property(lambda self: self._view("ig"), lambda self, t: self._set("ig", t))
+    pk = property(lambda self: self._view("pk"), lambda self, t: self._set("pk", t))
+
+    def _set(self, name: str, t: torch.Tensor | None) -> None:
+        self._buf[name] = None if t is None else t.contiguous()
+        n = 0 if t is None else t.shape[_MLA_DIMS[name]]
+        if name == "pk":
+            self._np = n
+        else:
+            self._n = n
 
     def __len__(self) -> int:
-        return 0 if self.latent is None else self.latent.shape[1]
+        return self._n
+
+    def _put(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write ``rows`` at ``start`` along the growing dim, doubling the buffer when it is short."""
+        dim, end = _MLA_DIMS[name], start + rows.shape[_MLA_DIMS[name]]
+        b = self._buf[name]
+        if b is None or b.shape[dim] < end:
+            shape = list(rows.shape)
+            shape[dim] = max(end, 2 * (0 if b is None else b.shape[dim]), 16)
+            nb = rows.new_empty(shape)
+            if b is not None and start:
+                nb.narrow(dim, 0, start).copy_(b.narrow(dim, 0, start))
+            self._buf[name] = b = nb
+        b.narrow(dim, start, end - start).copy_(rows)
 
     def append(self, rows: dict[str, torch.Tensor]) -> None:
         """Append rows (``latent, k, v, ik, ig`` as produced by ``MLAttention.project``)."""
-        if self.latent is None:
-            self.latent, self.k, self.v, self.ik, self.ig = (rows[n] for n in ("latent", "k", "v", "ik", "ig"))
-            return
-        self.latent = torch.cat([self.latent, rows["latent"]], 1)
-        self.k = torch.cat([self.k, rows["k"]], 2)
-        self.v = torch.cat([self.v, rows["v"]], 2)
-        self.ik = torch.cat([self.ik, rows["ik"]], 1)
-        self.ig = torch.cat([self.ig, rows["ig"]], 1)
+        n = rows["latent"].shape[1]
+        for name in ("latent", "k", "v", "ik", "ig"):
+            self._put(name, self._n, rows[name])
+        self._n += n
 
     def add_pools(self, pk_new: torch.Tensor) -> None:
-        self.pk = pk_new if self.pk is None else torch.cat([self.pk, pk_new], 1)
+        """Append compressed pool keys ``pk_new [1, P, di]``."""
+        self._put("pk", self._np, pk_new)
+        self._np += pk_new.shape[1]
 
     def n_pools(self) -> int:
-        return 0 if self.pk is None else self.pk.shape[1]
+        return self._np
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` rows (and the ``n // kp`` pools they complete)."""
-        if self.latent is None:
-            return
         assert 0 <= n <= len(self), (n, len(self))
-        self.latent, self.ik, self.ig = self.latent[:, :n], self.ik[:, :n], self.ig[:, :n]
-        self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
-        if self.pk is not None:
-            self.pk = self.pk[:, : n // self.kp]
+        self._n = n
+        self._np = min(self._np, n // self.kp)
 
     def clone(self) -> "MLACache":
         c = MLACache(self.kp)
-        for f in ("latent", "k", "v", "ik", "ig", "pk"):
-            t = getattr(self, f)
-            setattr(c, f, None if t is None else t.clone())
+        for name in _MLA_DIMS:
+            t = getattr(self, name)
+            c._buf[name] = None if t is None else t.clone()
+        c._n, c._np = self._n, self._np
         return c
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.latent, self.k, self.v, self.ik, self.ig, self.pk)
-                   if t is not None)
+        """Bytes of the used rows (the buffers' spare capacity not counted)."""
+        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in _MLA_DIMS) if t is not None)
 
 
 @dataclasses.dataclass
@@ -107,7 +138,7 @@ class TrunkCache:
         if not 1 <= n_rows <= self.pending_rows:
             raise ValueError(f"commit n_rows={n_rows} outside [1, {self.pending_rows}]")
         for i, (full, states) in self.pending.items():
-            km1 = full.shape[-1] - self.pending_rows
+            km1 = full.shape[-1] - states.shape[1]  # (a padded verify computed more rows than it reports)
             self.layers[i] = KDAState(full[:, :, n_rows: n_rows + km1].contiguous(), states[:, n_rows - 1].contiguous())
         self.pos += n_rows
         for layer in self.layers:

@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TrunkConfig
-from .layers import GatedRMSNorm
+from . import cpu_kernels
+from .layers import GatedRMSNorm, fused_linear
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -167,6 +168,9 @@ class LinearAttention(nn.Module):
     """A KDA ``linear_attention`` layer. State per sequence: conv tail ``[B, 3*H*dk, K-1]`` (the
     last K-1 pre-conv inputs) and recurrent state ``[B, H, dk, dv]`` (fp32)."""
 
+    #: linears reading the layer input, fused in the serving layout (q | k | v first: the conv input)
+    FUSED = {"_fused_x": ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "b_proj", "g_a_proj")}
+
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
         self.h, self.dk = cfg.linear_num_heads, cfg.linear_head_dim
@@ -237,11 +241,27 @@ class LinearAttention(nn.Module):
 
     def forward_rows(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Verify path (row by row). ``x [B, T, D]`` -> ``y [B, T, D]``, pre-conv inputs with the
-        old tail ``[B, 3qkv, K-1+T]`` (the tail after row r is ``[..., r+1 : r+K]``) and every
-        row's recurrent state ``[B, T, H, dk, dv]``."""
+        """Verify / decode path (row by row). ``x [B, T, D]`` -> ``y [B, T, D]``, pre-conv inputs with
+        the old tail ``[B, 3qkv, K-1+T]`` (the tail after row r is ``[..., r+1 : r+K]``) and every
+        row's recurrent state ``[B, T, H, dk, dv]``. Without autograd (serving) one sequence runs in
+        :func:`~tandem.model.cpu_kernels.kda_rows_fused`; this torch path is its reference."""
         tail, S = state
+        if cpu_kernels.active() and x.shape[0] == 1:
+            return self._rows_fused(x, tail, S)
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
         o, states = kda_rows(q, k, v, g, beta, S)
         return self._out(x, o), full, states
+
+    def _rows_fused(self, x: torch.Tensor, tail: torch.Tensor, S: torch.Tensor):
+        C, dk, H = self.qkv, self.dk, self.h
+        out = fused_linear(self, "_fused_x", x)
+        if out is None:
+            out = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x), self.forget_gate.f_a_proj(x),
+                             self.b_proj(x), self.g_a_proj(x)], -1)
+        mixed, fa, b, ga = out.split([3 * C, dk, H, dk], -1)
+        fg = self.forget_gate
+        y, full, states = cpu_kernels.kda_rows_fused(
+            mixed, tail, self.conv1d.weight, fg.f_b_proj(fa), fg.A_log, fg.dt_bias, fg.lower, b,
+            self.g_b_proj(ga), self.o_norm.weight, self.o_norm.variance_epsilon, S, H)
+        return self.o_proj(y.to(x.dtype)), full, states

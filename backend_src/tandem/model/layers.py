@@ -10,19 +10,53 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .config import TrunkConfig
 
 
 def input_major_linears(module: nn.Module) -> nn.Module:
-    """Store every ``nn.Linear`` weight ``[out, in]`` input-major (an ``[in, out]`` contiguous buffer
-    viewed as ``[out, in]``): values and names unchanged, but ``F.linear`` then calls a
+    """Serving layout of every ``nn.Linear`` weight ``[out, in]``: stored input-major (an ``[in, out]``
+    contiguous buffer viewed as ``[out, in]``), values and names unchanged, so ``F.linear`` calls a
     non-transposed GEMM, which this CPU runs faster for the few rows of decode and verify (fp32,
-    one thread: ``[8, 256] x [256, 8192]`` 1.35 -> 0.63 ms, ``[8, 256] x [256, 2048]`` 0.26 -> 0.15 ms,
-    ``[1, 256] x [256, 256]`` 11.6 -> 7.6 us; 200 rows unchanged). Returns ``module``."""
+    one thread: ``[8, 256] x [256, 8192]`` 1.35 -> 0.63 ms, ``[1, 256] x [256, 256]`` 11.6 -> 7.6 us).
+
+    Linears (or ``[out, in]`` parameters) that read the same input are fused: a module's
+    ``FUSED = {attr: (names...)}`` gets
+    ``attr = (W [sum out, in], [out...])`` with the listed linears' weights views of ``W`` (one GEMM
+    instead of several; a later in-place load updates both). Returns ``module``."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
             m.weight.data = m.weight.data.t().contiguous().t()
+    for m in module.modules():
+        for attr, names in getattr(type(m), "FUSED", {}).items():
+            ps = [_weight(m, n) for n in names]
+            if len({p.dtype for p in ps}) > 1:  # an fp32-kept weight among them: leave the group unfused
+                continue
+            w = torch.cat([p.data.t() for p in ps], 1).contiguous()  # [in, sum out]
+            outs, a = [p.shape[0] for p in ps], 0
+            for p, o in zip(ps, outs):
+                p.data, a = w[:, a: a + o].t(), a + o
+            setattr(m, attr, (w.t(), outs))
+        if hasattr(m, "serving_layout"):
+            m.serving_layout()
     return module
+
+
+def _weight(m: nn.Module, name: str) -> nn.Parameter:
+    """The ``[out, in]`` weight named ``name`` in ``m``: a parameter path, or a linear's path."""
+    try:
+        return m.get_parameter(name)
+    except AttributeError:
+        return m.get_submodule(name).weight
+
+
+def fused_linear(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor | None:
+    """``module``'s fused group ``attr`` on ``x [..., in]``: the listed linears' outputs side by side
+    ``[..., sum out]`` (one GEMM), or None when the group is not fused (training layout) or autograd is on."""
+    fused = getattr(module, attr, None)
+    if fused is None or torch.is_grad_enabled() or fused[0].dtype != x.dtype:
+        return None
+    return F.linear(x, fused[0])
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +71,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.active() and x.dtype == torch.float32 == self.weight.dtype:  # one op
+            return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
         dt = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -160,8 +196,28 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.last_load: torch.Tensor | None = None
 
+    def serving_layout(self) -> None:
+        """Fuse the routed and shared experts' weights for :func:`~tandem.model.cpu_kernels.moe_rows`:
+        ``_w_up [(E+1) * 2I, D]`` (input-major) and ``_w_down [E+1, I, D]``, the parameters becoming
+        views of them. Only with one shared expert of the routed experts' width."""
+        ex, sh = self.experts, self.shared_experts
+        e, i2, d = ex.gate_up_proj.shape
+        if sh.down_proj.weight.shape[1] != i2 // 2:
+            return
+        up = torch.cat([ex.gate_up_proj.data.reshape(e * i2, d), sh.gate_proj.weight.data, sh.up_proj.weight.data])
+        self._w_up = up.t().contiguous().t()
+        ex.gate_up_proj.data = self._w_up[: e * i2].view(e, i2, d)
+        sh.gate_proj.weight.data, sh.up_proj.weight.data = self._w_up[e * i2: e * i2 + i2 // 2], self._w_up[e * i2 + i2 // 2:]
+        self._w_down = torch.cat([ex.down_proj.data.transpose(1, 2), sh.down_proj.weight.data.t()[None]]).contiguous()
+        ex.down_proj.data, sh.down_proj.weight.data = self._w_down[:e].transpose(1, 2), self._w_down[e].t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if (cpu_kernels.active() and getattr(self, "_w_up", None) is not None and x.dtype == torch.float32
+                and self._w_up.dtype == torch.float32 and x.numel() <= shape[-1] * self.experts.dense_rows):
+            g = self.gate
+            return cpu_kernels.moe_rows(x.reshape(-1, shape[-1]), g.weight, g.e_score_correction_bias, g.top_k,
+                                        g.norm_topk_prob, g.scale, self._w_up, self._w_down, self.experts.limit).view(shape)
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)
         if self.training:
@@ -190,6 +246,8 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if cpu_kernels.active():
+            return cpu_kernels.hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
         b, t, n, _ = streams.shape
         flat = streams.reshape(b, t, -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
@@ -203,6 +261,13 @@ class HyperConnection(nn.Module):
         comb = sinkhorn(comb, self.iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(2).to(streams.dtype)
         return post, comb, collapsed
+
+
+    def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with ``norm`` applied to the collapsed input, in one
+        :func:`~tandem.model.cpu_kernels.hc_weights` call (serving, no autograd)."""
+        return cpu_kernels.hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.eps,
+                                      self.norm_eps, norm.weight, norm.variance_epsilon)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -232,5 +297,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """mHC expand + mix: ``post ⊗ block_out + comb^T @ residual``. Shapes ``[B,T,N]``, ``[B,T,N,N]``,
     ``[B,T,D]``, ``[B,T,N,D]`` -> ``[B,T,N,D]``."""
+    if cpu_kernels.active() and residual.dtype == torch.float32:
+        return cpu_kernels.hc_merge(post, comb, block_out, residual)
     dt = residual.dtype
     return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), residual)

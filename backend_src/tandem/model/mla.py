@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .config import TrunkConfig
-from .layers import RMSNorm
+from .layers import RMSNorm, fused_linear
 
 if TYPE_CHECKING:
     from .cache import MLACache
@@ -54,6 +55,18 @@ class Indexer(nn.Module):
         kk = keys[:, : p * self.kp].view(b, p, self.kp, d)
         lg = gates[:, : p * self.kp].view(b, p, self.kp, d).float() + self.index_kpool_compress_ape.float()
         return (lg.softmax(dim=2).to(kk.dtype) * kk).sum(2)
+
+    def mask(self, x: torch.Tensor, rows: dict[str, torch.Tensor], pk: torch.Tensor, q_pos: torch.Tensor,
+             kv_len: int) -> torch.Tensor:
+        """Visibility mask ``[B, T, kv_len]`` of rows ``x [B, T, D]`` (``rows`` from
+        :meth:`MLAttention.project`) over pool keys ``pk [B, P, di]``: :meth:`select` of
+        :meth:`scores`, or for one sequence in serving :func:`~tandem.model.cpu_kernels.dsa_mask`."""
+        if cpu_kernels.active() and x.shape[0] == 1 and "iq" in rows:
+            b, t = x.shape[:2]
+            dots = torch.matmul(pk[0], rows["iq"].reshape(t * self.h, self.d).t()).t().reshape(b, t, self.h, -1)
+            return cpu_kernels.dsa_mask(dots, rows["iw"], q_pos, kv_len, self.kp, self.k_pools,
+                                        self.d ** -0.5, self.h ** -0.5)
+        return self.select(self.scores(x, rows["q_resid"], pk), q_pos, kv_len)
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
         """Pool scores ``[B, T, P]`` (fp32) for queries ``x [B,T,D]`` over pool keys ``pk [B,P,di]``."""
@@ -108,10 +121,26 @@ class MLAttention(nn.Module):
         self.scaling = self.dqk ** -0.5
         self.last_aux_loss: torch.Tensor | None = None
 
+    #: linears reading the same input, fused in the serving layout
+    FUSED = {"_fused_x": ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk", "indexer.weights_proj",
+                          "indexer.index_kpool_compress_gate"),
+             "_fused_q": ("q_b_proj", "indexer.wq_b")}
+
     def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token tensors of rows ``x [B, T, D]``: query ``q [B,H,T,dqk]``, ``q_resid``, and the
-        cacheable ``latent [B,T,r]``, ``k [B,H,T,dqk]``, ``v [B,H,T,dv]``, ``ik``/``ig [B,T,di]``."""
+        cacheable ``latent [B,T,r]``, ``k [B,H,T,dqk]``, ``v [B,H,T,dv]``, ``ik``/``ig [B,T,di]``; in
+        the fused serving layout also the indexer queries ``iq [B,T,Hi*di]`` and head weights ``iw [B,T,Hi]``."""
         b, t, _ = x.shape
+        fx = fused_linear(self, "_fused_x", x)
+        if fx is not None and getattr(self, "_fused_q", None) is not None:
+            qa, kva, ikr, iw, ig = fx.split(self._fused_x[1], -1)
+            q_resid = self.q_a_layernorm(qa)
+            q, iq = F.linear(q_resid, self._fused_q[0]).split(self._fused_q[1], -1)
+            latent = self.kv_a_layernorm(kva)
+            kv = self.kv_b_proj(latent).view(b, t, self.h, self.dqk + self.dv).transpose(1, 2)
+            k, v = kv.split([self.dqk, self.dv], dim=-1)
+            return {"q": q.view(b, t, self.h, self.dqk).transpose(1, 2), "q_resid": q_resid, "latent": latent,
+                    "k": k, "v": v, "ik": self.indexer.k_norm(ikr), "ig": ig, "iq": iq, "iw": iw}
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, t, self.h, self.dqk).transpose(1, 2)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
@@ -125,9 +154,15 @@ class MLAttention(nn.Module):
         """Attention of the rows' queries over ``k_all [B,H,L,dqk]``/``v_all`` with DSA selection.
         Returns ``y [B, T, D]`` and the visibility mask ``[B, T, L]``."""
         b, t, _ = x.shape
-        sc = self.indexer.scores(x, rows["q_resid"], pk_all)
-        mask = self.indexer.select(sc, q_pos, k_all.shape[2])
-        o = F.scaled_dot_product_attention(rows["q"], k_all, v_all, attn_mask=mask.unsqueeze(1), scale=self.scaling)
+        mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
+        if cpu_kernels.active() and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
+            # K @ Q^T, not Q @ K^T: this CPU's GEMM gives each column the same sums whatever the column
+            # count, but not each row whatever the row count (measured)
+            att = torch.matmul(k_all, (rows["q"] * self.scaling).transpose(-1, -2)).transpose(-1, -2)
+            att = att.masked_fill(~mask.unsqueeze(1), float("-inf"))
+            o = torch.matmul(att.softmax(-1), v_all)
+        else:
+            o = F.scaled_dot_product_attention(rows["q"], k_all, v_all, attn_mask=mask.unsqueeze(1), scale=self.scaling)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1)), mask
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

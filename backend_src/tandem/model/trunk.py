@@ -41,6 +41,12 @@ class Trunk(nn.Module):
     in :data:`FP32_KEEP` stay fp32 as in transformers.
     """
 
+    #: pad single-row verifies (plain decoding) to two rows: on this CPU a one-row GEMM takes a GEMV
+    #: path whose sums round differently, so without it a row's logits alone differ in the last bits
+    #: from the same row inside a verify block (the M=1 vs M=k+1 batch-invariance gap); the serving
+    #: parameter ``batch_invariant`` sets it
+    batch_invariant: bool = False
+
     def __init__(self, cfg: TrunkConfig, with_mtp: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
@@ -88,7 +94,9 @@ class Trunk(nn.Module):
         return self._layers(self._streams(ids), lambda i, l: (lambda x: l.self_attn(x)[0]), tuple(features))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head in fp32: ``[..., D] -> [..., V]``."""
+        """LM head in fp32: ``[..., D] -> [..., V]`` (one row padded to two under :attr:`batch_invariant`)."""
+        if self.batch_invariant and h.numel() == h.shape[-1]:
+            return self.lm_head(h.reshape(1, -1).expand(2, -1)).float()[:1].view(*h.shape[:-1], -1)
         return self.lm_head(h).float()
 
     # -- serving ----------------------------------------------------------------------------------
@@ -129,6 +137,10 @@ class Trunk(nn.Module):
         Raises ``ValueError`` when the rows do not fit in ``cache.max_ctx`` or a verify is pending.
         """
         R = _check_rows(cache, ids, "verify")
+        if R == 1 and self.batch_invariant:  # a second (discarded) row keeps every GEMM off the M=1 path
+            out = self.verify(cache, ids.repeat(1, 2), features)
+            cache.pending_rows = 1
+            return tuple(o[:, :1] for o in out) if features else out[:, :1]
         pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def attn_fn(i, layer):

@@ -18,12 +18,13 @@ def model_parameters(model_config: dict) -> dict[str, str]:
 
 def serving_config(model_config: dict) -> schema.ServingConfig:
     """The model's parameters over :data:`tandem.schema.DEFAULTS`, with ``$TANDEM_CHECKPOINT``,
-    ``$TANDEM_DTYPE`` and ``$TANDEM_PREFIX_CACHE_MB`` overriding ``checkpoint``, ``dtype`` and
-    ``prefix_cache_mb`` (where the model has that parameter). Raises ``ValueError`` on a bad parameter."""
+    ``$TANDEM_DTYPE``, ``$TANDEM_PREFIX_CACHE_MB`` and ``$TANDEM_BATCH_INVARIANT`` overriding
+    ``checkpoint``, ``dtype``, ``prefix_cache_mb`` and ``batch_invariant`` (where the model has that parameter). Raises ``ValueError`` on a bad parameter."""
     params = model_parameters(model_config)
     env = {"checkpoint": "TANDEM_CHECKPOINT", "dtype": "TANDEM_DTYPE"}
-    if "prefix_cache_mb" in params:  # only the tandem model has it
-        env["prefix_cache_mb"] = "TANDEM_PREFIX_CACHE_MB"
+    for name in ("prefix_cache_mb", "batch_invariant"):  # only the tandem / trunk model has it
+        if name in params:
+            env[name] = "TANDEM_" + name.upper()
     params.update({k: os.environ[v] for k, v in env.items() if os.environ.get(v)})
     return schema.ServingConfig.from_parameters(params)
 

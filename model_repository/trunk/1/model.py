@@ -16,8 +16,10 @@ class TritonPythonModel:
         cfg = backend.serving_config(json.loads(args["model_config"]))
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
         features = dflash_feature_layers(ckpt)
-        self.stage = TrunkStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), feature_layers=features)
-        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({cfg.dtype}), DFlash features from layers {list(features)}")
+        self.stage = TrunkStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), feature_layers=features,
+                                batch_invariant=cfg.batch_invariant)
+        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({cfg.dtype}, batch_invariant={cfg.batch_invariant}), "
+                                 f"DFlash features from layers {list(features)}")
 
     def execute(self, requests):
         responses = []

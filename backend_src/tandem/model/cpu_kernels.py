@@ -1,0 +1,371 @@
+"""CPU kernels for the decode / verify hot path, compiled with numba (no autograd; float32).
+
+On this CPU a torch op costs 3-5 us of dispatch whatever its size, and a decode row of the tiny
+trunk is a few hundred such ops: the per-row glue between the matrix products (mHC weights with
+their Sinkhorn loop, the KDA conv / gates / recurrence / output norm) is fused here into one call
+each. Every kernel has a pure-torch reference it is tested against (``tests/test_cpu_kernels.py``):
+:class:`~tandem.model.layers.HyperConnection`, :func:`~tandem.model.layers.hc_merge`,
+:meth:`~tandem.model.kda.LinearAttention.forward_rows`.
+
+Each row is computed by the same sequence of float32 operations whatever the number of rows in the
+call, so a row's result is bit-identical alone (plain decoding) or inside a verify block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from numba import njit
+
+_F = np.float32
+
+#: serving code takes these kernels when autograd is off; :func:`reference` turns them off
+ENABLED = True
+
+
+def active() -> bool:
+    """True when the serving hot path should call these kernels (enabled, autograd off)."""
+    return ENABLED and not torch.is_grad_enabled()
+
+
+@contextlib.contextmanager
+def reference():
+    """Within this block the model runs its pure-torch reference code (tests, A/B benches)."""
+    global ENABLED
+    old, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = old
+
+
+_NONE = np.zeros(0, _F)
+_PARAMS: dict[int, tuple[int, np.ndarray, torch.Tensor]] = {}
+
+
+def np_param(p: torch.Tensor) -> np.ndarray:
+    """A float32 C-contiguous numpy array of a weight, made once per storage (a view when the weight
+    already is fp32 and contiguous, so in-place loads show through; a copy otherwise)."""
+    hit = _PARAMS.get(id(p))
+    if hit is not None and hit[2] is p and hit[0] == p.data_ptr():
+        return hit[1]
+    a = p.detach().float().contiguous().numpy()
+    _PARAMS[id(p)] = (p.data_ptr(), a, p)
+    return a
+
+
+def np_rows(t: torch.Tensor) -> np.ndarray:
+    """Activations as a float32 C-contiguous numpy array (no copy when they already are)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
+
+
+@njit(cache=True, nogil=True)
+def _hc_weights(streams, fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, collapsed):  # pragma: no cover - numba
+    M, ND = streams.shape
+    D = ND // n
+    n_mix = fn.shape[0]
+    mix = np.empty(n_mix, np.float32)
+    one = np.float32(1.0)
+    for r in range(M):
+        ss = np.float32(0.0)
+        for j in range(ND):
+            ss += streams[r, j] * streams[r, j]
+        inv = one / np.sqrt(ss / np.float32(ND) + norm_eps)
+        for o in range(n_mix):
+            acc = np.float32(0.0)
+            for j in range(ND):
+                acc += streams[r, j] * fn[o, j]
+            mix[o] = acc * inv
+        for i in range(n):
+            pre = one / (one + np.exp(-(mix[i] * scale[0] + base[i]))) + eps
+            post[r, i] = np.float32(2.0) / (one + np.exp(-(mix[n + i] * scale[1] + base[n + i])))
+            for d in range(D):
+                if i == 0:
+                    collapsed[r, d] = pre * streams[r, d]
+                else:
+                    collapsed[r, d] += pre * streams[r, i * D + d]
+        if nw.shape[0] > 0:  # the block's input RMSNorm of the collapsed streams
+            ss = np.float32(0.0)
+            for d in range(D):
+                ss += collapsed[r, d] * collapsed[r, d]
+            inv = one / np.sqrt(ss / np.float32(D) + nw_eps)
+            for d in range(D):
+                collapsed[r, d] = nw[d] * (collapsed[r, d] * inv)
+        c = comb[r]
+        for i in range(n):  # softmax over each row of the n x n logits, + eps
+            mx = -np.inf
+            for j in range(n):
+                x = mix[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j]
+                c[i, j] = x
+                mx = max(mx, x)
+            s = np.float32(0.0)
+            for j in range(n):
+                c[i, j] = np.exp(c[i, j] - mx)
+                s += c[i, j]
+            for j in range(n):
+                c[i, j] = c[i, j] / s + eps
+        for it in range(2 * iters - 1):  # column step, then (iters - 1) x (row step, column step)
+            _divide_rows_by_sums(c.T if it % 2 == 0 else c, eps)
+
+
+@njit(cache=True, nogil=True)
+def _divide_rows_by_sums(m, eps):  # pragma: no cover - numba
+    for i in range(m.shape[0]):
+        s = np.float32(0.0)
+        for j in range(m.shape[1]):
+            s += m[i, j]
+        s += eps
+        for j in range(m.shape[1]):
+            m[i, j] = m[i, j] / s
+
+
+def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               iters: int, eps: float, norm_eps: float, norm_w: torch.Tensor | None = None,
+               norm_w_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC weights of rows ``streams [B, T, N, D]`` (any float dtype): ``post [B,T,N]`` and
+    ``comb [B,T,N,N]`` fp32, the collapsed block input ``[B, T, D]`` in the streams' dtype — with
+    ``norm_w [D]``, the block's RMSNorm (eps ``norm_w_eps``) of it.
+
+    The math of :meth:`tandem.model.layers.HyperConnection.forward` (RMS-normalised streams, the
+    ``fn [(2+N)N, N*D]`` mixing, sigmoid / softmax heads, Sinkhorn-Knopp) in one pass per row."""
+    b, t, n, d = streams.shape
+    s = np_rows(streams.reshape(b * t, n * d))
+    post = np.empty((b * t, n), _F)
+    comb = np.empty((b * t, n, n), _F)
+    col = np.empty((b * t, d), _F)
+    _hc_weights(s, np_param(fn), np_param(base), np_param(scale), n, iters, _F(eps), _F(norm_eps),
+                _NONE if norm_w is None else np_param(norm_w), _F(norm_w_eps), post, comb, col)
+    return (torch.from_numpy(post).view(b, t, n), torch.from_numpy(comb).view(b, t, n, n),
+            torch.from_numpy(col).view(b, t, d).to(streams.dtype))
+
+
+@njit(cache=True, nogil=True)
+def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S, qscale,
+              H, dk, full, states, y):  # pragma: no cover - numba
+    # mixed [T, 3C] pre-conv q|k|v; tail [3C, K-1]; convw [3C, K]; fgate [T, C] (f_b output); a_log [H];
+    # blog [T, H] beta logits; gate [T, C] output-gate logits; S [H, dk, dk] (updated in place)
+    T, C3 = mixed.shape
+    C = C3 // 3
+    K = convw.shape[1]
+    one = np.float32(1.0)
+    for c in range(C3):
+        for j in range(K - 1):
+            full[c, j] = tail[c, j]
+        for t in range(T):
+            full[c, K - 1 + t] = mixed[t, c]
+    act = np.empty(C3, np.float32)
+    o = np.empty(dk, np.float32)
+    mem = np.empty(dk, np.float32)
+    for t in range(T):
+        for c in range(C3):  # depthwise causal conv + SiLU
+            acc = full[c, t] * convw[c, 0]
+            for j in range(1, K):
+                acc = acc + full[c, t + j] * convw[c, j]
+            act[c] = acc / (one + np.exp(-acc))
+        for h in range(H):
+            q0, k0, v0 = h * dk, C + h * dk, 2 * C + h * dk
+            sq = np.float32(0.0)
+            sk = np.float32(0.0)
+            for i in range(dk):
+                sq += act[q0 + i] * act[q0 + i]
+                sk += act[k0 + i] * act[k0 + i]
+            iq = qscale / np.sqrt(sq + np.float32(1e-6))
+            ik = one / np.sqrt(sk + np.float32(1e-6))
+            beta = one / (one + np.exp(-blog[t, h]))
+            a_exp = np.exp(a_log[h])
+            for i in range(dk):  # decay S, then S'^T k
+                x = a_exp * (fgate[t, h * dk + i] + dt_bias[h * dk + i])
+                dec = np.exp(lower / (one + np.exp(-x)))
+                for j in range(dk):
+                    S[h, i, j] = S[h, i, j] * dec
+            for j in range(dk):
+                m = np.float32(0.0)
+                for i in range(dk):
+                    m += S[h, i, j] * (act[k0 + i] * ik)
+                mem[j] = (act[v0 + j] - m) * beta
+            for i in range(dk):
+                ki = act[k0 + i] * ik
+                for j in range(dk):
+                    S[h, i, j] = S[h, i, j] + ki * mem[j]
+            for j in range(dk):
+                m = np.float32(0.0)
+                for i in range(dk):
+                    m += S[h, i, j] * (act[q0 + i] * iq)
+                o[j] = m
+            for i in range(dk):
+                for j in range(dk):
+                    states[t, h, i, j] = S[h, i, j]
+            ss = np.float32(0.0)  # gated RMSNorm of the head output
+            for j in range(dk):
+                ss += o[j] * o[j]
+            inv = one / np.sqrt(ss / np.float32(dk) + eps)
+            for j in range(dk):
+                g = gate[t, h * dk + j]
+                y[t, h * dk + j] = onw[j] * (o[j] * inv) * (one / (one + np.exp(-g)))
+
+
+def kda_rows_fused(mixed: torch.Tensor, tail: torch.Tensor, conv_w: torch.Tensor, fgate: torch.Tensor,
+                   A_log: torch.Tensor, dt_bias: torch.Tensor, lower: float, beta_logits: torch.Tensor,
+                   gate: torch.Tensor, onorm_w: torch.Tensor, eps: float, S0: torch.Tensor, heads: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KDA rows of one sequence after its projections, row by row (the recurrence of Kimi Linear,
+    arXiv:2510.26692, eq. 1-2): conv + SiLU, L2-normalised q (scaled ``dk^-1/2``) and k, the safe
+    forget gate ``lower * sigmoid(exp(A_log) * (f + dt_bias))``, ``beta = sigmoid(b)``, the delta
+    rule, then the gated RMSNorm of each head's output.
+
+    Args: ``mixed [1, T, 3C]`` (q|k|v projections, ``C = H * dk``), ``tail [1, 3C, K-1]``,
+    ``conv_w [3C, 1, K]``, ``fgate [1, T, C]`` (``f_b_proj`` output), ``A_log [H]``, ``dt_bias [C]``,
+    ``beta_logits [1, T, H]``, ``gate [1, T, C]`` (``g_b_proj`` output), ``onorm_w [dk]``,
+    ``S0 [1, H, dk, dk]`` (not modified). Returns the normed output ``[1, T, C]`` fp32, the pre-conv
+    inputs with the tail ``[1, 3C, K-1+T]`` and every row's state ``[1, T, H, dk, dk]`` — what
+    :meth:`~tandem.model.kda.LinearAttention.forward_rows` computes before ``o_proj``."""
+    T, C3 = mixed.shape[1], mixed.shape[2]
+    C, K = C3 // 3, conv_w.shape[-1]
+    dk = C // heads
+    full = np.empty((C3, K - 1 + T), _F)
+    states = np.empty((T, heads, dk, dk), _F)
+    y = np.empty((T, C), _F)
+    S = np_rows(S0[0]).copy()
+    _kda_rows(np_rows(mixed[0]), np_rows(tail[0]), np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
+              np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S,
+              _F(dk ** -0.5), heads, dk, full, states, y)
+    return torch.from_numpy(y)[None], torch.from_numpy(full)[None], torch.from_numpy(states)[None]
+
+
+@njit(cache=True, nogil=True)
+def _hc_merge(post, comb, block, residual, out):  # pragma: no cover - numba
+    M, n, D = residual.shape
+    for r in range(M):
+        for i in range(n):
+            p = post[r, i]
+            for d in range(D):
+                acc = p * block[r, d]
+                for m in range(n):
+                    acc += comb[r, m, i] * residual[r, m, d]
+                out[r, i, d] = acc
+
+
+def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """:func:`tandem.model.layers.hc_merge` for fp32 rows: ``post ⊗ block_out + comb^T @ residual``.
+    ``post [B,T,N]``, ``comb [B,T,N,N]``, ``block_out [B,T,D]``, ``residual [B,T,N,D]`` -> ``[B,T,N,D]``."""
+    b, t, n, d = residual.shape
+    out = np.empty((b * t, n, d), _F)
+    _hc_merge(np_rows(post.reshape(b * t, n)), np_rows(comb.reshape(b * t, n, n)), np_rows(block_out.reshape(b * t, d)),
+              np_rows(residual.reshape(b * t, n, d)), out)
+    return torch.from_numpy(out).view(b, t, n, d)
+
+
+@njit(cache=True, nogil=True)
+def _moe_route_act(logits, bias, top_k, norm, scale, gu, limit, w, act):  # pragma: no cover - numba
+    # logits [N, E] fp32; gu [N, (E+1) * 2I] (experts then the shared expert: gate | up each);
+    # -> w [N, E+1] (0 for unselected experts, 1 for the shared one), act [E+1, N, I]
+    N, E = logits.shape
+    I = act.shape[2]
+    one = np.float32(1.0)
+    sc = np.empty(E, np.float32)
+    ch = np.empty(E, np.float32)
+    sel = np.empty(E, np.bool_)
+    for r in range(N):
+        for e in range(E):
+            sc[e] = one / (one + np.exp(-logits[r, e]))
+            ch[e] = sc[e] + bias[e]
+            w[r, e] = np.float32(0.0)
+            sel[e] = False
+        tot = np.float32(0.0)
+        for _ in range(top_k):  # the best remaining choice; ties go to the lower expert id
+            best = -1
+            for e in range(E):
+                if not sel[e] and (best < 0 or ch[e] > ch[best]):
+                    best = e
+            sel[best] = True
+            w[r, best] = sc[best]
+            tot += sc[best]
+        for e in range(E):
+            if norm:
+                w[r, e] = w[r, e] / (tot + np.float32(1e-20))
+            w[r, e] = w[r, e] * scale
+        w[r, E] = one
+        for e in range(E + 1):
+            base = e * 2 * I
+            for i in range(I):
+                g = min(gu[r, base + i], limit)
+                u = min(max(gu[r, base + I + i], -limit), limit)
+                act[e, r, i] = g / (one + np.exp(-g)) * u
+
+
+@njit(cache=True, nogil=True)
+def _moe_combine(h, w, out):  # pragma: no cover - numba
+    E1, N, D = h.shape
+    for r in range(N):
+        for d in range(D):
+            acc = np.float32(0.0)
+            for e in range(E1):
+                if w[r, e] != np.float32(0.0):
+                    acc += w[r, e] * h[e, r, d]
+            out[r, d] = acc
+
+
+def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
+             w_up: torch.Tensor, w_down: torch.Tensor, limit: float) -> torch.Tensor:
+    """Sigmoid-routed MoE plus shared expert over a few fp32 rows, every expert computed densely
+    (a fixed call count; :meth:`tandem.model.layers.MoE.forward` is the reference).
+
+    ``x [N, D]``; ``router_w [E, D]``, ``bias [E]`` (DeepSeek-V3 score correction); ``w_up
+    [(E+1) * 2I, D]`` (each expert's gate | up rows, the shared expert last); ``w_down [E+1, I, D]``.
+    Returns ``[N, D]`` fp32: ``sum_e w_e * down_e(swiglu(gate_e x, up_e x))`` with the top-k
+    normalised sigmoid weights and weight 1 for the shared expert."""
+    N = x.shape[0]
+    E1, I, D = w_down.shape
+    logits = torch.nn.functional.linear(x, router_w)
+    gu = torch.nn.functional.linear(x, w_up)
+    w = np.empty((N, E1), _F)
+    act = np.empty((E1, N, I), _F)
+    _moe_route_act(logits.numpy(), np_param(bias), top_k, norm, _F(scale), gu.numpy(), _F(limit), w, act)
+    h = torch.bmm(torch.from_numpy(act), w_down)
+    out = np.empty((N, D), _F)
+    _moe_combine(h.numpy(), w, out)
+    return torch.from_numpy(out)
+
+
+@njit(cache=True, nogil=True)
+def _dsa_mask(dots, w, sq, sw, q_pos, kp, k_pools, mask):  # pragma: no cover - numba
+    T, H, P = dots.shape
+    L = mask.shape[1]
+    score = np.empty(P, np.float32)
+    for t in range(T):
+        for j in range(L):
+            mask[t, j] = False
+        n_c = min((q_pos[t] + 1) // kp, P)  # complete pools ending at or before the query
+        for p in range(n_c):
+            acc = np.float32(0.0)
+            for h in range(H):
+                acc += (w[t, h] * sw) * max(dots[t, h, p] * sq, np.float32(0.0))
+            score[p] = acc
+        if n_c <= k_pools:
+            chosen = np.arange(n_c)
+        else:  # the k best, ties toward the earlier pool (a stable sort of -score)
+            chosen = np.argsort(-score[:n_c], kind="mergesort")[:k_pools]
+        for c in chosen:
+            for j in range(c * kp, (c + 1) * kp):
+                mask[t, j] = True
+        for j in range(((q_pos[t] + 1) // kp) * kp, min(q_pos[t] + 1, L)):  # the incomplete tail
+            mask[t, j] = True
+
+
+def dsa_mask(dots: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, kv_len: int, kp: int,
+             k_pools: int, q_scale: float, w_scale: float) -> torch.Tensor:
+    """DSA k-pool selection of one sequence (:meth:`tandem.model.mla.Indexer.select` over
+    :meth:`~tandem.model.mla.Indexer.scores`, the reference): pool score
+    ``sum_h (w_h * w_scale) * relu(dot_hp * q_scale)``, the ``k_pools`` best complete pools, ties
+    toward the earlier one, plus the incomplete tail. ``dots [1, T, H, P]`` = indexer queries · pool
+    keys (unscaled), ``weights [1, T, H]`` (``weights_proj`` output), ``q_pos [T]`` absolute positions.
+    Returns the visibility mask ``[1, T, kv_len]`` bool."""
+    _, T, H, P = dots.shape
+    mask = np.empty((T, kv_len), np.bool_)
+    _dsa_mask(np_rows(dots[0]), np_rows(weights[0]), _F(q_scale),
+              _F(w_scale), q_pos.numpy(), kp, k_pools, mask)
+    return torch.from_numpy(mask)[None]

@@ -1,0 +1,116 @@
+"""The numba serving kernels against their pure-torch references, with odd shapes (3 streams,
+5 experts, heads of 12, pools of 4), and the preallocated MLA cache against concatenation."""
+
+import pytest
+import torch
+
+from tandem.model import cpu_kernels
+from tandem.model.cache import MLACache
+from tandem.model.checkpoint import cast_trunk, init_weights
+from tandem.model.config import TrunkConfig
+from tandem.model.layers import hc_merge
+from tandem.model.trunk import Trunk
+
+
+@pytest.fixture(scope="module")
+def odd():
+    cfg = TrunkConfig(vocab_size=97, hidden_size=40, intermediate_size=56, moe_intermediate_size=24,
+                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=20,
+                      qk_nope_head_dim=16, v_head_dim=16, index_head_dim=8, index_n_heads=3, index_topk=8,
+                      linear_head_dim=12, linear_num_heads=3, n_routed_experts=5, num_experts_per_tok=2,
+                      hc_mult=3, num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                      mlp_layer_types=["sparse", "sparse"], indexer_types=["full", "full"], max_position_embeddings=128)
+    return cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=3), torch.float32)
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_hc_weights_and_merge_match_reference(odd, T):
+    layer = odd.layers[0]
+    s = _randn(1, T, 3, 40, seed=T)
+    with torch.no_grad():
+        post, comb, x = layer.attn_hc.normed(s, layer.input_layernorm)
+        with cpu_kernels.reference():
+            rp, rc, rx = layer.attn_hc(s)
+            rx = layer.input_layernorm(rx)
+            ref_merge = hc_merge(rp, rc, rx, s)
+        assert post.shape == (1, T, 3) and comb.shape == (1, T, 3, 3) and x.shape == (1, T, 40)
+        torch.testing.assert_close(post, rp, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(comb, rc, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(x, rx, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(comb.sum(-2), torch.ones(1, T, 3), atol=1e-4, rtol=0)  # doubly stochastic
+        torch.testing.assert_close(hc_merge(rp, rc, rx, s), ref_merge, atol=1e-5, rtol=1e-5)
+        one = layer.attn_hc.normed(s[:, -1:], layer.input_layernorm)  # a row alone == inside the block, bit for bit
+        assert all(torch.equal(a, b[:, -1:]) for a, b in zip(one, (post, comb, x)))
+
+
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_kda_rows_match_reference(odd, T):
+    kda = odd.layers[0].self_attn
+    x = _randn(1, T, 40, seed=10 + T)
+    tail, S = _randn(1, 3 * 36, 3, seed=1), _randn(1, 3, 12, 12, seed=2, scale=0.3)
+    with torch.no_grad():
+        y, full, states = kda.forward_rows(x, (tail, S))
+        with cpu_kernels.reference():
+            ry, rfull, rstates = kda.forward_rows(x, (tail, S))
+    assert y.shape == (1, T, 40) and full.shape == (1, 108, 3 + T) and states.shape == (1, T, 3, 12, 12)
+    torch.testing.assert_close(full, rfull, atol=1e-6, rtol=1e-5)  # one fused GEMM vs three
+    torch.testing.assert_close(states, rstates, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y, ry, atol=1e-5, rtol=1e-4)
+    assert torch.equal(S, _randn(1, 3, 12, 12, seed=2, scale=0.3))  # the input state is not modified
+
+
+@pytest.mark.parametrize("N", [1, 5, 16])
+def test_moe_rows_match_reference(odd, N):
+    moe = odd.layers[1].mlp
+    x = _randn(1, N, 40, seed=N)
+    with torch.no_grad():
+        y = moe(x)
+        with cpu_kernels.reference():
+            ry = moe(x)
+    assert y.shape == (1, N, 40)
+    torch.testing.assert_close(y, ry, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("T,pos0", [(1, 3), (1, 37), (5, 30), (9, 60)])
+def test_dsa_mask_equals_reference_selection(odd, T, pos0):
+    idx = odd.layers[1].self_attn.indexer
+    L = pos0 + T
+    P = L // idx.kp
+    x = _randn(1, T, 40, seed=pos0)
+    q_resid = _randn(1, T, 20, seed=pos0 + 1)
+    pk = _randn(1, P, 8, seed=pos0 + 2)
+    q_pos = pos0 + torch.arange(T)
+    with torch.no_grad():
+        rows = {"q_resid": q_resid, "iq": idx.wq_b(q_resid), "iw": idx.weights_proj(x)}
+        mask = idx.mask(x, rows, pk, q_pos, L)
+        ref = idx.select(idx.scores(x, q_resid, pk), q_pos, L)
+    assert mask.dtype == torch.bool and mask.shape == (1, T, L)
+    assert torch.equal(mask, ref)
+    assert int(mask[0, -1].sum()) <= idx.k_pools * idx.kp + idx.kp  # sparse: k pools + the tail
+
+
+def test_mla_cache_grows_truncates_and_clones_like_concatenation():
+    c, ref = MLACache(4), {n: [] for n in ("latent", "k", "v", "ik", "ig")}
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 3, 20, 1, 40):
+        rows = {"latent": torch.randn(1, n, 5, generator=g), "k": torch.randn(1, 2, n, 3, generator=g),
+                "v": torch.randn(1, 2, n, 3, generator=g), "ik": torch.randn(1, n, 4, generator=g),
+                "ig": torch.randn(1, n, 4, generator=g)}
+        c.append(rows)
+        for name, t in rows.items():
+            ref[name].append(t)
+    assert len(c) == 72
+    for name, parts in ref.items():
+        assert torch.equal(getattr(c, name), torch.cat(parts, 2 if name in ("k", "v") else 1))
+    c.add_pools(torch.ones(1, 18, 4))
+    c.truncate(30)
+    assert len(c) == 30 and c.n_pools() == 7 and c.k.shape == (1, 2, 30, 3)
+    d = c.clone()
+    c.append({n: torch.zeros_like(getattr(d, n)[..., :1, :]) if n not in ("k", "v") else torch.zeros(1, 2, 1, 3)
+              for n in ("latent", "k", "v", "ik", "ig")})
+    assert len(d) == 30 and torch.equal(d.latent, torch.cat(ref["latent"], 1)[:, :30])  # the clone is independent
+    assert torch.equal(c.latent[:, 30], torch.zeros(1, 5)) and c.nbytes() > d.nbytes()
