@@ -59,6 +59,19 @@ def test_proxy_equals_stage(model):
     trunk.commit([Commit(1, 2), Commit(2**63 + 7, 1)])
     ref_t.commit([Commit(1, 2), Commit(2**63 + 7, 1)])
     assert tr.stages["trunk"].caches[1].pos == ref_t.caches[1].pos == 7
+    v = [Rows(1, [8, 9]), Rows(2**63 + 7, [4, 2])]
+    trunk.verify(v), ref_t.verify(v)
+    v = [Rows(1, [1], commit=2), Rows(2**63 + 7, [3, 3], commit=1)]  # the commits folded into the next verify
+    for g, r in zip(trunk.verify(v), ref_t.verify(v)):
+        assert torch.equal(g.argmax, r.argmax) and torch.equal(g.hidden, r.hidden)
+    assert tr.stages["trunk"].caches[1].pos == ref_t.caches[1].pos == 9
+    assert tr.stages["trunk"].caches[2**63 + 7].pending_rows == 2
+    with pytest.raises(fr.StageError, match=r"N_ROWS: 3 for sequence 1 outside \[1, 1\]"):
+        trunk.verify([Rows(1, [4], commit=3)])
+    with pytest.raises(fr.StageError, match="OP: verify for sequence 1 while a verify is pending"):
+        trunk.verify([Rows(1, [4])])
+    trunk.prime([Rows(1, [4, 4], commit=1)])  # a new turn's prime carries the last commit too
+    assert tr.stages["trunk"].caches[1].pos == 12 and tr.stages["trunk"].caches[1].pending is None
     trunk.close([1, 2**63 + 7])
     drafter.close([1, 2**63 + 7])
     assert not tr.stages["trunk"].caches and not tr.stages["drafter_mtp"].states

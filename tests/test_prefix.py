@@ -118,6 +118,7 @@ def test_published_rows_never_change_and_warm_passes_the_gate(tiny):  # noqa: F8
     gate = []
 
     def check(s):
+        eng.sched.settle()
         gate.append(max(tparallel_gate(eng.model, eng.trunk.cache(s.sid), s.committed).values()))
 
     sched.admit([Turn(1, _ids(5, 14), 60, lambda r, e, f: rejected.append(r.drafted - r.accepted if r else 0),

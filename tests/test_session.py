@@ -29,7 +29,11 @@ def test_tparallel_gate_after_every_burst(engine, tokenizer, sharegpt_prompts):
             s = sched.sessions.get(sid)
             if s is None:
                 break
-            d = tparallel_gate(engine.model, engine.trunk.cache(sid), s.committed)
+            cache = engine.trunk.cache(sid)  # the last commit is deferred into the next verify
+            assert s.trunk_commit >= 1 and cache.pending is not None and cache.pos + s.trunk_commit == len(s.committed)
+            sched.settle()
+            assert s.trunk_commit == 0 and cache.pending is None
+            d = tparallel_gate(engine.model, cache, s.committed)
             worst = max(worst, max(d.values()))
             bursts += 1
         rejected += sum(r.drafted - r.accepted for r, _ in got if r is not None)
@@ -118,6 +122,7 @@ def test_multi_turn_session_and_idle_expiry(engine, tokenizer):
     while 9100 in sched.turns:
         sched.burst()
     assert len(s.committed) > n1 and all(e is None for _, e, _ in got)
+    sched.settle()
     d = tparallel_gate(engine.model, engine.trunk.cache(9100), s.committed)
     assert max(d.values()) <= 1e-5
     assert sched.expire_idle(now=s.last_active + sched.config.idle_timeout_s + 1) == [9100]
@@ -144,6 +149,7 @@ def test_forced_context_finish(trunk_fp32, tokenizer):
     assert len(s.committed) == s.pos() == 47 and s.anchor is not None
     emitted = [t for r, _, _ in got for t in r.tokens]
     assert len(ids) + len(emitted) == 48 and s.committed == ids + emitted[:-1]
+    eng.sched.settle()
     assert max(tparallel_gate(eng.model, eng.trunk.cache(1), s.committed).values()) <= 1e-5
     errs = []
     eng.sched.admit([Turn(1, [5], 4, lambda r, e, f: errs.append(e), start=False)])
@@ -162,6 +168,7 @@ def test_session_contract_members(engine, tokenizer, spec):
     assert s.rounds == 0 and s.mean_acceptance_length() is None
     _drive(sched, sid)
     assert s.cache_max_ctx() == engine.config.max_ctx
+    sched.settle()
     assert s.pos() == len(s.committed) == engine.trunk.cache(sid).pos
     assert s.cache_ref() is engine.trunk.cache(sid) and s.cache_ref().pending is None
     assert s.rounds > 0 and s.mean_acceptance_length() == pytest.approx(1 + s.accepted / s.rounds)

@@ -131,8 +131,7 @@ class ServingConfig:
         return cls(**kw)
 
 
-#: Speculation arms: the native MTP drafter, DFlash, DFlash2 (two-tap convs + path selector), plain.
-MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"
+MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"  # arms: native MTP, DFlash, DFlash2, plain
 SPECS = (MTP, DFLASH, DFLASH2, OFF)
 #: The arms served by the ``drafter_dflash`` model.
 DFLASH_ARMS = (DFLASH, DFLASH2)
@@ -193,7 +192,8 @@ TRUNK = ModelSpec(
         _OP, _SIDS,
         TensorSpec("TOKENS", "TYPE_INT64", (-1,), optional=True, doc="rows of every sequence, concatenated"),
         _LENGTHS,
-        TensorSpec("N_ROWS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="commit: rows kept per sequence"),
+        TensorSpec("N_ROWS", "TYPE_INT32", (-1,), optional=True, lo=0,
+                   doc="rows of the pending verify kept per sequence (commit; prime / verify: first, 0 = none)"),
         _PREFIX_KEYS, _PREFIX_LENGTHS,
     ),
     outputs=(

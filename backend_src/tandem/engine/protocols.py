@@ -22,6 +22,9 @@ class Rows:
     #: (``len * PREFIX_BLOCK`` rows restored before ``tokens``; may be empty), and the prime is
     #: computed in pieces ending at multiples of ``PREFIX_BLOCK``, capturing the state at each
     prefix: list[int] | None = None
+    #: rows of the sequence's pending verify to keep first: the previous round's :class:`Commit`,
+    #: folded into this call (0: none pending)
+    commit: int = 0
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """The scheduler: admits turns, runs every active session in bursts of verify rounds (all sessions'
-draft work batched into one drafter call per round, all verify work into one trunk call, all commits
-into one), and publishes one receipt per session per burst. Stage state is opened and closed here,
+draft work batched into one drafter call per round, all verify work into one trunk call that also
+carries the previous round's commits), and publishes one receipt per session per burst. Stage state is opened and closed here,
 batched. Synchronous: in-process it is driven directly, behind Triton by the worker thread of
 :mod:`tandem.serving.front`.
 """
@@ -68,7 +68,7 @@ class Scheduler:
         #: the prefix cache's index (None when ``config.prefix_cache_mb`` is 0)
         self.prefix = PrefixIndex(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
         #: wall seconds per stage of :meth:`round` (summed; a batched round counts once)
-        self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "commit_s": 0.0, "rounds": 0}
+        self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "rounds": 0}
 
     # -- admission --------------------------------------------------------------------------------
     def validate(self, t: Turn) -> str | None:
@@ -130,7 +130,9 @@ class Scheduler:
                 s.num_draft_tokens = self._num_draft_tokens(t)
                 s.accepted_at += [0] * (s.num_draft_tokens - len(s.accepted_at))
             rows = ([s.anchor] if s.anchor is not None else []) + list(t.tokens)
-            ok.append((t, s, self._prefix_rows(s, rows)))
+            item = self._prefix_rows(s, rows)
+            item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
+            ok.append((t, s, item))
         self._flush_closes()
         if not ok:
             return
@@ -227,7 +229,8 @@ class Scheduler:
         return [self.sessions[sid] for sid in self.turns if not self.sessions[sid].turn_done]
 
     def round(self, receipts: dict[int, Receipt]) -> None:
-        """One verify round over every active session: one drafter call, one trunk verify, one commit."""
+        """One verify round over every active session: one drafter call and one trunk verify, which
+        first commits each session's previous round (the walk's rows kept, see :meth:`settle`)."""
         act = self.active()
         if not act:
             return
@@ -242,22 +245,28 @@ class Scheduler:
             for s, d in zip(group, stage.draft(reqs)):
                 drafts[s.sid] = d
         t1 = clock()
-        outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid]) for s in act])
+        outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
         t2 = clock()
-        commits = []
         for s, out in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
-            commits.append(Commit(s.sid, self._after_verify(s, drafts[s.sid], out, r)))
+            s.trunk_commit = self._after_verify(s, drafts[s.sid], out, r)
         t3 = clock()
-        self.trunk.commit(commits)
-        t4 = clock()
         self.stats["rounds"] += len(act)
         tm = self.timing
         tm["draft_s"] += t1 - t0
         tm["verify_s"] += t2 - t1
         tm["accept_s"] += t3 - t2
-        tm["commit_s"] += t4 - t3
         tm["rounds"] += 1
+
+    def settle(self) -> None:
+        """Apply every session's deferred commit now, in one trunk call: afterwards each trunk cache
+        holds exactly ``committed`` (the session contract's state). Serving never needs it (the next
+        prime / verify carries the commit); tests and in-process inspection do."""
+        pend = [s for s in self.sessions.values() if s.trunk_commit]
+        if pend:
+            self.trunk.commit([Commit(s.sid, s.trunk_commit) for s in pend])
+            for s in pend:
+                s.trunk_commit = 0
 
     def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt) -> int:
         """Apply the accept walk to the session and the burst's receipt; returns rows to commit."""

@@ -45,7 +45,9 @@ class SpecSession:
     :class:`~tandem.engine.protocols.VerifyOut` and next tokens ``[n]``); ``drafter_rows`` counts the
     committed rows the drafter has ingested; ``prefix_capture`` is the prompt-boundary
     :class:`~tandem.engine.prefix.PrefixCapture` (None when the prefix cache is off, the arm is MTP, or
-    the prompt has no whole reusable block); ``warm_rows`` the prompt rows taken from the prefix cache.
+    the prompt has no whole reusable block); ``warm_rows`` the prompt rows taken from the prefix cache;
+    ``trunk_commit`` the rows of the last verify the trunk still has to keep (the commit rides on the
+    session's next prime / verify call, or :meth:`~tandem.engine.scheduler.Scheduler.settle`).
     """
 
     sid: int
@@ -68,6 +70,7 @@ class SpecSession:
     drafter: Any = None
     drafter_rows: int = 0
     warm_rows: int = 0
+    trunk_commit: int = 0
 
     def __post_init__(self) -> None:
         if not self.accepted_at:
@@ -79,7 +82,7 @@ class SpecSession:
         return self.max_ctx
 
     def pos(self) -> int:
-        """Trunk rows committed (``len(committed)`` at a burst boundary)."""
+        """Trunk rows committed (``len(committed)``; the trunk cache holds them once ``trunk_commit`` is applied)."""
         return len(self.committed)
 
     def finished(self) -> bool:

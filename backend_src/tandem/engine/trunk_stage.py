@@ -96,6 +96,7 @@ class TrunkStage(KeyedStates):
         unpublished key, ``ValueError`` when restoring into a non-empty cache."""
         f = self.feature_layers
         outs = []
+        self._commit_first(items)
         for it in items:
             cache = self.cache(it.sid)
             ids = torch.tensor([it.tokens])
@@ -166,8 +167,14 @@ class TrunkStage(KeyedStates):
         for k in keys:
             self.blocks.pop(k, None)
 
+    def _commit_first(self, items: list[Rows]) -> None:
+        for it in items:
+            if it.commit:
+                self.cache(it.sid).commit(it.commit)
+
     def verify(self, items: list[Rows]) -> list[VerifyOut]:
         f = self.feature_layers
+        self._commit_first(items)
         return [_out(self.model, self.model.verify(self.cache(it.sid), torch.tensor([it.tokens]), f), f) for it in items]
 
     def commit(self, items: list[Commit]) -> None:
@@ -200,16 +207,8 @@ class TrunkStage(KeyedStates):
                 return self._pack([], self.publish([(s, p or []) for s, p in zip(sids, prefixes)]))
             except ValueError as e:
                 raise WireError(f"PREFIX_KEYS: {e}") from None
+        n_rows = self._n_rows(arrays, sids, required=op == "commit")
         if op == "commit":
-            n_rows = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
-            if len(n_rows) != len(sids):
-                raise WireError(f"N_ROWS has {len(n_rows)} entries for {len(sids)} SIDS")
-            for s, n in zip(sids, n_rows):
-                c = self.caches[s]
-                if c.pending is None:
-                    raise WireError(f"N_ROWS: sequence {s} has no pending verify to commit")
-                if not 1 <= n <= c.pending_rows:
-                    raise WireError(f"N_ROWS: {n} for sequence {s} outside [1, {c.pending_rows}]")
             self.commit([Commit(s, n) for s, n in zip(sids, n_rows)])
             return self._pack([])
         toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))
@@ -217,8 +216,8 @@ class TrunkStage(KeyedStates):
         schema.check_tokens("TOKENS", toks, self.vocab_size)
         for s, n, p in zip(sids, lengths, prefixes):
             c = self.caches[s]
-            if c.pending is not None:
-                raise WireError(f"OP: {op} for sequence {s} while a verify is pending (commit first)")
+            if c.pending is not None and not n_rows[sids.index(s)]:
+                raise WireError(f"OP: {op} for sequence {s} while a verify is pending (commit first, or N_ROWS)")
             if op == "prime" and p:
                 if c.pos != 0:
                     raise WireError(f"PREFIX_KEYS: sequence {s} is not empty ({c.pos} rows); a prefix starts a sequence")
@@ -228,9 +227,27 @@ class TrunkStage(KeyedStates):
                 n += len(p) * schema.PREFIX_BLOCK
             if c.pos + n > c.max_ctx:
                 raise WireError(f"TOKENS: context full for sequence {s}: {c.pos} + {n} rows > max_ctx {c.max_ctx}")
-        items = [Rows(s, rows.tolist(), p if op == "prime" else None)
-                 for s, rows, p in zip(sids, schema.split_rows(toks, lengths), prefixes)]
+        items = [Rows(s, rows.tolist(), p if op == "prime" else None, n)
+                 for s, rows, p, n in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows)]
         return self._pack(getattr(self, op)(items))
+
+    def _n_rows(self, arrays: schema.Arrays, sids: list[int], required: bool) -> list[int]:
+        """``N_ROWS`` per sequence, checked against its pending verify: commit's rows to keep, or for
+        prime / verify the previous round's commit folded in (0 or absent: none). Raises ``WireError``."""
+        if schema.TRUNK.input("N_ROWS").name not in arrays and not required:
+            return [0] * len(sids)
+        n_rows = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
+        if len(n_rows) != len(sids):
+            raise WireError(f"N_ROWS has {len(n_rows)} entries for {len(sids)} SIDS")
+        for s, n in zip(sids, n_rows):
+            c = self.caches[s]
+            if n == 0 and not required:
+                continue
+            if c.pending is None:
+                raise WireError(f"N_ROWS: sequence {s} has no pending verify to commit")
+            if not 1 <= n <= c.pending_rows:
+                raise WireError(f"N_ROWS: {n} for sequence {s} outside [1, {c.pending_rows}]")
+        return n_rows
 
     def _pack(self, outs: list[VerifyOut], nbytes: list[int] = ()) -> schema.Arrays:
         nb = np.array(list(nbytes), np.int64)

@@ -167,6 +167,8 @@ class TrunkProxy(_PrefixStoreProxy):
                   "LENGTHS": np.array(lens, np.int32)}
         if any(it.prefix is not None for it in items):
             arrays.update(schema.prefixes_to_wire([it.prefix for it in items]))
+        if any(it.commit for it in items):  # the previous round's commits ride along
+            arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
         out = self.t(self.spec, op, arrays)
         cols = [schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens)
                 for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]

@@ -2,7 +2,7 @@
 ratios, the analytical ceiling per arm, the served round breakdown, and the printed table.
 
 The ceiling of an in-process arm is ``tau * T_plain / T_round`` with ``T_round`` the measured
-draft + verify + accept + commit time of its rounds and ``T_plain`` plain decoding's round (Leviathan
+draft + verify (commit folded in) + accept time of its rounds and ``T_plain`` plain decoding's round (Leviathan
 et al. 2023, §3.4, expected walltime improvement, with measured rather than modelled costs).
 """
 
@@ -13,7 +13,7 @@ import re
 import statistics
 from pathlib import Path
 
-STAGES = ("draft_s", "verify_s", "accept_s", "commit_s")
+STAGES = ("draft_s", "verify_s", "accept_s")
 
 
 def quantiles(xs: list[float]) -> tuple[float, float, float]:
