@@ -37,11 +37,22 @@ class TrunkBlock:
 
 
 def _out(model: Trunk, out, features: tuple[int, ...]) -> VerifyOut:
-    h, f = out if features else (out, None)
-    logits = model.logits(h[0])
-    top = logits.topk(2, dim=-1)
-    f = h.new_zeros(h.shape[1], 0) if f is None else f[0]
-    return VerifyOut(top.indices[:, 0], h[0].float(), top.values[:, 0] - top.values[:, 1], f.float())
+    return _outs(model, [out], features)[0]
+
+
+def _outs(model: Trunk, outs: list, features: tuple[int, ...]) -> list[VerifyOut]:
+    """Per sequence a :class:`VerifyOut` from its pass output (hidden ``[1, R, D]``, or the pair with
+    features): one LM-head GEMM and one top-2 over all sequences' rows."""
+    hs = [o[0] if features else o for o in outs]
+    lengths = [h.shape[1] for h in hs]
+    h = torch.cat(hs, 1)[0] if len(hs) > 1 else hs[0][0]
+    top = model.logits(h).topk(2, dim=-1)
+    cols = (top.indices[:, 0], h.float(), top.values[:, 0] - top.values[:, 1])
+    res = []
+    for j, parts in enumerate(zip(*(c.split(lengths) for c in cols))):
+        f = outs[j][1][0] if features else hs[j].new_zeros(lengths[j], 0)
+        res.append(VerifyOut(*parts, f.float()))
+    return res
 
 
 class TrunkStage(KeyedStates):
@@ -175,7 +186,10 @@ class TrunkStage(KeyedStates):
     def verify(self, items: list[Rows]) -> list[VerifyOut]:
         f = self.feature_layers
         self._commit_first(items)
-        return [_out(self.model, self.model.verify(self.cache(it.sid), torch.tensor([it.tokens]), f), f) for it in items]
+        if not items:
+            return []
+        outs = self.model.verify_many([self.cache(it.sid) for it in items], [torch.tensor([it.tokens]) for it in items], f)
+        return _outs(self.model, outs, f)
 
     def commit(self, items: list[Commit]) -> None:
         for it in items:

@@ -208,32 +208,51 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
                 y[t, h * dk + j] = onw[j] * (o[j] * inv) * (one / (one + np.exp(-g)))
 
 
-def kda_rows_fused(mixed: torch.Tensor, tail: torch.Tensor, conv_w: torch.Tensor, fgate: torch.Tensor,
-                   A_log: torch.Tensor, dt_bias: torch.Tensor, lower: float, beta_logits: torch.Tensor,
-                   gate: torch.Tensor, onorm_w: torch.Tensor, eps: float, S0: torch.Tensor, heads: int,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KDA rows of one sequence after its projections, row by row (the recurrence of Kimi Linear,
-    arXiv:2510.26692, eq. 1-2): conv + SiLU, L2-normalised q (scaled ``dk^-1/2``) and k, the safe
-    forget gate ``lower * sigmoid(exp(A_log) * (f + dt_bias))``, ``beta = sigmoid(b)``, the delta
-    rule, then the gated RMSNorm of each head's output.
+@njit(cache=True, nogil=True)
+def _kda_many(mixed, tails, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S, qscale, H, dk, offs,
+              full, states, y):  # pragma: no cover - numba
+    # sequence j owns rows offs[j]:offs[j+1] and full columns offs[j] + j*(K-1) ...; S [n, H, dk, dk] in place
+    km1 = tails.shape[2]
+    for j in range(offs.shape[0] - 1):
+        a, b = offs[j], offs[j + 1]
+        f0 = a + j * km1
+        _kda_rows(mixed[a:b], tails[j], convw, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
+                  S[j], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b], y[a:b])
 
-    Args: ``mixed [1, T, 3C]`` (q|k|v projections, ``C = H * dk``), ``tail [1, 3C, K-1]``,
-    ``conv_w [3C, 1, K]``, ``fgate [1, T, C]`` (``f_b_proj`` output), ``A_log [H]``, ``dt_bias [C]``,
-    ``beta_logits [1, T, H]``, ``gate [1, T, C]`` (``g_b_proj`` output), ``onorm_w [dk]``,
-    ``S0 [1, H, dk, dk]`` (not modified). Returns the normed output ``[1, T, C]`` fp32, the pre-conv
-    inputs with the tail ``[1, 3C, K-1+T]`` and every row's state ``[1, T, H, dk, dk]`` — what
+
+def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch.Tensor, fgate: torch.Tensor,
+                   A_log: torch.Tensor, dt_bias: torch.Tensor, lower: float, beta_logits: torch.Tensor,
+                   gate: torch.Tensor, onorm_w: torch.Tensor, eps: float, S0s: list[torch.Tensor], heads: int,
+                   lengths: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """KDA rows of several sequences after their projections, each row by row (the recurrence of
+    Kimi Linear, arXiv:2510.26692, eq. 1-2): conv + SiLU, L2-normalised q (scaled ``dk^-1/2``) and k,
+    the safe forget gate ``lower * sigmoid(exp(A_log) * (f + dt_bias))``, ``beta = sigmoid(b)``, the
+    delta rule, then the gated RMSNorm of each head's output. One call for all sequences.
+
+    Args: ``mixed [1, sum T, 3C]`` (q|k|v projections, ``C = H * dk``; sequence ``j``'s ``lengths[j]``
+    rows in turn), ``tails[j] [1, 3C, K-1]``, ``conv_w [3C, 1, K]``, ``fgate [1, sum T, C]`` (``f_b_proj``
+    output), ``A_log [H]``, ``dt_bias [C]``, ``beta_logits [1, sum T, H]``, ``gate [1, sum T, C]``
+    (``g_b_proj`` output), ``onorm_w [dk]``, ``S0s[j] [1, H, dk, dk]`` (not modified). Returns the normed
+    output ``[1, sum T, C]`` fp32 and per sequence its pre-conv inputs with the tail ``[1, 3C, K-1+T]``
+    and every row's state ``[1, T, H, dk, dk]`` — what
     :meth:`~tandem.model.kda.LinearAttention.forward_rows` computes before ``o_proj``."""
-    T, C3 = mixed.shape[1], mixed.shape[2]
+    N, C3 = mixed.shape[1], mixed.shape[2]
     C, K = C3 // 3, conv_w.shape[-1]
-    dk = C // heads
-    full = np.empty((C3, K - 1 + T), _F)
-    states = np.empty((T, heads, dk, dk), _F)
-    y = np.empty((T, C), _F)
-    S = np_rows(S0[0]).copy()
-    _kda_rows(np_rows(mixed[0]), np_rows(tail[0]), np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
+    dk, n = C // heads, len(lengths)
+    offs = np.zeros(n + 1, np.int64)
+    offs[1:] = np.cumsum(lengths)
+    full = np.empty((C3, N + n * (K - 1)), _F)
+    states = np.empty((N, heads, dk, dk), _F)
+    y = np.empty((N, C), _F)
+    S = np_rows(torch.cat(S0s) if n > 1 else S0s[0]).copy()
+    tl = np_rows(torch.cat(tails) if n > 1 else tails[0])
+    _kda_many(np_rows(mixed[0]), tl, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
               np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S,
-              _F(dk ** -0.5), heads, dk, full, states, y)
-    return torch.from_numpy(y)[None], torch.from_numpy(full)[None], torch.from_numpy(states)[None]
+              _F(dk ** -0.5), heads, dk, offs, full, states, y)
+    ft, st = torch.from_numpy(full), torch.from_numpy(states)
+    per = [(ft[None, :, offs[j] + j * (K - 1): offs[j + 1] + (j + 1) * (K - 1)], st[None, offs[j]: offs[j + 1]])
+           for j in range(n)]
+    return torch.from_numpy(y)[None], per
 
 
 @njit(cache=True, nogil=True)

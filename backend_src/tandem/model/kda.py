@@ -247,13 +247,19 @@ class LinearAttention(nn.Module):
         :func:`~tandem.model.cpu_kernels.kda_rows_fused`; this torch path is its reference."""
         tail, S = state
         if cpu_kernels.active() and x.shape[0] == 1:
-            return self._rows_fused(x, tail, S)
+            y, ((full, states),) = self.forward_rows_many(x, [state], [x.shape[1]])
+            return y, full, states
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
         o, states = kda_rows(q, k, v, g, beta, S)
         return self._out(x, o), full, states
 
-    def _rows_fused(self, x: torch.Tensor, tail: torch.Tensor, S: torch.Tensor):
+    def forward_rows_many(self, x: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
+                          ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`forward_rows` for several sequences (serving): ``x [1, sum R, D]`` holds each
+        sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)``. The projections run over
+        all rows, :func:`~tandem.model.cpu_kernels.kda_rows_fused` per sequence. Returns ``y [1, sum R, D]``
+        and per sequence (pre-conv inputs with its tail, every row's state)."""
         C, dk, H = self.qkv, self.dk, self.h
         out = fused_linear(self, "_fused_x", x)
         if out is None:
@@ -261,7 +267,8 @@ class LinearAttention(nn.Module):
                              self.b_proj(x), self.g_a_proj(x)], -1)
         mixed, fa, b, ga = out.split([3 * C, dk, H, dk], -1)
         fg = self.forget_gate
-        y, full, states = cpu_kernels.kda_rows_fused(
-            mixed, tail, self.conv1d.weight, fg.f_b_proj(fa), fg.A_log, fg.dt_bias, fg.lower, b,
-            self.g_b_proj(ga), self.o_norm.weight, self.o_norm.variance_epsilon, S, H)
-        return self.o_proj(y.to(x.dtype)), full, states
+        fb, gb = fg.f_b_proj(fa), self.g_b_proj(ga)
+        y, per = cpu_kernels.kda_rows_fused(mixed, [t for t, _ in states], self.conv1d.weight, fb, fg.A_log,
+                                            fg.dt_bias, fg.lower, b, gb, self.o_norm.weight,
+                                            self.o_norm.variance_epsilon, [S for _, S in states], H, lengths)
+        return self.o_proj(y.to(x.dtype)), per

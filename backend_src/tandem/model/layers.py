@@ -196,11 +196,16 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.last_load: torch.Tensor | None = None
 
+    #: up to this many rows (decode and verify blocks of a batch of sessions) the serving path runs
+    #: every expert densely in :func:`~tandem.model.cpu_kernels.moe_rows`: the same code for any row count
+    kernel_rows = 256
+
     def serving_layout(self) -> None:
         """Fuse the routed and shared experts' weights for :func:`~tandem.model.cpu_kernels.moe_rows`:
         ``_w_up [(E+1) * 2I, D]`` (input-major) and ``_w_down [E+1, I, D]``, the parameters becoming
         views of them. Only with one shared expert of the routed experts' width."""
         ex, sh = self.experts, self.shared_experts
+        self.gate.weight.data = self.gate.weight.data.t().contiguous().t()  # input-major like the linears
         e, i2, d = ex.gate_up_proj.shape
         if sh.down_proj.weight.shape[1] != i2 // 2:
             return
@@ -214,7 +219,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if (cpu_kernels.active() and getattr(self, "_w_up", None) is not None and x.dtype == torch.float32
-                and self._w_up.dtype == torch.float32 and x.numel() <= shape[-1] * self.experts.dense_rows):
+                and self._w_up.dtype == torch.float32 and x.numel() <= shape[-1] * self.kernel_rows):
             g = self.gate
             return cpu_kernels.moe_rows(x.reshape(-1, shape[-1]), g.weight, g.e_score_correction_bias, g.top_k,
                                         g.norm_topk_prob, g.scale, self._w_up, self._w_down, self.experts.limit).view(shape)

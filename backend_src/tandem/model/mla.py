@@ -153,6 +153,11 @@ class MLAttention(nn.Module):
     def attend(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of the rows' queries over ``k_all [B,H,L,dqk]``/``v_all`` with DSA selection.
         Returns ``y [B, T, D]`` and the visibility mask ``[B, T, L]``."""
+        o, mask = self._heads_out(x, rows, k_all, v_all, pk_all, q_pos)
+        return self.o_proj(o), mask
+
+    def _heads_out(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend` before ``o_proj``: the heads' outputs ``[B, T, H*dv]`` and the mask."""
         b, t, _ = x.shape
         mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
         if cpu_kernels.active() and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
@@ -163,7 +168,7 @@ class MLAttention(nn.Module):
             o = torch.matmul(att.softmax(-1), v_all)
         else:
             o = F.scaled_dot_product_attention(rows["q"], k_all, v_all, attn_mask=mask.unsqueeze(1), scale=self.scaling)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1)), mask
+        return o.transpose(1, 2).reshape(b, t, -1), mask
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Full causal pass from position 0 (training, prime). ``x [B,T,D]`` -> ``y [B,T,D]`` and the
@@ -180,8 +185,21 @@ class MLAttention(nn.Module):
     def rows(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
         """Run rows ``x [1, R, D]`` at positions ``len(cache) ..``, appending them (and any pools they
         complete) to ``cache``. Returns ``[1, R, D]``."""
+        return self.rows_many(x, [cache], [x.shape[1]])
+
+    def rows_many(self, x: torch.Tensor, caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
+        """:meth:`rows` for several sequences at once: ``x [1, sum R, D]`` holds each sequence's rows in
+        turn (``lengths``); projections and ``o_proj`` run over all rows, attention per sequence over
+        its own ``caches[i]``. Returns ``[1, sum R, D]``."""
+        rows, outs, off = self.project(x), [], 0
+        for cache, n in zip(caches, lengths):
+            seg = {k: v[:, :, off: off + n] if k in ("q", "k", "v") else v[:, off: off + n] for k, v in rows.items()}
+            outs.append(self._cached(x[:, off: off + n], seg, cache))
+            off += n
+        return self.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
+
+    def _cached(self, x: torch.Tensor, rows: dict[str, torch.Tensor], cache: "MLACache") -> torch.Tensor:
         pos0 = len(cache)
-        rows = self.project(x)
         cache.append(rows)
         n_complete = len(cache) // cache.kp
         if n_complete > cache.n_pools():
@@ -189,8 +207,7 @@ class MLAttention(nn.Module):
             cache.add_pools(self.indexer.pool_keys(cache.ik[:, lo:hi], cache.ig[:, lo:hi]))
         q_pos = pos0 + torch.arange(x.shape[1], device=x.device)
         pk = cache.pk if cache.pk is not None else cache.ik.new_zeros(1, 0, cache.ik.shape[-1])
-        y, _ = self.attend(x, rows, cache.k, cache.v, pk, q_pos)
-        return y
+        return self._heads_out(x, rows, cache.k, cache.v, pk, q_pos)[0]
 
     def prime(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
         """Prefill rows ``x [1, T, D]``: the full causal pass when ``cache`` is empty, else :meth:`rows`."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from . import cpu_kernels
 from .cache import KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -136,26 +137,43 @@ class Trunk(nn.Module):
 
         Raises ``ValueError`` when the rows do not fit in ``cache.max_ctx`` or a verify is pending.
         """
-        R = _check_rows(cache, ids, "verify")
-        if R == 1 and self.batch_invariant:  # a second (discarded) row keeps every GEMM off the M=1 path
-            out = self.verify(cache, ids.repeat(1, 2), features)
-            cache.pending_rows = 1
-            return tuple(o[:, :1] for o in out) if features else out[:, :1]
-        pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        return self.verify_many([cache], [ids], features)[0]
+
+    @torch.no_grad()
+    def verify_many(self, caches: list[TrunkCache], ids: list[torch.Tensor], features: tuple[int, ...] = ()) -> list:
+        """:meth:`verify` of several sequences in one forward: their rows ``ids[i] [1, R_i]`` are
+        concatenated ``[1, sum R, D]`` through every row-wise stage (projections, mHC, norms, MoE), and
+        each sequence attends over its own cache. Returns per sequence what :meth:`verify` returns.
+        Under :attr:`batch_invariant` a one-row sequence computes a second, discarded copy of its row.
+
+        Raises ``ValueError`` (before any cache changes) when a sequence's rows do not fit or it has a
+        verify pending.
+        """
+        lengths = [_check_rows(c, x, "verify") for c, x in zip(caches, ids)]
+        rows = [x.repeat(1, 2) if self.batch_invariant and n == 1 else x for x, n in zip(ids, lengths)]
+        comp, x0 = [x.shape[1] for x in rows], ids[0]
+        pending: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in caches]
 
         def attn_fn(i, layer):
-            st = cache.layers[i]
+            attn = layer.self_attn
             if layer.layer_type != "linear_attention":
-                return lambda x: layer.self_attn.rows(x, st)
-            if st is None:
-                st = KDAState(*layer.self_attn.init_state(1, ids.device))
+                return lambda x: attn.rows_many(x, [c.layers[i] for c in caches], comp)
+            sts = [(st.tail, st.S) if (st := c.layers[i]) is not None else attn.init_state(x0.shape[0]) for c in caches]
 
             def fn(x):
-                y, full, states = layer.self_attn.forward_rows(x, (st.tail, st.S))
-                pending[i] = (full, states)
+                if cpu_kernels.active() and x.shape[0] == 1:
+                    y, per = attn.forward_rows_many(x, sts, comp)
+                else:  # the torch reference, one sequence at a time
+                    res = [attn.forward_rows(xs, st) for xs, st in zip(x.split(comp, 1), sts)]
+                    y, per = torch.cat([r[0] for r in res], 1), [r[1:] for r in res]
+                for p, pr in zip(pending, per):
+                    p[i] = pr
                 return y
             return fn
 
-        out = self._layers(self._streams(ids), attn_fn, tuple(features))
-        cache.pending, cache.pending_rows = pending, R
-        return out
+        out = self._layers(self._streams(torch.cat(rows, 1)), attn_fn, tuple(features))
+        for c, p, n in zip(caches, pending, lengths):
+            c.pending, c.pending_rows = p, n
+        parts = [o.split(comp, 1) for o in (out if features else (out,))]
+        res = [tuple(ps[j][:, :n] for ps in parts) for j, n in enumerate(lengths)]
+        return res if features else [r[0] for r in res]

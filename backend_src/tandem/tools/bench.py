@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import time
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def main(
                                                              "DFlash arms the checkpoint lacks are skipped)"),
     served_arms: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
     prefix_pairs: int = typer.Option(4, help="question pairs of the prefix-cache section (0: skip it)"),
+    concurrency: int = typer.Option(8, help="sessions of the concurrency section (plain and the best arm, in-process; 0: skip)"),
     dtype: str = typer.Option(schema.DEFAULTS.dtype, help="bf16 | fp32 (default: the serving default)"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     threads: int = typer.Option(1, help="torch threads in-process (the served models use 1 each)"),
@@ -135,6 +137,8 @@ def main(
 
     from ..engine.inprocess import Engine
     from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
+    from .bench_limits import limits, print_limits
+    from .bench_load import print_scaling, run_scaling
     from .bench_prefix import run_prefix_section
     from .bench_report import ceilings, print_report, served_calls, speedup_ratios, summarize
     from .data import humaneval_prompts, sharegpt_prompts
@@ -142,7 +146,7 @@ def main(
 
     console = Console(width=200)
     if quick:
-        prompts, humaneval, max_tokens, prefix_pairs = 2, 1, 32, min(prefix_pairs, 1)
+        prompts, humaneval, max_tokens, prefix_pairs, concurrency = 2, 1, 32, min(prefix_pairs, 1), min(concurrency, 2)
         console.print("[bold yellow]QUICK: a smoke run; its figures are too few to mean anything[/]")
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     torch.set_num_threads(threads)
@@ -195,12 +199,15 @@ def main(
     try:
         for n in names:  # warm-up: one short run per row (first calls pay allocation and import costs)
             runners[n](prompt_ids[0][:32])
+        for ids in prompt_ids:  # and every prompt once, so no timed row is the first to meet it
+            plain_eng.generate(ids, 2, spec="off")
         for e in [plain_eng, *engs.values()]:
             e.sched.timing = {key: 0.0 for key in e.sched.timing}
+        order = random.Random(seed)
         with Progress(console=console) as prog:
             task = prog.add_task("bench (interleaved rows)", total=len(prompt_ids) * len(names))
             for i, ids in enumerate(prompt_ids):
-                for n in names[i % len(names):] + names[: i % len(names)]:  # rotate: no row always goes first
+                for n in order.sample(names, len(names)):  # a fresh random row order for every prompt
                     r = runners[n](ids)
                     raw[n].append({"prompt": i, **{k: r.get(k) for k in ("token_ids", "tokens_per_s", "ttft_s", "top2_gaps")},
                                    "rounds": r.get("rounds", 0), "accepted": r.get("accepted", 0),
@@ -218,6 +225,20 @@ def main(
         if server_ctx is not None:
             server_ctx.__exit__(None, None, None)
     rss_after = _rss_mb([os.getpid()])
+    console.print("weight-streaming limit and ops per token ...")
+    lim = limits(plain_eng.model, plain_eng, raw["plain (in-process)"], prompt_ids[0])
+    scaling = []
+    if concurrency > 1:
+        def aggregate(arm):  # all tokens over all seconds of an in-process arm's runs
+            runs = raw[f"{arm[0]} (in-process)"]
+            return sum(len(r["token_ids"]) for r in runs) / sum(len(r["token_ids"]) / r["tokens_per_s"] for r in runs)
+
+        best_label = max(arm_list, key=aggregate, default=None)
+        conc_ids = [tok.chat_prompt(t) for t in sharegpt_prompts(concurrency, seed=seed + 2, exclude=seen)]
+        for label, arm, k in [("plain", schema.OFF, None)] + ([best_label] if best_label else []):
+            console.print(f"concurrency: {concurrency} sessions vs one at a time ({label}) ...")
+            eng = plain_eng if arm == schema.OFF else engs[label]
+            scaling.append({**run_scaling(eng, conc_ids, max_tokens, arm), "label": label})
 
     plain_ref = {r["prompt"]: r for r in raw["plain (in-process)"]}
     n_pos = {f"{label} ({w})": (k or schema.DEFAULTS.block_size - 1)
@@ -233,9 +254,12 @@ def main(
         server_log.unlink()
     if prefix is not None:
         profile["prefix"] = prefix
+    profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,
                  f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, {threads} thread(s), "
-                 "interleaved" + (" - QUICK SMOKE RUN" if quick else ""))
+                 "interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
+    print_limits(console, lim)
+    print_scaling(console, scaling)
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "threads": threads},
               "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval, "quick": quick,

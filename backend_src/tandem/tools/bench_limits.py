@@ -1,0 +1,108 @@
+"""`make bench`'s hardware-limit figures for plain decoding: the weight bytes one decoded token reads,
+the matrix-vector bandwidth measured on this machine, the resulting weight-streaming limit and the
+fraction of it plain decoding reaches, and the operators dispatched per token (torch profiler)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def weight_bytes_per_token(model) -> dict:
+    """Bytes of weights one plain decode row reads (the trunk only, not the MTP layer): every dense
+    parameter of the trunk layers, the routed experts' share ``top_k / n_routed_experts`` (the experts
+    a token needs), the shared experts, the final norm and LM head, one embedding row. Returns
+    ``{"total": bytes, "lm_head": .., "experts": .., "other": ..}``."""
+    cfg = model.cfg
+    n = cfg.num_hidden_layers
+    share = cfg.num_experts_per_tok / cfg.n_routed_experts
+    out = {"lm_head": 0.0, "experts": 0.0, "embedding": 0.0, "other": 0.0}
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size()
+        if name.startswith(f"layers.{n}."):
+            continue
+        if name.startswith("embed_tokens"):
+            out["embedding"] += b / cfg.vocab_size
+        elif name.startswith("lm_head"):
+            out["lm_head"] += b
+        elif ".mlp.experts." in name:
+            out["experts"] += b * share
+        else:
+            out["other"] += b
+    out["total"] = sum(out.values())
+    return out
+
+
+def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch.float32, reps: int = 30) -> dict:
+    """Bytes/s of one-row matrix-vector products over a weight of ``nbytes`` (``[in_features, N]``),
+    the faster of the input-major layout serving uses and the row-major one (the stricter limit).
+    Median of ``reps`` timed calls after warm-up. Returns ``{"bytes_per_s", "seconds", "layout"}``."""
+    esz = torch.tensor([], dtype=dtype).element_size()
+    n_out = max(1, int(nbytes // (in_features * esz)))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n_out, in_features, generator=g).to(dtype)
+    x = torch.randn(1, in_features, generator=g).to(dtype)
+    best = None
+    for layout, wt in (("input-major", w.t().contiguous().t()), ("row-major", w)):
+        for _ in range(3):
+            F.linear(x, wt)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            F.linear(x, wt)
+            ts.append(time.perf_counter() - t0)
+        s = statistics.median(ts)
+        if best is None or s < best["seconds"]:
+            best = {"seconds": s, "layout": layout, "bytes_per_s": n_out * in_features * esz / s}
+    return best
+
+
+def ops_per_token(engine, ids: list[int], max_tokens: int) -> dict:
+    """aten operators dispatched per generated token of a plain generation (the torch profiler's
+    count of ``aten::`` events, nested ones included), with the serving kernels and with the
+    pure-torch reference. Returns ``{"serving": n, "reference": n}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..model import cpu_kernels
+
+    def count() -> float:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r = engine.generate(ids, max_tokens, spec="off")
+        return sum(k.count for k in prof.key_averages() if k.key.startswith("aten::")) / max(len(r["token_ids"]), 1)
+
+    serving = count()
+    with cpu_kernels.reference():
+        reference = count()
+    return {"serving": serving, "reference": reference}
+
+
+def decode_seconds_per_token(runs: list[dict]) -> float:
+    """Median over prompts of decode time per token after the first (``(elapsed - TTFT) / (n - 1)``)."""
+    per = [(len(r["token_ids"]) / r["tokens_per_s"] - r["ttft_s"]) / (len(r["token_ids"]) - 1)
+           for r in runs if r.get("ttft_s") is not None and len(r["token_ids"]) > 1 and r["tokens_per_s"]]
+    return statistics.median(per)
+
+
+def limits(model, engine, plain_runs: list[dict], ids: list[int]) -> dict:
+    """The weight-streaming section: bytes per token, bandwidth, limit (s per token), plain decoding's
+    measured s per token and its fraction of the limit (limit / measured), ops per token."""
+    wb = weight_bytes_per_token(model)
+    bw = matvec_bandwidth(wb["total"], model.cfg.hidden_size, model.dtype)
+    limit = wb["total"] / bw["bytes_per_s"]
+    measured = decode_seconds_per_token(plain_runs)
+    return {"weight_bytes": wb, "bandwidth": bw, "limit_s_per_token": limit, "plain_s_per_token": measured,
+            "fraction_of_limit": limit / measured, "ops_per_token": ops_per_token(engine, ids, 32)}
+
+
+def print_limits(console, lim: dict) -> None:
+    wb, bw = lim["weight_bytes"], lim["bandwidth"]
+    console.print(f"{'weight-streaming limit':>30}: {wb['total'] / 2**20:.1f} MiB of weights a token "
+                  f"(LM head {wb['lm_head'] / 2**20:.1f}, experts {wb['experts'] / 2**20:.1f}, rest {wb['other'] / 2**20:.1f})"
+                  f" / {bw['bytes_per_s'] / 1e9:.1f} GB/s matrix-vector ({bw['layout']}) = "
+                  f"{lim['limit_s_per_token'] * 1e3:.2f} ms a token")
+    console.print(f"{'plain decoding vs the limit':>30}: {lim['plain_s_per_token'] * 1e3:.2f} ms a token = "
+                  f"[bold]{lim['fraction_of_limit']:.0%}[/] of the limit; aten ops per token "
+                  f"{lim['ops_per_token']['serving']:.0f} (pure-torch reference {lim['ops_per_token']['reference']:.0f})")
