@@ -218,3 +218,23 @@ def test_default_arm_falls_back_without_its_drafter(tiny):
     assert eng.sched.default_arm() == schema.MTP
     out = eng.generate(list(range(5, 25)), 8)  # no SPEC: the fallback arm, not an error
     assert len(out["token_ids"]) == 8 and out["drafted"] > 0
+
+
+def test_sessions_draft_together_as_alone(tiny):
+    """One block forward over several sequences (same arm and block size; another block size beside
+    them) gives each the drafts it gets alone, bit for bit, over two rounds."""
+    trunk, drafters = tiny
+    g = torch.Generator().manual_seed(5)
+    together = DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)
+    together.open([1, 2, 3, 4])
+    alone = {s: DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head) for s in (1, 2, 3, 4)}
+    for s, st in alone.items():
+        st.open([s])
+    for rnd in range(2):
+        items = [DraftRequest(s, torch.zeros(0), [int(t) for t in torch.randint(4, 512, (n,), generator=g)], k,
+                              torch.randn(n, 128, generator=g), arm)
+                 for s, n, k, arm in ((1, 9 - rnd, 4, "dflash2"), (2, 3, 4, "dflash2"), (3, 5, 2, "dflash2"),
+                                      (4, 4, 4, "dflash"))]
+        got = together.draft(items)
+        want = [alone[it.sid].draft([it])[0] for it in items]
+        assert got == want and [len(d) for d in got] == [4, 4, 2, 4]

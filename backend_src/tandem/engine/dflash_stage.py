@@ -120,7 +120,8 @@ class DFlashStage(DrafterStage):
         block ``[anchor, MASK x k]`` (``anchor = next_tokens[-1]``, ``k = num_draft_tokens``, at most
         ``block_size - 1``) and return ``k`` tokens: the argmax per position (``dflash``) or the
         selector's path (``dflash2``). Raises :class:`~tandem.engine.protocols.UnknownSequence`, ``ValueError`` on an arm change."""
-        res = []
+        res: list[list[int]] = []
+        blocks: dict[tuple[str, int], list[int]] = {}  # (arm, k) -> item indices drafting a block of k
         for it in items:
             st = self.state(it.sid)
             if st.arm is None:
@@ -139,15 +140,19 @@ class DFlashStage(DrafterStage):
                      for i in range(len(pieces[0]))]
             st.rows += n
             k = min(it.num_draft_tokens, model.cfg.block_size - 1)
-            if k <= 0:
-                res.append([])
-                continue
-            anchor = int(it.next_tokens[-1])
-            x = model.block_input(torch.tensor([anchor]), self.embed, k + 1)
-            h = model(x, torch.arange(st.rows, st.rows + k + 1), st.kv, block=k + 1)[0, 1:]
+            res.append([])
+            if k > 0:
+                blocks.setdefault((it.arm, k), []).append(len(res) - 1)
+        for (arm, k), idx in blocks.items():  # one block forward per arm and block size, all sequences
+            model, sts = self.drafters[arm], [self.state(items[i].sid) for i in idx]
+            anchors = [int(items[i].next_tokens[-1]) for i in idx]
+            x = model.block_input(torch.tensor(anchors), self.embed, k + 1).reshape(1, -1, model.cfg.hidden_size)
+            pos = torch.cat([torch.arange(st.rows, st.rows + k + 1) for st in sts])
+            kv = [([st.kv[i][0] for st in sts], [st.kv[i][1] for st in sts]) for i in range(len(model.layers))]
+            h = model(x, pos, kv, block=k + 1)[0].view(len(idx), k + 1, -1)[:, 1:]
             logits = self.head(h).float()
-            res.append(model.selector.walk(h, logits, anchor) if model.selector is not None
-                       else logits.argmax(-1).tolist())
+            for j, (i, a) in enumerate(zip(idx, anchors)):
+                res[i] = model.selector.walk(h[j], logits[j], a) if model.selector is not None else logits[j].argmax(-1).tolist()
         return res
 
     def handle(self, arrays: schema.Arrays) -> schema.Arrays:

@@ -126,15 +126,22 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
         return rope(k, pos, self.theta), v
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x [B, S, D]`` block rows at ``pos``; ``ctx_k/v [B, H, C, d]``; ``mask [B or 1, S, C + S]``
-        (True = visible; None = everything visible). Returns ``[B, S, D]``."""
+        (True = visible; None = everything visible). Returns ``[B, S, D]``. With ``ctx_k``/``ctx_v``
+        lists (one ``[1, H, C_i, d]`` per sequence, ``B = 1``), ``x`` holds the sequences' blocks in
+        turn, equal in size; the projections run over all rows, attention per sequence (no mask)."""
         b, s, _ = x.shape
         q = rope(self.q_norm(self.q_proj(x).view(b, s, self.h, self.d)).transpose(1, 2), pos, self.theta)
         k, v = self.kv(x, pos)
-        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.unsqueeze(1))
+        if isinstance(ctx_k, list):
+            n = s // len(ctx_k)
+            o = torch.cat([F.scaled_dot_product_attention(q[:, :, j * n:(j + 1) * n], torch.cat([ck, k[:, :, j * n:(j + 1) * n]], 2),
+                                                          torch.cat([cv, v[:, :, j * n:(j + 1) * n]], 2))
+                           for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v))], 2)
+        else:
+            k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.unsqueeze(1))
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -247,7 +254,9 @@ class DFlashDrafter(nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], block: int,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Block rows ``x [B, S, D]`` (S a multiple of ``block``) at ``pos`` over per-layer context
-        ``kv`` -> normalised hidden ``[B, S, D]``."""
+        ``kv`` -> normalised hidden ``[B, S, D]``. With ``kv`` per layer a pair of lists (each
+        sequence's context), ``x [1, S, D]`` holds the sequences' blocks in turn (see
+        :meth:`DFlashAttention.forward`)."""
         for layer, (k, v) in zip(self.layers, kv):
             x = layer(x, pos, k, v, block, mask)
         return self.norm(x)
