@@ -15,9 +15,11 @@ $(STAMP): requirements.txt pyproject.toml
 
 BACKEND := triton_backends/.stamp-backend
 
-# the Python backend folder tritonserver needs, assembled from the nvidia-pytriton wheel
+# the Python backend folder tritonserver needs, assembled from the nvidia-pytriton wheel; the numba
+# serving kernels compiled into their on-disk cache (so no first request pays ~10 s)
 $(BACKEND): $(STAMP)
 	$(VPY) -m tandem.serving.serve backend-dir
+	$(VPY) -m tandem.model.warm
 	@touch $(BACKEND)
 
 setup: $(STAMP) $(BACKEND)

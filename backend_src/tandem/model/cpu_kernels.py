@@ -388,3 +388,4 @@ def dsa_mask(dots: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, kv_
     _dsa_mask(np_rows(dots[0]), np_rows(weights[0]), _F(q_scale),
               _F(w_scale), q_pos.numpy(), kp, k_pools, mask)
     return torch.from_numpy(mask)[None]
+

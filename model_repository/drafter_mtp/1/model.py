@@ -5,6 +5,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from tandem import schema
+from tandem.model.warm import compile_kernels
 from tandem.engine.mtp_stage import MTPStage
 from tandem.model.checkpoint import load_trunk, parse_dtype
 from tandem.serving import backend
@@ -13,6 +14,7 @@ from tandem.serving import backend
 class TritonPythonModel:
     def initialize(self, args):
         backend.set_torch_threads(1)
+        compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         cfg = backend.serving_config(json.loads(args["model_config"]))
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
         self.stage = MTPStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), cfg.max_num_draft_tokens)
