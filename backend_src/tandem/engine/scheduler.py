@@ -1,7 +1,7 @@
 """The scheduler: admits turns, runs every active session in bursts of verify rounds (all sessions'
 draft work batched into one drafter call per round, all verify work into one trunk call that also
-carries the previous round's commits), and publishes one receipt per session per burst. Stage state is opened and closed here,
-batched. Synchronous: in-process it is driven directly, behind Triton by the worker thread of
+carries the previous round's commits), and publishes one receipt per session per burst. Stage state
+is opened and closed here, batched. Synchronous: in-process it is driven directly, behind Triton by the worker thread of
 :mod:`tandem.serving.front`.
 """
 

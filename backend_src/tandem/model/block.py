@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_kernels
 from .config import TrunkConfig
 from .kda import LinearAttention
 from .layers import MLP, MoE, HyperConnection, RMSNorm, hc_merge
@@ -28,12 +27,7 @@ class DecoderLayer(nn.Module):
 
     def run(self, streams: torch.Tensor, attn_fn) -> torch.Tensor:
         """Apply the block with ``attn_fn(normed_input [B,T,D]) -> [B,T,D]``."""
-        if cpu_kernels.active():  # each mHC + RMSNorm pair in one kernel call
-            post, comb, x = self.attn_hc.normed(streams, self.input_layernorm)
-            streams = hc_merge(post, comb, attn_fn(x), streams)
-            post, comb, x = self.ffn_hc.normed(streams, self.post_attention_layernorm)
-            return hc_merge(post, comb, self.mlp(x), streams)
-        post, comb, x = self.attn_hc(streams)
-        streams = hc_merge(post, comb, attn_fn(self.input_layernorm(x)), streams)
-        post, comb, x = self.ffn_hc(streams)
-        return hc_merge(post, comb, self.mlp(self.post_attention_layernorm(x)), streams)
+        post, comb, x = self.attn_hc.normed(streams, self.input_layernorm)
+        streams = hc_merge(post, comb, attn_fn(x), streams)
+        post, comb, x = self.ffn_hc.normed(streams, self.post_attention_layernorm)
+        return hc_merge(post, comb, self.mlp(x), streams)

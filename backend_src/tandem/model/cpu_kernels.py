@@ -2,10 +2,12 @@
 
 On this CPU a torch op costs 3-5 us of dispatch whatever its size, and a decode row of the tiny
 trunk is a few hundred such ops: the per-row glue between the matrix products (mHC weights with
-their Sinkhorn loop, the KDA conv / gates / recurrence / output norm) is fused here into one call
-each. Every kernel has a pure-torch reference it is tested against (``tests/test_cpu_kernels.py``):
-:class:`~tandem.model.layers.HyperConnection`, :func:`~tandem.model.layers.hc_merge`,
-:meth:`~tandem.model.kda.LinearAttention.forward_rows`.
+their Sinkhorn loop and the block norm, the mHC merge, the KDA conv / gates / recurrence / output
+norm, MoE routing / SwiGLU / combine, DSA pool selection) is fused here into one call each. Every
+kernel has a pure-torch reference it is tested against (``tests/test_cpu_kernels.py``):
+:meth:`~tandem.model.layers.HyperConnection.forward` + RMSNorm, :func:`~tandem.model.layers.hc_merge`,
+:meth:`~tandem.model.kda.LinearAttention.forward_rows`, :meth:`~tandem.model.layers.MoE.forward`,
+:meth:`~tandem.model.mla.Indexer.select`; :func:`reference` runs the model on them.
 
 Each row is computed by the same sequence of float32 operations whatever the number of rows in the
 call, so a row's result is bit-identical alone (plain decoding) or inside a verify block.
@@ -41,7 +43,6 @@ def reference():
         ENABLED = old
 
 
-_NONE = np.zeros(0, _F)
 _PARAMS: dict[int, tuple[int, np.ndarray, torch.Tensor]] = {}
 
 
@@ -88,13 +89,12 @@ def _hc_weights(streams, fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, p
                     collapsed[r, d] = pre * streams[r, d]
                 else:
                     collapsed[r, d] += pre * streams[r, i * D + d]
-        if nw.shape[0] > 0:  # the block's input RMSNorm of the collapsed streams
-            ss = np.float32(0.0)
-            for d in range(D):
-                ss += collapsed[r, d] * collapsed[r, d]
-            inv = one / np.sqrt(ss / np.float32(D) + nw_eps)
-            for d in range(D):
-                collapsed[r, d] = nw[d] * (collapsed[r, d] * inv)
+        ss = np.float32(0.0)  # the block's input RMSNorm of the collapsed streams
+        for d in range(D):
+            ss += collapsed[r, d] * collapsed[r, d]
+        inv = one / np.sqrt(ss / np.float32(D) + nw_eps)
+        for d in range(D):
+            collapsed[r, d] = nw[d] * (collapsed[r, d] * inv)
         c = comb[r]
         for i in range(n):  # softmax over each row of the n x n logits, + eps
             mx = -np.inf
@@ -124,11 +124,10 @@ def _divide_rows_by_sums(m, eps):  # pragma: no cover - numba
 
 
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               iters: int, eps: float, norm_eps: float, norm_w: torch.Tensor | None = None,
-               norm_w_eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               iters: int, eps: float, norm_eps: float, norm_w: torch.Tensor, norm_w_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC weights of rows ``streams [B, T, N, D]`` (any float dtype): ``post [B,T,N]`` and
-    ``comb [B,T,N,N]`` fp32, the collapsed block input ``[B, T, D]`` in the streams' dtype — with
-    ``norm_w [D]``, the block's RMSNorm (eps ``norm_w_eps``) of it.
+    ``comb [B,T,N,N]`` fp32, and the block's RMSNorm (weight ``norm_w [D]``, eps ``norm_w_eps``) of
+    the collapsed block input, ``[B, T, D]`` in the streams' dtype.
 
     The math of :meth:`tandem.model.layers.HyperConnection.forward` (RMS-normalised streams, the
     ``fn [(2+N)N, N*D]`` mixing, sigmoid / softmax heads, Sinkhorn-Knopp) in one pass per row."""
@@ -138,7 +137,7 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     comb = np.empty((b * t, n, n), _F)
     col = np.empty((b * t, d), _F)
     _hc_weights(s, np_param(fn), np_param(base), np_param(scale), n, iters, _F(eps), _F(norm_eps),
-                _NONE if norm_w is None else np_param(norm_w), _F(norm_w_eps), post, comb, col)
+                np_param(norm_w), _F(norm_w_eps), post, comb, col)
     return (torch.from_numpy(post).view(b, t, n), torch.from_numpy(comb).view(b, t, n, n),
             torch.from_numpy(col).view(b, t, d).to(streams.dtype))
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import TrunkConfig
 from . import cpu_kernels
+from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
 
 

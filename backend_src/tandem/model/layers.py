@@ -251,8 +251,6 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if cpu_kernels.active():
-            return cpu_kernels.hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
         b, t, n, _ = streams.shape
         flat = streams.reshape(b, t, -1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
@@ -269,34 +267,24 @@ class HyperConnection(nn.Module):
 
 
     def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`forward` with ``norm`` applied to the collapsed input, in one
-        :func:`~tandem.model.cpu_kernels.hc_weights` call (serving, no autograd)."""
-        return cpu_kernels.hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.eps,
-                                      self.norm_eps, norm.weight, norm.variance_epsilon)
+        """:meth:`forward` with the block's ``norm`` applied to the collapsed input; in serving (no
+        autograd) one :func:`~tandem.model.cpu_kernels.hc_weights` call."""
+        if cpu_kernels.active():
+            return cpu_kernels.hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.eps,
+                                          self.norm_eps, norm.weight, norm.variance_epsilon)
+        post, comb, x = self(streams)
+        return post, comb, norm(x)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp normalisation toward a doubly-stochastic matrix (mHC): one column step, then
-    ``iters - 1`` row+column steps, each ``x / (sum + eps)``. ``comb [..., N, N]`` fp32.
-
-    Without autograd the loop runs in numpy on the (tiny) ``[..., N, N]`` array: the same IEEE
-    float32 divisions and additions at ~2.5x less overhead than the torch loop (measured on [1, 4, 2, 2]).
-    """
-    if torch.is_grad_enabled() and comb.requires_grad:
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-        for _ in range(iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + eps)
-        return comb
-    import numpy as np
-
-    c = comb.detach().numpy()
-    e = np.float32(eps)
-    c = c / (c.sum(-2, keepdims=True) + e)
+    ``iters - 1`` row+column steps, each ``x / (sum + eps)``. ``comb [..., N, N]`` fp32. (Serving runs
+    it inside :func:`~tandem.model.cpu_kernels.hc_weights`.)"""
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdims=True) + e)
-        c = c / (c.sum(-2, keepdims=True) + e)
-    return torch.from_numpy(c)
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
 
 
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

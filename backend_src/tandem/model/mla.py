@@ -131,24 +131,23 @@ class MLAttention(nn.Module):
         cacheable ``latent [B,T,r]``, ``k [B,H,T,dqk]``, ``v [B,H,T,dv]``, ``ik``/``ig [B,T,di]``; in
         the fused serving layout also the indexer queries ``iq [B,T,Hi*di]`` and head weights ``iw [B,T,Hi]``."""
         b, t, _ = x.shape
-        fx = fused_linear(self, "_fused_x", x)
-        if fx is not None and getattr(self, "_fused_q", None) is not None:
-            qa, kva, ikr, iw, ig = fx.split(self._fused_x[1], -1)
+        rows: dict[str, torch.Tensor] = {}
+        fx, fq = fused_linear(self, "_fused_x", x), getattr(self, "_fused_q", None)
+        if fx is not None and fq is not None:  # serving layout: one GEMM per shared input
+            qa, kva, ikr, rows["iw"], ig = fx.split(self._fused_x[1], -1)
             q_resid = self.q_a_layernorm(qa)
-            q, iq = F.linear(q_resid, self._fused_q[0]).split(self._fused_q[1], -1)
-            latent = self.kv_a_layernorm(kva)
-            kv = self.kv_b_proj(latent).view(b, t, self.h, self.dqk + self.dv).transpose(1, 2)
-            k, v = kv.split([self.dqk, self.dv], dim=-1)
-            return {"q": q.view(b, t, self.h, self.dqk).transpose(1, 2), "q_resid": q_resid, "latent": latent,
-                    "k": k, "v": v, "ik": self.indexer.k_norm(ikr), "ig": ig, "iq": iq, "iw": iw}
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(b, t, self.h, self.dqk).transpose(1, 2)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+            q, rows["iq"] = F.linear(q_resid, fq[0]).split(fq[1], -1)
+            ik = self.indexer.k_norm(ikr)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q, kva = self.q_b_proj(q_resid), self.kv_a_proj_with_mqa(x)
+            ik, ig = self.indexer.token_keys(x)
+        latent = self.kv_a_layernorm(kva)
         kv = self.kv_b_proj(latent).view(b, t, self.h, self.dqk + self.dv).transpose(1, 2)
         k, v = kv.split([self.dqk, self.dv], dim=-1)
-        ik, ig = self.indexer.token_keys(x)
-        return {"q": q, "q_resid": q_resid, "latent": latent, "k": k.contiguous(), "v": v.contiguous(),
-                "ik": ik, "ig": ig}
+        rows.update(q=q.view(b, t, self.h, self.dqk).transpose(1, 2), q_resid=q_resid, latent=latent,
+                    k=k.contiguous(), v=v.contiguous(), ik=ik, ig=ig)
+        return rows
 
     def attend(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of the rows' queries over ``k_all [B,H,L,dqk]``/``v_all`` with DSA selection.
