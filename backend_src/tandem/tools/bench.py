@@ -225,21 +225,6 @@ def main(
         if server_ctx is not None:
             server_ctx.__exit__(None, None, None)
     rss_after = _rss_mb([os.getpid()])
-    console.print("weight-streaming limit and ops per token ...")
-    lim = limits(plain_eng.model, plain_eng, raw["plain (in-process)"], prompt_ids[0])
-    scaling = []
-    if concurrency > 1:
-        def aggregate(arm):  # all tokens over all seconds of an in-process arm's runs
-            runs = raw[f"{arm[0]} (in-process)"]
-            return sum(len(r["token_ids"]) for r in runs) / sum(len(r["token_ids"]) / r["tokens_per_s"] for r in runs)
-
-        best_label = max(arm_list, key=aggregate, default=None)
-        conc_ids = [tok.chat_prompt(t) for t in sharegpt_prompts(concurrency, seed=seed + 2, exclude=seen)]
-        for label, arm, k in [("plain", schema.OFF, None)] + ([best_label] if best_label else []):
-            console.print(f"concurrency: {concurrency} sessions vs one at a time ({label}) ...")
-            eng = plain_eng if arm == schema.OFF else engs[label]
-            scaling.append({**run_scaling(eng, conc_ids, max_tokens, arm), "label": label})
-
     plain_ref = {r["prompt"]: r for r in raw["plain (in-process)"]}
     n_pos = {f"{label} ({w})": (k or schema.DEFAULTS.block_size - 1)
              for label, a, k in arm_list + served_list if a != schema.OFF for w in ("in-process", "served")}
@@ -254,6 +239,16 @@ def main(
         server_log.unlink()
     if prefix is not None:
         profile["prefix"] = prefix
+    console.print("weight-streaming limit and ops per token ...")  # after the ceilings: these runs
+    lim = limits(plain_eng.model, plain_eng, raw["plain (in-process)"], prompt_ids[0])  # must not enter
+    scaling = []  # the engines' stage timings
+    if concurrency > 1:
+        conc_ids = [tok.chat_prompt(t) for t in sharegpt_prompts(concurrency, seed=seed + 2, exclude=seen)]
+        best = next((a for a in arm_list if a[0] == ratios.get("best_arm")), None)
+        for label, arm, k in [("plain", schema.OFF, None)] + ([best] if best else []):
+            console.print(f"concurrency: {concurrency} sessions vs one at a time ({label}) ...")
+            eng = plain_eng if arm == schema.OFF else engs[label]
+            scaling.append({**run_scaling(eng, conc_ids, max_tokens, arm), "label": label})
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,
                  f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, {threads} thread(s), "
