@@ -228,9 +228,9 @@ class TrunkStage(KeyedStates):
         toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))
         lengths = schema.lengths_of(arrays, len(sids), toks.size, "TOKENS")
         schema.check_tokens("TOKENS", toks, self.vocab_size)
-        for s, n, p in zip(sids, lengths, prefixes):
+        for s, n, p, kept in zip(sids, lengths, prefixes, n_rows):
             c = self.caches[s]
-            if c.pending is not None and not n_rows[sids.index(s)]:
+            if c.pending is not None and not kept:
                 raise WireError(f"OP: {op} for sequence {s} while a verify is pending (commit first, or N_ROWS)")
             if op == "prime" and p:
                 if c.pos != 0:
