@@ -1,10 +1,12 @@
 """The numba serving kernels against their pure-torch references, with odd shapes (3 streams,
 5 experts, heads of 12, pools of 4), and the preallocated MLA cache against concatenation."""
 
+import contextlib
+
 import pytest
 import torch
 
-from tandem.model import cpu_kernels
+from tandem.model import cpu_attention, cpu_kernels
 from tandem.model.cache import MLACache
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
@@ -91,6 +93,32 @@ def test_dsa_mask_equals_reference_selection(odd, T, pos0):
     assert mask.dtype == torch.bool and mask.shape == (1, T, L)
     assert torch.equal(mask, ref)
     assert int(mask[0, -1].sum()) <= idx.k_pools * idx.kp + idx.kp  # sparse: k pools + the tail
+
+
+@pytest.mark.parametrize("T,pos0", [(1, 3), (1, 37), (5, 30), (9, 61)])
+def test_mla_rows_match_reference(odd, T, pos0):
+    """The MLA / DSA rows kernel (indexer, k-pool selection, attention over the selected tokens)
+    against the torch path, on a cache long enough for the selection to drop pools; a row alone
+    equals the same row inside the block, bit for bit."""
+    attn = odd.layers[1].self_attn
+    prompt, x = _randn(1, pos0, 40, seed=pos0), _randn(1, T, 40, seed=pos0 + 1)
+    outs = []
+    with torch.no_grad():
+        for ctx in (contextlib.nullcontext(), cpu_kernels.reference()):
+            cache = MLACache(attn.indexer.kp)
+            with ctx:
+                attn.prime(prompt, cache)
+                outs.append(attn.rows(x, cache))
+            assert len(cache) == pos0 + T
+        r, ix = attn.project(x), attn.indexer  # the kernel on the block vs on each row alone
+        q_pos = pos0 + torch.arange(T)
+        run = lambda a, b: cpu_attention.mla_rows(r["q"][:, :, a:b], cache.k, cache.v, r["iq"][:, a:b], r["iw"][:, a:b],  # noqa: E731
+                                                  cache.pk, q_pos[a:b], ix.kp, ix.k_pools, attn.scaling, ix.d ** -0.5, ix.h ** -0.5)
+        block = run(0, T)
+        one = torch.cat([run(i, i + 1) for i in range(T)], 1)
+    assert outs[0].shape == (1, T, 40) and block.shape == (1, T, 32)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+    assert torch.equal(one, block)
 
 
 def test_mla_cache_grows_truncates_and_clones_like_concatenation():

@@ -142,23 +142,24 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
             torch.from_numpy(col).view(b, t, d).to(streams.dtype))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath={"contract"})
 def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S, qscale,
               H, dk, full, states, y):  # pragma: no cover - numba
     # mixed [T, 3C] pre-conv q|k|v; tail [3C, K-1]; convw [3C, K]; fgate [T, C] (f_b output); a_log [H];
-    # blog [T, H] beta logits; gate [T, C] output-gate logits; S [H, dk, dk] (updated in place)
+    # blog [T, H] beta logits; gate [T, C] output-gate logits; S [H, dk, dk] (updated in place). The state
+    # passes run along rows of S (contiguous, vectorised): decay + S'^T k, then update + S^T q + store
     T, C3 = mixed.shape
     C = C3 // 3
     K = convw.shape[1]
-    one = np.float32(1.0)
+    one, zero = np.float32(1.0), np.float32(0.0)
     for c in range(C3):
         for j in range(K - 1):
             full[c, j] = tail[c, j]
         for t in range(T):
             full[c, K - 1 + t] = mixed[t, c]
     act = np.empty(C3, np.float32)
-    o = np.empty(dk, np.float32)
-    mem = np.empty(dk, np.float32)
+    o, mem = np.empty(dk, np.float32), np.empty(dk, np.float32)
+    dec, kn, qn = np.empty(dk, np.float32), np.empty(dk, np.float32), np.empty(dk, np.float32)
     for t in range(T):
         for c in range(C3):  # depthwise causal conv + SiLU
             acc = full[c, t] * convw[c, 0]
@@ -167,8 +168,7 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
             act[c] = acc / (one + np.exp(-acc))
         for h in range(H):
             q0, k0, v0 = h * dk, C + h * dk, 2 * C + h * dk
-            sq = np.float32(0.0)
-            sk = np.float32(0.0)
+            sq, sk = zero, zero
             for i in range(dk):
                 sq += act[q0 + i] * act[q0 + i]
                 sk += act[k0 + i] * act[k0 + i]
@@ -176,29 +176,28 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
             ik = one / np.sqrt(sk + np.float32(1e-6))
             beta = one / (one + np.exp(-blog[t, h]))
             a_exp = np.exp(a_log[h])
-            for i in range(dk):  # decay S, then S'^T k
+            for i in range(dk):
                 x = a_exp * (fgate[t, h * dk + i] + dt_bias[h * dk + i])
-                dec = np.exp(lower / (one + np.exp(-x)))
+                dec[i] = np.exp(lower / (one + np.exp(-x)))
+                kn[i], qn[i] = act[k0 + i] * ik, act[q0 + i] * iq
+                mem[i], o[i] = zero, zero
+            Sh, st = S[h], states[t, h]
+            for i in range(dk):  # decay S, then S'^T k
+                d, ki, row = dec[i], kn[i], Sh[i]
                 for j in range(dk):
-                    S[h, i, j] = S[h, i, j] * dec
+                    s = row[j] * d
+                    row[j] = s
+                    mem[j] += s * ki
             for j in range(dk):
-                m = np.float32(0.0)
-                for i in range(dk):
-                    m += S[h, i, j] * (act[k0 + i] * ik)
-                mem[j] = (act[v0 + j] - m) * beta
-            for i in range(dk):
-                ki = act[k0 + i] * ik
+                mem[j] = (act[v0 + j] - mem[j]) * beta
+            for i in range(dk):  # delta-rule update, S^T q, this row's state
+                ki, qi, row, srow = kn[i], qn[i], Sh[i], st[i]
                 for j in range(dk):
-                    S[h, i, j] = S[h, i, j] + ki * mem[j]
-            for j in range(dk):
-                m = np.float32(0.0)
-                for i in range(dk):
-                    m += S[h, i, j] * (act[q0 + i] * iq)
-                o[j] = m
-            for i in range(dk):
-                for j in range(dk):
-                    states[t, h, i, j] = S[h, i, j]
-            ss = np.float32(0.0)  # gated RMSNorm of the head output
+                    s = row[j] + ki * mem[j]
+                    row[j] = s
+                    srow[j] = s
+                    o[j] += s * qi
+            ss = zero  # gated RMSNorm of the head output
             for j in range(dk):
                 ss += o[j] * o[j]
             inv = one / np.sqrt(ss / np.float32(dk) + eps)
@@ -278,15 +277,11 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, re
 
 
 @njit(cache=True, nogil=True)
-def _moe_route_act(logits, bias, top_k, norm, scale, gu, limit, w, act):  # pragma: no cover - numba
-    # logits [N, E] fp32; gu [N, (E+1) * 2I] (experts then the shared expert: gate | up each);
-    # -> w [N, E+1] (0 for unselected experts, 1 for the shared one), act [E+1, N, I]
+def _moe_route(logits, bias, top_k, norm, scale, w):  # pragma: no cover - numba
+    # logits [N, E] fp32 -> w [N, E+1] (0 for unselected experts, 1 for the shared one, last)
     N, E = logits.shape
-    I = act.shape[2]
     one = np.float32(1.0)
-    sc = np.empty(E, np.float32)
-    ch = np.empty(E, np.float32)
-    sel = np.empty(E, np.bool_)
+    sc, ch, sel = np.empty(E, np.float32), np.empty(E, np.float32), np.empty(E, np.bool_)
     for r in range(N):
         for e in range(E):
             sc[e] = one / (one + np.exp(-logits[r, e]))
@@ -307,20 +302,28 @@ def _moe_route_act(logits, bias, top_k, norm, scale, gu, limit, w, act):  # prag
                 w[r, e] = w[r, e] / (tot + np.float32(1e-20))
             w[r, e] = w[r, e] * scale
         w[r, E] = one
-        for e in range(E + 1):
-            base = e * 2 * I
+
+
+@njit(cache=True, nogil=True)
+def _moe_act(gu, limit, act):  # pragma: no cover - numba
+    # gu [N, n * 2I] (n experts' gate | up) -> clamped SwiGLU act [n, N, I]
+    n, N, I = act.shape
+    one = np.float32(1.0)
+    for e in range(n):
+        for r in range(N):
             for i in range(I):
-                g = min(gu[r, base + i], limit)
-                u = min(max(gu[r, base + I + i], -limit), limit)
+                g = min(gu[r, e * 2 * I + i], limit)
+                u = min(max(gu[r, e * 2 * I + I + i], -limit), limit)
                 act[e, r, i] = g / (one + np.exp(-g)) * u
 
 
 @njit(cache=True, nogil=True)
 def _moe_combine(h, w, out):  # pragma: no cover - numba
+    # out[r] += sum_e w[r, e] h[e, r] over the nonzero weights, experts in order
     E1, N, D = h.shape
     for r in range(N):
         for d in range(D):
-            acc = np.float32(0.0)
+            acc = out[r, d]
             for e in range(E1):
                 if w[r, e] != np.float32(0.0):
                     acc += w[r, e] * h[e, r, d]
@@ -329,23 +332,28 @@ def _moe_combine(h, w, out):  # pragma: no cover - numba
 
 def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
              w_up: torch.Tensor, w_down: torch.Tensor, limit: float) -> torch.Tensor:
-    """Sigmoid-routed MoE plus shared expert over a few fp32 rows, every expert computed densely
-    (a fixed call count; :meth:`tandem.model.layers.MoE.forward` is the reference).
+    """Sigmoid-routed MoE plus shared expert over a few fp32 rows (:meth:`tandem.model.layers.MoE.forward`
+    is the reference). Only the experts some row selects are computed, each run of consecutive ones
+    in one GEMM over all rows (a row's weight for an expert it did not select is 0), so a decode row
+    reads the top-k experts' weights, not all of them.
 
     ``x [N, D]``; ``router_w [E, D]``, ``bias [E]`` (DeepSeek-V3 score correction); ``w_up
-    [(E+1) * 2I, D]`` (each expert's gate | up rows, the shared expert last); ``w_down [E+1, I, D]``.
-    Returns ``[N, D]`` fp32: ``sum_e w_e * down_e(swiglu(gate_e x, up_e x))`` with the top-k
-    normalised sigmoid weights and weight 1 for the shared expert."""
+    [(E+1) * 2I, D]`` (each expert's gate | up rows, the shared expert last; an input-major view);
+    ``w_down [E+1, I, D]``. Returns ``[N, D]`` fp32: ``sum_e w_e * down_e(swiglu(gate_e x, up_e x))``
+    with the top-k normalised sigmoid weights and weight 1 for the shared expert, summed over the
+    selected experts in expert order."""
     N = x.shape[0]
     E1, I, D = w_down.shape
-    logits = torch.nn.functional.linear(x, router_w)
-    gu = torch.nn.functional.linear(x, w_up)
     w = np.empty((N, E1), _F)
-    act = np.empty((E1, N, I), _F)
-    _moe_route_act(logits.numpy(), np_param(bias), top_k, norm, _F(scale), gu.numpy(), _F(limit), w, act)
-    h = torch.bmm(torch.from_numpy(act), w_down)
-    out = np.empty((N, D), _F)
-    _moe_combine(h.numpy(), w, out)
+    _moe_route(torch.nn.functional.linear(x, router_w).numpy(), np_param(bias), top_k, norm, _F(scale), w)
+    used = np.flatnonzero(w.any(0))
+    out = np.zeros((N, D), _F)
+    up = w_up.t()  # [D, (E+1) * 2I], contiguous
+    for run in np.split(used, np.flatnonzero(np.diff(used) != 1) + 1):
+        a, b = int(run[0]), int(run[-1]) + 1
+        act = np.empty((b - a, N, I), _F)
+        _moe_act(torch.mm(x, up[:, a * 2 * I: b * 2 * I]).numpy(), _F(limit), act)
+        _moe_combine(torch.bmm(torch.from_numpy(act), w_down[a:b]).numpy(), w[:, a:b], out)
     return torch.from_numpy(out)
 
 

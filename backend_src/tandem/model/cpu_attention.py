@@ -1,0 +1,91 @@
+"""CPU kernel for the MLA / DSA rows of decode and verify, compiled with numba (float32, no autograd).
+
+One call computes, for a few query rows of one sequence over its cache, what
+:meth:`tandem.model.mla.MLAttention._heads_out` computes with torch (its reference, and the path for
+longer blocks): the DSA indexer's pool scores, the k-pool selection
+(:func:`tandem.model.cpu_kernels._dsa_mask`), then per head softmax attention over the selected
+tokens only. Each row runs the same float32 operations whatever the number of rows in the call, so
+a row's output is bit-identical alone (plain decoding) or inside a verify block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from .cpu_kernels import _dsa_mask, np_rows
+
+_F = np.float32
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_scale, out):  # pragma: no cover - numba
+    # q [T, H, dqk]; K [H, cap, dqk] and V [H, cap, dv] the cache buffers, the first L tokens used;
+    # iq [T, Hi * di]; iw [T, Hi]; pk [P, di]; q_pos [T] -> out [T, H * dv]
+    T, H, dq = q.shape
+    dv = V.shape[2]
+    Hi, P, di = iw.shape[1], pk.shape[0], pk.shape[1]
+    dots = np.empty((T, Hi, P), np.float32)
+    for t in range(T):
+        for h in range(Hi):
+            for p in range(P):
+                acc = np.float32(0.0)
+                for d in range(di):
+                    acc += iq[t, h * di + d] * pk[p, d]
+                dots[t, h, p] = acc
+    mask = np.empty((T, L), np.bool_)
+    _dsa_mask(dots, iw, q_scale, w_scale, q_pos, kp, k_pools, mask)
+    idx = np.empty(L, np.int64)
+    s = np.empty(L, np.float32)
+    for t in range(T):
+        n = 0
+        for j in range(L):
+            if mask[t, j]:
+                idx[n] = j
+                n += 1
+        for h in range(H):
+            mx = -np.inf
+            for a in range(n):
+                acc = np.float32(0.0)
+                for d in range(dq):
+                    acc += K[h, idx[a], d] * q[t, h, d]
+                s[a] = acc * scaling
+                mx = max(mx, s[a])
+            tot = np.float32(0.0)
+            for a in range(n):
+                s[a] = np.exp(s[a] - mx)
+                tot += s[a]
+            o = out[t, h * dv: (h + 1) * dv]
+            o[:] = np.float32(0.0)
+            for a in range(n):
+                w, vj = s[a] / tot, V[h, idx[a]]
+                for e in range(dv):
+                    o[e] += w * vj[e]
+
+
+def _buffer(t: torch.Tensor) -> np.ndarray:
+    """The whole preallocated buffer ``[H, cap, d]`` behind a cache view ``t [H, L, d]`` (a C-contiguous
+    array, so the kernel is compiled for one layout whatever the fill)."""
+    h, _, d = t.shape
+    assert t.stride(2) == 1 and t.stride(1) == d and t.stride(0) % d == 0, t.stride()
+    return t.as_strided((h, t.stride(0) // d, d), (t.stride(0), d, 1)).numpy()
+
+
+def mla_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
+             pk: torch.Tensor, q_pos: torch.Tensor, kp: int, k_pools: int, scaling: float, q_scale: float,
+             w_scale: float) -> torch.Tensor:
+    """MLA heads' outputs of ``T`` rows of one sequence with DSA selection.
+
+    Args: ``q [1, H, T, dqk]`` queries; ``k_all [1, H, L, dqk]``, ``v_all [1, H, L, dv]`` the cache
+    with these rows appended (views, not copied); ``iq [1, T, Hi * di]`` indexer queries; ``iw [1, T, Hi]``
+    indexer head weights (``weights_proj`` output); ``pk [1, P, di]`` compressed pool keys; ``q_pos [T]``
+    absolute positions; ``kp`` pool size; ``k_pools`` pools kept; ``scaling`` the attention scale
+    ``dqk^-1/2``; ``q_scale``, ``w_scale`` the indexer's ``di^-1/2`` and ``Hi^-1/2``.
+    Returns ``[1, T, H * dv]`` fp32: softmax attention over the visible tokens (the k best complete
+    pools by ``sum_h w_h * relu(iq_h . pk)``, ties toward the earlier pool, plus the incomplete tail)."""
+    _, H, T, _ = q.shape
+    out = np.empty((T, H * v_all.shape[-1]), _F)
+    _mla_rows(np_rows(q[0].transpose(0, 1)), _buffer(k_all[0]), _buffer(v_all[0]), k_all.shape[2], np_rows(iq[0]), np_rows(iw[0]),
+              np_rows(pk[0]), q_pos.numpy(), kp, k_pools, _F(scaling), _F(q_scale), _F(w_scale), out)
+    return torch.from_numpy(out)[None]
