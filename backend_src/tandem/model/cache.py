@@ -67,12 +67,17 @@ class MLACache:
             self._buf[name] = b = nb
         b.narrow(dim, start, end - start).copy_(rows)
 
-    def append(self, rows: dict[str, torch.Tensor]) -> None:
-        """Append rows (``latent, k, v, ik, ig`` as produced by ``MLAttention.project``)."""
-        n = rows["latent"].shape[1]
+    def append(self, rows: dict[str, torch.Tensor], off: int = 0, n: int | None = None) -> None:
+        """Append rows ``off .. off + n`` (default all) of ``latent, k, v, ik, ig`` as produced by
+        ``MLAttention.project``."""
+        n = rows["latent"].shape[1] - off if n is None else n
         for name in ("latent", "k", "v", "ik", "ig"):
-            self._put(name, self._n, rows[name])
+            self._put(name, self._n, rows[name].narrow(_MLA_DIMS[name], off, n))
         self._n += n
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The whole preallocated buffer behind attribute ``name`` (used rows first, then spare capacity)."""
+        return self._buf[name]
 
     def add_pools(self, pk_new: torch.Tensor) -> None:
         """Append compressed pool keys ``pk_new [1, P, di]``."""
@@ -139,7 +144,7 @@ class TrunkCache:
             raise ValueError(f"commit n_rows={n_rows} outside [1, {self.pending_rows}]")
         for i, (full, states) in self.pending.items():
             km1 = full.shape[-1] - states.shape[1]  # (a padded verify computed more rows than it reports)
-            self.layers[i] = KDAState(full[:, :, n_rows: n_rows + km1].contiguous(), states[:, n_rows - 1].contiguous())
+            self.layers[i] = KDAState(full[:, :, n_rows: n_rows + km1], states[:, n_rows - 1])  # views, not copies
         self.pos += n_rows
         for layer in self.layers:
             if isinstance(layer, MLACache):

@@ -89,3 +89,28 @@ def mla_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, iq: torc
     _mla_rows(np_rows(q[0].transpose(0, 1)), _buffer(k_all[0]), _buffer(v_all[0]), k_all.shape[2], np_rows(iq[0]), np_rows(iw[0]),
               np_rows(pk[0]), q_pos.numpy(), kp, k_pools, _F(scaling), _F(q_scale), _F(w_scale), out)
     return torch.from_numpy(out)[None]
+
+
+def query_arrays(rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The query-side arrays of projected rows (``MLAttention.project`` in the serving layout), once
+    for all sequences: ``q [N, H, dqk]``, ``iq [N, Hi * di]``, ``iw [N, Hi]`` (C-contiguous fp32)."""
+    return np_rows(rows["q"][0].transpose(0, 1)), np_rows(rows["iq"][0]), np_rows(rows["iw"][0])
+
+
+def empty_out(rows: dict[str, torch.Tensor]) -> np.ndarray:
+    """An uninitialised ``[N, H * dv]`` fp32 output for the rows' heads."""
+    _, H, N, dv = rows["v"].shape
+    return np.empty((N, H * dv), _F)
+
+
+def mla_rows_into(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], off: int, n: int, cache, pos0: int, kp: int,
+                  k_pools: int, scaling: float, q_scale: float, w_scale: float, out: np.ndarray) -> None:
+    """:func:`mla_rows` for rows ``off .. off + n`` of :func:`query_arrays` of one sequence, whose
+    ``cache`` (an :class:`~tandem.model.cache.MLACache`) already holds them at ``pos0 ..``; writes
+    ``out[off: off + n]``."""
+    q, iq, iw = arrays
+    pk = cache.pk
+    pk = np.zeros((0, iq.shape[1] // iw.shape[1]), _F) if pk is None else np_rows(pk[0])
+    _mla_rows(q[off: off + n], cache.buffer("k")[0].numpy(), cache.buffer("v")[0].numpy(), len(cache), iq[off: off + n],
+              iw[off: off + n], pk, np.arange(pos0, pos0 + n, dtype=np.int64), kp, k_pools, _F(scaling), _F(q_scale),
+              _F(w_scale), out[off: off + n])

@@ -242,7 +242,7 @@ def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch
     full = np.empty((C3, N + n * (K - 1)), _F)
     states = np.empty((N, heads, dk, dk), _F)
     y = np.empty((N, C), _F)
-    S = np_rows(torch.cat(S0s) if n > 1 else S0s[0]).copy()
+    S = torch.cat(S0s).numpy() if n > 1 else np_rows(S0s[0]).copy()  # the kernel updates it in place
     tl = np_rows(torch.cat(tails) if n > 1 else tails[0])
     _kda_many(np_rows(mixed[0]), tl, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
               np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S,

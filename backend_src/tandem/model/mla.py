@@ -196,19 +196,40 @@ class MLAttention(nn.Module):
         turn (``lengths``); projections and ``o_proj`` run over all rows, attention per sequence over
         its own ``caches[i]``. Returns ``[1, sum R, D]``."""
         rows, outs, off = self.project(x), [], 0
+        if cpu_kernels.active() and x.shape[0] == 1 and "iq" in rows and x.dtype == torch.float32 and max(lengths) <= 16:
+            return self.o_proj(self._kernel_rows(rows, caches, lengths))
         for cache, n in zip(caches, lengths):
             seg = {k: v[:, :, off: off + n] if k in ("q", "k", "v") else v[:, off: off + n] for k, v in rows.items()}
             outs.append(self._cached(x[:, off: off + n], seg, cache))
             off += n
         return self.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
 
-    def _cached(self, x: torch.Tensor, rows: dict[str, torch.Tensor], cache: "MLACache") -> torch.Tensor:
-        pos0 = len(cache)
-        cache.append(rows)
+    def _kernel_rows(self, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
+        """Serving path of :meth:`rows_many` before ``o_proj``: each sequence's rows appended to its
+        cache, then one :func:`~tandem.model.cpu_attention.mla_rows_into` call per sequence writing its
+        slice of the heads' outputs ``[1, sum R, H * dv]``."""
+        ix, arrays = self.indexer, cpu_attention.query_arrays(rows)
+        out, off = cpu_attention.empty_out(rows), 0
+        for cache, n in zip(caches, lengths):
+            pos0 = len(cache)
+            cache.append(rows, off, n)
+            self._add_pools(cache)
+            cpu_attention.mla_rows_into(arrays, off, n, cache, pos0, ix.kp, ix.k_pools, self.scaling,
+                                        ix.d ** -0.5, ix.h ** -0.5, out)
+            off += n
+        return torch.from_numpy(out)[None]
+
+    def _add_pools(self, cache: "MLACache") -> None:
+        """Compress the pools the cache's rows completed since the last call."""
         n_complete = len(cache) // cache.kp
         if n_complete > cache.n_pools():
             lo, hi = cache.n_pools() * cache.kp, n_complete * cache.kp
             cache.add_pools(self.indexer.pool_keys(cache.ik[:, lo:hi], cache.ig[:, lo:hi]))
+
+    def _cached(self, x: torch.Tensor, rows: dict[str, torch.Tensor], cache: "MLACache") -> torch.Tensor:
+        pos0 = len(cache)
+        cache.append(rows)
+        self._add_pools(cache)
         q_pos = pos0 + torch.arange(x.shape[1], device=x.device)
         pk = cache.pk if cache.pk is not None else cache.ik.new_zeros(1, 0, cache.ik.shape[-1])
         return self._heads_out(x, rows, cache.k, cache.v, pk, q_pos)[0]
