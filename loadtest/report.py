@@ -88,7 +88,8 @@ def burst_rows(turn: dict) -> list[tuple]:
 def summarize(path: str | Path) -> dict:
     """Summary of a raw file: ``levels`` (one row per ramp level, see :data:`COLUMNS`; times in ms,
     throughput in tokens/s, ``duration_s`` = how long the level was in force), ``all`` (every
-    record), ``stages``, ``start_t`` / ``end_t`` (epoch s)."""
+    record), ``by_sampling`` (``greedy`` / ``sampled``: the same row over those turns only),
+    ``stages``, ``start_t`` / ``end_t`` (epoch s)."""
     stages, end, turns = read_raw(path)
     bursts = [b for t in turns for b in burst_rows(t)]
     last_t = max([t["t0"] + t["e2e_ms"] / 1000.0 for t in turns] + [s[0] for s in stages] + [0.0])
@@ -105,9 +106,14 @@ def summarize(path: str | Path) -> dict:
         m["duration"] += max(0.0, t_end - t_start)
     levels = [_row(u, m["duration"], m["turns"], m["bursts"]) for u, m in merged.items()]
     t0 = starts[0] if starts else (min(t["t0"] for t in turns) if turns else 0.0)
-    everything = _row("all", max(0.0, max(last_t, end) - t0), turns, bursts)
-    return {"levels": levels, "all": everything, "stages": stages, "start_t": t0, "end_t": end,
-            "turns": len(turns)}
+    span = max(0.0, max(last_t, end) - t0)
+    everything = _row("all", span, turns, bursts)
+    by_sampling = {}  # greedy and sampled turns apart (their tau differ: a sampled draft is accepted less often)
+    for kind, want in (("greedy", False), ("sampled", True)):
+        ts = [t for t in turns if bool(t.get("sampled")) == want]
+        by_sampling[kind] = _row(kind, span, ts, [b for t in ts for b in burst_rows(t)])
+    return {"levels": levels, "all": everything, "by_sampling": by_sampling, "stages": stages, "start_t": t0,
+            "end_t": end, "turns": len(turns)}
 
 
 def tau_over_time(path: str | Path, bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -285,6 +285,9 @@ def main(
     (out / "summary.md").write_text(f"# tandem load test\n\n{title}\n\n" + report.markdown_table(summary))
     print()
     print_table(summary)
+    bs = summary["by_sampling"]
+    print("loadtest: tau " + ", ".join(f"{k} {report._fmt(r['tau'], 2)} ({r['requests']} turns, {r['failures']} failed)"
+                                       for k, r in bs.items()))
     failures = summary["all"]["failures"]
     print(f"loadtest: reports in {out}: locust.html, locust_stats.csv, summary.csv, "
           + ", ".join(p.name for p in pngs))

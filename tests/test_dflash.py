@@ -40,8 +40,9 @@ def tiny():
 
 
 def _engine(tiny, **kw):
+    """An engine over the tiny random drafters (demotion off: they accept too little to be kept)."""
     trunk, drafters = tiny
-    return Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, **kw)
+    return Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, demote_probe_rounds=0, **kw)
 
 
 @pytest.mark.parametrize("arm", schema.DFLASH_ARMS)

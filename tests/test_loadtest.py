@@ -1,5 +1,5 @@
 """The Locust load test (``loadtest/``): its helpers and workload, the report arithmetic on a
-hand-made raw file, the refusal of sampled traffic on a greedy-only model, and (integration) a
+hand-made raw file, sampled traffic only where the model takes TEMPERATURE, and (integration) a
 very short real ramp 1 -> 2 users against a server the runner starts itself."""
 
 from __future__ import annotations
@@ -149,24 +149,24 @@ def test_summarize_per_level(tmp_path):
     assert all(p.stat().st_size > 10_000 for p in pngs)
 
 
-def test_sampled_share_refused_on_greedy_model(tmp_path):
-    if not (CKPT / "model.safetensors").exists():
-        pytest.skip(f"{CKPT} has no model.safetensors")
-    p = _runner("--sampled-share", "0.5", "--checkpoint", str(CKPT), "--report-dir", str(tmp_path / "r"), timeout=60)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "TEMPERATURE" in p.stderr and "greedily" in p.stderr
-    assert not (tmp_path / "r").exists()  # refused before anything ran
+def test_sampled_share_needs_a_temperature_input():
+    """The served model takes the sampling inputs; a model without TEMPERATURE (metadata) is refused."""
+    from loadtest import run
+
+    assert run._local_model_takes_temperature()
+    assert sampling_input({"inputs": [{"name": "INPUT_IDS", "datatype": "INT32", "shape": ["-1"]}]}) is None
 
 
 @pytest.mark.integration
 def test_short_ramp_zero_failures(tmp_path):
-    """The runner starts its own tritonserver, ramps 1 -> 2 users (5 s per step, 8 tokens per turn)
-    and leaves Locust's CSV/HTML, the PNG plots and a summary with both user levels."""
+    """The runner starts its own tritonserver, ramps 1 -> 2 users (5 s per step, 8 tokens per turn,
+    half the sessions sampled) and leaves Locust's CSV/HTML, the PNG plots and a summary with both
+    user levels and tau for greedy and sampled turns apart."""
     if not (CKPT / "model.safetensors").exists():
         pytest.skip(f"{CKPT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
     out = tmp_path / "report"
     p = _runner("--users", "2", "--step-seconds", "5", "--max-tokens", "8", "--sessions", "64",
-                "--max-prompt-tokens", "256", "--checkpoint", str(CKPT), "--report-dir", str(out), "--quiet",
+                "--max-prompt-tokens", "256", "--sampled-share", "0.5", "--checkpoint", str(CKPT), "--report-dir", str(out), "--quiet",
                 "--stop-timeout", "20", timeout=240)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     for name in ("locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv", "locust.html",
@@ -184,3 +184,7 @@ def test_short_ramp_zero_failures(tmp_path):
     for r in summary["levels"]:
         assert r["requests"] > 0 and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tau"] >= 1.0
     assert "TTFT p50 ms" in p.stdout and "all" in p.stdout
+    bs = summary["by_sampling"]
+    assert bs["greedy"]["requests"] > 0 and bs["sampled"]["requests"] > 0
+    assert bs["greedy"]["requests"] + bs["sampled"]["requests"] == summary["all"]["requests"]
+    assert bs["greedy"]["tau"] >= 1.0 and bs["sampled"]["tau"] >= 1.0 and "loadtest: tau greedy" in p.stdout

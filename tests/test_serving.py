@@ -250,3 +250,63 @@ def test_stage_models_name_the_field(server):
         assert r.as_numpy("ARGMAX").shape == (3,) and r.as_numpy("HIDDEN").shape[0] == 3
     finally:
         _infer(server, "trunk", {"OP": op("close"), "SIDS": sid})
+
+
+def _sampled(server, prompt, seed, spec=None, mode=None, temperature=0.8, max_tokens=32):
+    smp = {schema.TEMPERATURE: temperature, schema.SEED: seed, schema.SAMPLING: mode}
+    return generate(prompt, max_tokens=max_tokens, url=server.grpc_url, spec=spec, sampling=smp)["token_ids"]
+
+
+def test_seeded_sampling_is_reproducible_served(server, engine):
+    """`tandem generate --temperature 0.8 --seed 7 --json`: the same ids alone, next to 7 concurrent
+    sessions with other seeds, and in-process with another burst size (1 round instead of 4);
+    another seed gives another output; an unseeded request run twice differs."""
+    from tandem.engine.inprocess import Engine
+
+    p = _cli("generate", "Tell me about the river.", "--max-tokens", "32", "--temperature", "0.8", "--seed", "7",
+             "--url", server.grpc_url, "--json", "--checkpoint", str(CKPT))
+    assert p.returncode == 0, p.stderr
+    alone = json.loads(p.stdout)["token_ids"]
+    prompt = engine.tokenizer.chat_prompt("Tell me about the river.")
+    res: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda s=s: res.__setitem__(s, _sampled(server, prompt, s))) for s in range(7, 15)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert res[7] == alone and len(alone) == 32
+    one_round = Engine(model=engine.model, tokenizer=engine.tokenizer, dflash={a: engine.drafters[a].drafters[a]
+                       for a in schema.DFLASH_ARMS if a in engine.drafters}, burst_rounds=1)
+    assert one_round.generate(prompt, 32, temperature=0.8, seed=7)["token_ids"] == alone
+    assert len({tuple(v) for v in res.values()}) == 8  # other seeds, other outputs
+    assert _sampled(server, prompt, None) != _sampled(server, prompt, None)
+
+
+def test_mixed_greedy_and_sampled_batch(server, engine):
+    """Temperature-0 and temperature-0.9 turns in the same rounds: no error, the greedy streams
+    equal greedy decoding, the sampled ones differ from it."""
+    prompts = [engine.tokenizer.chat_prompt(t) for t in ("Write a short poem about the sea.", "How do plants grow?")]
+    refs = [engine.generate(p, 32)["token_ids"] for p in prompts]
+    res: dict[tuple[int, float], list[int]] = {}
+    jobs = [(i, t) for i in range(2) for t in (0.0, 0.9)]
+    threads = [threading.Thread(target=lambda i=i, t=t: res.__setitem__((i, t), _sampled(server, prompts[i], 3, temperature=t)))
+               for i, t in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [res[(i, 0.0)] for i in range(2)] == refs
+    assert all(len(res[(i, 0.9)]) > 0 and res[(i, 0.9)] != refs[i] for i in range(2))
+
+
+def test_coupled_speculation_equals_plain_sampling_served(server, engine):
+    """`--sampling coupled` with speculation (the default arm, and MTP) equals `--spec off` with the
+    same seed, token for token, for 20 prompts at temperature 0.8."""
+    from tandem.tools.data import sharegpt_prompts
+
+    for i, text in enumerate(sharegpt_prompts(20, seed=5, max_chars=300)):
+        prompt = engine.tokenizer.chat_prompt(text)
+        plain = _sampled(server, prompt, 100 + i, spec="off", mode=schema.COUPLED, max_tokens=24)
+        assert _sampled(server, prompt, 100 + i, mode=schema.COUPLED, max_tokens=24) == plain, text
+        if i < 4:
+            assert _sampled(server, prompt, 100 + i, spec="mtp", mode=schema.COUPLED, max_tokens=24) == plain, text

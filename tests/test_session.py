@@ -11,7 +11,9 @@ from tandem.engine.scheduler import Turn
 
 @pytest.fixture(scope="module")
 def engine(trunk_fp32, tokenizer):
-    return Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=2)
+    """MTP with 3 drafts, 2 rounds a burst, demotion off (these tests measure the arm itself;
+    tests/test_demotion.py covers demotion)."""
+    return Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=2, demote_probe_rounds=0)
 
 
 def test_tparallel_gate_after_every_burst(engine, tokenizer, sharegpt_prompts):

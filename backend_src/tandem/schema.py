@@ -14,61 +14,8 @@ from typing import Any
 
 import numpy as np
 
-Arrays = dict[str, np.ndarray]
-
-#: Triton data type -> numpy dtype (``TYPE_STRING`` tensors are numpy ``object`` arrays of bytes).
-NUMPY = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32,
-         "TYPE_STRING": np.object_}
-
-
-class WireError(ValueError):
-    """A malformed or impossible request. The message starts with the offending wire field
-    (``"SIDS: unknown sequence id 7"``, ``"MAX_TOKENS must be in [1, 4096], got 0"``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """One input or output: ``name``, Triton ``dtype`` (``"TYPE_INT32"`` ...), ``dims`` (``-1`` =
-    variable), ``optional``, ``default`` (value used when an optional input is absent) and an
-    inclusive value range ``lo..hi`` (None = unbounded)."""
-
-    name: str
-    dtype: str
-    dims: tuple[int, ...]
-    optional: bool = False
-    default: Any = None
-    lo: int | None = None
-    hi: int | None = None
-    doc: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A Triton model's interface: ``inputs``, ``outputs``, ``parameters`` (config.pbtxt
-    ``parameters`` keys), ``ops`` (values of its ``OP`` input; empty for ``tandem``),
-    ``decoupled`` and the sequence batcher's ``controls`` (input name -> control kind)."""
-
-    name: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    parameters: tuple[str, ...]
-    ops: tuple[str, ...] = ()
-    decoupled: bool = False
-    controls: tuple[tuple[str, str], ...] = ()
-
-    def input(self, name: str) -> TensorSpec:
-        """The input spec called ``name``. Raises ``KeyError``."""
-        return {t.name: t for t in self.inputs}[name]
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        """Data inputs and sequence controls, as a model's ``execute`` reads them."""
-        return tuple(t.name for t in self.inputs) + tuple(n for n, _ in self.controls)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(t.name for t in self.outputs)
-
+from .wire import (NUMPY, Arrays, ModelSpec, TensorSpec, WireError, check_range, check_tokens, describe,  # noqa: F401
+                   get_scalar, get_string, get_vector, sids_from_wire, sids_to_wire, split_rows, string_array)
 
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
@@ -84,6 +31,15 @@ class ServingConfig:
     the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off;
     ``batch_invariant``: pad plain decoding's one-row trunk passes to two rows so a row's logits are
     bit-identical alone or in a verify block (off by default: it costs plain decoding ~16%, measured).
+
+    Demotion (:mod:`tandem.engine.demotion`): a session's estimated speedup is its moving-average
+    acceptance length tau over its arm's verify-round cost in plain decode steps (``round_cost_mtp`` at
+    one draft plus ``round_cost_mtp_draft`` per further draft, ``round_cost_dflash``: `make bench`'s
+    "round N plain steps"), the cost raised by
+    ``demote_load_slope`` per further active session (batched plain rows get cheaper with load, as the
+    bench's concurrency rows show); an eligible session below ``demote_below`` decodes plain, with a
+    speculative probe round every ``demote_probe_rounds`` rounds (0: never demote), and is promoted
+    back at ``promote_above``.
     """
 
     num_draft_tokens: int = 3
@@ -97,6 +53,13 @@ class ServingConfig:
     dtype: str = "fp32"
     prefix_cache_mb: int = 256
     batch_invariant: bool = False
+    demote_below: float = 1.0
+    promote_above: float = 1.15
+    round_cost_mtp: float = 1.45
+    round_cost_mtp_draft: float = 0.28
+    round_cost_dflash: float = 2.1
+    demote_load_slope: float = 0.045
+    demote_probe_rounds: int = 16
 
     def __post_init__(self) -> None:
         if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
@@ -112,6 +75,12 @@ class ServingConfig:
         for name in ("burst_rounds", "max_ctx"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("demote_below", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope",
+                     "demote_probe_rounds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.promote_above < self.demote_below:
+            raise ValueError(f"promote_above ({self.promote_above}) must be >= demote_below ({self.demote_below})")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], **overrides) -> "ServingConfig":
@@ -150,8 +119,22 @@ SPEC = "SPEC"
 NUM_DRAFT_TOKENS = "NUM_DRAFT_TOKENS"
 START, END, CORRID = "START", "END", "CORRID"
 OUTPUT_IDS, ROUNDS, DRAFTED, ACCEPTED, FINISH_REASON = "OUTPUT_IDS", "ROUNDS", "DRAFTED", "ACCEPTED", "FINISH_REASON"
-#: The sampling input a sampling-capable ``tandem`` model takes (not served yet: the server is greedy).
-TEMPERATURE = "TEMPERATURE"
+TEMPERATURE, TOP_K, TOP_P, SEED, SAMPLING = "TEMPERATURE", "TOP_K", "TOP_P", "SEED", "SAMPLING"
+#: speculative sampling modes: ``rejection`` (lossless rejection sampling, Leviathan et al. 2023) and
+#: ``coupled`` (Gumbel-max over session-owned noise: token-identical to plain sampling, demote-eligible)
+REJECTION, COUPLED = "rejection", "coupled"
+SAMPLING_MODES = (REJECTION, COUPLED)
+#: the per-turn sampling inputs of ``tandem``; the ``trunk`` takes them per sequence on ``prime``
+#: (``SAMPLING`` there as INT32: the mode's index in :data:`SAMPLING_MODES`)
+SAMPLING_INPUTS = (
+    TensorSpec(TEMPERATURE, "TYPE_FP32", (1,), optional=True, default=0.0, lo=0.0, hi=10.0,
+               doc="softmax temperature; 0 = greedy"),
+    TensorSpec(TOP_K, "TYPE_INT32", (1,), optional=True, default=0, lo=0, hi=1 << 20, doc="keep the k most likely tokens; 0 = all"),
+    TensorSpec(TOP_P, "TYPE_FP32", (1,), optional=True, default=1.0, lo=0.0, hi=1.0, lo_open=True,
+               doc="keep the smallest set of tokens with this probability mass; 1 = all"),
+    TensorSpec(SEED, "TYPE_INT64", (1,), optional=True, lo=0, doc="Philox key of the turn's noise (absent: a fresh random seed)"),
+    TensorSpec(SAMPLING, "TYPE_STRING", (1,), optional=True, default=REJECTION, doc=" | ".join(SAMPLING_MODES)),
+)
 
 TANDEM = ModelSpec(
     name="tandem",
@@ -162,6 +145,7 @@ TANDEM = ModelSpec(
                    "later turns keep the sequence's arm)"),
         TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), optional=True, default=DEFAULTS.num_draft_tokens,
                    lo=1, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per verify round"),
+        *SAMPLING_INPUTS,
     ),
     outputs=(
         TensorSpec(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
@@ -171,7 +155,8 @@ TANDEM = ModelSpec(
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
     ),
     parameters=("checkpoint", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
-                "prefix_cache_mb"),
+                "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
+                "demote_load_slope", "demote_probe_rounds"),
     decoupled=True,
     controls=((START, "CONTROL_SEQUENCE_START"), (END, "CONTROL_SEQUENCE_END"), (CORRID, "CONTROL_SEQUENCE_CORRID")),
 )
@@ -195,9 +180,12 @@ TRUNK = ModelSpec(
         TensorSpec("N_ROWS", "TYPE_INT32", (-1,), optional=True, lo=0,
                    doc="rows of the pending verify kept per sequence (commit; prime / verify: first, 0 = none)"),
         _PREFIX_KEYS, _PREFIX_LENGTHS,
+        *(dataclasses.replace(t, dims=(-1,), dtype="TYPE_INT32" if t.name == SAMPLING else t.dtype,
+                              doc=f"prime, per sequence: {t.doc}") for t in SAMPLING_INPUTS),
     ),
     outputs=(
-        TensorSpec("ARGMAX", "TYPE_INT64", (-1,)),
+        TensorSpec("ARGMAX", "TYPE_INT64", (-1,), doc="each row's target token: the argmax, or with sampling "
+                   "the sampled / accept-walk token (see tandem.engine.sampling)"),
         TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), doc="[rows, hidden_size]"),
         TensorSpec("TOP2_GAP", "TYPE_FP32", (-1,), doc="top-1 minus top-2 logit"),
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
@@ -249,82 +237,7 @@ DRAFTER_DFLASH = ModelSpec(
 MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
 
 
-# -- array helpers -------------------------------------------------------------------------------------------
-def string_array(s: str) -> np.ndarray:
-    """A ``[1]`` TYPE_STRING tensor (numpy ``object`` array of ``bytes``)."""
-    return np.array([s.encode()], dtype=np.object_)
-
-
-def _single(arrays: Arrays, spec: TensorSpec, what: str):
-    """The one element of input ``spec``, or None when it is absent and optional (Raises
-    :class:`WireError` when it is required and absent, or not exactly one element)."""
-    a = arrays.get(spec.name)
-    if a is None:
-        if spec.optional:
-            return None
-        raise WireError(f"{spec.name} is required" + ("" if what == "string" else " (an INT32 tensor of shape [1])"))
-    a = np.asarray(a).reshape(-1)
-    if a.size != 1:
-        raise WireError(f"{spec.name} must hold exactly 1 {what}, got {a.size}")
-    return a[0]
-
-
-def get_string(arrays: Arrays, spec: TensorSpec) -> str:
-    """The single string of input ``spec`` (its default when absent and optional).
-
-    Raises :class:`WireError` naming the field when it is missing or not exactly one element."""
-    v = _single(arrays, spec, "string")
-    if v is None:
-        return spec.default
-    return v.decode("utf-8", errors="replace") if isinstance(v, (bytes, np.bytes_)) else str(v)
-
-
-def get_scalar(arrays: Arrays, spec: TensorSpec) -> int | None:
-    """The single integer of input ``spec`` (its default when absent and optional; range checks
-    are the caller's, see :func:`check_range`). Raises :class:`WireError` naming the field."""
-    v = _single(arrays, spec, "value")
-    return spec.default if v is None else int(v)
-
-
-def check_range(spec: TensorSpec, v: int, hi: int | None = None) -> None:
-    """Raise :class:`WireError` ``"NAME must be in [lo, hi], got v"`` when ``v`` is outside the
-    spec's range (``hi`` overrides ``spec.hi``, e.g. a server configured below the default)."""
-    lo, hi = spec.lo, spec.hi if hi is None else hi
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise WireError(f"{spec.name} must be {'in ' if hi is not None else ''}{rng}, got {v}")
-
-
-def get_vector(arrays: Arrays, spec: TensorSpec, ndim: int = 1) -> np.ndarray:
-    """Input ``spec`` as an array of its numpy dtype with ``ndim`` dimensions.
-
-    Raises :class:`WireError` naming the field when it is missing or has another rank."""
-    a = arrays.get(spec.name)
-    if a is None:
-        raise WireError(f"{spec.name} is required for this op")
-    a = np.asarray(a)
-    if a.ndim != ndim:
-        raise WireError(f"{spec.name} must be {ndim}-D, got shape {list(a.shape)}")
-    return a.astype(NUMPY[spec.dtype], copy=False)
-
-
-def sids_to_wire(sids: list[int]) -> np.ndarray:
-    """Sequence ids in ``[0, 2**64)`` -> ``SIDS [S]`` int64 with the same bits. Raises
-    ``ValueError`` outside that range."""
-    return np.array(sids, dtype=np.uint64).view(np.int64)
-
-
-def sids_from_wire(a: np.ndarray) -> list[int]:
-    """``SIDS [S]`` int64 -> the uint64 sequence ids (inverse of :func:`sids_to_wire`)."""
-    return np.asarray(a, dtype=np.int64).view(np.uint64).tolist()
-
-
-def split_rows(a, lengths) -> list:
-    """Split the leading axis of ``a`` (array or tensor) into consecutive pieces of ``lengths`` rows (views)."""
-    offs = np.cumsum([0] + [int(n) for n in lengths])
-    return [a[offs[i]: offs[i + 1]] for i in range(len(offs) - 1)]
-
-
+# -- array helpers of the stage models ------------------------------------------------------------------
 def lengths_of(arrays: Arrays, n_sids: int, total: int, of: str) -> list[int]:
     """``LENGTHS`` checked against ``n_sids`` entries summing to ``total`` rows of input ``of``.
     Raises :class:`WireError`."""
@@ -359,13 +272,6 @@ def prefixes_from_wire(arrays: Arrays, n_sids: int) -> list[list[int] | None]:
     return [None if n < 0 else keys[offs[i]:offs[i + 1]].tolist() for i, n in enumerate(lens)]
 
 
-def check_tokens(name: str, toks: np.ndarray, vocab: int) -> None:
-    """Raise :class:`WireError` unless every id of ``toks`` is in ``[0, vocab)``."""
-    if toks.size and (toks.min() < 0 or toks.max() >= vocab):
-        bad = int(toks.min()) if toks.min() < 0 else int(toks.max())
-        raise WireError(f"{name}: token ids must be in [0, {vocab}), got {bad}")
-
-
 def get_op(arrays: Arrays, spec: ModelSpec) -> str:
     """The ``OP`` of a stage request, checked against ``spec.ops``. Raises :class:`WireError`."""
     op = get_string(arrays, _OP)
@@ -380,19 +286,6 @@ def get_sids(arrays: Arrays) -> list[int]:
     if len(set(sids)) != len(sids):
         raise WireError("SIDS: a sequence id appears twice in one request")
     return sids
-
-
-def describe(spec: ModelSpec) -> str:
-    """A Markdown table of a model's tensors: name, direction, dtype, dims, optional, default, range, meaning."""
-    rows = [f"`{spec.name}`" + (" (decoupled; sequence controls " + ", ".join(n for n, _ in spec.controls) + ")"
-                                if spec.decoupled else "") + (f"; OP: {' | '.join(spec.ops)}" if spec.ops else ""), "",
-            "| tensor | in/out | dtype | dims | optional | default | range | meaning |", "|---|---|---|---|---|---|---|---|"]
-    for io, ts in (("in", spec.inputs), ("out", spec.outputs)):
-        for t in ts:
-            rng = "" if t.lo is None and t.hi is None else f"{'' if t.lo is None else t.lo}..{'' if t.hi is None else t.hi}"
-            rows.append(f"| `{t.name}` | {io} | {t.dtype[5:]} | {list(t.dims)} | {'yes' if t.optional else ''} | "
-                        f"{'' if t.default in (None, ()) else t.default} | {rng} | {t.doc} |")
-    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def _check_reachable(client, url: str, timeout_s: float) -> None:
 def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_URL, spec: str | None = None,
              num_draft_tokens: int | None = None, sequence_id: int | None = None, model: str = schema.TANDEM.name,
              on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
-             connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True) -> dict:
+             connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True,
+             sampling: dict | None = None) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
@@ -97,7 +98,9 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     ``url`` — ``host:port`` of Triton's gRPC endpoint; ``spec`` — one of :data:`tandem.schema.SPECS`
     (None: not sent, so the server's default arm for a new sequence, the sequence's arm for a later turn);
     ``num_draft_tokens`` — drafts per round (server default when None); ``on_tokens(ids)`` — called
-    on the stream's thread for each burst's new ids; ``timeout_s`` — limit between responses.
+    on the stream's thread for each burst's new ids; ``timeout_s`` — limit between responses;
+    ``sampling`` — the turn's sampling inputs by wire name (``{"TEMPERATURE": 0.8, "SEED": 7, ...}``,
+    see :data:`tandem.schema.SAMPLING_INPUTS`; None or absent names: the server's defaults, greedy).
 
     Returns ``token_ids``, ``rounds``, ``drafted``, ``accepted``, ``mean_acceptance_length``
     (tau = 1 + accepted / rounds; None without rounds), ``finish_reason``, ``bursts``, ``ttft_s``,
@@ -129,6 +132,11 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
             add(schema.SPEC, np.array([spec.encode()], dtype=np.object_), "BYTES")
         if num_draft_tokens is not None:
             add(schema.NUM_DRAFT_TOKENS, np.array([num_draft_tokens], dtype=np.int32), "INT32")
+        for t in schema.SAMPLING_INPUTS:
+            v = (sampling or {}).get(t.name)
+            if v is not None:
+                dt = schema.NUMPY[t.dtype]
+                add(t.name, np.array([v.encode() if isinstance(v, str) else v], dtype=dt), _TRITON[t.dtype])
         sid = sequence_id if sequence_id is not None else new_sequence_id()
         q: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -197,6 +205,9 @@ def _tokenizer(checkpoint: Path):
         raise typer.Exit(2)
 
 
+_TRITON = {"TYPE_INT32": "INT32", "TYPE_INT64": "INT64", "TYPE_FP32": "FP32", "TYPE_STRING": "BYTES"}
+
+
 @app.command("generate")
 def generate_cmd(
     prompt: str = typer.Argument(..., help="user message; wrapped in the chat template"),
@@ -210,6 +221,12 @@ def generate_cmd(
                                               "[default: $TANDEM_CHECKPOINT or the shipped checkpoint]"),
     system: Optional[str] = typer.Option(None, "--system", help="optional system message"),
     timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait between responses"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="softmax temperature [default: 0, greedy]"),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="sample from the k most likely tokens [default: 0, all]"),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="sample from the top-p probability mass [default: 1, all]"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="noise seed of a sampled turn [default: a fresh random one]"),
+    sampling: Optional[str] = typer.Option(None, "--sampling", help="speculative sampling: " + " | ".join(schema.SAMPLING_MODES)
+                                           + f" [default: {schema.REJECTION}; {schema.COUPLED} equals --spec off token for token]"),
 ) -> None:
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
     if spec is not None and spec not in schema.SPECS:
@@ -226,8 +243,10 @@ def generate_cmd(
             sys.stdout.flush()
 
     try:
+        smp = {schema.TEMPERATURE: temperature, schema.TOP_K: top_k, schema.TOP_P: top_p, schema.SEED: seed,
+               schema.SAMPLING: sampling}
         res = generate(ids, max_tokens=max_tokens, url=url, spec=spec, num_draft_tokens=num_draft_tokens,
-                       on_tokens=None if as_json else on_tokens, timeout_s=timeout_s)
+                       on_tokens=None if as_json else on_tokens, timeout_s=timeout_s, sampling=smp)
     except ServerUnreachable as e:
         typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
         raise typer.Exit(2)

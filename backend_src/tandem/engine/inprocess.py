@@ -20,6 +20,7 @@ from ..model.trunk import Trunk
 from .dflash_stage import DFlashStage
 from .mtp_stage import MTPStage
 from .prefix import PrefixIndex
+from .sampling import SamplingParams
 from .scheduler import Scheduler, Turn
 from .trunk_stage import TrunkStage
 
@@ -64,14 +65,18 @@ class Engine:
             getattr(stage, "tails", {}).clear()
 
     def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str | None = None,
-                 num_draft_tokens: int | None = None, on_burst=None) -> dict:
-        """Generate one turn in a fresh sequence. Returns ``token_ids``, ``rounds``, ``drafted``,
+                 num_draft_tokens: int | None = None, on_burst=None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, sampling: str = schema.REJECTION) -> dict:
+        """Generate one turn in a fresh sequence (``temperature`` 0: greedy; else sampled with
+        ``top_k``, ``top_p``, ``seed`` — None: a fresh one — and ``sampling`` mode, see
+        :mod:`tandem.engine.sampling`). Returns ``token_ids``, ``rounds``, ``drafted``,
         ``accepted``, ``accepted_at``, ``mean_acceptance_length`` (None without verify rounds),
         ``finish_reason``, ``ttft_s``, ``elapsed_s``, ``tokens_per_s``, ``bursts`` and ``top2_gaps``;
         ``on_burst(receipt)`` sees each burst.
 
         Raises ``ValueError`` with the scheduler's message on bad input.
         """
+        params = SamplingParams.create(temperature, top_k, top_p, seed, sampling) if temperature else None
         sid = next(self._ids)
         out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "accepted_at": [], "finish_reason": None,
                "bursts": 0, "top2_gaps": [], "error": None, "ttft_s": None}
@@ -97,7 +102,8 @@ class Engine:
             if on_burst is not None:
                 on_burst(r)
 
-        self.sched.admit([Turn(sid, list(prompt_ids), max_tokens, emit, spec=spec, num_draft_tokens=num_draft_tokens)])
+        self.sched.admit([Turn(sid, list(prompt_ids), max_tokens, emit, spec=spec, num_draft_tokens=num_draft_tokens,
+                               sampling=params)])
         while sid in self.sched.turns:
             self.sched.burst()
         if out["error"]:

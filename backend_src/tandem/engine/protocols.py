@@ -25,6 +25,9 @@ class Rows:
     #: rows of the sequence's pending verify to keep first: the previous round's :class:`Commit`,
     #: folded into this call (0: none pending)
     commit: int = 0
+    #: prime only: the turn's :class:`~tandem.engine.sampling.SamplingParams` (None: greedy), which
+    #: the trunk applies to this prime and the verifies after it
+    sampling: Any = None
 
 
 @dataclasses.dataclass
@@ -53,7 +56,8 @@ class DraftRequest:
 
 @dataclasses.dataclass
 class VerifyOut:
-    """A trunk pass over ``R`` rows: ``argmax [R]`` int64, ``hidden [R, D]`` fp32 (final normalised
+    """A trunk pass over ``R`` rows: ``argmax [R]`` int64 (each row's target token: the argmax, or under
+    sampling the drawn / accept-walk token, :func:`tandem.engine.sampling.row_targets`), ``hidden [R, D]`` fp32 (final normalised
     hidden), ``top2_gap [R]`` fp32 (top-1 minus top-2 logit, for near-tie analysis), ``features
     [R, F]`` fp32 (the DFlash target-layer features; ``F = 0`` when no DFlash drafter is loaded)."""
 

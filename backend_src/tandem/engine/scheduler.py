@@ -15,8 +15,10 @@ from typing import Callable
 from .. import schema
 from ..schema import ServingConfig
 from .accept import accept_walk
+from .demotion import Demotion
 from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
+from .sampling import SamplingParams
 from .session import Receipt, SpecSession
 
 #: ``emit(receipt, error, final)``: one streamed response (``receipt`` None when ``error`` is set).
@@ -29,8 +31,9 @@ class Turn:
 
     ``spec``: one of :data:`tandem.schema.SPECS` (None: the session's arm, or the server default for
     a new session); ``start``/``end``: Triton sequence flags;
-    ``num_draft_tokens``: None for the server default; ``emit`` is called once per burst and
-    once with ``final=True``.
+    ``num_draft_tokens``: None for the server default; ``sampling``: the turn's
+    :class:`~tandem.engine.sampling.SamplingParams` (None: greedy); ``emit`` is called once per burst
+    and once with ``final=True``.
     """
 
     sid: int
@@ -41,6 +44,7 @@ class Turn:
     start: bool = True
     end: bool = True
     num_draft_tokens: int | None = None
+    sampling: SamplingParams | None = None
 
 
 class Scheduler:
@@ -69,6 +73,8 @@ class Scheduler:
         self.prefix = PrefixIndex(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
         #: wall seconds per stage of :meth:`round` (summed; a batched round counts once)
         self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "rounds": 0}
+        #: moves sessions to plain decoding and back (counts ``demotions`` / ``promotions`` in stats)
+        self.demotion = Demotion(config, self.stats)
 
     # -- admission --------------------------------------------------------------------------------
     def validate(self, t: Turn) -> str | None:
@@ -132,6 +138,7 @@ class Scheduler:
             rows = ([s.anchor] if s.anchor is not None else []) + list(t.tokens)
             item = self._prefix_rows(s, rows)
             item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
+            item.sampling = s.sampling = t.sampling
             ok.append((t, s, item))
         self._flush_closes()
         if not ok:
@@ -237,19 +244,23 @@ class Scheduler:
         clock = time.perf_counter
         t0 = clock()
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
-        for stage, group in self._by_drafter(act):
+        spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
+        for stage, group in self._by_drafter(spec):
             reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
                     for s in group]
             for s in group:
-                s.drafter_rows = len(s.committed)
+                s.drafter_rows, s.ingest = len(s.committed), None
             for s, d in zip(group, stage.draft(reqs)):
                 drafts[s.sid] = d
         t1 = clock()
         outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
         t2 = clock()
+        speculated = {s.sid for s in spec}
         for s, out in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
             s.trunk_commit = self._after_verify(s, drafts[s.sid], out, r)
+            if s.sid in speculated:
+                self.demotion.observe(s, r.last_accepted, len(drafts[s.sid]), len(act))
         t3 = clock()
         self.stats["rounds"] += len(act)
         tm = self.timing
@@ -286,7 +297,11 @@ class Scheduler:
         s.turn_remaining -= m
         r.tokens.extend(w.emitted)
         r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
-        s.ingest = (out.rows(m), w.emitted)
+        r.last_accepted = w.accepted
+        if s.arm == schema.OFF or s.ingest is None:
+            s.ingest = (out.rows(m), w.emitted)
+        else:  # a demoted session: its rows wait for the drafter's next (probe) round
+            s.ingest = (s.ingest[0].then(out.rows(m)), s.ingest[1] + w.emitted)
         s.last_active = time.monotonic()
         self._finish(s, r, w.finish)
         return m

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from .. import schema
+from .demotion import DemotionState
 
 
 @dataclasses.dataclass
@@ -32,6 +33,8 @@ class Receipt:
     accepted_at: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     top2_gaps: list[float] = dataclasses.field(default_factory=list)
+    #: drafts accepted in the burst's latest round
+    last_accepted: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,6 +74,10 @@ class SpecSession:
     drafter_rows: int = 0
     warm_rows: int = 0
     trunk_commit: int = 0
+    #: the current turn's :class:`~tandem.engine.sampling.SamplingParams` (None: greedy)
+    sampling: Any = None
+    #: the :mod:`~tandem.engine.demotion` policy's state of this session
+    demotion: DemotionState = dataclasses.field(default_factory=DemotionState)
 
     def __post_init__(self) -> None:
         if not self.accepted_at:
@@ -118,8 +125,11 @@ class SpecSession:
         return None if caches is None else caches.get(self.sid)
 
     def demote_eligible(self) -> bool:
-        """True: every session is greedy today, and a greedy stream is the same under plain decoding."""
-        return True
+        """Whether plain decoding would give this session the same stream: greedy and ``coupled``
+        sessions (every token a function of the trunk distribution and the session's noise at its
+        position) yes; ``rejection`` sampling no (its stream depends on which draws the walk made)."""
+        p = self.sampling
+        return p is None or p.greedy or p.mode == schema.COUPLED
 
     def mean_acceptance_length(self) -> float | None:
         """tau = 1 + accepted / rounds (bonus included); None before any verify round."""

@@ -15,6 +15,7 @@ from .. import schema
 from ..model.cache import KDAState, MLACache, TrunkCache
 from ..model.trunk import Trunk
 from ..schema import WireError
+from . import sampling
 from .prefix import split_points
 from .protocols import Commit, KeyedStates, Rows, VerifyOut
 
@@ -36,18 +37,28 @@ class TrunkBlock:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _out(model: Trunk, out, features: tuple[int, ...]) -> VerifyOut:
-    return _outs(model, [out], features)[0]
+def _out(model: Trunk, out, features: tuple[int, ...], sampler=None) -> VerifyOut:
+    return _outs(model, [out], features, [sampler])[0]
 
 
-def _outs(model: Trunk, outs: list, features: tuple[int, ...]) -> list[VerifyOut]:
+def _outs(model: Trunk, outs: list, features: tuple[int, ...], samplers: list | None = None) -> list[VerifyOut]:
     """Per sequence a :class:`VerifyOut` from its pass output (hidden ``[1, R, D]``, or the pair with
-    features): one LM-head GEMM and one top-2 over all sequences' rows."""
+    features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
+    greedy) is ``(params, row tokens, position of row 0, last row only)`` for
+    :func:`~tandem.engine.sampling.row_targets`, which then gives sequence ``j``'s targets."""
     hs = [o[0] if features else o for o in outs]
     lengths = [h.shape[1] for h in hs]
     h = torch.cat(hs, 1)[0] if len(hs) > 1 else hs[0][0]
-    top = model.logits(h).topk(2, dim=-1)
-    cols = (top.indices[:, 0], h.float(), top.values[:, 0] - top.values[:, 1])
+    logits = model.logits(h)
+    top = logits.topk(2, dim=-1)
+    target = top.indices[:, 0]
+    if samplers is not None and any(samplers):
+        target, off = target.clone(), 0
+        for n, smp in zip(lengths, samplers):
+            if smp is not None:
+                target[off: off + n] = sampling.row_targets(logits[off: off + n], smp[1], smp[2], smp[0], smp[3])
+            off += n
+    cols = (target, h.float(), top.values[:, 0] - top.values[:, 1])
     res = []
     for j, parts in enumerate(zip(*(c.split(lengths) for c in cols))):
         f = outs[j][1][0] if features else hs[j].new_zeros(lengths[j], 0)
@@ -77,16 +88,25 @@ class TrunkStage(KeyedStates):
         self.blocks: dict[int, TrunkBlock] = {}
         #: per sequence, the KDA states captured at each multiple of PREFIX_BLOCK its prime reached
         self.captures: dict[int, dict[int, dict[int, KDAState]]] = {}
+        #: per sampled sequence, its current turn's sampling (set by each prime; absent: greedy)
+        self.sampling: dict[int, sampling.SamplingParams] = {}
 
     def open(self, sids: list[int]) -> None:
         super().open(sids)
         for s in sids:
             self.captures.pop(s, None)
+            self.sampling.pop(s, None)
 
     def close(self, sids: list[int]) -> None:
         super().close(sids)
         for s in sids:
             self.captures.pop(s, None)
+            self.sampling.pop(s, None)
+
+    def _sampler(self, it: Rows, pos0: int, last_only: bool):
+        """The :func:`_outs` sampler of an item (None: greedy)."""
+        p = self.sampling.get(it.sid)
+        return None if p is None else (p, it.tokens, pos0, last_only)
 
     @property
     def caches(self) -> dict[int, TrunkCache]:
@@ -109,10 +129,18 @@ class TrunkStage(KeyedStates):
         outs = []
         self._commit_first(items)
         for it in items:
+            self.cache(it.sid)  # every sequence is open before any changes
+        for it in items:
+            if it.sampling is None or it.sampling.greedy:
+                self.sampling.pop(it.sid, None)
+            else:
+                self.sampling[it.sid] = it.sampling
+        for it in items:
             cache = self.cache(it.sid)
             ids = torch.tensor([it.tokens])
             if it.prefix is None:
-                outs.append(_out(self.model, self.model.prime(cache, ids, f), f))
+                o = self.model.prime(cache, ids, f)
+                outs.append(_out(self.model, o, f, self._sampler(it, cache.pos - len(it.tokens), True)))
                 continue
             if it.prefix:
                 self._restore(it.sid, cache, it.prefix)
@@ -125,7 +153,7 @@ class TrunkStage(KeyedStates):
                     self.captures.setdefault(it.sid, {})[cache.pos] = {
                         i: l.clone() for i, l in enumerate(cache.layers) if isinstance(l, KDAState)}
             cat = tuple(torch.cat(xs, 1) for xs in zip(*parts))
-            outs.append(_out(self.model, cat if f else cat[0], f))
+            outs.append(_out(self.model, cat if f else cat[0], f, self._sampler(it, cache.pos - len(it.tokens), True)))
         return outs
 
     def _restore(self, sid: int, cache: TrunkCache, keys: list[int]) -> None:
@@ -188,8 +216,9 @@ class TrunkStage(KeyedStates):
         self._commit_first(items)
         if not items:
             return []
-        outs = self.model.verify_many([self.cache(it.sid) for it in items], [torch.tensor([it.tokens]) for it in items], f)
-        return _outs(self.model, outs, f)
+        caches = [self.cache(it.sid) for it in items]
+        outs = self.model.verify_many(caches, [torch.tensor([it.tokens]) for it in items], f)
+        return _outs(self.model, outs, f, [self._sampler(it, c.pos, False) for it, c in zip(items, caches)])
 
     def commit(self, items: list[Commit]) -> None:
         for it in items:
@@ -241,8 +270,9 @@ class TrunkStage(KeyedStates):
                 n += len(p) * schema.PREFIX_BLOCK
             if c.pos + n > c.max_ctx:
                 raise WireError(f"TOKENS: context full for sequence {s}: {c.pos} + {n} rows > max_ctx {c.max_ctx}")
-        items = [Rows(s, rows.tolist(), p if op == "prime" else None, n)
-                 for s, rows, p, n in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows)]
+        smp = sampling.from_wire(arrays, len(sids)) if op == "prime" else [None] * len(sids)
+        items = [Rows(s, rows.tolist(), p if op == "prime" else None, n, sp)
+                 for s, rows, p, n, sp in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows, smp)]
         return self._pack(getattr(self, op)(items))
 
     def _n_rows(self, arrays: schema.Arrays, sids: list[int], required: bool) -> list[int]:

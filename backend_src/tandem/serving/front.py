@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import schema
+from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig, WireError
 from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, LocalTransport, StageError,  # noqa: F401
@@ -39,6 +40,18 @@ class TurnRequest:
     start: bool = True
     end: bool = True
     num_draft_tokens: int | None = None
+    sampling: SamplingParams | None = None
+
+
+def parse_sampling(arrays: Arrays) -> SamplingParams | None:
+    """The turn's sampling inputs (None when it sends none: greedy). Raises
+    :class:`~tandem.schema.WireError` naming a field of the wrong shape or out of range."""
+    specs = {t.name: t for t in schema.SAMPLING_INPUTS}
+    if not any(n in arrays for n in specs):
+        return None
+    kw = {n: schema.get_scalar(arrays, t) for n, t in specs.items() if n != schema.SAMPLING}
+    mode = schema.get_string(arrays, specs[schema.SAMPLING]).strip().lower()
+    return SamplingParams.create(kw[schema.TEMPERATURE], kw[schema.TOP_K], kw[schema.TOP_P], kw[schema.SEED], mode)
 
 
 def parse_turn(arrays: Arrays, correlation_id: int | None = None) -> TurnRequest:
@@ -67,7 +80,7 @@ def parse_turn(arrays: Arrays, correlation_id: int | None = None) -> TurnRequest
     arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
     return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None, start, end,
                        None if schema.NUM_DRAFT_TOKENS not in arrays
-                       else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)))
+                       else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), parse_sampling(arrays))
 
 
 def receipt_outputs(receipt) -> Arrays:
@@ -134,7 +147,7 @@ class TandemFront:
                     self.sched.request_cancel(req.sid, state["turn"])
 
         state["turn"] = Turn(req.sid, req.tokens, req.max_tokens, emit, spec=req.spec, start=req.start, end=req.end,
-                             num_draft_tokens=req.num_draft_tokens)
+                             num_draft_tokens=req.num_draft_tokens, sampling=req.sampling)
         self.q.put(state["turn"])
 
     def reject(self, send: Send, error: str) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .. import schema
+from ..engine import sampling
 from ..engine.protocols import Commit, DraftRequest, Rows, VerifyOut
 from ..schema import Arrays, WireError
 
@@ -169,6 +170,8 @@ class TrunkProxy(_PrefixStoreProxy):
             arrays.update(schema.prefixes_to_wire([it.prefix for it in items]))
         if any(it.commit for it in items):  # the previous round's commits ride along
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
+        if op == "prime":
+            arrays.update(sampling.to_wire([it.sampling for it in items]))
         out = self.t(self.spec, op, arrays)
         cols = [schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens)
                 for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]

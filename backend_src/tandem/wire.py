@@ -1,0 +1,174 @@
+"""The wire's types and generic array helpers, shared by both sides of every Triton call: tensor and
+model specs, the request error, and conversions between numpy arrays and typed values. The concrete
+tensors, defaults and limits are declared once in :mod:`tandem.schema`, which re-exports these.
+
+numpy only (no torch, no Triton): the client imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+#: Triton data type -> numpy dtype (``TYPE_STRING`` tensors are numpy ``object`` arrays of bytes).
+NUMPY = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32,
+         "TYPE_STRING": np.object_}
+
+
+class WireError(ValueError):
+    """A malformed or impossible request. The message starts with the offending wire field
+    (``"SIDS: unknown sequence id 7"``, ``"MAX_TOKENS must be in [1, 4096], got 0"``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One input or output: ``name``, Triton ``dtype`` (``"TYPE_INT32"`` ...), ``dims`` (``-1`` =
+    variable), ``optional``, ``default`` (value used when an optional input is absent) and a value
+    range ``lo..hi`` (None = unbounded; inclusive, but for ``lo`` itself when ``lo_open``)."""
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+    default: Any = None
+    lo: int | float | None = None
+    hi: int | float | None = None
+    doc: str = ""
+    #: the lower bound itself is outside the range (``(lo, hi]``)
+    lo_open: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A Triton model's interface: ``inputs``, ``outputs``, ``parameters`` (config.pbtxt
+    ``parameters`` keys), ``ops`` (values of its ``OP`` input; empty for ``tandem``),
+    ``decoupled`` and the sequence batcher's ``controls`` (input name -> control kind)."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    parameters: tuple[str, ...]
+    ops: tuple[str, ...] = ()
+    decoupled: bool = False
+    controls: tuple[tuple[str, str], ...] = ()
+
+    def input(self, name: str) -> TensorSpec:
+        """The input spec called ``name``. Raises ``KeyError``."""
+        return {t.name: t for t in self.inputs}[name]
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """Data inputs and sequence controls, as a model's ``execute`` reads them."""
+        return tuple(t.name for t in self.inputs) + tuple(n for n, _ in self.controls)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.outputs)
+
+
+# -- array helpers (generic) -------------------------------------------------------------------------------------------
+def string_array(s: str) -> np.ndarray:
+    """A ``[1]`` TYPE_STRING tensor (numpy ``object`` array of ``bytes``)."""
+    return np.array([s.encode()], dtype=np.object_)
+
+
+def _single(arrays: Arrays, spec: TensorSpec, what: str):
+    """The one element of input ``spec``, or None when it is absent and optional (Raises
+    :class:`WireError` when it is required and absent, or not exactly one element)."""
+    a = arrays.get(spec.name)
+    if a is None:
+        if spec.optional:
+            return None
+        raise WireError(f"{spec.name} is required" + ("" if what == "string" else " (an INT32 tensor of shape [1])"))
+    a = np.asarray(a).reshape(-1)
+    if a.size != 1:
+        raise WireError(f"{spec.name} must hold exactly 1 {what}, got {a.size}")
+    return a[0]
+
+
+def get_string(arrays: Arrays, spec: TensorSpec) -> str:
+    """The single string of input ``spec`` (its default when absent and optional).
+
+    Raises :class:`WireError` naming the field when it is missing or not exactly one element."""
+    v = _single(arrays, spec, "string")
+    if v is None:
+        return spec.default
+    return v.decode("utf-8", errors="replace") if isinstance(v, (bytes, np.bytes_)) else str(v)
+
+
+def get_scalar(arrays: Arrays, spec: TensorSpec) -> int | float | None:
+    """The single number of input ``spec``: an int, or a float for ``TYPE_FP32`` (its default when
+    absent and optional; range checks are the caller's, see :func:`check_range`). Raises
+    :class:`WireError` naming the field (also for a NaN)."""
+    v = _single(arrays, spec, "value")
+    if v is None:
+        return spec.default
+    if spec.dtype == "TYPE_FP32":
+        if not np.isfinite(v):
+            raise WireError(f"{spec.name} must be a finite number, got {v}")
+        return float(v)
+    return int(v)
+
+
+def check_range(spec: TensorSpec, v: int | float, hi: int | float | None = None) -> None:
+    """Raise :class:`WireError` ``"NAME must be in [lo, hi], got v"`` when ``v`` is outside the
+    spec's range (``hi`` overrides ``spec.hi``, e.g. a server configured below the default)."""
+    lo, hi = spec.lo, spec.hi if hi is None else hi
+    below = lo is not None and (v <= lo if spec.lo_open else v < lo)
+    if below or (hi is not None and v > hi):
+        rng = f"{'(' if spec.lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if spec.lo_open else '>='} {lo}"
+        raise WireError(f"{spec.name} must be {'in ' if hi is not None else ''}{rng}, got {v}")
+
+
+def get_vector(arrays: Arrays, spec: TensorSpec, ndim: int = 1) -> np.ndarray:
+    """Input ``spec`` as an array of its numpy dtype with ``ndim`` dimensions.
+
+    Raises :class:`WireError` naming the field when it is missing or has another rank."""
+    a = arrays.get(spec.name)
+    if a is None:
+        raise WireError(f"{spec.name} is required for this op")
+    a = np.asarray(a)
+    if a.ndim != ndim:
+        raise WireError(f"{spec.name} must be {ndim}-D, got shape {list(a.shape)}")
+    return a.astype(NUMPY[spec.dtype], copy=False)
+
+
+def sids_to_wire(sids: list[int]) -> np.ndarray:
+    """Sequence ids in ``[0, 2**64)`` -> ``SIDS [S]`` int64 with the same bits. Raises
+    ``ValueError`` outside that range."""
+    return np.array(sids, dtype=np.uint64).view(np.int64)
+
+
+def sids_from_wire(a: np.ndarray) -> list[int]:
+    """``SIDS [S]`` int64 -> the uint64 sequence ids (inverse of :func:`sids_to_wire`)."""
+    return np.asarray(a, dtype=np.int64).view(np.uint64).tolist()
+
+
+def split_rows(a, lengths) -> list:
+    """Split the leading axis of ``a`` (array or tensor) into consecutive pieces of ``lengths`` rows (views)."""
+    offs = np.cumsum([0] + [int(n) for n in lengths])
+    return [a[offs[i]: offs[i + 1]] for i in range(len(offs) - 1)]
+
+
+def check_tokens(name: str, toks: np.ndarray, vocab: int) -> None:
+    """Raise :class:`WireError` unless every id of ``toks`` is in ``[0, vocab)``."""
+    if toks.size and (toks.min() < 0 or toks.max() >= vocab):
+        bad = int(toks.min()) if toks.min() < 0 else int(toks.max())
+        raise WireError(f"{name}: token ids must be in [0, {vocab}), got {bad}")
+
+
+def describe(spec: ModelSpec) -> str:
+    """A Markdown table of a model's tensors: name, direction, dtype, dims, optional, default, range, meaning."""
+    rows = [f"`{spec.name}`" + (" (decoupled; sequence controls " + ", ".join(n for n, _ in spec.controls) + ")"
+                                if spec.decoupled else "") + (f"; OP: {' | '.join(spec.ops)}" if spec.ops else ""), "",
+            "| tensor | in/out | dtype | dims | optional | default | range | meaning |", "|---|---|---|---|---|---|---|---|"]
+    for io, ts in (("in", spec.inputs), ("out", spec.outputs)):
+        for t in ts:
+            rng = "" if t.lo is None and t.hi is None else f"{'' if t.lo is None else t.lo}..{'' if t.hi is None else t.hi}"
+            rows.append(f"| `{t.name}` | {io} | {t.dtype[5:]} | {list(t.dims)} | {'yes' if t.optional else ''} | "
+                        f"{'' if t.default in (None, ()) else t.default} | {rng} | {t.doc} |")
+    return "\n".join(rows)

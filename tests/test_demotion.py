@@ -1,0 +1,123 @@
+"""Demotion (tandem.engine.demotion): a session whose speculation stops paying decodes plain rows,
+with the same greedy output, counted; load raises the bar; rejection-sampled sessions never move;
+a probe promotes a session whose drafter recovered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import schema
+from tandem.engine.inprocess import Engine
+from tandem.engine.scheduler import Turn
+from tandem.model.checkpoint import DEFAULT_CHECKPOINT
+
+
+class Flaky:
+    """A real drafter stage whose drafts are replaced by wrong tokens while ``broken`` (acceptance
+    collapses), counting the rounds it drafted."""
+
+    def __init__(self, stage) -> None:
+        self.stage, self.broken, self.calls = stage, False, 0
+
+    def open(self, sids, *a):
+        return self.stage.open(sids, *a)
+
+    def close(self, sids):
+        return self.stage.close(sids)
+
+    def draft(self, items):
+        self.calls += 1
+        out = self.stage.draft(items)
+        return [[(t + 1) % 8192 for t in d] for d in out] if self.broken else out
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.set_num_threads(1)
+    return Engine(DEFAULT_CHECKPOINT, "fp32", prefix_cache_mb=0)
+
+
+def _engine(base, **config) -> tuple[Engine, Flaky]:
+    eng = Engine(model=base.model, tokenizer=base.tokenizer, dflash={a: base.drafters[a].drafters[a] for a in
+                 schema.DFLASH_ARMS}, prefix_cache_mb=0, demote_probe_rounds=8, **config)
+    flaky = Flaky(eng.drafters[schema.DFLASH2])
+    for arm in schema.DFLASH_ARMS:
+        eng.drafters[arm] = eng.sched.drafters[arm] = flaky
+    return eng, flaky
+
+
+def _run(eng, prompts, spec, max_tokens=64, **sampling):
+    """Generate ``prompts`` as concurrent sessions; returns their outputs and sessions' final states."""
+    from tandem.engine.sampling import SamplingParams
+
+    out, states = {}, {}
+    smp = SamplingParams.create(**sampling) if sampling else None
+    turns = [Turn(i, p, max_tokens, lambda r, e, f, i=i: out.setdefault(i, []).extend(r.tokens if r else [e]),
+                  spec=spec, end=False, sampling=smp) for i, p in enumerate(prompts)]
+    eng.sched.admit(turns)
+    while eng.sched.turns:
+        eng.sched.burst()
+    for i in range(len(prompts)):
+        states[i] = eng.sched.sessions[i].demotion
+        eng.sched.close(i)
+    eng.sched._flush_closes()
+    return [out[i] for i in range(len(prompts))], states
+
+
+def _prompts(base, n):
+    texts = ["Write a short poem about the sea.", "How do plants grow?", "Explain how a bicycle works.",
+             "Describe a sunset.", "Give three tips for learning a language.", "What is a river?",
+             "Tell me about the moon.", "Why is the sky blue?"]
+    return [base.tokenizer.chat_prompt(t) for t in texts[:n]]
+
+
+def test_collapse_demotes_keeps_greedy_output_and_a_probe_promotes(base):
+    eng, flaky = _engine(base)
+    prompt = _prompts(base, 1)
+    plain, _ = _run(eng, prompt, "off")
+    plain96, _ = _run(eng, prompt, "off", 96)
+    healthy, st = _run(eng, prompt, schema.DFLASH2)
+    assert healthy == plain and not st[0].demoted and eng.sched.stats["demotions"] == 0
+    flaky.broken = True
+    calls0, rounds0 = flaky.calls, eng.sched.stats["rounds"]
+    collapsed, st = _run(eng, prompt, schema.DFLASH2, 96)
+    assert collapsed == plain96  # the same greedy tokens, decoded plain once demoted
+    assert st[0].demoted and eng.sched.stats["demotions"] == 1
+    rounds = eng.sched.stats["rounds"] - rounds0
+    assert flaky.calls - calls0 < rounds / 2  # demoted: only the warm-up and one probe round in 8 draft
+    # the drafter recovers: the next probe round of a demoted session promotes it
+    flaky.broken = False
+    sched = eng.sched
+    sched.admit([Turn(50, prompt[0], 200, lambda r, e, f: None, spec=schema.DFLASH2, end=False)])
+    s = sched.sessions[50]
+    s.demotion.demoted, s.demotion.tau_ema, s.demotion.spec_rounds = True, 1.5, 20
+    while 50 in sched.turns:
+        sched.burst()
+    assert sched.stats["promotions"] == 1 and not s.demotion.demoted
+
+
+def test_load_raises_the_bar(base):
+    """With a steep load slope, one DFlash2 session alone speculates but eight together are demoted;
+    every output is the session's alone."""
+    eng, _ = _engine(base, demote_load_slope=0.5)
+    prompts = _prompts(base, 8)
+    alone = [_run(eng, [p], schema.DFLASH2, 48) for p in prompts]
+    assert all(not st[0].demoted for _, st in alone)
+    d0 = eng.sched.stats["demotions"]
+    together, st = _run(eng, prompts, schema.DFLASH2, 48)
+    assert together == [o[0] for o, _ in alone]
+    assert eng.sched.stats["demotions"] - d0 >= 6 and sum(s.demoted for s in st.values()) >= 6
+
+
+def test_rejection_sampling_is_never_demoted_coupled_is(base):
+    eng, flaky = _engine(base)
+    flaky.broken = True
+    prompt = _prompts(base, 1)
+    d0 = eng.sched.stats["demotions"]
+    _, st = _run(eng, prompt, schema.DFLASH2, temperature=0.8, seed=3)
+    assert not st[0].demoted and eng.sched.stats["demotions"] == d0  # rejection mode: never eligible
+    plain, _ = _run(eng, prompt, "off", temperature=0.8, seed=3, mode=schema.COUPLED)
+    coupled, st = _run(eng, prompt, schema.DFLASH2, temperature=0.8, seed=3, mode=schema.COUPLED)
+    assert st[0].demoted and eng.sched.stats["demotions"] == d0 + 1
+    assert coupled == plain  # a coupled stream is the same under plain decoding
