@@ -157,6 +157,11 @@ def test_oversize_prompt_names_input_ids(server):
     ({"spec": "medusa"}, "SPEC"),
     ({"max_tokens": 0}, "MAX_TOKENS"),
     ({"num_draft_tokens": 99}, "NUM_DRAFT_TOKENS"),
+    ({"sampling": {"TEMPERATURE": -1.0}}, r"TEMPERATURE must be in \[0.0, 10.0\], got -1.0"),
+    ({"sampling": {"TEMPERATURE": 0.5, "TOP_P": 0.0}}, r"TOP_P must be in \(0.0, 1.0\], got 0.0"),
+    ({"sampling": {"TEMPERATURE": 0.5, "TOP_K": -2}}, "TOP_K must be in"),
+    ({"sampling": {"TEMPERATURE": 0.5, "SEED": -5}}, "SEED must be in"),
+    ({"sampling": {"TEMPERATURE": 0.5, "SAMPLING": "typical"}}, "SAMPLING must be one of"),
 ])
 def test_bad_input_names_field(server, kwargs, field):
     args = {"max_tokens": 4, **kwargs}
