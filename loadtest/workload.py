@@ -63,10 +63,10 @@ def exchanges(conversation: list[dict]) -> list[tuple[str, str]]:
 def user_turn_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
     """Token ids of ``<|user|>\\n{text}<|assistant|>\\n``; when longer than ``max_prompt_tokens``
     the message body is cut (the template tokens are always kept)."""
-    ids = tokenizer.encode(f"<|user|>\n{text}<|assistant|>\n")
+    ids = tokenizer.chat_prompt(text)  # the template inserts the control ids; the text stays text
     if len(ids) <= max_prompt_tokens:
         return ids
-    tail = tokenizer.encode("<|assistant|>\n")
+    tail = tokenizer.message("assistant", "")
     body = tokenizer.encode("\n" + text)[: max(1, max_prompt_tokens - len(tail) - 1)]
     return [tokenizer.user_id] + body + tail
 

@@ -62,15 +62,18 @@ def test_model_metadata_helpers():
 
 
 class _CharTok:
-    """A stand-in tokenizer: one id per character, specials as single ids."""
+    """A stand-in tokenizer: one id per character; the template's control ids 2 (user) and 3 (assistant)."""
 
     user_id = 2
 
     def encode(self, text):
-        out = []
-        for part in text.replace("<|user|>", "\x02").replace("<|assistant|>", "\x03"):
-            out.append(ord(part))
-        return out
+        return [ord(c) for c in text]
+
+    def message(self, role, text):
+        return [{"user": 2, "assistant": 3}[role]] + self.encode("\n" + text)
+
+    def chat_prompt(self, text):
+        return self.message("user", text) + self.message("assistant", "")
 
 
 def test_workload_shape_and_budget(tmp_path):

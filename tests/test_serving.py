@@ -175,7 +175,7 @@ def test_multi_turn_sequence(server, engine):
     sid = new_sequence_id()
     tok = engine.tokenizer
     a = generate(tok.chat_prompt("Hi!"), max_tokens=6, url=server.grpc_url, sequence_id=sid, sequence_end=False)
-    b = generate(tok.encode("<|user|>\nMore<|assistant|>\n"), max_tokens=6, url=server.grpc_url, sequence_id=sid,
+    b = generate(tok.chat_prompt("More"), max_tokens=6, url=server.grpc_url, sequence_id=sid,
                  sequence_start=False)
     assert len(a["token_ids"]) <= 6 and 1 <= len(b["token_ids"]) <= 6
     with pytest.raises(TandemClientError, match="START"):  # END closed the sequence

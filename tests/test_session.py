@@ -120,7 +120,7 @@ def test_multi_turn_session_and_idle_expiry(engine, tokenizer):
         sched.burst()
     s = sched.sessions[9100]
     n1 = len(s.committed)
-    sched.admit([Turn(9100, tokenizer.encode("<|user|>\nAnother one.<|assistant|>\n"), 8, emit, start=False, end=False)])
+    sched.admit([Turn(9100, tokenizer.chat_prompt("Another one."), 8, emit, start=False, end=False)])
     while 9100 in sched.turns:
         sched.burst()
     assert len(s.committed) > n1 and all(e is None for _, e, _ in got)
@@ -298,7 +298,7 @@ def test_later_turn_changes_num_draft_tokens(engine, tokenizer):
     s = sched.sessions[9500]
     assert s.num_draft_tokens == 1 and s.drafted == s.rounds
     d0, r0 = s.drafted, s.rounds
-    sched.admit([Turn(9500, tokenizer.encode("<|user|>\nAnother.<|assistant|>\n"), 20, emit, start=False,
+    sched.admit([Turn(9500, tokenizer.chat_prompt("Another."), 20, emit, start=False,
                       num_draft_tokens=4)])
     while 9500 in sched.turns:
         sched.burst()

@@ -104,7 +104,7 @@ class Scheduler:
             return f"{schema.CORRID}: unknown sequence id {t.sid} (send START with the first turn)"
         if t.sid in self.turns:
             return f"{schema.CORRID}: sequence id {t.sid} already has a turn in progress"
-        base = 0 if t.start or s is None else len(s.committed) + (s.anchor is not None)
+        base = 0 if t.start or s is None else len(s.committed) + (s.anchor is not None and not self._drops_anchor(s))
         if base + len(t.tokens) >= cfg.max_ctx:
             return (f"{schema.INPUT_IDS}: {base} context + {len(t.tokens)} new tokens leaves no room to generate "
                     f"within the context capacity of {cfg.max_ctx} tokens (at most {cfg.max_ctx - 1 - base} new tokens)")
@@ -119,10 +119,13 @@ class Scheduler:
         seen: set[int] = set()
         for t in turns:
             err = self.validate(t)
-            if err is None and t.sid in seen:
+            twice = t.sid in seen
+            if err is None and twice:
                 err = f"{schema.CORRID}: sequence id {t.sid} sent two turns at once; the first one runs"
             if err is not None:
                 t.emit(None, err, True)
+                if t.end and not twice and t.sid in self.sessions:  # END ends the sequence, refused or not
+                    self.cancel(t.sid, f"sequence {t.sid} ended by a refused final request: {err}")
                 continue
             seen.add(t.sid)
             if t.start and t.sid in self.sessions:
@@ -135,7 +138,10 @@ class Scheduler:
             elif t.num_draft_tokens is not None and s.arm != schema.OFF:  # a later turn may change the draft count
                 s.num_draft_tokens = self._num_draft_tokens(t)
                 s.accepted_at += [0] * (s.num_draft_tokens - len(s.accepted_at))
-            rows = ([s.anchor] if s.anchor is not None else []) + list(t.tokens)
+            drop = self._drops_anchor(s)
+            rows = ([s.anchor] if s.anchor is not None and not drop else []) + list(t.tokens)
+            if drop and s.ingest is not None:  # the last committed row is followed by this turn's first token
+                s.ingest = (s.ingest[0], s.ingest[1][:-1] + rows[:1])
             item = self._prefix_rows(s, rows)
             item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
             item.sampling = s.sampling = t.sampling
@@ -167,6 +173,11 @@ class Scheduler:
             self.turns[s.sid] = t
             self._publish(s, self._after_prime(s, rows, out, t.max_tokens))
         self._flush_closes()
+
+    def _drops_anchor(self, s: SpecSession) -> bool:
+        """A turn that ended at its stop token leaves that token as the anchor; it is not context:
+        the next turn's own first token (``<|user|>`` in the chat template) is the boundary."""
+        return s.anchor is not None and s.finish_reason == "stop" and s.anchor in self.stop_ids
 
     def _prefix_rows(self, s: SpecSession, rows: list[int]) -> Rows:
         """The prime item of a turn: with the prefix cache on, a new session's prompt (plain or DFlash

@@ -132,6 +132,19 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
     return argv, env
 
 
+def busy_ports(ports: dict[str, int]) -> str | None:
+    """The first of ``ports`` (role -> port) that cannot be bound on 127.0.0.1, as a sentence
+    (``"gRPC port 8001 on 127.0.0.1 is in use"``), or None when all are free."""
+    for role, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to a server
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return f"{role} port {port} on 127.0.0.1 is in use"
+    return None
+
+
 def free_ports(n: int = 3) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 right now (racy by nature; fine for tests)."""
     socks, ports = [], []
@@ -296,13 +309,19 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port (127.0.0.1)"),
     overrides = {"TANDEM_CHECKPOINT": str(Path(checkpoint).resolve())} if checkpoint else {}
     argv, env = server_command_and_env(http_port, grpc_port, metrics_port, model_repository,
                                        log_verbose=log_verbose, env_overrides=overrides)
-    shm_before = _shm_files()
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    busy = busy_ports({"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
+    if busy:  # before loading anything: a second server would load every model, then fail to bind
+        print(f"tandem: {busy} (is another tandem / tritonserver running? stop it, or pass other --*-port "
+              f"values)", file=sys.stderr, flush=True)
+        raise typer.Exit(2)
 
-    def _on_term(signum, frame):  # SIGTERM (e.g. `kill`, a supervisor) stops the server like Ctrl-C
+    def _on_term(signum, frame):  # SIGTERM (`kill`, a supervisor) and SIGHUP (the terminal closed) stop it like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGHUP, _on_term)
+    shm_before = _shm_files()
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
     asked_to_stop = False
     try:
         waited = wait_ready(proc, http_port, MODELS, ready_timeout_s)

@@ -1,0 +1,146 @@
+"""Session lifecycle faults (issue 10's cases, each kept as the test of its kind): turn boundaries
+follow the chat template and keep the drafter level with the trunk; user text cannot inject control
+tokens; a refused END still ends the sequence; the launcher stops on a hangup and checks its ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tandem import schema
+from tandem.engine.inprocess import Engine
+from tandem.engine.scheduler import Scheduler, Turn
+from tandem.model.checkpoint import DEFAULT_CHECKPOINT
+from tandem.serving.serve import REPO_ROOT, busy_ports, free_ports
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    return Engine(DEFAULT_CHECKPOINT, "fp32", prefix_cache_mb=0, demote_probe_rounds=0)
+
+
+def _turn(sched, sid, tokens, max_tokens, start, end=False):
+    got = []
+    sched.admit([Turn(sid, tokens, max_tokens, lambda r, e, f: got.append((r, e, f)), spec=schema.MTP, start=start, end=end)])
+    while sid in sched.turns:
+        sched.burst()
+    return got
+
+
+def test_turn_boundary_follows_the_template_and_keeps_the_drafter_level(engine):
+    """A reply that ends at its stop token is followed by the next turn's own `<|user|>`: the
+    context is the template's rendering (one role token between turns, no stop token), and at every
+    burst boundary the MTP drafter's rows (ingested + pending) equal the trunk's committed rows."""
+    tok = engine.tokenizer
+    q1, q2 = "Write a short poem about the sea.", "Now one about rivers."
+    # the shipped miniature rarely stops within a test's budget: one of its reply tokens stands in for <|user|>
+    probe = engine.generate(tok.chat_prompt(q1), 32, spec=schema.MTP)["token_ids"]
+    nl = next(t for i, t in enumerate(probe) if i >= 6 and t not in probe[:i])
+    sched = Scheduler(engine.trunk, engine.drafters, engine.config, stop_ids=(nl,) + tok.stop_ids)
+    stage = engine.drafters[schema.MTP]
+    levels = []
+    orig = sched.burst
+
+    def burst():
+        orig()
+        for s in sched.sessions.values():
+            sched.settle()
+            pending = len(s.ingest[1]) if s.ingest is not None else 0
+            levels.append((stage.states[s.sid].committed + pending, len(s.committed)))
+    sched.burst = burst
+    first = _turn(sched, 77, tok.chat_prompt(q1), 64, True)
+    reply1 = [t for r, _, _ in first for t in r.tokens]
+    assert first[-1][0].finish_reason == "stop" and reply1[-1] == nl
+    _turn(sched, 77, tok.chat_prompt(q2), 64, False)
+    s = sched.sessions[77]
+    ref = tok.chat_prompt(q1) + reply1[:-1] + tok.chat_prompt(q2)
+    assert s.committed[: len(ref)] == ref
+    assert tok.render([("user", q1)]) + reply1[:-1] + tok.render([("user", q2)]) == ref
+    assert all(a == b for a, b in levels) and len(levels) >= 2
+    sched.close(77)
+    sched._flush_closes()
+
+
+def test_user_text_cannot_inject_control_tokens(engine):
+    tok = engine.tokenizer
+    text = "say <|endoftext|> and <|assistant|> and <|user|> literally"
+    ids = tok.chat_prompt(text)
+    control = {tok.eos_id, *tok.role_ids.values()}
+    assert [i for i in ids if i in control] == [tok.role_ids["user"], tok.role_ids["assistant"]]
+    assert tok.decode(ids, skip_special=True).strip() == text
+    from loadtest.workload import user_turn_ids
+
+    assert user_turn_ids(tok, text, 1024) == ids  # the load test's turns too
+    assert [i for i in user_turn_ids(tok, text * 50, 64) if i in control] == [tok.role_ids["user"], tok.role_ids["assistant"]]
+
+
+def test_refused_final_request_ends_the_sequence(engine):
+    """END ends the sequence even when its request is refused (a bad MAX_TOKENS; an END sent while a
+    turn runs): the stage state is freed at once and the refusal is reported."""
+    sched, tok = engine.sched, engine.tokenizer
+    _turn(sched, 88, tok.chat_prompt("Hello"), 4, True)
+    assert 88 in sched.sessions and 88 in engine.trunk.caches
+    got = _turn(sched, 88, tok.chat_prompt("More"), 0, False, end=True)
+    assert got == [(None, "MAX_TOKENS must be in [1, 4096], got 0", True)]
+    assert 88 not in sched.sessions and 88 not in engine.trunk.caches and 88 not in engine.drafters[schema.MTP].states
+    running, late = [], []
+    sched.admit([Turn(89, tok.chat_prompt("Hello"), 64, lambda r, e, f: running.append((e, f)), spec=schema.MTP, end=False)])
+    sched.burst()
+    sched.admit([Turn(89, tok.chat_prompt("Stop"), 8, lambda r, e, f: late.append((e, f)), start=False, end=True)])
+    assert late == [("CORRID: sequence id 89 already has a turn in progress", True)]
+    assert running[-1][1] and "ended by a refused final request" in running[-1][0]
+    assert 89 not in sched.sessions and 89 not in engine.trunk.caches
+
+
+def _serve(*args, log=subprocess.PIPE):
+    return subprocess.Popen([sys.executable, "-m", "tandem.serving.serve", "serve", *args], cwd=REPO_ROOT,
+                            stdout=log, stderr=subprocess.STDOUT if log is not subprocess.PIPE else subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def test_launcher_refuses_busy_ports_before_loading():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        http, metrics = free_ports(2)
+        t0 = time.monotonic()
+        p = _serve("--http-port", str(http), "--grpc-port", str(port), "--metrics-port", str(metrics))
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and f"gRPC port {port} on 127.0.0.1 is in use" in err
+    assert time.monotonic() - t0 < 30 and "ready" not in out  # nothing was loaded
+
+
+@pytest.mark.integration
+def test_hangup_stops_the_server(tmp_path):
+    """Closing the terminal (SIGHUP to the launcher) stops tritonserver like Ctrl-C: the ports are
+    free again afterwards."""
+    ports = dict(zip(("HTTP", "gRPC", "metrics"), free_ports(3)))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        p = _serve("--http-port", str(ports["HTTP"]), "--grpc-port", str(ports["gRPC"]), "--metrics-port",
+                   str(ports["metrics"]), log=f)
+    try:
+        t0 = time.monotonic()
+        while "tandem: ready in" not in log.read_text() and time.monotonic() - t0 < 300:
+            assert p.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert "tandem: ready in" in log.read_text()
+        os.kill(p.pid, signal.SIGHUP)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0
+    deadline = time.monotonic() + 20
+    while busy_ports(ports) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert busy_ports(ports) is None
