@@ -51,3 +51,14 @@ def make_tiny_trunk(max_position_embeddings: int = 64):
                       qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=16,
                       linear_head_dim=32, linear_num_heads=2, max_position_embeddings=max_position_embeddings)
     return cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A real tritonserver serving model_repository/ on free 127.0.0.1 ports (one per test module)."""
+    from tandem.serving.serve import running_server
+
+    if not (CHECKPOINT / "model.safetensors").exists():
+        pytest.skip(f"{CHECKPOINT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
+    with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
+        yield srv

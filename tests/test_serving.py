@@ -22,21 +22,13 @@ pytest.importorskip("tritonclient.grpc")
 
 from tandem import schema  # noqa: E402
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
-from tandem.serving.serve import MODELS, model_states, running_server  # noqa: E402
+from tandem.serving.serve import MODELS, model_states  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or DEFAULT_CHECKPOINT)
 MAX_CTX = schema.DEFAULTS.max_ctx  # tandem/config.pbtxt max_ctx (and the checkpoints' max_position_embeddings)
-
-
-@pytest.fixture(scope="module")
-def server():
-    if not (CKPT / "model.safetensors").exists():
-        pytest.skip(f"{CKPT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
-    with running_server(env={"TANDEM_CHECKPOINT": str(CKPT.resolve())}, ready_timeout_s=240) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
