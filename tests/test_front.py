@@ -214,3 +214,47 @@ def test_client_never_sends_a_wrapped_int32():
         generate([1, 2], max_tokens=2**32 + 5, url="127.0.0.1:1")
     with pytest.raises(TandemClientError, match=r"NUM_DRAFT_TOKENS must fit in an int32"):
         generate([1, 2], max_tokens=4, num_draft_tokens=2**32 + 1, url="127.0.0.1:1")
+
+
+class _Exiting:
+    """A transport whose stage calls start failing as Triton's do once the server exits."""
+
+    def __init__(self, inner, ops) -> None:
+        self.inner, self.ops, self.exiting = inner, ops, False
+
+    def __call__(self, model, op, arrays):
+        if self.exiting and op in self.ops:
+            raise fr.StageError(model.name, op, "Server not ready")
+        return self.inner(model, op, arrays)
+
+
+@pytest.mark.parametrize("when", ["verify", "prime"])
+def test_shutdown_ends_turns_with_one_clear_error(model, when):
+    """A stage that answers "Server not ready" (the server exiting) ends every turn in flight, and
+    any that arrives later, with one final "server shutting down" — not an internal error."""
+    tr = _Exiting(local(model), {when, "draft"})
+    front = fr.TandemFront(fr.TrunkProxy(tr), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(),
+                           config=schema.ServingConfig(max_ctx=256, burst_rounds=1))
+    try:
+        got: list = []
+        started = threading.Event()
+
+        def send(arrays, err, final):
+            got.append((err, final))
+            started.set()
+
+        if when == "verify":  # a turn streaming when the server starts to exit
+            front.submit(fr.TurnRequest(1, [1, 2], 200), send)
+            assert started.wait(30)
+        tr.exiting = True
+        if when == "prime":  # a turn admitted while it exits
+            front.submit(fr.TurnRequest(1, [1, 2], 200), send)
+        for _ in range(500):
+            if got and got[-1][1]:
+                break
+            threading.Event().wait(0.01)
+        assert got[-1] == (fr.SHUTTING_DOWN, True) and sum(f for _, f in got) == 1
+        late = _run(front, fr.TurnRequest(2, [1, 2], 4)) if when == "verify" else None
+        assert late is None or late["err"] == fr.SHUTTING_DOWN
+    finally:
+        front.stop()

@@ -144,3 +144,32 @@ def test_hangup_stops_the_server(tmp_path):
     while busy_ports(ports) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert busy_ports(ports) is None
+
+
+@pytest.mark.integration
+def test_shutdown_gives_streams_one_clear_error():
+    """Stopping the server while a turn streams: the client gets one final "server shutting down"
+    (not an internal StageError), and the server exits."""
+    import threading
+
+    from tandem.model.tokenizer import ChatTokenizer
+    from tandem.serving.serve import running_server, stop_server
+    from tandem_client.client import TandemClientError, generate
+
+    prompt = ChatTokenizer(DEFAULT_CHECKPOINT).chat_prompt("Tell me a long story.")
+    with running_server(env={"TANDEM_CHECKPOINT": str(DEFAULT_CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
+        box, first = {}, threading.Event()
+
+        def stream():
+            try:
+                box["res"] = generate(prompt, 4000, url=srv.grpc_url, spec="off", on_tokens=lambda ids: first.set())
+            except TandemClientError as e:
+                box["err"] = str(e)
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(120)
+        t0 = time.monotonic()
+        stop_server(srv.proc)
+        t.join(timeout=60)
+        assert "err" in box and "server shutting down" in box["err"], box
+        assert "StageError" not in box["err"] and time.monotonic() - t0 < 30

@@ -75,6 +75,8 @@ class Scheduler:
         self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "rounds": 0}
         #: moves sessions to plain decoding and back (counts ``demotions`` / ``promotions`` in stats)
         self.demotion = Demotion(config, self.stats)
+        #: ``failure_text(exception)``: the message for turns a failed stage call ends (None: the default)
+        self.failure_text: Callable[[Exception], str | None] = lambda e: None
 
     # -- admission --------------------------------------------------------------------------------
     def validate(self, t: Turn) -> str | None:
@@ -164,9 +166,10 @@ class Scheduler:
                         stage.open([s.sid for s in group])
             outs = self.trunk.prime([rows for _, _, rows in ok])
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
+            reason = self.failure_text(e) or f"admission failed: {type(e).__name__}: {e}"
             for t, s, _ in ok:
                 self.close(s.sid)
-                t.emit(None, f"admission failed: {type(e).__name__}: {e}", True)
+                t.emit(None, reason, True)
             self._flush_closes()
             return
         for (t, s, rows), out in zip(ok, outs):

@@ -97,6 +97,15 @@ def receipt_outputs(receipt) -> Arrays:
 
 
 # -- the worker ---------------------------------------------------------------------------------------
+SHUTTING_DOWN = "server shutting down"
+
+
+def server_exiting(e: BaseException) -> bool:
+    """Whether a stage call failed because the Triton server is shutting down (BLS answers
+    "Server not ready" once the server has begun to exit)."""
+    return isinstance(e, StageError) and "not ready" in str(e).lower()
+
+
 class TandemFront:
     """Sessions of the ``tandem`` model: a :class:`Scheduler` on a daemon worker thread.
 
@@ -112,8 +121,11 @@ class TandemFront:
         self.log = log or (lambda msg: None)
         self.info = info or (lambda msg: None)
         self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids)
+        self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
         self.q: queue.Queue[Turn] = queue.Queue()
         self.poll_s = poll_s
+        #: set once the server is shutting down (a stage answered "not ready", or :meth:`stop`)
+        self.exiting = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-worker", daemon=True)
         self._thread.start()
@@ -171,6 +183,10 @@ class TandemFront:
         last_expire = time.monotonic()
         while not self._stop.is_set():
             new = self._drain(block=not self.sched.active())
+            if self.exiting:  # the server is shutting down: refuse, call no stage
+                for t in new:
+                    t.emit(None, SHUTTING_DOWN, True)
+                continue
             try:
                 if new:
                     self.sched.admit(new)
@@ -178,17 +194,27 @@ class TandemFront:
                     self.sched.burst()
             except Exception as e:  # noqa: BLE001 - fail the in-flight turns, keep serving
                 self.log(f"worker: {type(e).__name__}: {e}")
+                if server_exiting(e):  # the stage models are going away: no further stage calls
+                    self.exiting = True
+                    self._fail_all(SHUTTING_DOWN)
+                    continue
                 for sid in list(self.sched.turns):
                     self.sched.cancel(sid, f"internal error: {type(e).__name__}: {e}")
             if time.monotonic() - last_expire > 1.0:
                 self.sched.expire_idle()
                 last_expire = time.monotonic()
 
+    def _fail_all(self, reason: str) -> None:
+        """Every turn in flight or queued gets one final ``reason``; sessions are forgotten without
+        stage calls (at shutdown the stage models may be gone already, and their state dies with them)."""
+        for t in list(self.sched.turns.values()) + self._drain(block=False):
+            t.emit(None, reason, True)
+        self.sched.turns.clear()
+        self.sched.sessions.clear()
+
     def stop(self) -> None:
-        """Stop the worker and fail the turns in flight (no stage calls: at shutdown the stage models
-        may be gone already, and their state dies with them)."""
+        """Stop the worker and fail the turns in flight (see :meth:`_fail_all`)."""
+        self.exiting = True
         self._stop.set()
         self._thread.join(timeout=10)
-        for t in list(self.sched.turns.values()):
-            t.emit(None, "server shutting down", True)
-        self.sched.turns.clear()
+        self._fail_all(SHUTTING_DOWN)
