@@ -173,3 +173,26 @@ def test_shutdown_gives_streams_one_clear_error():
         t.join(timeout=60)
         assert "err" in box and "server shutting down" in box["err"], box
         assert "StageError" not in box["err"] and time.monotonic() - t0 < 30
+
+
+def test_draft_count_is_honoured_or_refused_never_ignored(engine):
+    """NUM_DRAFT_TOKENS on a plain sequence, or beyond a DFlash block, is refused naming the field;
+    a DFlash turn gets the count it asks for."""
+    sched, tok = engine.sched, engine.tokenizer
+    errs = []
+    sched.admit([Turn(91, tok.chat_prompt("Hi"), 4, lambda r, e, f: errs.append(e), spec="off", num_draft_tokens=3)])
+    assert errs == ["NUM_DRAFT_TOKENS: sequence 91 decodes plain (SPEC 'off'), which takes no drafts"]
+    block = engine.config.block_size
+    sched.admit([Turn(92, tok.chat_prompt("Hi"), 4, lambda r, e, f: errs.append(e), spec=schema.DFLASH2,
+                      num_draft_tokens=block)])
+    assert errs[-1] == f"NUM_DRAFT_TOKENS must be in [1, {block - 1}], got {block} (the dflash2 block is {block} rows)"
+    got = _turn(sched, 93, tok.chat_prompt("Hi"), 12, True, end=True)
+    assert all(e is None for _, e, _ in got)
+    sched.admit([Turn(94, tok.chat_prompt("Hi"), 12, lambda r, e, f: errs.append(e), spec=schema.DFLASH2,
+                      num_draft_tokens=2, end=False)])
+    assert sched.sessions[94].num_draft_tokens == 2
+    while 94 in sched.turns:
+        sched.burst()
+    sched.close(94)
+    sched._flush_closes()
+    assert 91 not in sched.sessions and 92 not in sched.sessions

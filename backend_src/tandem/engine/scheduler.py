@@ -91,13 +91,15 @@ class Scheduler:
                     + (" (the checkpoint has none: `make drafter` trains it)" if arm in schema.DFLASH_ARMS else ""))
         if s is not None and not t.start and t.spec is not None and t.spec != s.arm:
             return f"{schema.SPEC}: sequence {t.sid} runs {s.arm!r}; a later turn cannot switch to {t.spec!r}"
+        if t.num_draft_tokens is not None and arm == schema.OFF:  # never silently ignored
+            return f"{schema.NUM_DRAFT_TOKENS}: sequence {t.sid} decodes plain ({schema.SPEC} 'off'), which takes no drafts"
         try:
             schema.check_range(schema.TANDEM.input(schema.MAX_TOKENS), t.max_tokens, hi=cfg.max_ctx)
-            if t.num_draft_tokens is not None:
+            if t.num_draft_tokens is not None:  # a DFlash block holds the anchor and block_size - 1 drafts
                 schema.check_range(schema.TANDEM.input(schema.NUM_DRAFT_TOKENS), t.num_draft_tokens,
-                                   hi=cfg.max_num_draft_tokens)
+                                   hi=cfg.block_size - 1 if arm in schema.DFLASH_ARMS else cfg.max_num_draft_tokens)
         except schema.WireError as e:
-            return str(e)
+            return str(e) + (f" (the {arm} block is {cfg.block_size} rows)" if arm in schema.DFLASH_ARMS else "")
         vocab = getattr(self.trunk, "vocab_size", None)
         bad = next((x for x in t.tokens if vocab is not None and not 0 <= x < vocab), None)
         if bad is not None:
@@ -137,7 +139,7 @@ class Scheduler:
                 arm = self._arm(t)
                 s = SpecSession(t.sid, self._num_draft_tokens(t), self.config.max_ctx, trunk=self.trunk, arm=arm,
                                 drafter=self.drafters.get(arm))
-            elif t.num_draft_tokens is not None and s.arm != schema.OFF:  # a later turn may change the draft count
+            elif t.num_draft_tokens is not None:  # a later turn may change the draft count
                 s.num_draft_tokens = self._num_draft_tokens(t)
                 s.accepted_at += [0] * (s.num_draft_tokens - len(s.accepted_at))
             drop = self._drops_anchor(s)
@@ -226,14 +228,12 @@ class Scheduler:
         return next(a for a in (self.config.spec, schema.MTP, schema.OFF) if a == schema.OFF or a in self.drafters)
 
     def _num_draft_tokens(self, t: Turn) -> int:
-        """Drafts per round of a new session: 0 for plain decoding; the request's value or the server
-        default, capped by ``block_size - 1`` on the DFlash arms (whose default is the whole block)."""
+        """Drafts per round: 0 for plain decoding; the request's value (checked by :meth:`validate`) or
+        the server default (the whole block, ``block_size - 1``, on the DFlash arms)."""
         arm = self._arm(t)
         if arm == schema.OFF:
             return 0
-        if arm in schema.DFLASH_ARMS:
-            return min(t.num_draft_tokens or self.config.block_size - 1, self.config.block_size - 1)
-        return t.num_draft_tokens or self.config.num_draft_tokens
+        return t.num_draft_tokens or (self.config.block_size - 1 if arm in schema.DFLASH_ARMS else self.config.num_draft_tokens)
 
     def _by_drafter(self, sessions: list[SpecSession]) -> list[tuple[DrafterAPI, list[SpecSession]]]:
         """Sessions that draft, grouped by drafter stage (one call per stage)."""
