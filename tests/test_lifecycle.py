@@ -196,3 +196,49 @@ def test_draft_count_is_honoured_or_refused_never_ignored(engine):
     sched.close(94)
     sched._flush_closes()
     assert 91 not in sched.sessions and 92 not in sched.sessions
+
+
+class _Failing:
+    """A real drafter stage that raises while ``down`` (an erroring or unloaded drafter model)."""
+
+    def __init__(self, stage) -> None:
+        self.stage, self.down = stage, False
+
+    def __getattr__(self, name):
+        return getattr(self.stage, name)
+
+    def open(self, sids, *a):
+        if self.down:
+            raise RuntimeError("drafter_mtp: model unavailable")
+        return self.stage.open(sids, *a)
+
+    def draft(self, items):
+        if self.down:
+            raise RuntimeError("drafter_mtp: model unavailable")
+        return self.stage.draft(items)
+
+
+def test_degraded_drafter_falls_back_to_plain_decoding(engine):
+    """A drafter failing mid-turn, or at admission: the sessions continue by plain decoding with the
+    same greedy output, counted and reported; once it answers again new sessions speculate."""
+    tok = engine.tokenizer
+    flaky = _Failing(engine.drafters[schema.MTP])
+    sched = Scheduler(engine.trunk, {schema.MTP: flaky}, engine.config, stop_ids=tok.stop_ids)
+    events = []
+    sched.on_event = events.append
+    prompt = tok.chat_prompt("Write a short poem about the sea.")
+    plain = [t for r, _, _ in _turn(sched, 60, prompt, 48, True, end=True) if r for t in r.tokens]
+    got: list = []
+    sched.admit([Turn(61, prompt, 48, lambda r, e, f: got.append((r, e)), spec=schema.MTP)])
+    sched.burst()  # speculating ...
+    assert sched.sessions[61].drafted > 0
+    flaky.down = True  # ... until the drafter fails
+    while 61 in sched.turns:
+        sched.burst()
+    assert [t for r, _ in got if r for t in r.tokens] == plain and all(e is None for _, e in got)
+    assert sched.stats["degraded_sessions"] == 1 and "continue by plain decoding" in events[-1]
+    at_open = _turn(sched, 62, prompt, 48, True, end=True)  # admitted while it is down: plain, not refused
+    assert [t for r, _, _ in at_open if r for t in r.tokens] == plain and sched.stats["degraded_sessions"] == 2
+    flaky.down = False
+    back = _turn(sched, 63, prompt, 48, True, end=True)
+    assert [t for r, _, _ in back for t in r.tokens] == plain and sum(r.drafted for r, _, _ in back) > 0

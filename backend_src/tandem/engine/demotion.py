@@ -57,7 +57,7 @@ class Demotion:
         round is due. A demoted session that is no longer eligible (a later turn samples in
         ``rejection`` mode) is promoted at once."""
         st = s.demotion
-        if s.arm == schema.OFF:
+        if s.arm == schema.OFF or s.degraded:
             return False
         if st.demoted and not s.demote_eligible():
             self._promote(st)

@@ -16,6 +16,7 @@ from .. import schema
 from ..schema import ServingConfig
 from .accept import accept_walk
 from .demotion import Demotion
+from .lifecycle import Lifecycle
 from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
 from .sampling import SamplingParams
@@ -47,7 +48,7 @@ class Turn:
     sampling: SamplingParams | None = None
 
 
-class Scheduler:
+class Scheduler(Lifecycle):
     """Sessions by sequence id, and the round / burst loop over them.
 
     Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
@@ -161,11 +162,7 @@ class Scheduler:
             if new:
                 self.trunk.open([s.sid for s in new])
                 warm = {s.sid: (s.arm, r.prefix) for _, s, r in ok if r.prefix and s.arm in schema.DFLASH_ARMS}
-                for stage, group in self._by_drafter(new):
-                    if any(s.sid in warm for s in group):  # a DFlash drafter starts from published tails
-                        stage.open([s.sid for s in group], [warm.get(s.sid) for s in group])
-                    else:
-                        stage.open([s.sid for s in group])
+                self._open_drafters(new, warm)
             outs = self.trunk.prime([rows for _, _, rows in ok])
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
             reason = self.failure_text(e) or f"admission failed: {type(e).__name__}: {e}"
@@ -262,10 +259,8 @@ class Scheduler:
         for stage, group in self._by_drafter(spec):
             reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
                     for s in group]
-            for s in group:
-                s.drafter_rows, s.ingest = len(s.committed), None
-            for s, d in zip(group, stage.draft(reqs)):
-                drafts[s.sid] = d
+            for s, d in zip(group, self._draft(stage, group, reqs)):
+                s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
         t1 = clock()
         outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
         t2 = clock()
@@ -312,7 +307,7 @@ class Scheduler:
         r.tokens.extend(w.emitted)
         r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
         r.last_accepted = w.accepted
-        if s.arm == schema.OFF or s.ingest is None:
+        if s.arm == schema.OFF or s.degraded or s.ingest is None:
             s.ingest = (out.rows(m), w.emitted)
         else:  # a demoted session: its rows wait for the drafter's next (probe) round
             s.ingest = (s.ingest[0].then(out.rows(m)), s.ingest[1] + w.emitted)
@@ -349,51 +344,3 @@ class Scheduler:
         t.emit(r, None, True)
         if t.end:
             self.close(s.sid)
-
-    # -- closing ----------------------------------------------------------------------------------
-    def close(self, sid: int) -> None:
-        """Forget ``sid``; its stage state is dropped with the next batched close."""
-        s = self.sessions.pop(sid, None)
-        self.turns.pop(sid, None)
-        if s is not None:
-            self._to_close.append(s)
-
-    def _flush_closes(self) -> None:
-        gone, self._to_close = self._to_close, []
-        if gone:
-            self.trunk.close([s.sid for s in gone])
-            for stage, group in self._by_drafter(gone):
-                stage.close([s.sid for s in group])
-
-    def expire_idle(self, now: float | None = None) -> list[int]:
-        """Close sessions with no turn in progress and no activity for ``idle_timeout_s``."""
-        now = time.monotonic() if now is None else now
-        gone = [sid for sid, s in self.sessions.items()
-                if sid not in self.turns and now - s.last_active > self.config.idle_timeout_s]
-        for sid in gone:
-            self.close(sid)
-        self._flush_closes()
-        self.stats["sessions_expired"] += len(gone)
-        return gone
-
-    def cancel(self, sid: int, reason: str = "cancelled") -> None:
-        """Abort a sequence's turn and close it; the turn gets one final error."""
-        t = self.turns.get(sid)
-        self.close(sid)
-        self._flush_closes()
-        if t is not None:
-            t.emit(None, reason, True)
-
-    def request_cancel(self, sid: int, turn: Turn | None = None) -> None:
-        """Thread-safe: cancel ``sid``'s turn at the next burst boundary (only ``turn``, when given,
-        not a later turn of the same sequence)."""
-        with self._cancel_lock:
-            self._to_cancel[sid] = turn
-
-    def _apply_cancels(self) -> None:
-        with self._cancel_lock:
-            gone, self._to_cancel = self._to_cancel, {}
-        for sid, turn in gone.items():
-            if sid in self.turns and (turn is None or self.turns[sid] is turn):
-                self.cancel(sid, "cancelled by the client")
-                self.stats["cancelled"] += 1

@@ -78,6 +78,8 @@ class SpecSession:
     sampling: Any = None
     #: the :mod:`~tandem.engine.demotion` policy's state of this session
     demotion: DemotionState = dataclasses.field(default_factory=DemotionState)
+    #: its drafter failed: it decodes plain for the rest of its life (:mod:`tandem.engine.lifecycle`)
+    degraded: bool = False
 
     def __post_init__(self) -> None:
         if not self.accepted_at:

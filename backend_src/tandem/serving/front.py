@@ -122,6 +122,7 @@ class TandemFront:
         self.info = info or (lambda msg: None)
         self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids)
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
+        self.sched.on_event = self.log
         self.q: queue.Queue[Turn] = queue.Queue()
         self.poll_s = poll_s
         #: set once the server is shutting down (a stage answered "not ready", or :meth:`stop`)
