@@ -242,3 +242,26 @@ def test_degraded_drafter_falls_back_to_plain_decoding(engine):
     flaky.down = False
     back = _turn(sched, 63, prompt, 48, True, end=True)
     assert [t for r, _, _ in back for t in r.tokens] == plain and sum(r.drafted for r, _, _ in back) > 0
+
+
+def test_security_defaults():
+    """Every port binds 127.0.0.1; weights load through safetensors only (no pickle anywhere in the
+    package); no request field can name a file path; request sizes are capped by the schema."""
+    import ast
+
+    from tandem.serving.serve import server_command_and_env
+
+    argv, _ = server_command_and_env(18000, 18001, 18002)
+    addresses = {a.split("=")[0]: a.split("=")[1] for a in argv if a.startswith("--") and "-address=" in a}
+    assert addresses == {"--http-address": "127.0.0.1", "--grpc-address": "127.0.0.1", "--metrics-address": "127.0.0.1"}
+    pkg = REPO_ROOT / "backend_src" / "tandem"
+    for path in list(pkg.rglob("*.py")) + list((REPO_ROOT / "model_repository").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "load" and getattr(node.value, "id", "") in ("torch", "pickle"):
+                pytest.fail(f"{path}: {node.value.id}.load (weights load through safetensors only)")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert "pickle" not in names, path
+    for t in schema.TANDEM.inputs:  # the public model: numbers, token ids, an arm and a sampling mode
+        assert not any(w in t.name for w in ("PATH", "FILE", "DIR", "CHECKPOINT")), t.name
+    assert schema.TANDEM.input(schema.MAX_TOKENS).hi == schema.DEFAULTS.max_ctx
