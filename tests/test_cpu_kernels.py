@@ -3,6 +3,7 @@
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -110,15 +111,16 @@ def test_mla_rows_match_reference(odd, T, pos0):
                 attn.prime(prompt, cache)
                 outs.append(attn.rows(x, cache))
             assert len(cache) == pos0 + T
-        r, ix = attn.project(x), attn.indexer  # the kernel on the block vs on each row alone
-        q_pos = pos0 + torch.arange(T)
-        run = lambda a, b: cpu_attention.mla_rows(r["q"][:, :, a:b], cache.k, cache.v, r["iq"][:, a:b], r["iw"][:, a:b],  # noqa: E731
-                                                  cache.pk, q_pos[a:b], ix.kp, ix.k_pools, attn.scaling, ix.d ** -0.5, ix.h ** -0.5)
-        block = run(0, T)
-        one = torch.cat([run(i, i + 1) for i in range(T)], 1)
-    assert outs[0].shape == (1, T, 40) and block.shape == (1, T, 32)
+        arrays, ix = cpu_attention.query_arrays(attn.project(x)), attn.indexer  # the block vs each row alone
+        block, one = np.empty((T, 32), np.float32), np.empty((T, 32), np.float32)
+        cpu_attention.mla_rows_into(arrays, 0, T, cache, pos0, ix.kp, ix.k_pools, attn.scaling, ix.d ** -0.5,
+                                    ix.h ** -0.5, block)
+        for i in range(T):  # row i alone sees the cache as far as its position (the kernel is causal)
+            cpu_attention.mla_rows_into(arrays, i, 1, cache, pos0 + i, ix.kp, ix.k_pools, attn.scaling, ix.d ** -0.5,
+                                        ix.h ** -0.5, one)
+    assert outs[0].shape == (1, T, 40)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
-    assert torch.equal(one, block)
+    assert np.array_equal(one, block)
 
 
 def test_mla_cache_grows_truncates_and_clones_like_concatenation():

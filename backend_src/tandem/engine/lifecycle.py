@@ -24,13 +24,12 @@ class Lifecycle:
     def _degrade(self, group: list, e: Exception) -> None:
         """Sessions ``group`` decode plain from now on; their drafter state is dropped (best effort)."""
         self.stats["degraded_sessions"] = self.stats.get("degraded_sessions", 0) + len(group)
+        sids, arm = [s.sid for s in group], group[0].arm
         for s in group:
             s.degraded = True
-        self.on_event(f"drafter {s.arm} failed ({type(e).__name__}: {e}); sequences "
-                      f"{[s.sid for s in group]} continue by plain decoding")
-        stage = self.drafters.get(s.arm)
+        self.on_event(f"drafter {arm} failed ({type(e).__name__}: {e}); sequences {sids} continue by plain decoding")
         try:
-            stage.close([s.sid for s in group])
+            self.drafters[arm].close(sids)
         except Exception:  # noqa: BLE001 - the stage is failing already
             pass
 

@@ -267,9 +267,7 @@ class Scheduler(Lifecycle):
         speculated = {s.sid for s in spec}
         for s, out in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
-            s.trunk_commit = self._after_verify(s, drafts[s.sid], out, r)
-            if s.sid in speculated:
-                self.demotion.observe(s, r.last_accepted, len(drafts[s.sid]), len(act))
+            s.trunk_commit = self._after_verify(s, drafts[s.sid], out, r, len(act) if s.sid in speculated else None)
         t3 = clock()
         self.stats["rounds"] += len(act)
         tm = self.timing
@@ -288,8 +286,9 @@ class Scheduler(Lifecycle):
             for s in pend:
                 s.trunk_commit = 0
 
-    def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt) -> int:
-        """Apply the accept walk to the session and the burst's receipt; returns rows to commit."""
+    def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt, load: int | None) -> int:
+        """Apply the accept walk to the session and the burst's receipt (and, after a speculative
+        round with ``load`` active sessions, to the demotion policy); returns rows to commit."""
         w = accept_walk(drafts, out.argmax.tolist(), self.stop_ids, s.turn_remaining)
         m = len(w.emitted)
         s.rounds += 1
@@ -306,7 +305,8 @@ class Scheduler(Lifecycle):
         s.turn_remaining -= m
         r.tokens.extend(w.emitted)
         r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
-        r.last_accepted = w.accepted
+        if load is not None:
+            self.demotion.observe(s, w.accepted, len(drafts), load)
         if s.arm == schema.OFF or s.degraded or s.ingest is None:
             s.ingest = (out.rows(m), w.emitted)
         else:  # a demoted session: its rows wait for the drafter's next (probe) round

@@ -33,8 +33,6 @@ class Receipt:
     accepted_at: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     top2_gaps: list[float] = dataclasses.field(default_factory=list)
-    #: drafts accepted in the burst's latest round
-    last_accepted: int = 0
 
 
 @dataclasses.dataclass(eq=False)

@@ -127,15 +127,13 @@ class TrunkStage(KeyedStates):
         unpublished key, ``ValueError`` when restoring into a non-empty cache."""
         f = self.feature_layers
         outs = []
-        self._commit_first(items)
         for it in items:
             self.cache(it.sid)  # every sequence is open before any changes
+        self._commit_first(items)
         for it in items:
-            if it.sampling is None or it.sampling.greedy:
-                self.sampling.pop(it.sid, None)
-            else:
+            self.sampling.pop(it.sid, None)  # this turn's sampling (absent: greedy) for it and its verifies
+            if it.sampling is not None and not it.sampling.greedy:
                 self.sampling[it.sid] = it.sampling
-        for it in items:
             cache = self.cache(it.sid)
             ids = torch.tensor([it.tokens])
             if it.prefix is None:

@@ -64,33 +64,6 @@ def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_sc
                     o[e] += w * vj[e]
 
 
-def _buffer(t: torch.Tensor) -> np.ndarray:
-    """The whole preallocated buffer ``[H, cap, d]`` behind a cache view ``t [H, L, d]`` (a C-contiguous
-    array, so the kernel is compiled for one layout whatever the fill)."""
-    h, _, d = t.shape
-    assert t.stride(2) == 1 and t.stride(1) == d and t.stride(0) % d == 0, t.stride()
-    return t.as_strided((h, t.stride(0) // d, d), (t.stride(0), d, 1)).numpy()
-
-
-def mla_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, iq: torch.Tensor, iw: torch.Tensor,
-             pk: torch.Tensor, q_pos: torch.Tensor, kp: int, k_pools: int, scaling: float, q_scale: float,
-             w_scale: float) -> torch.Tensor:
-    """MLA heads' outputs of ``T`` rows of one sequence with DSA selection.
-
-    Args: ``q [1, H, T, dqk]`` queries; ``k_all [1, H, L, dqk]``, ``v_all [1, H, L, dv]`` the cache
-    with these rows appended (views, not copied); ``iq [1, T, Hi * di]`` indexer queries; ``iw [1, T, Hi]``
-    indexer head weights (``weights_proj`` output); ``pk [1, P, di]`` compressed pool keys; ``q_pos [T]``
-    absolute positions; ``kp`` pool size; ``k_pools`` pools kept; ``scaling`` the attention scale
-    ``dqk^-1/2``; ``q_scale``, ``w_scale`` the indexer's ``di^-1/2`` and ``Hi^-1/2``.
-    Returns ``[1, T, H * dv]`` fp32: softmax attention over the visible tokens (the k best complete
-    pools by ``sum_h w_h * relu(iq_h . pk)``, ties toward the earlier pool, plus the incomplete tail)."""
-    _, H, T, _ = q.shape
-    out = np.empty((T, H * v_all.shape[-1]), _F)
-    _mla_rows(np_rows(q[0].transpose(0, 1)), _buffer(k_all[0]), _buffer(v_all[0]), k_all.shape[2], np_rows(iq[0]), np_rows(iw[0]),
-              np_rows(pk[0]), q_pos.numpy(), kp, k_pools, _F(scaling), _F(q_scale), _F(w_scale), out)
-    return torch.from_numpy(out)[None]
-
-
 def query_arrays(rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The query-side arrays of projected rows (``MLAttention.project`` in the serving layout), once
     for all sequences: ``q [N, H, dqk]``, ``iq [N, Hi * di]``, ``iw [N, Hi]`` (C-contiguous fp32)."""
@@ -105,9 +78,13 @@ def empty_out(rows: dict[str, torch.Tensor]) -> np.ndarray:
 
 def mla_rows_into(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], off: int, n: int, cache, pos0: int, kp: int,
                   k_pools: int, scaling: float, q_scale: float, w_scale: float, out: np.ndarray) -> None:
-    """:func:`mla_rows` for rows ``off .. off + n`` of :func:`query_arrays` of one sequence, whose
-    ``cache`` (an :class:`~tandem.model.cache.MLACache`) already holds them at ``pos0 ..``; writes
-    ``out[off: off + n]``."""
+    """MLA heads' outputs, with DSA selection, of rows ``off .. off + n`` of :func:`query_arrays`: one
+    sequence's rows, which its ``cache`` (an :class:`~tandem.model.cache.MLACache`) already holds at
+    ``pos0 ..`` (its K / V buffers are read in place). ``kp`` pool size; ``k_pools`` pools kept;
+    ``scaling`` the attention scale ``dqk^-1/2``; ``q_scale``, ``w_scale`` the indexer's ``di^-1/2``
+    and ``Hi^-1/2``. Writes ``out[off: off + n]`` (``[n, H * dv]`` fp32): softmax attention over the
+    visible tokens (the k best complete pools by ``sum_h w_h * relu(iq_h . pk)``, ties toward the
+    earlier pool, plus the incomplete tail)."""
     q, iq, iw = arrays
     pk = cache.pk
     pk = np.zeros((0, iq.shape[1] // iw.shape[1]), _F) if pk is None else np_rows(pk[0])

@@ -156,13 +156,9 @@ class MLAttention(nn.Module):
         return self.o_proj(o), mask
 
     def _heads_out(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`attend` before ``o_proj``: the heads' outputs ``[B, T, H*dv]`` and the mask (None from
-        the serving kernel :func:`~tandem.model.cpu_attention.mla_rows`, which this torch code is the reference of)."""
+        """:meth:`attend` before ``o_proj``: the heads' outputs ``[B, T, H*dv]`` and the mask (the reference
+        of :func:`~tandem.model.cpu_attention.mla_rows_into`, which serving's :meth:`rows_many` calls)."""
         b, t, _ = x.shape
-        if cpu_kernels.active() and t <= 16 and b == 1 and "iq" in rows and k_all.dtype == torch.float32:
-            ix = self.indexer  # decode / verify rows: one kernel call (indexer, selection, attention)
-            return cpu_attention.mla_rows(rows["q"], k_all, v_all, rows["iq"], rows["iw"], pk_all, q_pos, ix.kp,
-                                          ix.k_pools, self.scaling, ix.d ** -0.5, ix.h ** -0.5), None
         mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
         if cpu_kernels.active() and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
             # K @ Q^T, not Q @ K^T: this CPU's GEMM gives each column the same sums whatever the column
