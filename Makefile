@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup test serve model drafter bench loadtest clean
+.PHONY: setup test serve model drafter bench loadtest soak clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -52,6 +52,12 @@ MAX_TOKENS ?= 128
 loadtest: setup
 	$(VPY) -m loadtest.run --users $(USERS) --step-seconds $(STEP_SECONDS) --max-tokens $(MAX_TOKENS) \
 		$(if $(URL),--url $(URL)) $(ARGS)
+
+# soak: USERS users for SOAK_MINUTES with cancelled turns, multi-turn sessions and bad requests mixed in;
+# fails on an unexpected error, a state gauge off baseline afterwards, or growing memory (reports/soak-<UTC time>/)
+SOAK_MINUTES ?= 5
+soak: setup
+	$(VPY) -m loadtest.soak --minutes $(SOAK_MINUTES) --users $(USERS) $(ARGS)
 
 clean:
 	rm -rf $(VENV) triton_backends runs

@@ -11,15 +11,18 @@ TEMPERATURE_INPUT = schema.TEMPERATURE
 _NUMPY = {"FP32": "float32", "FP16": "float16", "FP64": "float64", "BF16": "float32"}
 
 
-def ramp_levels(max_users: int, step_users: int = 1) -> list[int]:
-    """User counts of the ramp: 1, 1 + step, ... and always ``max_users`` last.
+def ramp_levels(max_users: int, step_users: int = 1, start_users: int = 1) -> list[int]:
+    """User counts of the ramp: ``start_users``, + step, ... and always ``max_users`` last.
 
     >>> ramp_levels(8, 3)
     [1, 4, 7, 8]
+    >>> ramp_levels(8, 1, start_users=8)
+    [8]
     """
-    if max_users < 1 or step_users < 1:
-        raise ValueError(f"max users and step users must be >= 1, got {max_users}, {step_users}")
-    levels = list(range(1, max_users + 1, step_users))
+    if max_users < 1 or step_users < 1 or not 1 <= start_users <= max_users:
+        raise ValueError(f"max users and step users must be >= 1 and start users in [1, max users], got "
+                         f"{max_users}, {step_users}, {start_users}")
+    levels = list(range(start_users, max_users + 1, step_users))
     if levels[-1] != max_users:
         levels.append(max_users)
     return levels

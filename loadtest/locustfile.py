@@ -45,6 +45,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadtest.common import ramp_levels, sampling_input, spec_arms, split_host  # noqa: E402
+from loadtest.faults import bad_request, judge_bad  # noqa: E402
 from loadtest.workload import SessionSpec, build_sessions, load_workload  # noqa: E402
 from tandem import schema  # noqa: E402
 
@@ -57,6 +58,10 @@ RATE_TYPE = "rate"
 
 class TurnFailed(Exception):
     """A turn did not complete: the server's error text, a timeout, or an empty answer."""
+
+
+class Cancelled(Exception):
+    """Raised from a burst callback: the client cancels its turn (``--cancel-share``)."""
 
 
 class _Shared:
@@ -78,6 +83,7 @@ def _add_arguments(parser) -> None:
     g = parser.add_argument_group("tandem")
     g.add_argument("--ramp-max-users", type=int, default=8, help="users at the last ramp step")
     g.add_argument("--ramp-step-users", type=int, default=1, help="users added per ramp step")
+    g.add_argument("--ramp-start-users", type=int, default=1, help="users at the first ramp step")
     g.add_argument("--ramp-step-seconds", type=float, default=30.0, help="seconds per ramp step")
     g.add_argument("--tandem-workload", default="", help="workload JSON from loadtest.workload (else built here)")
     g.add_argument("--tandem-raw", default="", help="append per-turn JSONL records here")
@@ -100,6 +106,8 @@ def _add_arguments(parser) -> None:
     g.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take in all (gRPC deadline)")
     g.add_argument("--failure-backoff", type=float, default=1.0, help="seconds a user pauses after a failed turn")
     g.add_argument("--allow-remote", action="store_true", default=False, help="allow a non-loopback --host")
+    g.add_argument("--cancel-share", type=float, default=0.0, help="share of turns cancelled after their first burst")
+    g.add_argument("--bad-share", type=float, default=0.0, help="share of tasks that send a bad request instead")
 
 
 @events.init.add_listener
@@ -169,7 +177,7 @@ class StepRamp(LoadTestShape):
 
     def tick(self):
         o = self.runner.environment.parsed_options
-        levels = ramp_levels(o.ramp_max_users, o.ramp_step_users)
+        levels = ramp_levels(o.ramp_max_users, o.ramp_step_users, o.ramp_start_users)
         i = int(self.get_run_time() // o.ramp_step_seconds)
         if i >= len(levels):
             return None
@@ -279,9 +287,31 @@ class TandemUser(User):
         self.environment.events.request.fire(request_type=rtype, name=name, response_time=value,
                                              response_length=length, exception=exc, context={})
 
+    def _bad(self) -> None:
+        """Send one bad request on a fresh sequence: a success when refused naming its field (``BAD``)."""
+        req = bad_request(self.rng)
+        inputs = []
+        for name, a in req.arrays.items():
+            x = grpcclient.InferInput(name, list(a.shape), {np.int32: "INT32", np.object_: "BYTES"}[a.dtype.type])
+            x.set_data_from_numpy(a)
+            inputs.append(x)
+        sid, self.sid = self.sid, self.rng.getrandbits(62) + 1
+        t0, err = time.perf_counter(), None
+        try:
+            self._stream(inputs, req.start, req.end, self.opts.response_timeout)
+        except TurnFailed as e:
+            err = str(e)
+        finally:
+            self.sid = sid
+        wrong = judge_bad(req, err)
+        self._fire("BAD", (time.perf_counter() - t0) * 1000.0, 0, TurnFailed(wrong) if wrong else None)
+        _write({"kind": "bad", "t0": time.time(), "name": req.name, "error": err, "wrong": wrong})
+
     @task
     def turn(self) -> None:
         """One turn of the current session (a new session starts when none is open)."""
+        if self.session is None and self.rng.random() < self.opts.bad_share:
+            return self._bad()
         if self.session is None:
             self.session = self.rng.choice(_Shared.sessions)
             self.arm = self.rng.choice(spec_arms(self.opts.spec))
@@ -294,8 +324,11 @@ class TandemUser(User):
                "sampled": s.sampled, "spec": self.arm, "prompt_tokens": len(spec.input_ids), "max_tokens": spec.max_tokens,
                "users": self.environment.runner.user_count if self.environment.runner else 0}
         state = {"last": None, "first": None}
+        cancel = self.rng.random() < self.opts.cancel_share
 
         def on_burst(b, t, sent):
+            if cancel:  # the client walks away after the first burst: the stream is cancelled
+                raise Cancelled()
             # fire TTFT / ITL as bursts arrive, so Locust's live stats stay current. The first
             # response carries the prime's token alone; should it carry more, only TTFT is reported.
             if state["first"] is None:
@@ -314,6 +347,13 @@ class TandemUser(User):
                                self.opts.response_timeout, on_burst)
             if not res["bursts"]:
                 raise TurnFailed(f"final response without tokens (finish_reason {res['finish_reason']!r})")
+        except Cancelled:
+            el = (time.perf_counter() - t_start) * 1000.0
+            self._fire("CANCEL", el, 0)
+            rec.update(kind="cancel", t0=time.time() - el / 1000.0, e2e_ms=el)
+            _write(rec)
+            self.session, self.sequence_open = None, False  # the server closes a cancelled sequence
+            return
         except Exception as e:  # noqa: BLE001 - every way a turn can go wrong is reported as its failure
             if not isinstance(e, TurnFailed):
                 log.exception(f"user {self.uid}: turn failed on the client side")

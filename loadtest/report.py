@@ -25,15 +25,20 @@ COLUMNS = ["users", "duration_s", "requests", "failures", "tokens", "tokens_per_
            "e2e_p50_ms", "e2e_p90_ms", "tau", "rounds", "accepted"]
 
 
+def _records(path: str | Path):
+    """The raw file's records, skipping a torn line (from a killed run)."""
+    for line in Path(path).read_text().splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
 def read_raw(path: str | Path) -> tuple[list[tuple[float, int]], float | None, list[dict]]:
     """``(stages [(t_epoch_s, users)], end_t or None, turns)`` from a raw JSONL file (a torn
     last line, from a killed run, is skipped)."""
     stages, end, turns = [], None, []
-    for line in Path(path).read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for r in _records(path):
         if r.get("kind") == "stage":
             stages.append((float(r["t"]), int(r["users"])))
         elif r.get("kind") == "end":
@@ -42,6 +47,19 @@ def read_raw(path: str | Path) -> tuple[list[tuple[float, int]], float | None, l
             turns.append(r)
     stages.sort()
     return stages, end, turns
+
+
+def fault_counts(path: str | Path) -> dict[str, int]:
+    """The soak's fault records of a raw file: ``cancelled`` (turns the client cancelled), ``bad``
+    (bad requests sent), ``bad_wrong`` (bad requests not refused with an error naming their field)."""
+    out = {"cancelled": 0, "bad": 0, "bad_wrong": 0}
+    for r in _records(path):
+        if r.get("kind") == "cancel":
+            out["cancelled"] += 1
+        elif r.get("kind") == "bad":
+            out["bad"] += 1
+            out["bad_wrong"] += bool(r.get("wrong"))
+    return out
 
 
 def _pct(values, weights=None) -> list[float | None]:

@@ -157,6 +157,7 @@ def print_table(summary: dict) -> None:
 def main(
     users: int = typer.Option(8, "--users", "-u", min=1, help="users at the last ramp step (ramp: 1 -> USERS)"),
     step_users: int = typer.Option(1, "--step-users", min=1, help="users added per ramp step"),
+    start_users: int = typer.Option(1, "--start-users", min=1, help="users at the first ramp step (USERS: no ramp)"),
     step_seconds: float = typer.Option(30.0, "--step-seconds", min=1.0, help="seconds each ramp step lasts"),
     max_tokens: int = typer.Option(128, "--max-tokens", "--max-output-tokens", min=1,
                                    help="cap on each turn's output tokens (ShareGPT reply lengths are cut to it)"),
@@ -214,7 +215,11 @@ def main(
                        f"model_repository has no {TEMPERATURE_INPUT} input (the server decodes greedily only). "
                        f"Use --sampled-share 0.", err=True)
             raise typer.Exit(2)
-    levels = ramp_levels(users, step_users)
+    try:
+        levels = ramp_levels(users, step_users, start_users)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
     out = (report_dir or default_report_dir()).resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"loadtest: report folder {out}")
@@ -260,6 +265,7 @@ def main(
                 "--host", target, "--csv", str(out / "locust"), "--html", str(out / "locust.html"),
                 "--stop-timeout", f"{stop_timeout:g}", "--loglevel", "INFO",
                 "--ramp-max-users", str(users), "--ramp-step-users", str(step_users),
+                "--ramp-start-users", str(start_users),
                 "--ramp-step-seconds", f"{step_seconds:g}",
                 "--tandem-workload", str(out / "workload.json"), "--tandem-raw", str(raw),
                 "--tandem-model", MODEL, "--max-output-tokens", str(max_tokens), "--seed", str(seed),

@@ -94,8 +94,8 @@ CASES = [  # (id, inputs replacing / added to OK (None: removed), sequence flags
      "SEED must be in [0, "),
     ("unknown sampling mode", {schema.TEMPERATURE: np.array([0.7], np.float32), schema.SAMPLING: _s("beam")}, {},
      "SAMPLING must be one of ('rejection', 'coupled'), got 'beam'"),
-    ("no START on an unknown sequence", {}, {"start": False, "end": False}, "START"),
-    ("END on an unknown sequence", {}, {"start": False, "end": True}, "START"),
+    ("no START on an unknown sequence", {}, {"start": False, "end": False}, "sequence_start"),
+    ("END on an unknown sequence", {}, {"start": False, "end": True}, "sequence_start"),
 ]
 
 

@@ -109,20 +109,22 @@ def test_service_errors_name_the_field(model):
 
 def test_parse_turn():
     t = fr.parse_turn({"INPUT_IDS": np.array([1, 2], np.int32), "MAX_TOKENS": np.array([5], np.int32),
-                        "START": np.array([1], np.int32), "END": np.array([0], np.int32),
-                        "CORRID": np.array([2**64 - 2], np.uint64), "SPEC": np.array([b"OFF"], object)})
+                        "SPEC": np.array([b"OFF"], object)}, 2**64 - 2, schema.FLAG_START)
     assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens) == \
         (2**64 - 2, [1, 2], 5, "off", True, False, None)
-    t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2])}, correlation_id=7)
+    t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2])}, 7,
+                      schema.FLAG_START | schema.FLAG_END)
     assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end) == ([], None, 2, True, True)
-    for inputs, msg in [({}, "CORRID: the request carries no sequence id"),
-                        ({"CORRID": np.array([1], np.uint64)}, "MAX_TOKENS is required"),
-                        ({"CORRID": np.array([1], np.uint64), "MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))},
-                         "INPUT_IDS must be 1-D"),
-                        ({"CORRID": np.array([1], np.uint64), "MAX_TOKENS": np.array([1]),
-                          "NUM_DRAFT_TOKENS": np.array([1, 2])}, "NUM_DRAFT_TOKENS must hold exactly 1 value")]:
+    assert (fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start, fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7,
+                                                                                       schema.FLAG_END).end) == (False, True)
+    for inputs, corr, msg in [({"MAX_TOKENS": np.array([1])}, 0, "sequence_id: every request needs a non-zero integer"),
+                              ({"MAX_TOKENS": np.array([1])}, "chat-1", "sequence_id: .* got 'chat-1'"),
+                              ({}, 1, "MAX_TOKENS is required"),
+                              ({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))}, 1, "INPUT_IDS must be 1-D"),
+                              ({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([1, 2])}, 1,
+                               "NUM_DRAFT_TOKENS must hold exactly 1 value")]:
         with pytest.raises(schema.WireError, match=msg):
-            fr.parse_turn(inputs)
+            fr.parse_turn(inputs, corr, schema.FLAG_START | schema.FLAG_END)
 
 
 def _run(front, req):
@@ -170,7 +172,7 @@ def test_front_over_proxies_equals_in_process(model):
         bad = _run(front, fr.TurnRequest(6, [1] * 70, 4))
         assert bad["err"].startswith("INPUT_IDS: 0 context + 70 new tokens") and "64" in bad["err"]
         assert _run(front, fr.TurnRequest(7, [1], 4, start=False))["err"] == \
-            "CORRID: unknown sequence id 7 (send START with the first turn)"
+            "sequence_id: unknown sequence id 7 (set sequence_start on the first turn)"
         assert not front.sched.sessions and not tr.stages["trunk"].caches and not tr.stages["drafter_mtp"].states
     finally:
         front.stop()

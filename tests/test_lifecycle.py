@@ -95,7 +95,7 @@ def test_refused_final_request_ends_the_sequence(engine):
     sched.admit([Turn(89, tok.chat_prompt("Hello"), 64, lambda r, e, f: running.append((e, f)), spec=schema.MTP, end=False)])
     sched.burst()
     sched.admit([Turn(89, tok.chat_prompt("Stop"), 8, lambda r, e, f: late.append((e, f)), start=False, end=True)])
-    assert late == [("CORRID: sequence id 89 already has a turn in progress", True)]
+    assert late == [("sequence_id: sequence id 89 already has a turn in progress", True)]
     assert running[-1][1] and "ended by a refused final request" in running[-1][0]
     assert 89 not in sched.sessions and 89 not in engine.trunk.caches
 
@@ -148,17 +148,23 @@ def test_hangup_stops_the_server(tmp_path):
 
 @pytest.mark.integration
 def test_shutdown_gives_streams_one_clear_error():
-    """Stopping the server while a turn streams: the client gets one final "server shutting down"
-    (not an internal StageError), and the server exits."""
+    """Stopping the server while a turn streams and another session sits idle (open, no turn
+    running): the client gets one final "server shutting down" (not an internal StageError), the idle
+    session holds nothing up, the server exits within a few seconds (not Triton's exit timeout) and
+    leaves no shared-memory files."""
     import threading
 
     from tandem.model.tokenizer import ChatTokenizer
     from tandem.serving.serve import running_server, stop_server
     from tandem_client.client import TandemClientError, generate
 
+    from tandem.serving.serve import _shm_files
+
     prompt = ChatTokenizer(DEFAULT_CHECKPOINT).chat_prompt("Tell me a long story.")
+    shm_before = _shm_files()
     with running_server(env={"TANDEM_CHECKPOINT": str(DEFAULT_CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
         box, first = {}, threading.Event()
+        generate(prompt, 2, url=srv.grpc_url, sequence_end=False)  # an idle open session
 
         def stream():
             try:
@@ -171,8 +177,12 @@ def test_shutdown_gives_streams_one_clear_error():
         t0 = time.monotonic()
         stop_server(srv.proc)
         t.join(timeout=60)
+        took = time.monotonic() - t0
         assert "err" in box and "server shutting down" in box["err"], box
-        assert "StageError" not in box["err"] and time.monotonic() - t0 < 30
+        assert "StageError" not in box["err"]
+        assert srv.proc.returncode == 0 and took < 8, took  # --exit-timeout-secs is 10
+        assert "Exit timeout expired" not in srv.log()
+        assert _shm_files() <= shm_before  # no shared-memory region left behind
 
 
 def test_draft_count_is_honoured_or_refused_never_ignored(engine):

@@ -191,3 +191,37 @@ def test_short_ramp_zero_failures(tmp_path):
     assert bs["greedy"]["requests"] > 0 and bs["sampled"]["requests"] > 0
     assert bs["greedy"]["requests"] + bs["sampled"]["requests"] == summary["all"]["requests"]
     assert bs["greedy"]["tau"] >= 1.0 and bs["sampled"]["tau"] >= 1.0 and "loadtest: tau greedy" in p.stdout
+
+
+def test_soak_fault_mix_is_judged():
+    """Each bad request of the soak names the field its refusal must mention; an acceptance, an
+    error naming another field, or an internal error is a failure; the raw file's fault records count."""
+    import random
+
+    from loadtest.faults import bad_request, judge_bad
+
+    rng = random.Random(3)
+    seen = {bad_request(rng).name: bad_request(rng) for _ in range(60)}
+    assert len(seen) == 7
+    r = bad_request(random.Random(1))
+    assert judge_bad(r, f"{r.expect} must be ...") is None
+    assert "was accepted" in judge_bad(r, None)
+    assert "does not name" in judge_bad(r, "internal error: KeyError")
+    assert ramp_levels(8, 1, start_users=8) == [8]
+
+
+@pytest.mark.integration
+def test_short_soak_passes(tmp_path):
+    """`make soak` in miniature: 4 users for 30 s with cancellations and bad requests; no unexpected
+    failure, gauges back at baseline, and the report with its plot (memory tolerance loose: 30 s
+    does not get past the warm-up)."""
+    argv = [sys.executable, "-m", "loadtest.soak", "--minutes", "0.5", "--users", "4", "--sample-s", "1",
+            "--warmup-s", "5", "--rss-tolerance", "0.5", "--cancel-share", "0.2", "--bad-share", "0.1",
+            "--report-dir", str(tmp_path)]
+    p = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    md = (tmp_path / "soak.md").read_text()
+    assert "PASSED" in md and "0 unexpected failures" in md and "state gauges after the run: baseline" in md
+    assert (tmp_path / "soak.png").stat().st_size > 10_000
+    faults = report.fault_counts(tmp_path / "raw.jsonl")
+    assert faults["cancelled"] > 0 and faults["bad"] > 0 and faults["bad_wrong"] == 0

@@ -41,10 +41,8 @@ def config_errors(spec: schema.ModelSpec, cfg: mc.ModelConfig) -> list[str]:
                 errs.append(f"{what} {n}: schema (dtype, dims, optional) {want[n]} != config {got[n]}")
     if cfg.model_transaction_policy.decoupled != spec.decoupled:
         errs.append(f"decoupled {cfg.model_transaction_policy.decoupled} != {spec.decoupled}")
-    controls = {c.name: mc.ModelSequenceBatching.Control.Kind.Name(c.control[0].kind)
-                for c in cfg.sequence_batching.control_input}
-    if controls != dict(spec.controls):
-        errs.append(f"sequence controls {controls} != {dict(spec.controls)}")
+    if cfg.HasField("sequence_batching"):  # the worker owns sessions (tandem's model.py refuses it too)
+        errs.append("sequence_batching is set; sessions belong to tandem's worker")
     if set(cfg.parameters) != set(spec.parameters):
         errs.append(f"parameters {sorted(cfg.parameters)} != {sorted(spec.parameters)}")
     for k in set(cfg.parameters) & set(spec.parameters):
@@ -59,9 +57,20 @@ def test_config_matches_schema(name):
     assert config_errors(schema.MODELS[name], load_config(name)) == []
 
 
-def test_sequence_idle_matches_the_session_timeout():
-    cfg = load_config("tandem")
-    assert cfg.sequence_batching.max_sequence_idle_microseconds == int(schema.DEFAULTS.idle_timeout_s * 1e6)
+def test_no_model_runs_more_than_one_instance():
+    """Each model keeps per-sequence state in one process: the shipped configs ask for one instance,
+    and a config asking for more is refused at load with the reason."""
+    from google.protobuf import json_format
+
+    from tandem.serving.backend import require_one_instance
+
+    for name in MODELS:
+        cfg = load_config(name)
+        assert sum(g.count for g in cfg.instance_group) == 1, name
+        require_one_instance(json_format.MessageToDict(cfg, preserving_proto_field_name=True))
+        cfg.instance_group[0].count = 2
+        with pytest.raises(ValueError, match=f"model '{name}': instance_group asks for 2 instances.*replicas"):
+            require_one_instance(json_format.MessageToDict(cfg, preserving_proto_field_name=True))
 
 
 def test_checker_catches_a_renamed_input():

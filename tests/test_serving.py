@@ -121,11 +121,10 @@ def test_unknown_sequence_rejected_while_other_stream_completes(server, engine):
     t = threading.Thread(target=long_stream)
     t.start()
     try:
-        # Triton's sequence batcher: no START on a sequence it does not know
-        with pytest.raises(TandemClientError, match="START"):
+        # no sequence_start on a sequence the worker does not know
+        with pytest.raises(TandemClientError, match="sequence_start"):
             generate(prompt[:4], max_tokens=4, url=server.grpc_url, sequence_start=False)
-        # a sequence Triton knows (START, no END) whose session the worker closed (its first turn
-        # failed): the scheduler itself answers "unknown sequence id"
+        # a sequence whose session the worker closed (its first turn failed, no sequence_end): "unknown sequence id"
         sid = new_sequence_id()
         with pytest.raises(TandemClientError, match="INPUT_IDS"):
             generate([1] * (MAX_CTX + 8), max_tokens=4, url=server.grpc_url, sequence_id=sid, sequence_end=False)
@@ -170,7 +169,7 @@ def test_multi_turn_sequence(server, engine):
     b = generate(tok.chat_prompt("More"), max_tokens=6, url=server.grpc_url, sequence_id=sid,
                  sequence_start=False)
     assert len(a["token_ids"]) <= 6 and 1 <= len(b["token_ids"]) <= 6
-    with pytest.raises(TandemClientError, match="START"):  # END closed the sequence
+    with pytest.raises(TandemClientError, match="sequence_start"):  # END closed the sequence
         generate([], max_tokens=2, url=server.grpc_url, sequence_id=sid, sequence_start=False)
 
 

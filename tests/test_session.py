@@ -92,7 +92,7 @@ def test_plain_matches_full_recompute_greedy(engine, tokenizer):
                                       ({"k": 99}, "NUM_DRAFT_TOKENS must be in [1, 8], got 99"),
                                       ({"tokens": [10**6]}, "INPUT_IDS: token ids must be in [0, 8192), got 1000000"),
                                       ({"tokens": []}, "INPUT_IDS: the first turn"), ({"tokens": [5] * 5000}, "INPUT_IDS"),
-                                      ({"start": False}, "CORRID: unknown sequence id 9002")])
+                                      ({"start": False}, "sequence_id: unknown sequence id 9002")])
 def test_bad_turns_get_clear_errors_and_others_continue(engine, tokenizer, kw, field):
     sched = engine.sched
     good = []
@@ -194,7 +194,7 @@ def test_two_turns_for_one_sequence_in_one_drain(engine, tokenizer):
     sched.burst()
     sched.admit([Turn(9401, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: first.append((r, e, f))),
                  Turn(9401, tokenizer.chat_prompt("Hi again"), 8, lambda r, e, f: second.append((r, e, f)))])
-    assert second == [(None, "CORRID: sequence id 9401 sent two turns at once; the first one runs", True)]
+    assert second == [(None, "sequence_id: sequence id 9401 sent two turns at once; the first one runs", True)]
     _drive(sched, 9401)
     _drive(sched, 9400)
     assert first[-1][2] and first[-1][1] is None and other[-1][2] and other[-1][1] is None

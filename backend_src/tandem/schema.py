@@ -25,7 +25,10 @@ class ServingConfig:
     ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens
     unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response;
     ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
-    ``idle_timeout_s``: sessions idle longer are closed; ``spec``: the default arm (the fastest measured;
+    ``idle_timeout_s``: a session with no turn running for longer (counted from the end of its last
+    turn) is closed; ``max_sessions``: open sessions at most (a new sequence beyond it waits up to
+    ``admission_wait_s`` for one to close, then gets a "no free session" error); ``stage_timeout_s``:
+    a stage call (BLS) that has not answered by then fails the turns waiting on it; ``spec``: the default arm (the fastest measured;
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
     repository; ``dtype``: compute dtype of the stage models; ``prefix_cache_mb``: memory bound of
     the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off;
@@ -50,6 +53,9 @@ class ServingConfig:
     checkpoint: str = "weights/tandem-tiny"
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
+    max_sessions: int = 256
+    admission_wait_s: float = 5.0
+    stage_timeout_s: float = 30.0
     dtype: str = "fp32"
     prefix_cache_mb: int = 256
     batch_invariant: bool = False
@@ -72,9 +78,14 @@ class ServingConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
-        for name in ("burst_rounds", "max_ctx"):
+        for name in ("burst_rounds", "max_ctx", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("idle_timeout_s", "stage_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.admission_wait_s < 0:
+            raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
         for name in ("demote_below", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope",
                      "demote_probe_rounds"):
             if getattr(self, name) < 0:
@@ -117,7 +128,11 @@ INPUT_IDS = "INPUT_IDS"
 MAX_TOKENS = "MAX_TOKENS"
 SPEC = "SPEC"
 NUM_DRAFT_TOKENS = "NUM_DRAFT_TOKENS"
-START, END, CORRID = "START", "END", "CORRID"
+#: a turn's sequence fields, as tritonclient's ``(async_stream_)infer`` names them; Triton passes them as the
+#: request's correlation id and flags (``tandem`` has no sequence batcher: the worker owns every session)
+SEQUENCE_ID, SEQUENCE_START, SEQUENCE_END = "sequence_id", "sequence_start", "sequence_end"
+#: TRITONSERVER_RequestFlag bits of a request's ``flags()``
+FLAG_START, FLAG_END = 1, 2
 OUTPUT_IDS, ROUNDS, DRAFTED, ACCEPTED, FINISH_REASON = "OUTPUT_IDS", "ROUNDS", "DRAFTED", "ACCEPTED", "FINISH_REASON"
 TEMPERATURE, TOP_K, TOP_P, SEED, SAMPLING = "TEMPERATURE", "TOP_K", "TOP_P", "SEED", "SAMPLING"
 #: speculative sampling modes: ``rejection`` (lossless rejection sampling, Leviathan et al. 2023) and
@@ -155,10 +170,9 @@ TANDEM = ModelSpec(
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
     ),
     parameters=("checkpoint", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
-                "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
+                "idle_timeout_s", "max_sessions", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
                 "demote_load_slope", "demote_probe_rounds"),
     decoupled=True,
-    controls=((START, "CONTROL_SEQUENCE_START"), (END, "CONTROL_SEQUENCE_END"), (CORRID, "CONTROL_SEQUENCE_CORRID")),
 )
 
 # -- stage models (called by tandem over BLS; one batched op over many sequences per call) ---------------------

@@ -46,7 +46,7 @@ class TensorSpec:
 class ModelSpec:
     """A Triton model's interface: ``inputs``, ``outputs``, ``parameters`` (config.pbtxt
     ``parameters`` keys), ``ops`` (values of its ``OP`` input; empty for ``tandem``),
-    ``decoupled`` and the sequence batcher's ``controls`` (input name -> control kind)."""
+    and ``decoupled``."""
 
     name: str
     inputs: tuple[TensorSpec, ...]
@@ -54,7 +54,6 @@ class ModelSpec:
     parameters: tuple[str, ...]
     ops: tuple[str, ...] = ()
     decoupled: bool = False
-    controls: tuple[tuple[str, str], ...] = ()
 
     def input(self, name: str) -> TensorSpec:
         """The input spec called ``name``. Raises ``KeyError``."""
@@ -62,8 +61,8 @@ class ModelSpec:
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        """Data inputs and sequence controls, as a model's ``execute`` reads them."""
-        return tuple(t.name for t in self.inputs) + tuple(n for n, _ in self.controls)
+        """The inputs' names, as a model's ``execute`` reads them."""
+        return tuple(t.name for t in self.inputs)
 
     @property
     def output_names(self) -> tuple[str, ...]:
@@ -163,7 +162,7 @@ def check_tokens(name: str, toks: np.ndarray, vocab: int) -> None:
 
 def describe(spec: ModelSpec) -> str:
     """A Markdown table of a model's tensors: name, direction, dtype, dims, optional, default, range, meaning."""
-    rows = [f"`{spec.name}`" + (" (decoupled; sequence controls " + ", ".join(n for n, _ in spec.controls) + ")"
+    rows = [f"`{spec.name}`" + (" (decoupled; a request is a turn of the sequence its sequence id names)"
                                 if spec.decoupled else "") + (f"; OP: {' | '.join(spec.ops)}" if spec.ops else ""), "",
             "| tensor | in/out | dtype | dims | optional | default | range | meaning |", "|---|---|---|---|---|---|---|---|"]
     for io, ts in (("in", spec.inputs), ("out", spec.outputs)):

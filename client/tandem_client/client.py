@@ -269,23 +269,57 @@ def generate_cmd(
                f"finish {res['finish_reason']}]", err=True)
 
 
-@app.command("health")
-def health_cmd(url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port")) -> None:
-    """Check that the server is live and the tandem models are ready."""
+def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, str]:
+    """Each model's state: ``READY``; ``NOT READY`` (Triton has not loaded it, or is restarting it);
+    ``NOT ANSWERING`` (a stage model that does not answer an empty ``close`` within ``timeout_s``
+    seconds: a hung process); ``DEAD: <reason>`` (its process is gone). Stage models are probed
+    with that no-op request, since Triton reports a model ready while its process is dead.
+    Raises :class:`ServerUnreachable`."""
+    import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     c = grpcclient.InferenceServerClient(url)
     try:
-        states = {m: c.is_model_ready(m, client_timeout=5) for m in schema.MODELS}
-    except InferenceServerException as e:
-        typer.echo(f"error: cannot reach a Triton server at {url} ({e.message() or e})", err=True)
-        raise typer.Exit(2)
+        _check_reachable(c, url, timeout_s)
+        out = {}
+        for name, spec in schema.MODELS.items():
+            if not c.is_model_ready(name, client_timeout=timeout_s):
+                out[name] = "NOT READY"
+                continue
+            out[name] = "READY"
+            if not spec.ops:
+                continue
+            op, sids = grpcclient.InferInput("OP", [1], "BYTES"), grpcclient.InferInput("SIDS", [0], "INT64")
+            op.set_data_from_numpy(schema.string_array("close"))
+            sids.set_data_from_numpy(np.zeros(0, np.int64))
+            try:
+                c.infer(name, [op, sids], client_timeout=timeout_s)
+            except InferenceServerException as e:
+                msg = e.message() or str(e)
+                if "is not healthy" in msg:
+                    out[name] = f"DEAD: {msg}"
+                elif "Deadline" in msg or "timed out" in msg.lower():
+                    out[name] = f"NOT ANSWERING within {timeout_s:g} s"
+                # any other answer (this checkpoint has no DFlash drafter) comes from a live process
+        return out
     finally:
         c.close()
-    for m, ok in states.items():
-        typer.echo(f"{m}: {'READY' if ok else 'NOT READY'}")
-    if not all(states.values()):
+
+
+@app.command("health")
+def health_cmd(url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
+               timeout_s: float = typer.Option(5.0, "--timeout", help="seconds each probe may take")) -> None:
+    """Check that the server is live, every tandem model is ready and every stage model's process
+    answers (exit 1 otherwise, 2 when no server answers)."""
+    try:
+        states = stage_health(url, timeout_s)
+    except ServerUnreachable as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    for m, state in states.items():
+        typer.echo(f"{m}: {state}")
+    if any(v != "READY" for v in states.values()):
         raise typer.Exit(1)
 
 

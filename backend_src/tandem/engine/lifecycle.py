@@ -3,12 +3,17 @@ expiry, cancellation, and drafter failures. A drafter stage that fails (an error
 ``drafter_*`` model) degrades its sessions to plain decoding, which gives the same greedy output:
 they are counted (``stats["degraded_sessions"]``), reported through ``on_event``, and their
 drafter state is dropped; sessions admitted later use the drafter again once it answers.
+
+A stage whose process died (or is being restarted) is named in ``unavailable``: no call goes to it;
+without the trunk, turns are refused; without a drafter, sessions decode plain.
 """
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Callable
+
+from .. import schema
 
 if TYPE_CHECKING:
     from .scheduler import Turn
@@ -20,6 +25,37 @@ class Lifecycle:
 
     #: ``on_event(message)``: notable events without a request to answer (a drafter failed)
     on_event: Callable[[str], None] = staticmethod(lambda msg: None)
+    #: model names of stages that must not be called (their process died; being restarted)
+    unavailable: frozenset[str] = frozenset()
+    #: ``on_stage_dead(model, reason)``: a stage call found the stage's process dead (a drafter's
+    #: sessions have gone on plain; a trunk's turns fail)
+    on_stage_dead: Callable[[str, str], None] = staticmethod(lambda model, reason: None)
+
+    def stage_name(self, stage) -> str:
+        """A stage's model name (:data:`tandem.schema.MODELS`): the proxy's or stage's ``spec``."""
+        spec = getattr(stage, "spec", None)
+        return spec.name if spec is not None else (schema.TRUNK.name if stage is self.trunk else type(stage).__name__)
+
+    def _usable(self, stage) -> bool:
+        return self.stage_name(stage) not in self.unavailable
+
+    def forget_all(self, reason: str) -> None:
+        """Every running and waiting turn gets one final ``reason``; every session is forgotten, its
+        state closed in each stage still usable (best effort: a failure is only reported)."""
+        turns = list(self.turns.values()) + list(getattr(self, "admitting", [])) + [t for _, t in self._waiting]
+        self._waiting = []
+        gone = list(self.sessions.values())
+        self.turns.clear()
+        self.sessions.clear()
+        for t in turns:
+            t.emit(None, reason, True)
+        stages = [(self.trunk, gone)] + self._by_drafter(gone)
+        for stage, group in stages:
+            if group and self._usable(stage):
+                try:
+                    stage.close([s.sid for s in group])
+                except Exception as e:  # noqa: BLE001
+                    self.on_event(f"{self.stage_name(stage)} close failed: {type(e).__name__}: {e}")
 
     def _degrade(self, group: list, e: Exception) -> None:
         """Sessions ``group`` decode plain from now on; their drafter state is dropped (best effort)."""
@@ -27,15 +63,21 @@ class Lifecycle:
         sids, arm = [s.sid for s in group], group[0].arm
         for s in group:
             s.degraded = True
+        if getattr(e, "dead", False):
+            self.on_stage_dead(self.stage_name(self.drafters[arm]), str(e))
         self.on_event(f"drafter {arm} failed ({type(e).__name__}: {e}); sequences {sids} continue by plain decoding")
         try:
-            self.drafters[arm].close(sids)
+            if self._usable(self.drafters[arm]):
+                self.drafters[arm].close(sids)
         except Exception:  # noqa: BLE001 - the stage is failing already
             pass
 
     def _open_drafters(self, new: list, warm: dict) -> None:
         """Open the new sessions' drafter state, one call per stage; a stage that fails degrades its group."""
         for stage, group in self._by_drafter(new):
+            if not self._usable(stage):
+                self._degrade(group, RuntimeError(f"{self.stage_name(stage)} is unavailable"))
+                continue
             try:
                 if any(s.sid in warm for s in group):  # a DFlash drafter starts from published tails
                     stage.open([s.sid for s in group], [warm.get(s.sid) for s in group])
@@ -46,11 +88,31 @@ class Lifecycle:
 
     def _draft(self, stage, group: list, reqs: list) -> list[list[int]]:
         """One drafter call; on failure the group is degraded and drafts nothing (its rows are plain)."""
+        if not self._usable(stage):
+            self._degrade(group, RuntimeError(f"{self.stage_name(stage)} is unavailable"))
+            return []
         try:
             return stage.draft(reqs)
         except Exception as e:  # noqa: BLE001 - plain decoding instead
             self._degrade(group, e)
             return []
+
+    def _no_free_session(self, t: Turn) -> str:
+        self.stats["sessions_refused_full"] = self.stats.get("sessions_refused_full", 0) + 1
+        cfg = self.config
+        return (f"{schema.SEQUENCE_ID}: no free session for sequence {t.sid}: all {cfg.max_sessions} sessions are open "
+                f"(max_sessions) and none closed within {cfg.admission_wait_s:g} s (admission_wait_s); end finished "
+                f"sequences with {schema.SEQUENCE_END}, or retry later")
+
+    def waiting(self) -> int:
+        """Turns of new sequences waiting for a free session slot."""
+        return len(self._waiting)
+
+    def gauges(self) -> dict[str, float]:
+        """The scheduler's gauges: ``sessions_open``, ``session_slots_free`` (``max_sessions`` minus
+        open), ``turns_running``, ``turns_waiting`` (new sequences waiting for a slot)."""
+        return {"sessions_open": len(self.sessions), "session_slots_free": self.config.max_sessions - len(self.sessions),
+                "turns_running": len(self.turns), "turns_waiting": len(self._waiting)}
 
     def close(self, sid: int) -> None:
         """Forget ``sid``; its stage state is dropped with the next batched close."""
@@ -62,9 +124,9 @@ class Lifecycle:
     def _flush_closes(self) -> None:
         gone, self._to_close = self._to_close, []
         if gone:
-            self.trunk.close([s.sid for s in gone])
-            for stage, group in self._by_drafter(gone):
-                stage.close([s.sid for s in group])
+            for stage, group in [(self.trunk, gone)] + self._by_drafter(gone):
+                if self._usable(stage):
+                    stage.close([s.sid for s in group])
 
     def expire_idle(self, now: float | None = None) -> list[int]:
         """Close sessions with no turn in progress and no activity for ``idle_timeout_s``."""
@@ -85,16 +147,17 @@ class Lifecycle:
         if t is not None:
             t.emit(None, reason, True)
 
-    def request_cancel(self, sid: int, turn: Turn | None = None) -> None:
+    def request_cancel(self, sid: int, turn: Turn | None = None, reason: str | None = None) -> None:
         """Thread-safe: cancel ``sid``'s turn at the next burst boundary (only ``turn``, when given,
-        not a later turn of the same sequence)."""
+        not a later turn of the same sequence). ``reason``: None for a client's cancel (counted in
+        ``stats["cancelled"]``), else the failure that already answered the turn."""
         with self._cancel_lock:
-            self._to_cancel[sid] = turn
+            self._to_cancel[sid] = (turn, reason)
 
     def _apply_cancels(self) -> None:
         with self._cancel_lock:
             gone, self._to_cancel = self._to_cancel, {}
-        for sid, turn in gone.items():
+        for sid, (turn, reason) in gone.items():
             if sid in self.turns and (turn is None or self.turns[sid] is turn):
-                self.cancel(sid, "cancelled by the client")
-                self.stats["cancelled"] += 1
+                self.cancel(sid, reason or "cancelled by the client")
+                self.stats["cancelled"] += reason is None

@@ -66,8 +66,12 @@ class Scheduler(Lifecycle):
         self.sessions: dict[int, SpecSession] = {}
         self.turns: dict[int, Turn] = {}
         self._to_close: list[SpecSession] = []
+        #: turns of new sequences waiting for a free session slot: (monotonic deadline, turn)
+        self._waiting: list[tuple[float, Turn]] = []
+        #: the turns whose admission calls are running (read by a watchdog thread)
+        self.admitting: list[Turn] = []
         self._cancel_lock = threading.Lock()
-        self._to_cancel: dict[int, Turn | None] = {}
+        self._to_cancel: dict[int, tuple[Turn | None, str | None]] = {}
         self.stats = {"sessions_opened": 0, "sessions_expired": 0, "cancelled": 0, "rounds": 0, "drafted": 0,
                       "accepted": 0}
         #: the prefix cache's index (None when ``config.prefix_cache_mb`` is 0)
@@ -83,6 +87,8 @@ class Scheduler(Lifecycle):
     def validate(self, t: Turn) -> str | None:
         """The one validation of a turn: error text naming the wire field and its limit, or None."""
         cfg, s = self.config, self.sessions.get(t.sid)
+        if not self._usable(self.trunk):
+            return f"{self.stage_name(self.trunk)} is restarting (its process stopped); retry in a few seconds"
         if t.spec is not None and t.spec not in schema.SPECS:
             return f"{schema.SPEC} must be one of {schema.SPECS}, got {t.spec!r}"
         arm = self._arm(t)
@@ -106,9 +112,9 @@ class Scheduler(Lifecycle):
         if bad is not None:
             return f"{schema.INPUT_IDS}: token ids must be in [0, {vocab}), got {bad}"
         if not t.start and s is None:
-            return f"{schema.CORRID}: unknown sequence id {t.sid} (send START with the first turn)"
+            return f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid} (set {schema.SEQUENCE_START} on the first turn)"
         if t.sid in self.turns:
-            return f"{schema.CORRID}: sequence id {t.sid} already has a turn in progress"
+            return f"{schema.SEQUENCE_ID}: sequence id {t.sid} already has a turn in progress"
         base = 0 if t.start or s is None else len(s.committed) + (s.anchor is not None and not self._drops_anchor(s))
         if base + len(t.tokens) >= cfg.max_ctx:
             return (f"{schema.INPUT_IDS}: {base} context + {len(t.tokens)} new tokens leaves no room to generate "
@@ -119,14 +125,27 @@ class Scheduler(Lifecycle):
 
     def admit(self, turns: list[Turn]) -> None:
         """Validate, open the new sessions' stage state (one call per stage), prime every admitted
-        turn in one trunk call, and emit each turn's first token."""
+        turn in one trunk call, and emit each turn's first token. A new sequence finding all
+        ``max_sessions`` open waits (retried by each later call) until ``admission_wait_s`` has passed."""
         ok: list[tuple[Turn, SpecSession, list[int]]] = []
         seen: set[int] = set()
-        for t in turns:
+        now = time.monotonic()
+        held, waiting = self._waiting, []
+        free = self.config.max_sessions - len(self.sessions)
+        for deadline, t in held + [(now + self.config.admission_wait_s, t) for t in turns]:
             err = self.validate(t)
             twice = t.sid in seen
             if err is None and twice:
-                err = f"{schema.CORRID}: sequence id {t.sid} sent two turns at once; the first one runs"
+                err = f"{schema.SEQUENCE_ID}: sequence id {t.sid} sent two turns at once; the first one runs"
+            if err is None and t.sid not in self.sessions:  # a new session needs a free slot
+                if free > 0:
+                    free -= 1
+                elif now < deadline:
+                    waiting.append((deadline, t))
+                    seen.add(t.sid)  # a later turn of the sequence is "two turns at once"
+                    continue
+                else:
+                    err = self._no_free_session(t)
             if err is not None:
                 t.emit(None, err, True)
                 if t.end and not twice and t.sid in self.sessions:  # END ends the sequence, refused or not
@@ -151,6 +170,7 @@ class Scheduler(Lifecycle):
             item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
             item.sampling = s.sampling = t.sampling
             ok.append((t, s, item))
+        self._waiting = waiting
         self._flush_closes()
         if not ok:
             return
@@ -158,6 +178,7 @@ class Scheduler(Lifecycle):
         for s in new:
             self.sessions[s.sid] = s
         self.stats["sessions_opened"] += len(new)
+        self.admitting = [t for t, _, _ in ok]  # a watchdog may answer them while a call hangs
         try:
             if new:
                 self.trunk.open([s.sid for s in new])
@@ -165,12 +186,16 @@ class Scheduler(Lifecycle):
                 self._open_drafters(new, warm)
             outs = self.trunk.prime([rows for _, _, rows in ok])
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
+            if getattr(e, "dead", False):  # the trunk's process died: every session's state is gone
+                self.on_stage_dead(self.stage_name(self.trunk), str(e))
             reason = self.failure_text(e) or f"admission failed: {type(e).__name__}: {e}"
             for t, s, _ in ok:
                 self.close(s.sid)
                 t.emit(None, reason, True)
             self._flush_closes()
             return
+        finally:
+            self.admitting = []
         for (t, s, rows), out in zip(ok, outs):
             self.turns[s.sid] = t
             self._publish(s, self._after_prime(s, rows, out, t.max_tokens))

@@ -16,13 +16,18 @@ def model_parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
 
+#: parameters an environment variable ``TANDEM_<NAME>`` overrides (``tandem serve`` flags, tests)
+ENV_PARAMETERS = ("prefix_cache_mb", "batch_invariant", "idle_timeout_s", "max_sessions", "admission_wait_s",
+                  "stage_timeout_s")
+
+
 def serving_config(model_config: dict) -> schema.ServingConfig:
-    """The model's parameters over :data:`tandem.schema.DEFAULTS`, with ``$TANDEM_CHECKPOINT``,
-    ``$TANDEM_DTYPE``, ``$TANDEM_PREFIX_CACHE_MB`` and ``$TANDEM_BATCH_INVARIANT`` overriding
-    ``checkpoint``, ``dtype``, ``prefix_cache_mb`` and ``batch_invariant`` (where the model has that parameter). Raises ``ValueError`` on a bad parameter."""
+    """The model's parameters over :data:`tandem.schema.DEFAULTS`, with ``$TANDEM_CHECKPOINT`` and
+    ``$TANDEM_DTYPE`` overriding ``checkpoint`` and ``dtype``, and ``$TANDEM_<NAME>`` the parameters of
+    :data:`ENV_PARAMETERS` where the model has that parameter. Raises ``ValueError`` on a bad parameter."""
     params = model_parameters(model_config)
     env = {"checkpoint": "TANDEM_CHECKPOINT", "dtype": "TANDEM_DTYPE"}
-    for name in ("prefix_cache_mb", "batch_invariant"):  # only the tandem / trunk model has it
+    for name in ENV_PARAMETERS:  # only the tandem / trunk model has it
         if name in params:
             env[name] = "TANDEM_" + name.upper()
     params.update({k: os.environ[v] for k, v in env.items() if os.environ.get(v)})
@@ -54,3 +59,76 @@ def set_torch_threads(n: int = 1) -> None:
         torch.set_num_interop_threads(n)
     except RuntimeError:
         pass
+
+
+def require_one_instance(model_config: dict) -> None:
+    """Refuse a model config whose ``instance_group`` asks for more than one instance.
+
+    Sessions live inside one process per model: ``tandem``'s worker batches every session, and each
+    stage model keys its state by sequence id. Triton routes a BLS call (and, without a sequence
+    batcher, a client request) to any instance, so a second instance would see sequences it never
+    opened. Raises ``ValueError`` saying why and what to do instead.
+    """
+    count = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
+    if count > 1:
+        raise ValueError(
+            f"model {model_config.get('name', '?')!r}: instance_group asks for {count} instances, but tandem keeps each "
+            f"sequence's state in one process per model (Triton would route a sequence's calls to any instance); "
+            f"keep count: 1 and scale out with replicas of the whole repository (README, 'Deploying safely')")
+
+
+class Gauges:
+    """Prometheus gauges of one model process (Python-backend custom metrics on the metrics port),
+    labelled ``model=<name>``; :meth:`set` sends only the values that changed (each set is an IPC to
+    the server). ``pb_utils``: the ``triton_python_backend_utils`` module; ``names``: metric name
+    (``tandem_`` + it) -> description."""
+
+    def __init__(self, pb_utils, model: str, names: dict[str, str]) -> None:
+        gauge = pb_utils.MetricFamily.GAUGE
+        self.families = [pb_utils.MetricFamily(name=f"tandem_{n}", description=d, kind=gauge) for n, d in names.items()]
+        self.metrics = {n: f.Metric(labels={"model": model}) for n, f in zip(names, self.families)}
+        self.last: dict[str, float] = {}
+
+    def set(self, values: dict[str, float]) -> None:
+        """Set each named gauge (unknown names raise ``KeyError``)."""
+        for n, v in values.items():
+            if self.last.get(n) != v:
+                self.metrics[n].set(float(v))
+                self.last[n] = v
+
+
+#: the gauge every stage model exports: sequences whose state it holds
+STAGE_GAUGES = {"stage_sequences": "sequences whose state a stage model's process holds (trunk caches, drafter states)"}
+
+
+def stage_execute(pb_utils, spec: schema.ModelSpec, stage, requests, gauges: Gauges | None = None,
+                  unavailable: str | None = None) -> list:
+    """The ``execute`` of a stage model: each request's tensors -> ``stage.handle`` -> one response;
+    a :class:`~tandem.schema.WireError` answers with its text (naming the field), anything else with
+    ``internal error: ...``; ``unavailable`` (a reason) answers every request with it. Afterwards
+    the ``stage_sequences`` gauge is set to ``len(stage.states)``."""
+    responses = []
+    for r in requests:
+        try:
+            if unavailable is not None:
+                raise schema.WireError(unavailable)
+            arrays = {n: t.as_numpy() for n in spec.input_names
+                      if (t := pb_utils.get_input_tensor_by_name(r, n)) is not None}
+            out = stage.handle(arrays)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+        except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
+            msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"
+            responses.append(pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg)))
+    if gauges is not None and stage is not None:
+        gauges.set({"stage_sequences": len(stage.states)})
+    return responses
+
+
+def reload_model(pb_utils, name: str) -> None:
+    """Restart a stage model whose process died: unload it and load it again (the server runs with
+    ``--model-control-mode=explicit``). Returns once it is loaded; raises what ``load_model`` raises."""
+    try:
+        pb_utils.unload_model(model_name=name)
+    except Exception:  # noqa: BLE001 - a model already gone is fine; load_model reports what matters
+        pass
+    pb_utils.load_model(model_name=name)

@@ -22,7 +22,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig, WireError
 from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, LocalTransport, StageError,  # noqa: F401
-                      Transport, TrunkProxy)
+                      Transport, TrunkProxy, WatchedTransport)
 
 #: ``send(outputs, error, final)``: one streamed response (``outputs`` None when ``error`` is set).
 Send = Callable[[Arrays | None, str | None, bool], None]
@@ -54,31 +54,27 @@ def parse_sampling(arrays: Arrays) -> SamplingParams | None:
     return SamplingParams.create(kw[schema.TEMPERATURE], kw[schema.TOP_K], kw[schema.TOP_P], kw[schema.SEED], mode)
 
 
-def parse_turn(arrays: Arrays, correlation_id: int | None = None) -> TurnRequest:
-    """Decode a ``tandem`` request's tensors (absent optional inputs left out of ``arrays``).
-
-    ``CORRID`` / ``START`` / ``END`` come from the sequence batcher's control inputs (falling back
-    to ``correlation_id`` and START+END when absent). Value ranges are checked once, by
-    :meth:`Scheduler.validate`. Raises :class:`~tandem.schema.WireError` naming the field when a
-    tensor has the wrong shape or a required one is missing.
+def parse_turn(arrays: Arrays, correlation_id, flags: int) -> TurnRequest:
+    """Decode a ``tandem`` request: its tensors (absent optional inputs left out of ``arrays``), its
+    correlation id (tritonclient's ``sequence_id``: a non-zero unsigned integer) and its flags
+    (:data:`tandem.schema.FLAG_START` / :data:`tandem.schema.FLAG_END`: ``sequence_start`` /
+    ``sequence_end``). Value ranges are checked once, by :meth:`Scheduler.validate`. Raises
+    :class:`~tandem.schema.WireError` naming the field when a tensor has the wrong shape, a required
+    one is missing or the sequence id is not a non-zero integer.
     """
     spec = schema.TANDEM
-    corr = arrays.get(schema.CORRID)
-    if corr is not None and np.asarray(corr).size:
-        sid = int(np.asarray(corr).reshape(-1).astype(np.uint64)[0])
-    elif correlation_id is not None:
-        sid = int(correlation_id)
-    else:
-        raise WireError(f"{schema.CORRID}: the request carries no sequence id")
-    flag = schema.TensorSpec("", "TYPE_INT32", (1,), optional=True, default=1)
-    start = bool(schema.get_scalar(arrays, dataclasses.replace(flag, name=schema.START)))
-    end = bool(schema.get_scalar(arrays, dataclasses.replace(flag, name=schema.END)))
+    if isinstance(correlation_id, str) or not correlation_id:
+        raise WireError(f"{schema.SEQUENCE_ID}: every request needs a non-zero integer sequence id (a turn of a "
+                        f"sequence; set {schema.SEQUENCE_START} on the first, {schema.SEQUENCE_END} on the last), "
+                        f"got {correlation_id!r}")
+    sid = int(correlation_id)
     ids = arrays.get(schema.INPUT_IDS)
     if ids is not None and np.asarray(ids).ndim != 1:
         raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
     tokens = [] if ids is None else np.asarray(ids).astype(np.int64).tolist()
     arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
-    return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None, start, end,
+    return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None,
+                       bool(flags & schema.FLAG_START), bool(flags & schema.FLAG_END),
                        None if schema.NUM_DRAFT_TOKENS not in arrays
                        else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), parse_sampling(arrays))
 
@@ -98,6 +94,8 @@ def receipt_outputs(receipt) -> Arrays:
 
 # -- the worker ---------------------------------------------------------------------------------------
 SHUTTING_DOWN = "server shutting down"
+#: seconds between probes of the stage processes while no turn runs
+PROBE_S = 2.0
 
 
 def server_exiting(e: BaseException) -> bool:
@@ -107,29 +105,45 @@ def server_exiting(e: BaseException) -> bool:
 
 
 class TandemFront:
-    """Sessions of the ``tandem`` model: a :class:`Scheduler` on a daemon worker thread.
+    """Sessions of the ``tandem`` model: a :class:`Scheduler` on a daemon worker thread, and a
+    watchdog thread.
 
     Args: ``trunk`` — the trunk stage or proxy; ``drafters`` — arm -> drafter stage or proxy (arms
-    not listed are refused); ``stop_ids``; ``config``; ``log(message)`` for errors that have no request; ``info(message)``
-    for notable events (a client cancelled a turn). Emits happen on the worker thread; an exception
-    inside a burst fails only the turns in flight, with one final error each.
+    not listed are refused); ``stop_ids``; ``config``; ``log(message)`` for errors that have no
+    request; ``info(message)`` for notable events (a client cancelled a turn); ``watch`` — the
+    :class:`~tandem.serving.proxies.WatchedTransport` under the proxies (None: no stage deadline);
+    ``restart(model)`` — called (on a thread of its own) when a stage's process died, to bring it
+    back; it returns when the model is loaded again (or raises); ``gauges(values)`` — called with
+    :meth:`gauge_values` whenever they may have changed.
+
+    Emits happen on the worker thread (the watchdog's while the worker waits on a stage call past
+    ``config.stage_timeout_s``); an exception inside a burst fails only the turns in flight, with
+    one final error each; a stage that died fails every turn (its state is gone) and is restarted.
     """
 
     def __init__(self, trunk, drafters: dict, stop_ids: tuple[int, ...], config: ServingConfig = schema.DEFAULTS,
                  log: Callable[[str], None] | None = None, info: Callable[[str], None] | None = None,
-                 poll_s: float = 0.005) -> None:
+                 poll_s: float = 0.005, watch: WatchedTransport | None = None,
+                 restart: Callable[[str], None] | None = None,
+                 gauges: Callable[[dict[str, float]], None] | None = None) -> None:
         self.log = log or (lambda msg: None)
         self.info = info or (lambda msg: None)
         self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids)
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
         self.sched.on_event = self.log
+        self.sched.on_stage_dead = self._stage_dead
         self.q: queue.Queue[Turn] = queue.Queue()
         self.poll_s = poll_s
+        self.watch, self.restart, self.on_gauges = watch, restart, gauges
         #: set once the server is shutting down (a stage answered "not ready", or :meth:`stop`)
         self.exiting = False
+        self._emit_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-worker", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch_loop, name="tandem-watchdog", daemon=True)
+        if watch is not None:
+            self._watchdog.start()
 
     def submit(self, req: TurnRequest, send: Send, is_cancelled: Callable[[], bool] | None = None) -> None:
         """Queue one turn. ``send`` is called once per burst and once with ``final=True`` (an error
@@ -138,26 +152,27 @@ class TandemFront:
         state: dict[str, Any] = {"done": False, "turn": None}
 
         def emit(receipt, error, final):
-            if state["done"]:
-                return
-            try:
-                if error is not None:
-                    state["done"] = True
-                    send(None, error, True)
+            with self._emit_lock:  # the watchdog may answer a turn while the worker is stuck
+                if state["done"]:
                     return
-                if not final and is_cancelled is not None and is_cancelled():
-                    self.sched.request_cancel(req.sid, state["turn"])
-                    self.info(f"sequence {req.sid}: turn cancelled by the client")
-                    state["done"] = True
-                    send(None, "cancelled by the client", True)  # closes the response stream
-                    return
-                state["done"] = final
-                send(receipt_outputs(receipt), None, final)
-            except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
-                self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
-                if not final:
-                    state["done"] = True
-                    self.sched.request_cancel(req.sid, state["turn"])
+                try:
+                    if error is not None:
+                        state["done"] = True
+                        send(None, error, True)
+                        return
+                    if not final and is_cancelled is not None and is_cancelled():
+                        self.sched.request_cancel(req.sid, state["turn"])
+                        self.info(f"sequence {req.sid}: turn cancelled by the client")
+                        state["done"] = True
+                        send(None, "cancelled by the client", True)  # closes the response stream
+                        return
+                    state["done"] = final
+                    send(receipt_outputs(receipt), None, final)
+                except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
+                    self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
+                    if not final:
+                        state["done"] = True
+                        self.sched.request_cancel(req.sid, state["turn"])
 
         state["turn"] = Turn(req.sid, req.tokens, req.max_tokens, emit, spec=req.spec, start=req.start, end=req.end,
                              num_draft_tokens=req.num_draft_tokens, sampling=req.sampling)
@@ -170,6 +185,14 @@ class TandemFront:
         except Exception as e:  # noqa: BLE001
             self.log(f"could not send an error response: {type(e).__name__}: {e}")
 
+    def gauge_values(self) -> dict[str, float]:
+        """The scheduler's gauges (:meth:`~tandem.engine.lifecycle.Lifecycle.gauges`) and its
+        lifecycle counters (``sessions_opened``, ``sessions_expired``, ``cancelled``, ...)."""
+        st = self.sched.stats
+        out = {**self.sched.gauges(), **{k: st.get(k, 0) for k in COUNTERS}}
+        assert tuple(out) == tuple(GAUGES)
+        return out
+
     def _drain(self, block: bool) -> list[Turn]:
         out = []
         try:
@@ -181,37 +204,117 @@ class TandemFront:
         return out
 
     def _loop(self) -> None:
-        last_expire = time.monotonic()
+        last_expire = last_probe = time.monotonic()
         while not self._stop.is_set():
-            new = self._drain(block=not self.sched.active())
+            sched = self.sched
+            new = self._drain(block=not sched.active())  # waiting turns retry every poll_s
             if self.exiting:  # the server is shutting down: refuse, call no stage
                 for t in new:
                     t.emit(None, SHUTTING_DOWN, True)
                 continue
             try:
-                if new:
-                    self.sched.admit(new)
-                if self.sched.active():
-                    self.sched.burst()
+                if new or sched.waiting():
+                    sched.admit(new)
+                if sched.active():
+                    sched.burst()
+                if time.monotonic() - last_expire > 1.0:
+                    sched.expire_idle()
+                    last_expire = time.monotonic()
+                if not sched.turns and time.monotonic() - last_probe > PROBE_S:
+                    last_probe = time.monotonic()
+                    self._probe()
             except Exception as e:  # noqa: BLE001 - fail the in-flight turns, keep serving
                 self.log(f"worker: {type(e).__name__}: {e}")
-                if server_exiting(e):  # the stage models are going away: no further stage calls
-                    self.exiting = True
-                    self._fail_all(SHUTTING_DOWN)
-                    continue
-                for sid in list(self.sched.turns):
-                    self.sched.cancel(sid, f"internal error: {type(e).__name__}: {e}")
-            if time.monotonic() - last_expire > 1.0:
-                self.sched.expire_idle()
-                last_expire = time.monotonic()
+                self._failed(e)
+            if self.on_gauges is not None:
+                try:
+                    self.on_gauges(self.gauge_values())
+                except Exception as e:  # noqa: BLE001 - metrics must not stop sessions
+                    self.log(f"gauges: {type(e).__name__}: {e}")
+
+    def _probe(self) -> None:
+        """While no turn runs: find stages whose process died (and restart them) before a turn needs them."""
+        sched = self.sched
+        for stage in dict.fromkeys([sched.trunk, *sched.drafters.values()]):
+            if hasattr(stage, "probe") and sched.stage_name(stage) not in sched.unavailable:
+                try:
+                    stage.probe()
+                except StageError as e:
+                    if e.dead:
+                        self._stage_dead(e.model, str(e))
+
+    def _failed(self, e: Exception) -> None:
+        """After a failed stage call: the server exiting fails everything without further calls; a
+        dead stage fails every turn (its state is gone) and is restarted; else the turns in flight fail."""
+        if server_exiting(e):  # the stage models are going away: no further stage calls
+            self.exiting = True
+            self._fail_all(SHUTTING_DOWN)
+            return
+        if isinstance(e, StageError) and e.dead:
+            self._stage_dead(e.model, str(e))
+            return
+        text = str(e) if isinstance(e, StageError) else f"internal error: {type(e).__name__}: {e}"
+        for sid in list(self.sched.turns):
+            self.sched.cancel(sid, text)
+
+    def _stage_dead(self, model: str, reason: str) -> None:
+        """``model``'s process died. The trunk's death loses every session's caches: each session is
+        forgotten and its turn fails with ``reason``; a drafter's sessions went on plain already.
+        ``restart`` runs on a thread of its own, and until it returns no call goes to ``model``."""
+        sched = self.sched
+        restart = self.restart is not None and model not in sched.unavailable
+        if restart:
+            sched.unavailable = sched.unavailable | {model}
+        if model == sched.stage_name(sched.trunk):
+            sched.forget_all(f"{reason} (every session's state was lost; restarting {model})")
+        if not restart:
+            return
+        reason = f"{model}'s process died ({reason}); restarting it"
+        sched.stats["stage_restarts"] = sched.stats.get("stage_restarts", 0) + 1
+        self.log(reason)
+
+        def run():
+            try:
+                self.restart(model)
+                self.log(f"{model} is back")
+            except Exception as e:  # noqa: BLE001 - stays unavailable; health reports it
+                self.log(f"{model} could not be restarted: {type(e).__name__}: {e}")
+                return
+            sched.unavailable = sched.unavailable - {model}
+
+        threading.Thread(target=run, name=f"tandem-restart-{model}", daemon=True).start()
+
+    def _watch_loop(self) -> None:
+        """While a stage call runs past ``stage_timeout_s``: its turns get one final error naming the
+        stage, and every turn arriving until it returns is refused with the same (the worker is stuck)."""
+        assert self.watch is not None
+        while not self._stop.wait(min(0.1, self.sched.config.stage_timeout_s / 4)):
+            err = self.watch.overdue()
+            if err is not None:
+                self.log(f"watchdog: {err}")
+                sched = self.sched
+                for _ in range(3):  # the worker may wake up meanwhile and change the dicts
+                    try:
+                        turns = list(sched.turns.values()) + list(sched.admitting) + [t for _, t in list(sched._waiting)]
+                        break
+                    except RuntimeError:
+                        turns = []
+                for t in turns:
+                    t.emit(None, str(err), True)
+                    sched.request_cancel(t.sid, t, str(err))  # closed once the worker is back
+            if self.watch.stalled is not None:
+                for t in self._drain(block=False):
+                    t.emit(None, f"{self.watch.stalled} is not answering (a call has run past "
+                                 f"{self.watch.timeout_s:g} s, stage_timeout_s); retry later", True)
 
     def _fail_all(self, reason: str) -> None:
         """Every turn in flight or queued gets one final ``reason``; sessions are forgotten without
         stage calls (at shutdown the stage models may be gone already, and their state dies with them)."""
-        for t in list(self.sched.turns.values()) + self._drain(block=False):
+        for t in list(self.sched.turns.values()) + [t for _, t in self.sched._waiting] + self._drain(block=False):
             t.emit(None, reason, True)
         self.sched.turns.clear()
         self.sched.sessions.clear()
+        self.sched._waiting.clear()
 
     def stop(self) -> None:
         """Stop the worker and fail the turns in flight (see :meth:`_fail_all`)."""
@@ -219,3 +322,20 @@ class TandemFront:
         self._stop.set()
         self._thread.join(timeout=10)
         self._fail_all(SHUTTING_DOWN)
+
+
+#: the ``tandem`` model's gauges (metric ``tandem_<name>``, :meth:`TandemFront.gauge_values`): the
+#: scheduler's (:meth:`~tandem.engine.lifecycle.Lifecycle.gauges`), then its lifecycle counters
+GAUGES = {
+    "sessions_open": "open sessions (sequences with state in the stages)",
+    "session_slots_free": "sessions that may still open (max_sessions minus open)",
+    "turns_running": "turns being generated",
+    "turns_waiting": "turns of new sequences waiting for a free session slot",
+    "sessions_opened": "sessions opened since the server started",
+    "sessions_expired": "sessions closed for idling past idle_timeout_s",
+    "sessions_refused_full": "new sequences refused after waiting admission_wait_s for a slot",
+    "cancelled": "turns cancelled by their client (stop_stream, a dropped connection)",
+    "degraded_sessions": "sessions moved to plain decoding because their drafter failed",
+    "stage_restarts": "stage models restarted after their process died",
+}
+COUNTERS = tuple(GAUGES)[4:]

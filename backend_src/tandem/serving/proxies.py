@@ -21,11 +21,55 @@ from ..schema import Arrays, WireError
 
 # -- transports ---------------------------------------------------------------------------------------
 class StageError(RuntimeError):
-    """A stage call failed; ``model`` and ``op`` say which, the message carries the remote error."""
+    """A stage call failed; ``model`` and ``op`` say which, the message carries the remote error.
+    ``dead``: the stage's process is gone (the Python backend answers "Stub process ... is not
+    healthy" about a second after it died); ``timed_out``: it did not answer within the deadline."""
 
-    def __init__(self, model: str, op: str, message: str) -> None:
+    def __init__(self, model: str, op: str, message: str, timed_out: bool = False) -> None:
         super().__init__(f"{model}.{op}: {message}")
         self.model, self.op = model, op
+        self.dead = "is not healthy" in message
+        self.timed_out = timed_out
+
+
+class WatchedTransport:
+    """A :class:`Transport` whose calls a watchdog can time out: :meth:`overdue` says which call has
+    run past ``timeout_s`` seconds (the watchdog then fails the turns waiting on it) and marks it, and
+    when that call returns at last it raises :class:`StageError` (``timed_out``) instead of returning.
+    A call that never returns keeps its thread; the watchdog answers everything else meanwhile."""
+
+    def __init__(self, inner: Transport, timeout_s: float) -> None:
+        self.inner, self.timeout_s = inner, timeout_s
+        self.stats = getattr(inner, "stats", None)
+        self._call: tuple[str, str, float] | None = None  # (model, op, monotonic start)
+        self._fired = False
+
+    def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
+        self._fired = False
+        self._call = (model.name, op, time.monotonic())
+        try:
+            out = self.inner(model, op, arrays)
+        finally:
+            self._call = None
+        if self._fired:
+            raise StageError(model.name, op, f"did not answer within {self.timeout_s:g} s (stage_timeout_s)", timed_out=True)
+        return out
+
+    def overdue(self, now: float | None = None) -> StageError | None:
+        """The running call's error once it has run past the deadline (first time only), else None."""
+        call = self._call
+        now = time.monotonic() if now is None else now
+        if call is None or self._fired or now - call[2] <= self.timeout_s:
+            return None
+        self._fired = True
+        return StageError(call[0], call[1], f"did not answer within {self.timeout_s:g} s (stage_timeout_s)",
+                          timed_out=True)
+
+    @property
+    def stalled(self) -> str | None:
+        """The model whose overdue call has not returned yet (None when none)."""
+        call = self._call
+        return call[0] if call is not None and self._fired else None
 
 
 class Transport(Protocol):
@@ -123,6 +167,11 @@ class _Proxy:
     def open(self, sids: list[int]) -> None:
         """Create empty state for ``sids`` (replacing any). Raises :class:`StageError`."""
         self.t(self.spec, "open", {"SIDS": schema.sids_to_wire(sids)})
+
+    def probe(self) -> None:
+        """A no-op call (``close`` of no sequence) that raises :class:`StageError` when the stage's
+        process is dead or does not answer (health checks)."""
+        self.t(self.spec, "close", {"SIDS": np.zeros(0, np.int64)})
 
     def close(self, sids: list[int]) -> None:
         """Drop state (best effort: a failure goes to ``on_error``, never raised)."""

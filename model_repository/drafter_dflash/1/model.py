@@ -14,8 +14,11 @@ from tandem.serving import backend
 
 class TritonPythonModel:
     def initialize(self, args):
+        config = json.loads(args["model_config"])
+        backend.require_one_instance(config)
         backend.set_torch_threads(1)
-        cfg = backend.serving_config(json.loads(args["model_config"]))
+        self.gauges = backend.Gauges(pb_utils, config["name"], backend.STAGE_GAUGES)
+        cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
         dt, arms = parse_dtype(cfg.dtype), dflash_arms(ckpt)
         self.stage = None
@@ -26,16 +29,5 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"drafter_dflash: {ckpt} ({cfg.dtype}), arms {arms or 'none'}")
 
     def execute(self, requests):
-        responses = []
-        for r in requests:
-            try:
-                if self.stage is None:
-                    raise schema.WireError("SPEC: this checkpoint has no DFlash drafter (`make model` trains one)")
-                arrays = {n: t.as_numpy() for n in schema.DRAFTER_DFLASH.input_names
-                          if (t := pb_utils.get_input_tensor_by_name(r, n)) is not None}
-                out = self.stage.handle(arrays)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
-            except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
-                msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"
-                responses.append(pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg)))
-        return responses
+        return backend.stage_execute(pb_utils, schema.DRAFTER_DFLASH, self.stage, requests, self.gauges, None if self.stage else
+                                     "SPEC: this checkpoint has no DFlash drafter (`make model` trains one)")

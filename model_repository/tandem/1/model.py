@@ -17,22 +17,27 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        backend.set_torch_threads(1)
         config = json.loads(args["model_config"])
-        idle_us = int(config["sequence_batching"]["max_sequence_idle_microseconds"])
+        backend.require_one_instance(config)
+        if "sequence_batching" in config:  # Triton would hold each sequence in a slot of its own
+            raise ValueError("model 'tandem': remove sequence_batching from config.pbtxt (the worker owns every "
+                             "session: idle expiry, max_sessions); requests still carry sequence_id and flags")
+        backend.set_torch_threads(1)
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"], require_weights=False)
         tcfg = TrunkConfig.load(ckpt)
-        cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, tcfg.max_position_embeddings),
-                                  idle_timeout_s=idle_us / 1e6)
+        cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, tcfg.max_position_embeddings))
         log = pb_utils.Logger.log_error
-        self.transport = front.BLSTransport(pb_utils)
-        drafters = {schema.MTP: front.DrafterProxy(self.transport, on_error=log)}
-        dflash = front.DFlashProxy(self.transport, on_error=log)
+        self.bls = front.BLSTransport(pb_utils)
+        transport = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
+        drafters = {schema.MTP: front.DrafterProxy(transport, on_error=log)}
+        dflash = front.DFlashProxy(transport, on_error=log)
         drafters.update({arm: dflash for arm in dflash_arms(ckpt)})
-        self.front = front.TandemFront(front.TrunkProxy(self.transport, tcfg.vocab_size, on_error=log), drafters,
+        gauges = backend.Gauges(pb_utils, "tandem", front.GAUGES)
+        self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log), drafters,
                                        ChatTokenizer(ckpt / "tokenizer.json").stop_ids, cfg, log=log,
-                                       info=pb_utils.Logger.log_info)
+                                       info=pb_utils.Logger.log_info, watch=transport,
+                                       restart=lambda m: backend.reload_model(pb_utils, m), gauges=gauges.set)
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
 
     def execute(self, requests):
@@ -49,7 +54,7 @@ class TritonPythonModel:
             arrays = {n: t.as_numpy() for n in schema.TANDEM.input_names
                       if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
             try:
-                turn = front.parse_turn(arrays, request.correlation_id())
+                turn = front.parse_turn(arrays, request.correlation_id(), request.flags())
             except schema.WireError as e:
                 self.front.reject(send, str(e))
                 continue
@@ -58,4 +63,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.front.stop()
-        pb_utils.Logger.log_info(f"tandem: BLS calls {self.transport.stats.summary()}")
+        pb_utils.Logger.log_info(f"tandem: BLS calls {self.bls.stats.summary()}")

@@ -13,9 +13,12 @@ from tandem.serving import backend
 
 class TritonPythonModel:
     def initialize(self, args):
+        config = json.loads(args["model_config"])
+        backend.require_one_instance(config)
         backend.set_torch_threads(1)
+        self.gauges = backend.Gauges(pb_utils, config["name"], backend.STAGE_GAUGES)
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
-        cfg = backend.serving_config(json.loads(args["model_config"]))
+        cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
         features = dflash_feature_layers(ckpt)
         self.stage = TrunkStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), feature_layers=features,
@@ -24,14 +27,4 @@ class TritonPythonModel:
                                  f"DFlash features from layers {list(features)}")
 
     def execute(self, requests):
-        responses = []
-        for r in requests:
-            try:
-                arrays = {n: t.as_numpy() for n in schema.TRUNK.input_names
-                          if (t := pb_utils.get_input_tensor_by_name(r, n)) is not None}
-                out = self.stage.handle(arrays)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
-            except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
-                msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"
-                responses.append(pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg)))
-        return responses
+        return backend.stage_execute(pb_utils, schema.TRUNK, self.stage, requests, self.gauges)

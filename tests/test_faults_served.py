@@ -1,0 +1,285 @@
+"""Integration (issue 10): session lifecycle against a real tritonserver, watched through the metrics
+port (each stage's ``tandem_stage_sequences``, tandem's session gauges) and the processes' memory.
+
+One server with short limits (idle 3 s, stage deadline 1.5 s, 16 sessions, 1 s admission wait):
+cancellation frees state within 1 s; the idle clock counts from the end of a turn; a full server
+answers "no free session"; 1,000 short sessions leak nothing; a stage call past its deadline and a
+dead (SIGKILL) or stopped (SIGSTOP) stage process fail their turns with an error naming the stage, show in ``tandem health``, and the next
+request after recovery works.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+
+from tandem import schema  # noqa: E402
+from tandem.serving.observe import process_rss, stub_pid, tandem_metrics  # noqa: E402
+from tandem_client.client import TandemClientError, generate, new_sequence_id, stage_health  # noqa: E402
+
+from conftest import CHECKPOINT  # noqa: E402
+
+pytestmark = pytest.mark.integration
+LIMITS = {"TANDEM_IDLE_TIMEOUT_S": "3", "TANDEM_STAGE_TIMEOUT_S": "1.5", "TANDEM_MAX_SESSIONS": "16",
+          "TANDEM_ADMISSION_WAIT_S": "1"}
+STAGES = ("trunk", "drafter_mtp", "drafter_dflash")
+PROMPT = [9, 120, 431, 77, 1500, 32, 8, 640, 91, 12]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    from tandem.serving.serve import running_server
+
+    if not (CHECKPOINT / "model.safetensors").exists():
+        pytest.skip(f"{CHECKPOINT} has no model.safetensors")
+    with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **LIMITS}, ready_timeout_s=240) as s:
+        yield s
+
+
+def state(srv) -> dict[str, float]:
+    """Sequences held per stage process and tandem's open sessions / running turns."""
+    m = tandem_metrics(srv.metrics_port)
+    return {**{s: m.get(s, {}).get("stage_sequences", 0.0) for s in STAGES},
+            "sessions": m["tandem"]["sessions_open"], "turns": m["tandem"]["turns_running"]}
+
+
+def wait_for(cond, timeout_s: float, poll_s: float = 0.05):
+    """Poll ``cond()`` until truthy; returns (value, seconds waited) or fails."""
+    t0 = time.monotonic()
+    while True:
+        v = cond()
+        if v:
+            return v, time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout_s, f"not reached within {timeout_s} s"
+        time.sleep(poll_s)
+
+
+BASELINE = {"trunk": 0.0, "drafter_mtp": 0.0, "drafter_dflash": 0.0, "sessions": 0.0, "turns": 0.0}
+
+
+class Stream:
+    """One turn on a gRPC stream of its own, with ``cancel()`` (``stop_stream(cancel_requests=True)``)."""
+
+    def __init__(self, url, sid, max_tokens, spec="mtp", start=True, end=True, tokens=PROMPT):
+        import tritonclient.grpc as grpcclient
+
+        self.c = grpcclient.InferenceServerClient(url)
+        self.q: queue.Queue = queue.Queue()
+        self.c.start_stream(callback=lambda result, error: self.q.put((result, error)))
+        ins = []
+        for name, a, dt in ((schema.INPUT_IDS, np.array(tokens, np.int32), "INT32"),
+                            (schema.MAX_TOKENS, np.array([max_tokens], np.int32), "INT32"),
+                            (schema.SPEC, np.array([spec.encode()], np.object_), "BYTES")):
+            x = grpcclient.InferInput(name, list(a.shape), dt)
+            x.set_data_from_numpy(a)
+            ins.append(x)
+        self.c.async_stream_infer(schema.TANDEM.name, ins, sequence_id=sid, sequence_start=start, sequence_end=end)
+
+    def first(self, timeout_s=30):
+        r, e = self.q.get(timeout=timeout_s)
+        assert e is None, e
+        return r.as_numpy(schema.OUTPUT_IDS).tolist()
+
+    def outcome(self, timeout_s=60):
+        """(token count, error message or None) once the final response arrives."""
+        n = 0
+        while True:
+            r, e = self.q.get(timeout=timeout_s)
+            if e is not None:
+                return n, e.message() if hasattr(e, "message") else str(e)
+            n += len(r.as_numpy(schema.OUTPUT_IDS))
+            if r.as_numpy(schema.FINISH_REASON)[0]:
+                return n, None
+
+    def cancel(self):
+        self.c.stop_stream(cancel_requests=True)
+
+    def close(self):
+        self.c.stop_stream()
+        self.c.close()
+
+
+@pytest.mark.parametrize("spec", ["mtp", "dflash2", "off"])
+def test_cancelled_turn_frees_state_within_a_second(srv, spec):
+    sid = new_sequence_id()
+    s = Stream(srv.grpc_url, sid, 400, spec)
+    s.first()
+    wait_for(lambda: state(srv)["turns"] == 1 and state(srv)["trunk"] == 1, 1.0)  # gauges follow each burst
+    s.cancel()
+    t0 = time.monotonic()
+    _, waited = wait_for(lambda: state(srv) == BASELINE, 1.0 + 0.5)
+    assert time.monotonic() - t0 <= 1.5 and waited <= 1.0 + 0.5
+    res = generate(PROMPT, max_tokens=4, url=srv.grpc_url, sequence_id=sid, spec=spec)  # the id can be reused
+    assert len(res["token_ids"]) == 4
+    s.close()
+
+
+def test_dropped_connection_frees_state(srv):
+    s = Stream(srv.grpc_url, new_sequence_id(), 400)
+    s.first()
+    s.c.close()  # the channel goes away without a cancel: Triton marks the request cancelled
+    wait_for(lambda: state(srv) == BASELINE, 2.0)
+
+
+def test_idle_clock_counts_from_the_end_of_the_turn(srv):
+    """Case 7: a turn that streams longer than the idle timeout (3 s) is followed at once by the next
+    turn of the same session; after idling past it, the session is gone."""
+    sid = new_sequence_id()
+    a = generate(PROMPT, max_tokens=600, url=srv.grpc_url, sequence_id=sid, spec="off", sequence_end=False)
+    assert a["elapsed_s"] > 3.0, "the first turn must outlast idle_timeout_s for the test to mean something"
+    b = generate([5, 6], max_tokens=4, url=srv.grpc_url, sequence_id=sid, sequence_start=False, sequence_end=False)
+    assert len(b["token_ids"]) == 4
+    one = generate(PROMPT, max_tokens=1, url=srv.grpc_url, sequence_id=sid + 1, sequence_end=False)  # done at prime
+    time.sleep(1.5)
+    assert len(generate([7], max_tokens=2, url=srv.grpc_url, sequence_id=sid + 1, sequence_start=False,
+                        sequence_end=False)["token_ids"]) == 2 and len(one["token_ids"]) == 1
+    time.sleep(3.0 + 1.5)  # past the idle timeout (the worker expires once a second)
+    for s in (sid, sid + 1):
+        with pytest.raises(TandemClientError, match=f"unknown sequence id {s}"):
+            generate([5], max_tokens=2, url=srv.grpc_url, sequence_id=s, sequence_start=False)
+    wait_for(lambda: state(srv) == BASELINE, 1.0)
+
+
+def test_a_full_server_says_no_free_session(srv):
+    """Case 9: 16 open sessions fill the server; the 17th waits ``admission_wait_s`` (1 s) and is refused
+    with an error naming the limit; the gauge shows the free slots; ending one lets a new one in."""
+    sids = [new_sequence_id() for _ in range(16)]
+    for s in sids:
+        generate(PROMPT, max_tokens=1, url=srv.grpc_url, sequence_id=s, sequence_end=False, spec="off")
+    wait_for(lambda: tandem_metrics(srv.metrics_port)["tandem"]["session_slots_free"] == 0, 1.0)  # gauges follow each loop
+    t0 = time.monotonic()
+    with pytest.raises(TandemClientError, match=r"no free session .* all 16 sessions are open \(max_sessions\)"):
+        generate(PROMPT, max_tokens=2, url=srv.grpc_url)
+    assert 0.9 < time.monotonic() - t0 < 3.0
+    generate([], max_tokens=1, url=srv.grpc_url, sequence_id=sids[0], sequence_start=False, sequence_end=True)
+    assert len(generate(PROMPT, max_tokens=2, url=srv.grpc_url)["token_ids"]) == 2
+    for s in sids[1:]:
+        generate([], max_tokens=1, url=srv.grpc_url, sequence_id=s, sequence_start=False, sequence_end=True)
+    wait_for(lambda: state(srv) == BASELINE, 1.0)
+    m = tandem_metrics(srv.metrics_port)["tandem"]
+    assert m["session_slots_free"] == 16 and m["sessions_refused_full"] >= 1
+
+
+def _session(url, i: int, rng: random.Random) -> str:
+    """One short session of the leak mix: mixed arms, 1-2 turns, every 5th cancelled mid-turn, every 7th refused."""
+    spec = ("mtp", "dflash2", "dflash", "off")[i % 4]
+    sid = new_sequence_id()
+    if i % 7 == 3:  # refused: out-of-vocabulary token
+        try:
+            generate([10**6], max_tokens=4, url=url, sequence_id=sid, spec=spec)
+        except TandemClientError:
+            return "refused"
+        return "not refused"
+    if i % 5 == 2:
+        s = Stream(url, sid, 300, spec)
+        try:
+            s.first()
+            s.cancel()
+        finally:
+            s.close()
+        return "cancelled"
+    toks = [rng.randrange(3, 8000) for _ in range(rng.randrange(4, 40))]
+    two = i % 3 == 0
+    generate(toks, max_tokens=rng.randrange(1, 6), url=url, sequence_id=sid, spec=spec, sequence_end=not two)
+    if two:
+        generate(toks[:3], max_tokens=3, url=url, sequence_id=sid, sequence_start=False)
+    return "ok"
+
+
+def test_a_thousand_sessions_leak_nothing(srv):
+    """1,000 short sessions (mixed arms, some cancelled, some refused) from 8 clients leave every
+    state gauge at baseline and each process's RSS within 5% of its value after a warm-up of 200."""
+    def run(lo, hi):
+        rng = random.Random(lo)
+        outcomes: dict[str, int] = {}
+        errors: list = []
+
+        def worker(k):
+            for i in range(lo + k, hi, 8):
+                try:
+                    o = _session(srv.grpc_url, i, rng)
+                except Exception as e:  # noqa: BLE001
+                    o = f"error {type(e).__name__}: {e}"
+                    errors.append(o)
+                outcomes[o.split(":")[0]] = outcomes.get(o.split(":")[0], 0) + 1
+
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=600)
+        return outcomes, errors
+
+    run(0, 200)
+    wait_for(lambda: state(srv) == BASELINE, 3.0)
+    before = process_rss(srv.proc.pid)
+    t0 = time.monotonic()
+    outcomes, errors = run(200, 1200)
+    elapsed = time.monotonic() - t0
+    assert not errors, errors[:5]
+    assert set(outcomes) == {"ok", "cancelled", "refused"} and sum(outcomes.values()) == 1000
+    wait_for(lambda: state(srv) == BASELINE, 3.0)
+    after = process_rss(srv.proc.pid)
+    growth = {k: after[k] / before[k] - 1 for k in before if k in after}
+    print(f"\n1,000 sessions in {elapsed:.0f} s {outcomes}; RSS growth per process: "
+          + ", ".join(f"{k} {100 * g:+.1f}%" for k, g in growth.items()))
+    assert before.keys() == after.keys() and all(g < 0.05 for g in growth.values()), growth
+
+
+def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv):
+    """Case 2: a trunk call runs past stage_timeout_s (1.5 s here; a 4,000-token prime takes ~3 s):
+    the turn being admitted and the one streaming beside it each end with one error naming the trunk
+    within the deadline + 1 s; a request arriving meanwhile is refused at once; health says the
+    trunk is not answering; once the call returns, requests work and nothing is left behind."""
+    s = Stream(srv.grpc_url, new_sequence_id(), 3000, "off")
+    s.first()
+    big = Stream(srv.grpc_url, new_sequence_id(), 8, "off", tokens=[(7 * i) % 8000 + 3 for i in range(4000)])
+    t0 = time.monotonic()
+    try:
+        n, err = s.outcome(timeout_s=10)
+        took = time.monotonic() - t0
+        assert err == "trunk.prime: did not answer within 1.5 s (stage_timeout_s)" and took < 1.5 + 1.0, (err, took)
+        assert big.outcome(timeout_s=5)[1] == err
+        with pytest.raises(TandemClientError, match="trunk is not answering"):
+            generate(PROMPT, max_tokens=2, url=srv.grpc_url)
+        assert stage_health(srv.grpc_url, timeout_s=0.5)["trunk"].startswith("NOT ANSWERING")
+    finally:
+        s.close()
+        big.close()
+    wait_for(lambda: stage_health(srv.grpc_url)["trunk"] == "READY", 10)
+    assert len(generate(PROMPT, max_tokens=4, url=srv.grpc_url)["token_ids"]) == 4
+    wait_for(lambda: state(srv) == BASELINE, 3.0)
+
+
+def test_dead_stage_fails_turns_at_once_is_reported_and_restarted(srv):
+    """Case 2: the trunk process dies mid-stream (SIGKILL): the stream ends with one error naming the
+    trunk within ~1 s (the backend notices a dead stub after a second); tandem restarts the model;
+    health reports it until it is back; then requests work and no state is left."""
+    s = Stream(srv.grpc_url, new_sequence_id(), 2000, "mtp")
+    s.first()
+    os.kill(stub_pid(srv.proc.pid, "trunk"), signal.SIGKILL)
+    t0 = time.monotonic()
+    n, err = s.outcome(timeout_s=10)
+    assert time.monotonic() - t0 < 2.5
+    assert err is not None and err.startswith("trunk.") and "not healthy" in err and "restarting trunk" in err, err
+    s.close()
+    assert stage_health(srv.grpc_url)["trunk"] != "READY"  # dead, or being reloaded
+    wait_for(lambda: stage_health(srv.grpc_url)["trunk"] == "READY", 60, poll_s=0.5)
+    wait_for(lambda: state(srv) == BASELINE, 5.0)
+    assert len(generate(PROMPT, max_tokens=4, url=srv.grpc_url, spec="mtp")["token_ids"]) == 4
+    # a drafter that stops while idle (SIGSTOP: the backend sees no heartbeat, as from a dead one) is
+    # found by the worker's probe and restarted before a turn needs it
+    os.kill(stub_pid(srv.proc.pid, "drafter_mtp"), signal.SIGSTOP)
+    wait_for(lambda: stage_health(srv.grpc_url)["drafter_mtp"] != "READY", 5, poll_s=0.2)
+    wait_for(lambda: stage_health(srv.grpc_url)["drafter_mtp"] == "READY", 60, poll_s=0.5)
+    res = generate(PROMPT, max_tokens=16, url=srv.grpc_url, spec="mtp")
+    assert res["drafted"] > 0 and tandem_metrics(srv.metrics_port)["tandem"]["stage_restarts"] == 2
