@@ -156,7 +156,7 @@ def main(
              f"{users} users for {seconds:g} s; {turns} turns, {failures} unexpected failures; "
              f"{faults.get('cancelled', 0)} turns cancelled by the client; {faults.get('bad', 0)} bad requests "
              f"({faults.get('bad_wrong', 0)} not refused as they should be)", "",
-             "| process | RSS first third (MB) | RSS growth, last third vs first |", "|---|---|---|"]
+             "| process | RSS at the end (MB) | RSS growth, last third vs first |", "|---|---|---|"]
     for name, g in growth.items():
         lines.append(f"| {name} | {samples[-2]['rss_mb'].get(name, 0):.0f} | {100 * g:+.1f}% |")
     lines += ["", f"state gauges after the run: {'baseline' if not off_baseline else off_baseline}"

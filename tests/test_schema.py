@@ -107,3 +107,25 @@ def test_range_errors_use_wire_names():
         schema.check_range(spec, 5, hi=4)
     with pytest.raises(schema.WireError, match=r"^LENGTHS must be >= 1, got 0$"):
         schema.check_range(schema.TRUNK.input("LENGTHS"), 0)
+
+
+def test_serve_options_become_checked_model_parameters(monkeypatch):
+    """`tandem serve` flags and `--set NAME=VALUE` become the TANDEM_<NAME> variables the models read;
+    an unknown name, a name no model takes, or a bad value is refused before anything starts."""
+    from tandem.serving.backend import parameter_overrides, parse_settings, serving_config
+
+    env = parameter_overrides({"spec": "mtp", "burst_rounds": 1, "max_ctx": None, **parse_settings(["max_sessions=9"])})
+    assert env == {"TANDEM_SPEC": "mtp", "TANDEM_BURST_ROUNDS": "1", "TANDEM_MAX_SESSIONS": "9"}
+    from google.protobuf import json_format
+
+    cfg = json_format.MessageToDict(load_config("tandem"), preserving_proto_field_name=True)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    got = serving_config(cfg)
+    assert (got.spec, got.burst_rounds, got.max_sessions) == ("mtp", 1, 9)
+    for bad, msg in [({"spec": "beam"}, "spec must be one of"), ({"max_k": "3"}, "no model takes parameter 'max_k'"),
+                     ({"burst_rounds": "x"}, "'burst_rounds' must be int")]:
+        with pytest.raises(ValueError, match=msg):
+            parameter_overrides(bad)
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_settings(["burst_rounds"])

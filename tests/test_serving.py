@@ -175,7 +175,7 @@ def test_multi_turn_sequence(server, engine):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "tandem"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.client"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.cli"]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
 
 
@@ -306,3 +306,59 @@ def test_coupled_speculation_equals_plain_sampling_served(server, engine):
         assert _sampled(server, prompt, 100 + i, mode=schema.COUPLED, max_tokens=24) == plain, text
         if i < 4:
             assert _sampled(server, prompt, 100 + i, spec="mtp", mode=schema.COUPLED, max_tokens=24) == plain, text
+
+
+def test_cli_reads_stdin_and_files_and_checks_flags(server, engine, tmp_path):
+    """`-` reads the prompt from stdin and `--file` from a file (never sent as literal text); flags the
+    server would refuse are refused by the client naming the flag; a URL or the HTTP port gets a hint."""
+    ref = engine.tokenizer.decode(engine.generate(engine.tokenizer.chat_prompt("Hello there"), max_tokens=6,
+                                                  spec="off")["token_ids"]) + "\n"
+    base = ("--max-tokens", "6", "--spec", "off", "--url", server.grpc_url, "--checkpoint", str(CKPT))
+    exe = Path(sys.executable).parent / "tandem"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.cli"]
+    p = subprocess.run(cmd + ["generate", "-", *base], input="Hello there", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == ref, p.stderr
+    (tmp_path / "q.txt").write_text("Hello there")
+    p = _cli("generate", "--file", str(tmp_path / "q.txt"), *base)
+    assert p.returncode == 0 and p.stdout == ref, p.stderr
+    for args, msg in [(("-k", "50", "--spec", "mtp"), "--num-draft-tokens (-k) must be in [1, 8], got 50"),
+                      (("-k", "2", "--spec", "off"), "--spec off decodes plain"),
+                      (("-k", "8", "--spec", "dflash2"), "--num-draft-tokens (-k) must be in [1, 7], got 8"),
+                      (("--max-tokens", "0"), "--max-tokens (-n) must be in [1, 4096], got 0"),
+                      (("--top-p", "1.5", "--temperature", "0.5"), "--top-p must be in (0.0, 1.0], got 1.5"),
+                      (("--sampling", "beam"), "--sampling must be one of"),
+                      (("--url", f"http://127.0.0.1:{server.grpc_port}"), "not a URL"),
+                      (("--url", f"127.0.0.1:{server.http_port}"), "is Triton's HTTP port")]:
+        p = _cli("generate", "Hi", "--checkpoint", str(CKPT), *(() if "--url" in args else ("--url", server.grpc_url)),
+                 *args)
+        assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
+    p = _cli("generate", "--checkpoint", str(CKPT), "--url", server.grpc_url)
+    assert p.returncode == 2 and "no prompt" in p.stderr
+
+
+def test_cli_chat_keeps_one_sequence(server, engine):
+    """`tandem chat`: each input line is a turn of one sequence, as two turns sent with the library."""
+    tok = engine.tokenizer
+    sid = new_sequence_id()
+    a = generate(tok.chat_prompt("Hi!"), max_tokens=8, url=server.grpc_url, sequence_id=sid, sequence_end=False,
+                 spec="mtp")
+    b = generate(tok.chat_prompt("And then?"), max_tokens=8, url=server.grpc_url, sequence_id=sid,
+                 sequence_start=False)
+    exe = Path(sys.executable).parent / "tandem"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.cli"]
+    p = subprocess.run(cmd + ["chat", "--max-tokens", "8", "--spec", "mtp", "--url", server.grpc_url, "--checkpoint",
+                              str(CKPT)], input="Hi!\nAnd then?\n", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == tok.decode(a["token_ids"]) + "\n" + tok.decode(b["token_ids"]) + "\n"
+
+
+def test_readme_python_example_runs(server):
+    """The README's Python example, run as written against this server ($TANDEM_URL)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(from tandem.model.tokenizer import ChatTokenizer\n.*?)```", readme, re.S).group(1)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TANDEM_URL": server.grpc_url, "TANDEM_CHECKPOINT": str(CKPT)})
+    assert p.returncode == 0, p.stderr
+    assert " | " in p.stdout and ("stop" in p.stdout or "length" in p.stdout)  # both turns and a finish reason

@@ -169,7 +169,7 @@ TANDEM = ModelSpec(
         TensorSpec(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
     ),
-    parameters=("checkpoint", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
+    parameters=("checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
                 "idle_timeout_s", "max_sessions", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
                 "demote_load_slope", "demote_probe_rounds"),
     decoupled=True,

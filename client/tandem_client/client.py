@@ -1,29 +1,28 @@
-"""The tandem client: a streaming gRPC client for the decoupled ``tandem`` Triton model, and the
-``tandem`` command.
+"""The tandem client library: a streaming gRPC client for the decoupled ``tandem`` Triton model.
 
-:func:`generate` sends one turn (a fresh sequence, START and END set) over a tritonclient gRPC
-stream and collects the streamed bursts; :class:`IncrementalDecoder` turns token bursts into text
-without splitting multi-byte characters; ``tandem generate`` / ``tandem health`` (:data:`app`) are
-the command line. Wire names and defaults come from :mod:`tandem.schema`.
+:func:`generate` sends one turn (by default a fresh sequence, ``sequence_start`` and
+``sequence_end`` set) over a tritonclient gRPC stream and collects the streamed bursts;
+:class:`IncrementalDecoder` turns token bursts into text without splitting multi-byte characters;
+:func:`stage_health` reports each model. The ``tandem`` command is :mod:`tandem_client.cli`. Wire
+names and defaults come from :mod:`tandem.schema`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import random
-import sys
 import time
+import urllib.request
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
-import typer
 
 from tandem import schema
 
-DEFAULT_URL = "127.0.0.1:8001"
+#: Triton's gRPC endpoint: ``$TANDEM_URL`` when set, else the one ``make serve`` opens
+DEFAULT_URL = os.environ.get("TANDEM_URL") or "127.0.0.1:8001"
 
 
 class TandemClientError(RuntimeError):
@@ -74,12 +73,36 @@ class IncrementalDecoder:
         return self._advance(self.decode(self.ids))
 
 
+def check_url(url: str) -> str:
+    """``url`` if it is ``host:port`` (Triton's gRPC endpoint), else raise :class:`TandemClientError`
+    saying what to pass instead (a scheme, a path, no port)."""
+    if "://" in url or "/" in url:
+        raise TandemClientError(f"--url takes host:port of Triton's gRPC endpoint (e.g. {DEFAULT_URL}), not a URL: "
+                                f"{url!r}")
+    host, sep, port = url.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise TandemClientError(f"--url must be host:port of Triton's gRPC endpoint (e.g. {DEFAULT_URL}), got {url!r}")
+    return url
+
+
+def _answers_http(url: str) -> bool:
+    """Whether Triton's HTTP health endpoint answers at ``url`` (the HTTP port given for the gRPC one)."""
+    try:
+        with urllib.request.urlopen(f"http://{url}/v2/health/live", timeout=1.0) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001 - anything else: not an HTTP Triton port
+        return False
+
+
 def _check_reachable(client, url: str, timeout_s: float) -> None:
     from tritonclient.utils import InferenceServerException
 
     try:
         live = client.is_server_live(client_timeout=timeout_s)
     except InferenceServerException as e:
+        if _answers_http(url):
+            raise ServerUnreachable(f"{url} is Triton's HTTP port; the tandem client speaks gRPC: pass the gRPC "
+                                    f"port (8001 by default, e.g. --url {url.rpartition(':')[0]}:8001)") from None
         raise ServerUnreachable(f"cannot reach a Triton server at {url} ({e.message() or e}); "
                                 f"start one with `make serve`") from None
     if not live:
@@ -115,7 +138,7 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     for name, v in ((schema.MAX_TOKENS, max_tokens), (schema.NUM_DRAFT_TOKENS, num_draft_tokens)):
         if v is not None and not -(2**31) <= v < 2**31:  # the wire is int32: never send a wrapped value
             raise TandemClientError(f"{name} must fit in an int32 (the server's limit is far lower), got {v}")
-    client = grpcclient.InferenceServerClient(url)
+    client = grpcclient.InferenceServerClient(check_url(url))
     try:
         _check_reachable(client, url, connect_timeout_s)
         inputs = []
@@ -190,83 +213,7 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     return out
 
 
-# -- the `tandem` command ----------------------------------------------------------------------------
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="tandem: speculative decoding sessions served from Triton.")
-
-
-def _tokenizer(checkpoint: Path):
-    from tandem.model.tokenizer import ChatTokenizer
-
-    try:
-        return ChatTokenizer(checkpoint / "tokenizer.json")
-    except FileNotFoundError as e:
-        typer.echo(f"error: {e} (pass --checkpoint DIR or set TANDEM_CHECKPOINT)", err=True)
-        raise typer.Exit(2)
-
-
 _TRITON = {"TYPE_INT32": "INT32", "TYPE_INT64": "INT64", "TYPE_FP32": "FP32", "TYPE_STRING": "BYTES"}
-
-
-@app.command("generate")
-def generate_cmd(
-    prompt: str = typer.Argument(..., help="user message; wrapped in the chat template"),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n", min=1, help="tokens to generate at most"),
-    spec: Optional[str] = typer.Option(None, "--spec", help="speculation: " + " | ".join(schema.SPECS)
-                                       + f" [default: the server's, {schema.DEFAULTS.spec} when its drafter is loaded]"),
-    num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", "-k", help="drafts per round"),
-    url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="folder with tokenizer.json "
-                                              "[default: $TANDEM_CHECKPOINT or the shipped checkpoint]"),
-    system: Optional[str] = typer.Option(None, "--system", help="optional system message"),
-    timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait between responses"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="softmax temperature [default: 0, greedy]"),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="sample from the k most likely tokens [default: 0, all]"),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="sample from the top-p probability mass [default: 1, all]"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="noise seed of a sampled turn [default: a fresh random one]"),
-    sampling: Optional[str] = typer.Option(None, "--sampling", help="speculative sampling: " + " | ".join(schema.SAMPLING_MODES)
-                                           + f" [default: {schema.REJECTION}; {schema.COUPLED} equals --spec off token for token]"),
-) -> None:
-    """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
-    if spec is not None and spec not in schema.SPECS:
-        typer.echo(f"error: --spec must be one of {schema.SPECS}, got {spec!r}", err=True)
-        raise typer.Exit(2)
-    tok = _tokenizer(checkpoint or default_checkpoint())
-    ids = tok.chat_prompt(prompt, system=system)
-    dec = IncrementalDecoder(tok.decode)
-
-    def on_tokens(new_ids):
-        piece = dec.push(new_ids)
-        if piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
-    try:
-        smp = {schema.TEMPERATURE: temperature, schema.TOP_K: top_k, schema.TOP_P: top_p, schema.SEED: seed,
-               schema.SAMPLING: sampling}
-        res = generate(ids, max_tokens=max_tokens, url=url, spec=spec, num_draft_tokens=num_draft_tokens,
-                       on_tokens=None if as_json else on_tokens, timeout_s=timeout_s, sampling=smp)
-    except ServerUnreachable as e:
-        typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
-        raise typer.Exit(2)
-    except TandemClientError as e:
-        typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
-        raise typer.Exit(1)
-    text = tok.decode(res["token_ids"])
-    if as_json:
-        keys = ("token_ids", "rounds", "drafted", "accepted", "mean_acceptance_length", "finish_reason", "tokens_per_s")
-        obj = {k: res[k] for k in keys}
-        obj["text"] = text
-        obj["ttft_s"] = res["ttft_s"]
-        print(json.dumps(obj, ensure_ascii=False))
-        return
-    sys.stdout.write(dec.flush() + "\n")
-    sys.stdout.flush()
-    tau = res["mean_acceptance_length"]
-    typer.echo(f"[{len(res['token_ids'])} tokens, {res['rounds']} rounds, tau {'-' if tau is None else f'{tau:.2f}'} "
-               f"({res['accepted']}/{res['drafted']} drafts accepted), {res['tokens_per_s']:.1f} tokens/s, "
-               f"finish {res['finish_reason']}]", err=True)
 
 
 def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, str]:
@@ -279,7 +226,7 @@ def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, st
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    c = grpcclient.InferenceServerClient(url)
+    c = grpcclient.InferenceServerClient(check_url(url))
     try:
         _check_reachable(c, url, timeout_s)
         out = {}
@@ -305,23 +252,3 @@ def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, st
         return out
     finally:
         c.close()
-
-
-@app.command("health")
-def health_cmd(url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
-               timeout_s: float = typer.Option(5.0, "--timeout", help="seconds each probe may take")) -> None:
-    """Check that the server is live, every tandem model is ready and every stage model's process
-    answers (exit 1 otherwise, 2 when no server answers)."""
-    try:
-        states = stage_health(url, timeout_s)
-    except ServerUnreachable as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    for m, state in states.items():
-        typer.echo(f"{m}: {state}")
-    if any(v != "READY" for v in states.values()):
-        raise typer.Exit(1)
-
-
-if __name__ == "__main__":
-    app()

@@ -16,20 +16,41 @@ def model_parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
 
-#: parameters an environment variable ``TANDEM_<NAME>`` overrides (``tandem serve`` flags, tests)
-ENV_PARAMETERS = ("prefix_cache_mb", "batch_invariant", "idle_timeout_s", "max_sessions", "admission_wait_s",
-                  "stage_timeout_s")
+def env_name(parameter: str) -> str:
+    """The environment variable that overrides a model parameter: ``TANDEM_`` + its name in capitals."""
+    return "TANDEM_" + parameter.upper()
+
+
+def parameter_overrides(settings: dict[str, object]) -> dict[str, str]:
+    """Model parameters given on the command line (name -> value; None: not given) as the environment
+    variables the models read (:func:`tandem.serving.backend.env_name`), checked first: raises
+    ``ValueError`` naming an unknown parameter or a bad value (the whole config is validated)."""
+    given = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items() if v is not None}
+    taken = {p for m in schema.MODELS.values() for p in m.parameters}
+    for k in given:
+        if k not in taken:
+            raise ValueError(f"no model takes parameter {k!r} (model parameters: {sorted(taken)})")
+    schema.ServingConfig.from_parameters({k: v for k, v in given.items() if k != "checkpoint"})
+    return {env_name(k): v for k, v in given.items()}
+
+
+def parse_settings(pairs: list[str]) -> dict[str, str]:
+    """``["name=value", ...]`` (``tandem serve --set``) as a dict. Raises ``ValueError`` on a malformed pair."""
+    out = {}
+    for p in pairs:
+        name, sep, value = p.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--set takes NAME=VALUE (a model parameter, e.g. burst_rounds=1), got {p!r}")
+        out[name.strip()] = value.strip()
+    return out
 
 
 def serving_config(model_config: dict) -> schema.ServingConfig:
-    """The model's parameters over :data:`tandem.schema.DEFAULTS`, with ``$TANDEM_CHECKPOINT`` and
-    ``$TANDEM_DTYPE`` overriding ``checkpoint`` and ``dtype``, and ``$TANDEM_<NAME>`` the parameters of
-    :data:`ENV_PARAMETERS` where the model has that parameter. Raises ``ValueError`` on a bad parameter."""
+    """The model's parameters over :data:`tandem.schema.DEFAULTS`, each overridden by the environment
+    variable :func:`env_name` (``$TANDEM_MAX_CTX`` for ``max_ctx``; ``tandem serve`` flags set them);
+    ``$TANDEM_CHECKPOINT`` and ``$TANDEM_DTYPE`` apply to every model. Raises ``ValueError`` on a bad parameter."""
     params = model_parameters(model_config)
-    env = {"checkpoint": "TANDEM_CHECKPOINT", "dtype": "TANDEM_DTYPE"}
-    for name in ENV_PARAMETERS:  # only the tandem / trunk model has it
-        if name in params:
-            env[name] = "TANDEM_" + name.upper()
+    env = {name: env_name(name) for name in ("checkpoint", "dtype", *params)}
     params.update({k: os.environ[v] for k, v in env.items() if os.environ.get(v)})
     return schema.ServingConfig.from_parameters(params)
 

@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import typer
 
@@ -97,10 +97,11 @@ def ensure_backend_dir(dest: str | Path = BACKEND_ROOT) -> Path:
 def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                            model_repository: str | Path = MODEL_REPOSITORY, models: tuple[str, ...] = MODELS,
                            exit_timeout_s: int = 10, log_verbose: int = 0,
-                           env_overrides: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+                           env_overrides: dict[str, str] | None = None,
+                           host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
     """The ``tritonserver`` argv and environment for ``model_repository``.
 
-    Binds HTTP/gRPC/metrics to 127.0.0.1 on the given ports, loads ``models`` explicitly, passes
+    Binds HTTP/gRPC/metrics to ``host`` (127.0.0.1 unless told) on the given ports, loads ``models`` explicitly, passes
     ``--exit-timeout-secs``; ``LD_LIBRARY_PATH`` gets the wheel's ``nvidia_pytriton.libs`` and the
     interpreter's ``LIBDIR`` (for ``libpython``) in front, ``PATH`` the virtual environment's
     ``bin`` first (the stub's embedded interpreter finds the venv from it). ``env_overrides``
@@ -114,9 +115,9 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
         f"--backend-directory={backend_dir}",
         "--model-control-mode=explicit",
         *[f"--load-model={m}" for m in models],
-        "--http-address=127.0.0.1", f"--http-port={http_port}",
-        "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}",
-        "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}",
+        f"--http-address={host}", f"--http-port={http_port}",
+        f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+        f"--metrics-address={host}", f"--metrics-port={metrics_port}",
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={exit_timeout_s}",
         f"--log-verbose={log_verbose}",
@@ -298,17 +299,40 @@ app = typer.Typer(add_completion=False, help="Run tandem's Triton model reposito
 
 
 @app.command()
-def serve(http_port: int = typer.Option(8000, help="HTTP port (127.0.0.1)"),
-          grpc_port: int = typer.Option(8001, help="gRPC port (127.0.0.1)"),
-          metrics_port: int = typer.Option(8002, help="Prometheus metrics port (127.0.0.1)"),
+def serve(http_port: int = typer.Option(8000, help="HTTP port"),
+          grpc_port: int = typer.Option(8001, help="gRPC port"),
+          metrics_port: int = typer.Option(8002, help="Prometheus metrics port"),
+          host: str = typer.Option("127.0.0.1", help="address every port binds; anything but loopback exposes an "
+                                   "unauthenticated server (README, 'Deploying safely')"),
           model_repository: Path = typer.Option(MODEL_REPOSITORY, help="Triton model repository"),
-          checkpoint: str = typer.Option("", help="checkpoint folder (sets TANDEM_CHECKPOINT); default: config.pbtxt"),
+          checkpoint: str = typer.Option("", help="checkpoint folder; default: config.pbtxt's (weights/tandem-tiny)"),
+          spec: Optional[str] = typer.Option(None, help=f"default arm of a new sequence [{schema.DEFAULTS.spec}]"),
+          num_draft_tokens: Optional[int] = typer.Option(None, help=f"MTP drafts per round when a request says none "
+                                                         f"[{schema.DEFAULTS.num_draft_tokens}]"),
+          burst_rounds: Optional[int] = typer.Option(None, help=f"verify rounds per streamed response "
+                                                     f"[{schema.DEFAULTS.burst_rounds}]"),
+          max_ctx: Optional[int] = typer.Option(None, help=f"tokens per session [{schema.DEFAULTS.max_ctx}]"),
+          dtype: Optional[str] = typer.Option(None, help=f"stage compute dtype: {' | '.join(schema.DTYPES)} "
+                                              f"[{schema.DEFAULTS.dtype}]"),
+          set_: list[str] = typer.Option([], "--set", help="any other model parameter, NAME=VALUE (repeatable; "
+                                         "README, 'Serve options')"),
           ready_timeout_s: float = typer.Option(300.0, help="seconds to wait for every model READY"),
           log_verbose: int = typer.Option(0, help="tritonserver --log-verbose")) -> None:
     """Run tritonserver in the foreground (server log on stdout); Ctrl-C stops it."""
-    overrides = {"TANDEM_CHECKPOINT": str(Path(checkpoint).resolve())} if checkpoint else {}
+    from .backend import parameter_overrides, parse_settings
+
+    try:
+        overrides = parameter_overrides({"spec": spec, "num_draft_tokens": num_draft_tokens, "burst_rounds": burst_rounds,
+                                         "max_ctx": max_ctx, "dtype": dtype, **parse_settings(set_),
+                                         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None})
+    except ValueError as e:
+        print(f"tandem: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(2)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"tandem: WARNING: binding {host}: the server has no authentication; put an authenticating TLS "
+              f"proxy in front (README, 'Deploying safely')", file=sys.stderr, flush=True)
     argv, env = server_command_and_env(http_port, grpc_port, metrics_port, model_repository,
-                                       log_verbose=log_verbose, env_overrides=overrides)
+                                       log_verbose=log_verbose, env_overrides=overrides, host=host)
     busy = busy_ports({"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
     if busy:  # before loading anything: a second server would load every model, then fail to bind
         print(f"tandem: {busy} (is another tandem / tritonserver running? stop it, or pass other --*-port "
@@ -325,8 +349,9 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port (127.0.0.1)"),
     asked_to_stop = False
     try:
         waited = wait_ready(proc, http_port, MODELS, ready_timeout_s)
-        print(f"tandem: ready in {waited:.1f} s — gRPC 127.0.0.1:{grpc_port}, HTTP 127.0.0.1:{http_port}, "
-              f"metrics 127.0.0.1:{metrics_port}, models {', '.join(MODELS)}", flush=True)
+        print(f"tandem: ready in {waited:.1f} s — gRPC {host}:{grpc_port}, HTTP {host}:{http_port}, "
+              f"metrics {host}:{metrics_port}, models {', '.join(MODELS)}"
+              + (f"; parameters {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""), flush=True)
         proc.wait()
     except KeyboardInterrupt:
         asked_to_stop = True
@@ -339,10 +364,9 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port (127.0.0.1)"),
             with contextlib.suppress(OSError):
                 os.unlink(f)
     if asked_to_stop:
-        # Triton exits non-zero when its exit timeout expires with a sequence still open; the stop
-        # was ours and everything is cleaned up, so report success.
+        # the stop was ours and everything is cleaned up: report success whatever Triton's exit code
         if proc.returncode:
-            print(f"tandem: tritonserver stopped (exit {proc.returncode}: open sequences were dropped)", flush=True)
+            print(f"tandem: tritonserver stopped (exit {proc.returncode})", flush=True)
         raise typer.Exit(0)
     raise typer.Exit(proc.returncode or 0)
 
