@@ -320,6 +320,7 @@ class Scheduler(Lifecycle):
         s.drafted += len(drafts)
         s.accepted += w.accepted
         r.rounds += 1
+        r.spec_rounds += bool(drafts)
         r.drafted += len(drafts)
         r.accepted += w.accepted
         for i in range(w.accepted):

@@ -22,7 +22,7 @@ from .demotion import DemotionState
 class Receipt:
     """What one burst produced for one session: ``tokens`` emitted, and the deltas of verify
     ``rounds``, ``drafted`` and ``accepted`` tokens; ``accepted_at[i]`` counts rounds whose draft
-    ``i`` was accepted; ``finish_reason`` is None while the turn continues, else ``"stop"`` (a stop
+    ``i`` was accepted (``spec_rounds``: the rounds that carried drafts); ``finish_reason`` is None while the turn continues, else ``"stop"`` (a stop
     token), ``"length"`` (MAX_TOKENS) or ``"context"`` (context capacity); ``top2_gaps`` the
     trunk's top-1 minus top-2 logit at each emitted token (near-tie analysis)."""
 
@@ -32,6 +32,7 @@ class Receipt:
     accepted: int = 0
     accepted_at: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    spec_rounds: int = 0
     top2_gaps: list[float] = dataclasses.field(default_factory=list)
 
 

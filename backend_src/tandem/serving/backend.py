@@ -153,3 +153,51 @@ def reload_model(pb_utils, name: str) -> None:
     except Exception:  # noqa: BLE001 - a model already gone is fine; load_model reports what matters
         pass
     pb_utils.load_model(model_name=name)
+
+
+class MetricsPublisher:
+    """Drains a :class:`~tandem.serving.telemetry.Telemetry` into Prometheus counters and histograms
+    (Python-backend custom metrics, labelled ``model=tandem``) every ``interval_s`` seconds, on a
+    thread of its own so that no metric call (an IPC each) runs on the worker's hot path."""
+
+    def __init__(self, pb_utils, telemetry, interval_s: float = 1.0) -> None:
+        import threading
+
+        from .telemetry import COUNTERS, HISTOGRAMS
+
+        fam = pb_utils.MetricFamily
+        self.telemetry, self.interval_s = telemetry, interval_s
+        self.counters = {n: fam(name=f"tandem_{n}", description=d, kind=fam.COUNTER) for n, d in COUNTERS.items()}
+        # a family must outlive its metrics: both are kept
+        self.histogram_families = {n: fam(name=f"tandem_{n}", description=d, kind=fam.HISTOGRAM)
+                                   for n, (d, _) in HISTOGRAMS.items()}
+        self.histograms = {n: self.histogram_families[n].Metric(labels={"model": "tandem"}, buckets=list(b))
+                           for n, (_, b) in HISTOGRAMS.items()}
+        self.log = pb_utils.Logger.log_error
+        self._metrics: dict = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-metrics", daemon=True)
+        self._thread.start()
+
+    def flush(self) -> None:
+        """Send everything accumulated so far."""
+        counts, samples = self.telemetry.drain()
+        for (name, labels), v in counts.items():
+            key = (name, labels)
+            if key not in self._metrics:
+                self._metrics[key] = self.counters[name].Metric(labels={"model": "tandem", **dict(labels)})
+            self._metrics[key].increment(v)
+        for name, values in samples.items():
+            for v in values:
+                self.histograms[name].observe(v)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.flush()
+            except Exception as e:  # noqa: BLE001 - a lost flush must not end the metrics
+                self.log(f"metrics: {type(e).__name__}: {e}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -21,6 +21,7 @@ from .. import schema
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig, WireError
+from .telemetry import Telemetry
 from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, LocalTransport, StageError,  # noqa: F401
                       Transport, TrunkProxy, WatchedTransport)
 
@@ -135,6 +136,9 @@ class TandemFront:
         self.q: queue.Queue[Turn] = queue.Queue()
         self.poll_s = poll_s
         self.watch, self.restart, self.on_gauges = watch, restart, gauges
+        #: request metrics (counters, histogram samples) until a publisher drains them
+        self.telemetry = Telemetry()
+        self._stat_seen: dict[str, int] = {}
         #: set once the server is shutting down (a stage answered "not ready", or :meth:`stop`)
         self.exiting = False
         self._emit_lock = threading.Lock()
@@ -149,7 +153,8 @@ class TandemFront:
         """Queue one turn. ``send`` is called once per burst and once with ``final=True`` (an error
         response is always final); it must not block for long. Exceptions from ``send`` /
         ``is_cancelled`` are logged and never reach other sessions."""
-        state: dict[str, Any] = {"done": False, "turn": None}
+        state: dict[str, Any] = {"done": False, "turn": None, "sent": False}
+        clock = self.telemetry.turn()
 
         def emit(receipt, error, final):
             with self._emit_lock:  # the watchdog may answer a turn while the worker is stuck
@@ -158,15 +163,21 @@ class TandemFront:
                 try:
                     if error is not None:
                         state["done"] = True
+                        clock.error()
                         send(None, error, True)
                         return
                     if not final and is_cancelled is not None and is_cancelled():
                         self.sched.request_cancel(req.sid, state["turn"])
                         self.info(f"sequence {req.sid}: turn cancelled by the client")
                         state["done"] = True
+                        clock.error()
                         send(None, "cancelled by the client", True)  # closes the response stream
                         return
                     state["done"] = final
+                    if not state["sent"]:
+                        state["sent"] = True
+                        self.telemetry.count("prompt_tokens_total", len(req.tokens))
+                    clock.response(receipt, receipt.spec_rounds)
                     send(receipt_outputs(receipt), None, final)
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
                     self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
@@ -226,11 +237,23 @@ class TandemFront:
             except Exception as e:  # noqa: BLE001 - fail the in-flight turns, keep serving
                 self.log(f"worker: {type(e).__name__}: {e}")
                 self._failed(e)
+            self._count_stats()
             if self.on_gauges is not None:
                 try:
                     self.on_gauges(self.gauge_values())
                 except Exception as e:  # noqa: BLE001 - metrics must not stop sessions
                     self.log(f"gauges: {type(e).__name__}: {e}")
+
+    def _count_stats(self) -> None:
+        """The scheduler's demotion and prefix-cache counts since the last call, into :attr:`telemetry`."""
+        sched = self.sched
+        now = {"demotions_total": sched.stats.get("demotions", 0), "promotions_total": sched.stats.get("promotions", 0)}
+        if sched.prefix is not None:
+            now.update(prefix_cache_hits_total=sched.prefix.stats["hits"], prefix_cache_misses_total=sched.prefix.stats["misses"])
+        for k, v in now.items():
+            if v != self._stat_seen.get(k, 0):
+                self.telemetry.count(k, v - self._stat_seen.get(k, 0))
+                self._stat_seen[k] = v
 
     def _probe(self) -> None:
         """While no turn runs: find stages whose process died (and restart them) before a turn needs them."""

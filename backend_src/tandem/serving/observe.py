@@ -25,6 +25,19 @@ def tandem_metrics(metrics_port: int, host: str = "127.0.0.1", timeout_s: float 
     return out
 
 
+def scrape(metrics_port: int, host: str = "127.0.0.1", prefix: str = "tandem_",
+           timeout_s: float = 5.0) -> dict[tuple[str, frozenset], float]:
+    """Every sample of the metrics named ``prefix*`` on the metrics port, parsed by
+    ``prometheus_client``: ``(sample name, frozenset of (label, value))`` -> value (histograms give
+    their ``_bucket`` / ``_count`` / ``_sum`` samples). Raises ``OSError`` when the port does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=timeout_s) as r:
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): float(s.value)
+            for fam in text_string_to_metric_families(text) if fam.name.startswith(prefix) for s in fam.samples}
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for task in Path(f"/proc/{pid}/task").glob("*"):

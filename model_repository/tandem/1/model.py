@@ -38,6 +38,7 @@ class TritonPythonModel:
                                        ChatTokenizer(ckpt / "tokenizer.json").stop_ids, cfg, log=log,
                                        info=pb_utils.Logger.log_info, watch=transport,
                                        restart=lambda m: backend.reload_model(pb_utils, m), gauges=gauges.set)
+        self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
 
     def execute(self, requests):
@@ -63,4 +64,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.front.stop()
+        self.metrics.stop()
         pb_utils.Logger.log_info(f"tandem: BLS calls {self.bls.stats.summary()}")
