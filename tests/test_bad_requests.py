@@ -94,6 +94,10 @@ CASES = [  # (id, inputs replacing / added to OK (None: removed), sequence flags
      "SEED must be in [0, "),
     ("unknown sampling mode", {schema.TEMPERATURE: np.array([0.7], np.float32), schema.SAMPLING: _s("beam")}, {},
      "SAMPLING must be one of ('rejection', 'coupled'), got 'beam'"),
+    ("17 stop token ids", {schema.STOP_TOKEN_IDS: _i32(*range(17))}, {}, "STOP_TOKEN_IDS: at most 16 ids, got 17"),
+    ("stop token id = vocab", {schema.STOP_TOKEN_IDS: _i32(VOCAB)}, {},
+     f"STOP_TOKEN_IDS: token ids must be in [0, {VOCAB}), got {VOCAB}"),
+    ("stop token ids 2-D", {schema.STOP_TOKEN_IDS: np.array([[1, 2]], np.int32)}, {}, "STOP_TOKEN_IDS"),
     ("no START on an unknown sequence", {}, {"start": False, "end": False}, "sequence_start"),
     ("END on an unknown sequence", {}, {"start": False, "end": True}, "sequence_start"),
 ]

@@ -112,15 +112,17 @@ def test_parse_turn():
                         "SPEC": np.array([b"OFF"], object)}, 2**64 - 2, schema.FLAG_START)
     assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens) == \
         (2**64 - 2, [1, 2], 5, "off", True, False, None)
-    t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2])}, 7,
-                      schema.FLAG_START | schema.FLAG_END)
-    assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end) == ([], None, 2, True, True)
+    t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2]),
+                       "STOP_TOKEN_IDS": np.array([7, 9], np.int32)}, 7, schema.FLAG_START | schema.FLAG_END)
+    assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end, t.stop_token_ids) == ([], None, 2, True, True, (7, 9))
     assert (fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start, fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7,
                                                                                        schema.FLAG_END).end) == (False, True)
     for inputs, corr, msg in [({"MAX_TOKENS": np.array([1])}, 0, "sequence_id: every request needs a non-zero integer"),
                               ({"MAX_TOKENS": np.array([1])}, "chat-1", "sequence_id: .* got 'chat-1'"),
                               ({}, 1, "MAX_TOKENS is required"),
                               ({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))}, 1, "INPUT_IDS must be 1-D"),
+                              ({"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros((1, 2))}, 1,
+                               "STOP_TOKEN_IDS must be 1-D"),
                               ({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([1, 2])}, 1,
                                "NUM_DRAFT_TOKENS must hold exactly 1 value")]:
         with pytest.raises(schema.WireError, match=msg):

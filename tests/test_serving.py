@@ -169,6 +169,13 @@ def test_multi_turn_sequence(server, engine):
     b = generate(tok.chat_prompt("More"), max_tokens=6, url=server.grpc_url, sequence_id=sid,
                  sequence_start=False)
     assert len(a["token_ids"]) <= 6 and 1 <= len(b["token_ids"]) <= 6
+    # usage of each turn (its final response): the context it generated from, its own tokens and rounds
+    p1, p2 = tok.chat_prompt("Hi!"), tok.chat_prompt("More")
+    assert a["usage"] == {"prompt_tokens": len(p1), "completion_tokens": len(a["token_ids"]), "rounds": a["rounds"],
+                          "mean_acceptance_length": pytest.approx(a["mean_acceptance_length"])}
+    context = len(p1) + len(a["token_ids"]) - (a["finish_reason"] == "stop") + len(p2)  # a stop token is not context
+    assert (b["usage"]["prompt_tokens"], b["usage"]["completion_tokens"], b["usage"]["rounds"]) == \
+        (context, len(b["token_ids"]), b["rounds"])
     with pytest.raises(TandemClientError, match="sequence_start"):  # END closed the sequence
         generate([], max_tokens=2, url=server.grpc_url, sequence_id=sid, sequence_start=False)
 
@@ -362,3 +369,15 @@ def test_readme_python_example_runs(server):
                        env={**os.environ, "TANDEM_URL": server.grpc_url, "TANDEM_CHECKPOINT": str(CKPT)})
     assert p.returncode == 0, p.stderr
     assert " | " in p.stdout and ("stop" in p.stdout or "length" in p.stdout)  # both turns and a finish reason
+
+
+def test_served_stop_token_ids_equal_in_process(server, engine):
+    """STOP_TOKEN_IDS over the wire: the served turn ends where the in-process one does, usage counts
+    the emitted tokens only."""
+    ids = engine.tokenizer.chat_prompt("Write a Python function that reverses a string.")
+    ref = engine.generate(ids, 32, spec="off")["token_ids"]
+    stop = next(x for k, x in enumerate(ref) if k >= 5 and ref.index(x) == k and x not in engine.tokenizer.stop_ids)
+    want = engine.generate(ids, 32, spec="mtp", stop_token_ids=(stop,))
+    got = generate(ids, 32, url=server.grpc_url, spec="mtp", stop_token_ids=[stop])
+    assert got["token_ids"] == want["token_ids"] == ref[: ref.index(stop) + 1]
+    assert got["finish_reason"] == "stop" and got["usage"]["completion_tokens"] == len(got["token_ids"])

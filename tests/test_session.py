@@ -304,3 +304,46 @@ def test_later_turn_changes_num_draft_tokens(engine, tokenizer):
         sched.burst()
     assert all(e is None for _, e, _ in got) and s.num_draft_tokens == 4 and len(s.accepted_at) == 4
     assert s.drafted - d0 == 4 * (s.rounds - r0)
+
+
+def test_stop_token_ids_cut_inside_an_accepted_block(trunk_fp32, tokenizer):
+    """A turn's STOP_TOKEN_IDS end it where plain decoding first produces one of them, also when that
+    token is an accepted draft with more of the block after it: nothing after it is emitted, the trunk
+    cache holds exactly the emitted context (the rest of the block rolled back), the receipts count
+    only emitted tokens, and the stop token stays context for the next turn (it is not the template's)."""
+    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, demote_probe_rounds=0)
+    ids = tokenizer.chat_prompt("Write a Python function that reverses a string.")
+    ref = eng.generate(ids, 40, spec="off")["token_ids"]
+    rounds: list[list[int]] = []
+    eng.generate(ids, 40, spec="mtp", on_burst=lambda r: rounds.append(list(r.tokens)))  # one receipt per round
+    ends, n = set(), 0
+    for toks in rounds:
+        n += len(toks)
+        ends.add(n - 1)  # index of each round's last token
+    inside = 0
+    for k in range(1, 30):
+        x = ref[k]
+        if ref.index(x) != k or x in tokenizer.stop_ids:
+            continue
+        sid, got = 9700 + k, []
+        eng.sched.admit([Turn(sid, ids, 40, lambda r, e, f: got.append((r, e)), spec="mtp", end=False,
+                              stop_token_ids=(x,))])
+        while sid in eng.sched.turns:
+            eng.sched.burst()
+        assert all(e is None for _, e in got)
+        out = [t for r, _ in got for t in r.tokens]
+        assert out == ref[: k + 1] and got[-1][0].finish_reason == "stop", k
+        s = eng.sched.sessions[sid]
+        eng.sched.settle()
+        assert s.committed == ids + ref[:k] and s.anchor == x and eng.trunk.cache(sid).pos == len(s.committed)
+        assert sum(r.rounds for r, _ in got) == s.rounds and sum(len(r.tokens) for r, _ in got) == k + 1
+        if k not in ends:
+            inside += 1
+            if inside == 1:  # the next turn keeps the stop token as context (one ordinary token)
+                nxt = tokenizer.chat_prompt("Thanks")
+                eng.sched.admit([Turn(sid, nxt, 2, lambda r, e, f: None, start=False)])
+                assert s.committed == ids + ref[: k + 1] + nxt
+                while sid in eng.sched.turns:
+                    eng.sched.burst()
+        eng.sched.close(sid)
+    assert inside >= 2, "no stop landed inside an accepted block: the case is not exercised"

@@ -128,12 +128,18 @@ INPUT_IDS = "INPUT_IDS"
 MAX_TOKENS = "MAX_TOKENS"
 SPEC = "SPEC"
 NUM_DRAFT_TOKENS = "NUM_DRAFT_TOKENS"
+STOP_TOKEN_IDS = "STOP_TOKEN_IDS"
+#: stop token ids a turn may add to the template's
+MAX_STOP_TOKEN_IDS = 16
 #: a turn's sequence fields, as tritonclient's ``(async_stream_)infer`` names them; Triton passes them as the
 #: request's correlation id and flags (``tandem`` has no sequence batcher: the worker owns every session)
 SEQUENCE_ID, SEQUENCE_START, SEQUENCE_END = "sequence_id", "sequence_start", "sequence_end"
 #: TRITONSERVER_RequestFlag bits of a request's ``flags()``
 FLAG_START, FLAG_END = 1, 2
 OUTPUT_IDS, ROUNDS, DRAFTED, ACCEPTED, FINISH_REASON = "OUTPUT_IDS", "ROUNDS", "DRAFTED", "ACCEPTED", "FINISH_REASON"
+#: the turn's usage so far, in every response (the final one: the turn's usage)
+PROMPT_TOKENS, COMPLETION_TOKENS, TOTAL_ROUNDS, MEAN_ACCEPTANCE_LENGTH = (
+    "PROMPT_TOKENS", "COMPLETION_TOKENS", "TOTAL_ROUNDS", "MEAN_ACCEPTANCE_LENGTH")
 TEMPERATURE, TOP_K, TOP_P, SEED, SAMPLING = "TEMPERATURE", "TOP_K", "TOP_P", "SEED", "SAMPLING"
 #: speculative sampling modes: ``rejection`` (lossless rejection sampling, Leviathan et al. 2023) and
 #: ``coupled`` (Gumbel-max over session-owned noise: token-identical to plain sampling, demote-eligible)
@@ -161,6 +167,8 @@ TANDEM = ModelSpec(
         TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), optional=True, default=DEFAULTS.num_draft_tokens,
                    lo=1, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per verify round"),
         *SAMPLING_INPUTS,
+        TensorSpec(STOP_TOKEN_IDS, "TYPE_INT32", (-1,), optional=True, default=(),
+                   doc=f"token ids that also end this turn (emitted, nothing after them; at most {MAX_STOP_TOKEN_IDS})"),
     ),
     outputs=(
         TensorSpec(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
@@ -168,6 +176,11 @@ TANDEM = ModelSpec(
         TensorSpec(DRAFTED, "TYPE_INT32", (1,), doc="draft tokens proposed in this burst"),
         TensorSpec(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
+        TensorSpec(PROMPT_TOKENS, "TYPE_INT32", (1,), doc="the turn's context: earlier turns + this prompt (usage)"),
+        TensorSpec(COMPLETION_TOKENS, "TYPE_INT32", (1,), doc="tokens this turn has generated so far (usage)"),
+        TensorSpec(TOTAL_ROUNDS, "TYPE_INT32", (1,), doc="verify rounds of this turn so far (usage)"),
+        TensorSpec(MEAN_ACCEPTANCE_LENGTH, "TYPE_FP32", (1,),
+                   doc="this turn's tau so far: 1 + accepted / rounds (0 before any round; usage)"),
     ),
     parameters=("checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
                 "idle_timeout_s", "max_sessions", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",

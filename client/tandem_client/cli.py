@@ -107,6 +107,8 @@ def generate_cmd(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="sample from the top-p probability mass [default: 1, all]"),
     seed: Optional[int] = typer.Option(None, "--seed", help="noise seed of a sampled turn [default: a fresh random one]"),
     sampling: Optional[str] = typer.Option(None, "--sampling", help=_SAMPLING_HELP),
+    stop_token_id: list[int] = typer.Option([], "--stop-token-id", help="a token id that also ends the reply "
+                                            f"(repeatable, at most {schema.MAX_STOP_TOKEN_IDS})"),
 ) -> None:
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
     smp = {schema.TEMPERATURE: temperature, schema.TOP_K: top_k, schema.TOP_P: top_p, schema.SEED: seed,
@@ -114,6 +116,8 @@ def generate_cmd(
     try:
         check_flags(max_tokens, spec, num_draft_tokens, smp)
         check_url(url)
+        if len(stop_token_id) > schema.MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"--stop-token-id: at most {schema.MAX_STOP_TOKEN_IDS}, got {len(stop_token_id)}")
         text_in = read_prompt(prompt, file)
     except (ValueError, TandemClientError) as e:
         _fail(str(e), 2)
@@ -129,12 +133,14 @@ def generate_cmd(
 
     try:
         res = generate(ids, max_tokens=max_tokens, url=url, spec=spec, num_draft_tokens=num_draft_tokens,
-                       on_tokens=None if as_json else on_tokens, timeout_s=timeout_s, sampling=smp)
+                       on_tokens=None if as_json else on_tokens, timeout_s=timeout_s, sampling=smp,
+                       stop_token_ids=stop_token_id or None)
     except TandemClientError as e:
         typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
         raise typer.Exit(2 if isinstance(e, ServerUnreachable) else 1)
     if as_json:
-        keys = ("token_ids", "rounds", "drafted", "accepted", "mean_acceptance_length", "finish_reason", "tokens_per_s")
+        keys = ("token_ids", "rounds", "drafted", "accepted", "mean_acceptance_length", "finish_reason", "tokens_per_s",
+                "usage")
         print(json.dumps({**{k: res[k] for k in keys}, "text": tok.decode(res["token_ids"]), "ttft_s": res["ttft_s"]},
                          ensure_ascii=False))
         return

@@ -113,7 +113,7 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
              num_draft_tokens: int | None = None, sequence_id: int | None = None, model: str = schema.TANDEM.name,
              on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
              connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True,
-             sampling: dict | None = None) -> dict:
+             sampling: dict | None = None, stop_token_ids: list[int] | None = None) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
@@ -123,11 +123,14 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     ``num_draft_tokens`` — drafts per round (server default when None); ``on_tokens(ids)`` — called
     on the stream's thread for each burst's new ids; ``timeout_s`` — limit between responses;
     ``sampling`` — the turn's sampling inputs by wire name (``{"TEMPERATURE": 0.8, "SEED": 7, ...}``,
-    see :data:`tandem.schema.SAMPLING_INPUTS`; None or absent names: the server's defaults, greedy).
+    see :data:`tandem.schema.SAMPLING_INPUTS`; None or absent names: the server's defaults, greedy);
+    ``stop_token_ids`` — tokens that also end the turn (emitted; nothing after them).
 
     Returns ``token_ids``, ``rounds``, ``drafted``, ``accepted``, ``mean_acceptance_length``
     (tau = 1 + accepted / rounds; None without rounds), ``finish_reason``, ``bursts``, ``ttft_s``,
-    ``elapsed_s`` (request sent to final response, seconds), ``tokens_per_s``, ``sequence_id``.
+    ``elapsed_s`` (request sent to final response, seconds), ``tokens_per_s``, ``sequence_id``, and
+    ``usage``: the server's count for the turn from its final response (``prompt_tokens``: the
+    sequence's context before generating, ``completion_tokens``, ``rounds``, ``mean_acceptance_length``).
 
     Raises :class:`ServerUnreachable` when nothing answers at ``url``, :class:`TandemClientError`
     with the server's message on an error response, or when no response arrives within ``timeout_s``.
@@ -155,6 +158,8 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
             add(schema.SPEC, np.array([spec.encode()], dtype=np.object_), "BYTES")
         if num_draft_tokens is not None:
             add(schema.NUM_DRAFT_TOKENS, np.array([num_draft_tokens], dtype=np.int32), "INT32")
+        if stop_token_ids:
+            add(schema.STOP_TOKEN_IDS, np.asarray(stop_token_ids, dtype=np.int32).reshape(-1), "INT32")
         for t in schema.SAMPLING_INPUTS:
             v = (sampling or {}).get(t.name)
             if v is not None:
@@ -164,7 +169,7 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
         q: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: q.put((result, error)))
         out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "finish_reason": None, "bursts": 0,
-               "ttft_s": None, "sequence_id": sid}
+               "ttft_s": None, "sequence_id": sid, "usage": None}
         t0 = time.perf_counter()
         completed = False
         try:
@@ -194,6 +199,10 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
                     fr = fr.decode() if isinstance(fr, bytes) else str(fr)
                     if fr:
                         out["finish_reason"] = fr
+                        out["usage"] = {"prompt_tokens": int(result.as_numpy(schema.PROMPT_TOKENS)[0]),
+                                        "completion_tokens": int(result.as_numpy(schema.COMPLETION_TOKENS)[0]),
+                                        "rounds": int(result.as_numpy(schema.TOTAL_ROUNDS)[0]),
+                                        "mean_acceptance_length": float(result.as_numpy(schema.MEAN_ACCEPTANCE_LENGTH)[0])}
                     if ids and on_tokens is not None:
                         on_tokens(ids)
                 if final:

@@ -66,10 +66,11 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str | None = None,
                  num_draft_tokens: int | None = None, on_burst=None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, sampling: str = schema.REJECTION) -> dict:
+                 top_p: float = 1.0, seed: int | None = None, sampling: str = schema.REJECTION,
+                 stop_token_ids: tuple[int, ...] = ()) -> dict:
         """Generate one turn in a fresh sequence (``temperature`` 0: greedy; else sampled with
         ``top_k``, ``top_p``, ``seed`` — None: a fresh one — and ``sampling`` mode, see
-        :mod:`tandem.engine.sampling`). Returns ``token_ids``, ``rounds``, ``drafted``,
+        :mod:`tandem.engine.sampling`; ``stop_token_ids`` end the turn too). Returns ``token_ids``, ``rounds``, ``drafted``,
         ``accepted``, ``accepted_at``, ``mean_acceptance_length`` (None without verify rounds),
         ``finish_reason``, ``ttft_s``, ``elapsed_s``, ``tokens_per_s``, ``bursts`` and ``top2_gaps``;
         ``on_burst(receipt)`` sees each burst.
@@ -103,7 +104,7 @@ class Engine:
                 on_burst(r)
 
         self.sched.admit([Turn(sid, list(prompt_ids), max_tokens, emit, spec=spec, num_draft_tokens=num_draft_tokens,
-                               sampling=params)])
+                               sampling=params, stop_token_ids=tuple(stop_token_ids))])
         while sid in self.sched.turns:
             self.sched.burst()
         if out["error"]:

@@ -33,7 +33,8 @@ class Turn:
     ``spec``: one of :data:`tandem.schema.SPECS` (None: the session's arm, or the server default for
     a new session); ``start``/``end``: Triton sequence flags;
     ``num_draft_tokens``: None for the server default; ``sampling``: the turn's
-    :class:`~tandem.engine.sampling.SamplingParams` (None: greedy); ``emit`` is called once per burst
+    :class:`~tandem.engine.sampling.SamplingParams` (None: greedy); ``stop_token_ids``: tokens that
+    end this turn besides the scheduler's ``stop_ids``; ``emit`` is called once per burst
     and once with ``final=True``.
     """
 
@@ -46,6 +47,7 @@ class Turn:
     end: bool = True
     num_draft_tokens: int | None = None
     sampling: SamplingParams | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class Scheduler(Lifecycle):
@@ -111,6 +113,11 @@ class Scheduler(Lifecycle):
         bad = next((x for x in t.tokens if vocab is not None and not 0 <= x < vocab), None)
         if bad is not None:
             return f"{schema.INPUT_IDS}: token ids must be in [0, {vocab}), got {bad}"
+        if len(t.stop_token_ids) > schema.MAX_STOP_TOKEN_IDS:
+            return f"{schema.STOP_TOKEN_IDS}: at most {schema.MAX_STOP_TOKEN_IDS} ids, got {len(t.stop_token_ids)}"
+        bad = next((x for x in t.stop_token_ids if not 0 <= x < (vocab if vocab is not None else 2**31)), None)
+        if bad is not None:
+            return f"{schema.STOP_TOKEN_IDS}: token ids must be in [0, {vocab}), got {bad}"
         if not t.start and s is None:
             return f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid} (set {schema.SEQUENCE_START} on the first turn)"
         if t.sid in self.turns:
@@ -169,6 +176,7 @@ class Scheduler(Lifecycle):
             item = self._prefix_rows(s, rows)
             item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
             item.sampling = s.sampling = t.sampling
+            s.stop_ids = self.stop_ids + tuple(x for x in t.stop_token_ids if x not in self.stop_ids)
             ok.append((t, s, item))
         self._waiting = waiting
         self._flush_closes()
@@ -202,8 +210,9 @@ class Scheduler(Lifecycle):
         self._flush_closes()
 
     def _drops_anchor(self, s: SpecSession) -> bool:
-        """A turn that ended at its stop token leaves that token as the anchor; it is not context:
-        the next turn's own first token (``<|user|>`` in the chat template) is the boundary."""
+        """A turn that ended at the template's stop token leaves that token as the anchor; it is not
+        context: the next turn's own first token (``<|user|>`` in the chat template) is the boundary.
+        (A turn's own ``stop_token_ids`` are ordinary text: such an anchor stays context.)"""
         return s.anchor is not None and s.finish_reason == "stop" and s.anchor in self.stop_ids
 
     def _prefix_rows(self, s: SpecSession, rows: list[int]) -> Rows:
@@ -230,7 +239,7 @@ class Scheduler(Lifecycle):
         s.ingest = ingest
         s.last_active = time.monotonic()
         r = Receipt(tokens=[tok], top2_gaps=[float(out.top2_gap[-1])], accepted_at=[0] * len(s.accepted_at))
-        self._finish(s, r, "stop" if tok in self.stop_ids else ("length" if s.turn_remaining <= 0 else None))
+        self._finish(s, r, "stop" if tok in s.stop_ids else ("length" if s.turn_remaining <= 0 else None))
         return r
 
     def _finish(self, s: SpecSession, r: Receipt, finish: str | None) -> None:
@@ -314,7 +323,7 @@ class Scheduler(Lifecycle):
     def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt, load: int | None) -> int:
         """Apply the accept walk to the session and the burst's receipt (and, after a speculative
         round with ``load`` active sessions, to the demotion policy); returns rows to commit."""
-        w = accept_walk(drafts, out.argmax.tolist(), self.stop_ids, s.turn_remaining)
+        w = accept_walk(drafts, out.argmax.tolist(), s.stop_ids, s.turn_remaining)
         m = len(w.emitted)
         s.rounds += 1
         s.drafted += len(drafts)

@@ -79,6 +79,8 @@ class SpecSession:
     demotion: DemotionState = dataclasses.field(default_factory=DemotionState)
     #: its drafter failed: it decodes plain for the rest of its life (:mod:`tandem.engine.lifecycle`)
     degraded: bool = False
+    #: tokens that end the current turn: the scheduler's and the turn's own ``stop_token_ids``
+    stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.accepted_at:

@@ -1,6 +1,7 @@
-"""Everything that runs inside the ``tandem`` Triton model (besides the engine it drives): request
-parsing and the worker thread that runs a :class:`~tandem.engine.scheduler.Scheduler`; the stage
-proxies it drives live in :mod:`tandem.serving.proxies` (re-exported here).
+"""Everything that runs inside the ``tandem`` Triton model (besides the engine it drives): the worker
+thread that runs a :class:`~tandem.engine.scheduler.Scheduler`, its watchdog, stage restarts and
+gauges. Request parsing and response packing live in :mod:`tandem.serving.turns`, the stage proxies
+in :mod:`tandem.serving.proxies` (both re-exported here).
 
 Triton-free: ``model_repository/tandem/1/model.py`` converts ``pb_utils`` tensors to numpy and back;
 :class:`BLSTransport` gets ``pb_utils`` passed in. With :class:`LocalTransport` the same code runs
@@ -9,88 +10,21 @@ in-process over the stages' wire form (``handle``), which is how it is unit-test
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
-
 from .. import schema
-from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Scheduler, Turn
-from ..schema import Arrays, ServingConfig, WireError
+from ..schema import Arrays, ServingConfig
 from .telemetry import Telemetry
+from .turns import TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
 from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, LocalTransport, StageError,  # noqa: F401
                       Transport, TrunkProxy, WatchedTransport)
 
 #: ``send(outputs, error, final)``: one streamed response (``outputs`` None when ``error`` is set).
 Send = Callable[[Arrays | None, str | None, bool], None]
-
-
-# -- requests in, receipts out ------------------------------------------------------------------------
-@dataclasses.dataclass
-class TurnRequest:
-    """A decoded ``tandem`` request: a :class:`~tandem.engine.scheduler.Turn` without its ``emit``."""
-
-    sid: int
-    tokens: list[int]
-    max_tokens: int
-    spec: str | None = None
-    start: bool = True
-    end: bool = True
-    num_draft_tokens: int | None = None
-    sampling: SamplingParams | None = None
-
-
-def parse_sampling(arrays: Arrays) -> SamplingParams | None:
-    """The turn's sampling inputs (None when it sends none: greedy). Raises
-    :class:`~tandem.schema.WireError` naming a field of the wrong shape or out of range."""
-    specs = {t.name: t for t in schema.SAMPLING_INPUTS}
-    if not any(n in arrays for n in specs):
-        return None
-    kw = {n: schema.get_scalar(arrays, t) for n, t in specs.items() if n != schema.SAMPLING}
-    mode = schema.get_string(arrays, specs[schema.SAMPLING]).strip().lower()
-    return SamplingParams.create(kw[schema.TEMPERATURE], kw[schema.TOP_K], kw[schema.TOP_P], kw[schema.SEED], mode)
-
-
-def parse_turn(arrays: Arrays, correlation_id, flags: int) -> TurnRequest:
-    """Decode a ``tandem`` request: its tensors (absent optional inputs left out of ``arrays``), its
-    correlation id (tritonclient's ``sequence_id``: a non-zero unsigned integer) and its flags
-    (:data:`tandem.schema.FLAG_START` / :data:`tandem.schema.FLAG_END`: ``sequence_start`` /
-    ``sequence_end``). Value ranges are checked once, by :meth:`Scheduler.validate`. Raises
-    :class:`~tandem.schema.WireError` naming the field when a tensor has the wrong shape, a required
-    one is missing or the sequence id is not a non-zero integer.
-    """
-    spec = schema.TANDEM
-    if isinstance(correlation_id, str) or not correlation_id:
-        raise WireError(f"{schema.SEQUENCE_ID}: every request needs a non-zero integer sequence id (a turn of a "
-                        f"sequence; set {schema.SEQUENCE_START} on the first, {schema.SEQUENCE_END} on the last), "
-                        f"got {correlation_id!r}")
-    sid = int(correlation_id)
-    ids = arrays.get(schema.INPUT_IDS)
-    if ids is not None and np.asarray(ids).ndim != 1:
-        raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
-    tokens = [] if ids is None else np.asarray(ids).astype(np.int64).tolist()
-    arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
-    return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None,
-                       bool(flags & schema.FLAG_START), bool(flags & schema.FLAG_END),
-                       None if schema.NUM_DRAFT_TOKENS not in arrays
-                       else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), parse_sampling(arrays))
-
-
-def receipt_outputs(receipt) -> Arrays:
-    """One streamed ``tandem`` response (:data:`tandem.schema.TANDEM` outputs) from a
-    :class:`~tandem.engine.session.Receipt`: ``OUTPUT_IDS [n]`` int32, ``ROUNDS`` / ``DRAFTED`` /
-    ``ACCEPTED [1]`` int32 (deltas for this burst), ``FINISH_REASON [1]`` ("" while streaming)."""
-    out = {schema.OUTPUT_IDS: np.array(receipt.tokens, dtype=np.int32),
-           schema.ROUNDS: np.array([receipt.rounds], dtype=np.int32),
-           schema.DRAFTED: np.array([receipt.drafted], dtype=np.int32),
-           schema.ACCEPTED: np.array([receipt.accepted], dtype=np.int32),
-           schema.FINISH_REASON: schema.string_array(receipt.finish_reason or "")}
-    assert tuple(out) == schema.TANDEM.output_names
-    return out
 
 
 # -- the worker ---------------------------------------------------------------------------------------
@@ -154,7 +88,7 @@ class TandemFront:
         response is always final); it must not block for long. Exceptions from ``send`` /
         ``is_cancelled`` are logged and never reach other sessions."""
         state: dict[str, Any] = {"done": False, "turn": None, "sent": False}
-        clock = self.telemetry.turn()
+        clock, usage = self.telemetry.turn(), Usage()
 
         def emit(receipt, error, final):
             with self._emit_lock:  # the watchdog may answer a turn while the worker is stuck
@@ -174,11 +108,14 @@ class TandemFront:
                         send(None, "cancelled by the client", True)  # closes the response stream
                         return
                     state["done"] = final
-                    if not state["sent"]:
+                    if not state["sent"]:  # after the prime: the session's committed rows are the context
                         state["sent"] = True
                         self.telemetry.count("prompt_tokens_total", len(req.tokens))
+                        s = self.sched.sessions.get(req.sid)
+                        usage.prompt_tokens = len(s.committed) if s is not None else len(req.tokens)
                     clock.response(receipt, receipt.spec_rounds)
-                    send(receipt_outputs(receipt), None, final)
+                    usage.add(receipt)
+                    send(receipt_outputs(receipt, usage), None, final)
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
                     self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
                     if not final:
@@ -186,7 +123,8 @@ class TandemFront:
                         self.sched.request_cancel(req.sid, state["turn"])
 
         state["turn"] = Turn(req.sid, req.tokens, req.max_tokens, emit, spec=req.spec, start=req.start, end=req.end,
-                             num_draft_tokens=req.num_draft_tokens, sampling=req.sampling)
+                             num_draft_tokens=req.num_draft_tokens, sampling=req.sampling,
+                             stop_token_ids=req.stop_token_ids)
         self.q.put(state["turn"])
 
     def reject(self, send: Send, error: str) -> None:

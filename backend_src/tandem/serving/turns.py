@@ -1,0 +1,112 @@
+"""Requests in, responses out, for the ``tandem`` model: a request's tensors, correlation id and flags
+decoded into a :class:`TurnRequest` (:func:`parse_turn`), and a burst's receipt with the turn's
+:class:`Usage` packed into one streamed response (:func:`receipt_outputs`). numpy only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import schema
+from ..engine.sampling import SamplingParams
+from ..schema import Arrays, WireError
+
+
+# -- requests in, receipts out ------------------------------------------------------------------------
+@dataclasses.dataclass
+class TurnRequest:
+    """A decoded ``tandem`` request: a :class:`~tandem.engine.scheduler.Turn` without its ``emit``."""
+
+    sid: int
+    tokens: list[int]
+    max_tokens: int
+    spec: str | None = None
+    start: bool = True
+    end: bool = True
+    num_draft_tokens: int | None = None
+    sampling: SamplingParams | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def parse_sampling(arrays: Arrays) -> SamplingParams | None:
+    """The turn's sampling inputs (None when it sends none: greedy). Raises
+    :class:`~tandem.schema.WireError` naming a field of the wrong shape or out of range."""
+    specs = {t.name: t for t in schema.SAMPLING_INPUTS}
+    if not any(n in arrays for n in specs):
+        return None
+    kw = {n: schema.get_scalar(arrays, t) for n, t in specs.items() if n != schema.SAMPLING}
+    mode = schema.get_string(arrays, specs[schema.SAMPLING]).strip().lower()
+    return SamplingParams.create(kw[schema.TEMPERATURE], kw[schema.TOP_K], kw[schema.TOP_P], kw[schema.SEED], mode)
+
+
+def parse_turn(arrays: Arrays, correlation_id, flags: int) -> TurnRequest:
+    """Decode a ``tandem`` request: its tensors (absent optional inputs left out of ``arrays``), its
+    correlation id (tritonclient's ``sequence_id``: a non-zero unsigned integer) and its flags
+    (:data:`tandem.schema.FLAG_START` / :data:`tandem.schema.FLAG_END`: ``sequence_start`` /
+    ``sequence_end``). Value ranges are checked once, by :meth:`Scheduler.validate`. Raises
+    :class:`~tandem.schema.WireError` naming the field when a tensor has the wrong shape, a required
+    one is missing or the sequence id is not a non-zero integer.
+    """
+    spec = schema.TANDEM
+    if isinstance(correlation_id, str) or not correlation_id:
+        raise WireError(f"{schema.SEQUENCE_ID}: every request needs a non-zero integer sequence id (a turn of a "
+                        f"sequence; set {schema.SEQUENCE_START} on the first, {schema.SEQUENCE_END} on the last), "
+                        f"got {correlation_id!r}")
+    sid = int(correlation_id)
+    ids = arrays.get(schema.INPUT_IDS)
+    if ids is not None and np.asarray(ids).ndim != 1:
+        raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
+    tokens = [] if ids is None else np.asarray(ids).astype(np.int64).tolist()
+    stops = arrays.get(schema.STOP_TOKEN_IDS)
+    if stops is not None and np.asarray(stops).ndim != 1:
+        raise WireError(f"{schema.STOP_TOKEN_IDS} must be 1-D, got shape {list(np.asarray(stops).shape)}")
+    arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
+    return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None,
+                       bool(flags & schema.FLAG_START), bool(flags & schema.FLAG_END),
+                       None if schema.NUM_DRAFT_TOKENS not in arrays
+                       else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), parse_sampling(arrays),
+                       () if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()))
+
+
+@dataclasses.dataclass
+class Usage:
+    """A turn's usage so far: ``prompt_tokens`` (its context: earlier turns + this prompt),
+    ``completion_tokens``, ``rounds`` and ``accepted`` (draft tokens) summed over its responses."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    accepted: int = 0
+
+    def add(self, receipt) -> None:
+        self.completion_tokens += len(receipt.tokens)
+        self.rounds += receipt.rounds
+        self.accepted += receipt.accepted
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length 1 + accepted / rounds (0.0 before any round)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+
+def receipt_outputs(receipt, usage: Usage | None = None) -> Arrays:
+    """One streamed ``tandem`` response (:data:`tandem.schema.TANDEM` outputs) from a
+    :class:`~tandem.engine.session.Receipt`: ``OUTPUT_IDS [n]`` int32, ``ROUNDS`` / ``DRAFTED`` /
+    ``ACCEPTED [1]`` int32 (deltas for this burst), ``FINISH_REASON [1]`` ("" while streaming), and
+    the turn's :class:`Usage` so far: ``PROMPT_TOKENS``, ``COMPLETION_TOKENS``, ``TOTAL_ROUNDS [1]``
+    int32, ``MEAN_ACCEPTANCE_LENGTH [1]`` fp32 (``usage`` None: this receipt alone)."""
+    if usage is None:
+        usage = Usage()
+        usage.add(receipt)
+    out = {schema.OUTPUT_IDS: np.array(receipt.tokens, dtype=np.int32),
+           schema.ROUNDS: np.array([receipt.rounds], dtype=np.int32),
+           schema.DRAFTED: np.array([receipt.drafted], dtype=np.int32),
+           schema.ACCEPTED: np.array([receipt.accepted], dtype=np.int32),
+           schema.FINISH_REASON: schema.string_array(receipt.finish_reason or ""),
+           schema.PROMPT_TOKENS: np.array([usage.prompt_tokens], dtype=np.int32),
+           schema.COMPLETION_TOKENS: np.array([usage.completion_tokens], dtype=np.int32),
+           schema.TOTAL_ROUNDS: np.array([usage.rounds], dtype=np.int32),
+           schema.MEAN_ACCEPTANCE_LENGTH: np.array([usage.tau], dtype=np.float32)}
+    assert tuple(out) == schema.TANDEM.output_names
+    return out
