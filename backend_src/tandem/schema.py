@@ -17,6 +17,12 @@ import numpy as np
 from .wire import (NUMPY, Arrays, ModelSpec, TensorSpec, WireError, check_range, check_tokens, describe,  # noqa: F401
                    get_scalar, get_string, get_vector, sids_from_wire, sids_to_wire, split_rows, string_array)
 
+#: Tokens per prefix-cache block: prompts are published and reused in whole blocks, and with the
+#: prefix cache on every prime and DFlash ingest is computed in pieces ending at multiples of it (a
+#: multiple of the KDA chunk, 16, and of ``index_kpool``), so warm and cold starts are bit-identical.
+PREFIX_BLOCK = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     """Serving defaults and limits (each written once; config.pbtxt ``parameters`` carry the same
@@ -28,7 +34,9 @@ class ServingConfig:
     ``idle_timeout_s``: a session with no turn running for longer (counted from the end of its last
     turn) is closed; ``max_sessions``: open sessions at most (a new sequence beyond it waits up to
     ``admission_wait_s`` for one to close, then gets a "no free session" error); ``stage_timeout_s``:
-    a stage call (BLS) that has not answered by then fails the turns waiting on it; ``spec``: the default arm (the fastest measured;
+    a stage call (BLS) that has not answered by then fails the turns waiting on it; ``prefill_chunk``:
+    prime rows per burst of a long prompt (a multiple of ``PREFIX_BLOCK``; 0: the whole prompt at
+    once), so streaming sessions keep getting bursts while it is primed; ``spec``: the default arm (the fastest measured;
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
     repository; ``dtype``: compute dtype of the stage models; ``prefix_cache_mb``: memory bound of
     the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off;
@@ -54,6 +62,7 @@ class ServingConfig:
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
     max_sessions: int = 256
+    prefill_chunk: int = 64
     admission_wait_s: float = 5.0
     stage_timeout_s: float = 30.0
     dtype: str = "fp32"
@@ -84,6 +93,8 @@ class ServingConfig:
         for name in ("idle_timeout_s", "stage_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_chunk < 0 or self.prefill_chunk % PREFIX_BLOCK:
+            raise ValueError(f"prefill_chunk must be 0 (off) or a multiple of {PREFIX_BLOCK}, got {self.prefill_chunk}")
         if self.admission_wait_s < 0:
             raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
         for name in ("demote_below", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope",
@@ -117,10 +128,6 @@ SPECS = (MTP, DFLASH, DFLASH2, OFF)
 DFLASH_ARMS = (DFLASH, DFLASH2)
 DTYPES = ("bf16", "fp32")
 DEFAULTS = ServingConfig()
-#: Tokens per prefix-cache block: prompts are published and reused in whole blocks, and with the
-#: prefix cache on every prime and DFlash ingest is computed in pieces ending at multiples of it (a
-#: multiple of the KDA chunk, 16, and of ``index_kpool``), so warm and cold starts are bit-identical.
-PREFIX_BLOCK = 64
 FINISH_REASONS = ("stop", "length", "context")
 
 # -- the tandem model ----------------------------------------------------------------------------------------
@@ -183,7 +190,7 @@ TANDEM = ModelSpec(
                    doc="this turn's tau so far: 1 + accepted / rounds (0 before any round; usage)"),
     ),
     parameters=("checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
-                "idle_timeout_s", "max_sessions", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
+                "idle_timeout_s", "max_sessions", "prefill_chunk", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
                 "demote_load_slope", "demote_probe_rounds"),
     decoupled=True,
 )

@@ -17,6 +17,7 @@ from ..schema import ServingConfig
 from .accept import accept_walk
 from .demotion import Demotion
 from .lifecycle import Lifecycle
+from .prefill import Prefill
 from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
 from .sampling import SamplingParams
@@ -50,7 +51,7 @@ class Turn:
     stop_token_ids: tuple[int, ...] = ()
 
 
-class Scheduler(Lifecycle):
+class Scheduler(Lifecycle, Prefill):
     """Sessions by sequence id, and the round / burst loop over them.
 
     Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
@@ -177,7 +178,7 @@ class Scheduler(Lifecycle):
             item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
             item.sampling = s.sampling = t.sampling
             s.stop_ids = self.stop_ids + tuple(x for x in t.stop_token_ids if x not in self.stop_ids)
-            ok.append((t, s, item))
+            ok.append((t, s, self._chunked(s, item, t.max_tokens)))
         self._waiting = waiting
         self._flush_closes()
         if not ok:
@@ -206,7 +207,9 @@ class Scheduler(Lifecycle):
             self.admitting = []
         for (t, s, rows), out in zip(ok, outs):
             self.turns[s.sid] = t
-            self._publish(s, self._after_prime(s, rows, out, t.max_tokens))
+            r = self._primed(s, rows, out)
+            if r is not None:  # else the prime goes on in chunks, one per burst
+                self._publish(s, r)
         self._flush_closes()
 
     def _drops_anchor(self, s: SpecSession) -> bool:
@@ -277,8 +280,12 @@ class Scheduler(Lifecycle):
 
     # -- rounds -----------------------------------------------------------------------------------
     def active(self) -> list[SpecSession]:
-        """Sessions with a turn that still generates."""
-        return [self.sessions[sid] for sid in self.turns if not self.sessions[sid].turn_done]
+        """Sessions with a turn that still generates (primed: not :meth:`prefilling`)."""
+        return [s for sid in self.turns if not (s := self.sessions[sid]).turn_done and s.prefill is None]
+
+    def busy(self) -> bool:
+        """Whether :meth:`burst` has work: a turn generating or being primed in chunks."""
+        return bool(self.active() or self.prefilling())
 
     def round(self, receipts: dict[int, Receipt]) -> None:
         """One verify round over every active session: one drafter call and one trunk verify, which
@@ -354,6 +361,7 @@ class Scheduler(Lifecycle):
         """Close the turns cancelled since the last burst, run up to ``burst_rounds`` rounds, then
         publish each session's receipt (a burst boundary)."""
         self._apply_cancels()
+        self._prefill_step()
         receipts: dict[int, Receipt] = {}
         for _ in range(self.config.burst_rounds):
             if not self.active():

@@ -81,6 +81,8 @@ class SpecSession:
     degraded: bool = False
     #: tokens that end the current turn: the scheduler's and the turn's own ``stop_token_ids``
     stop_ids: tuple[int, ...] = ()
+    #: the turn's prime while it runs in chunks (:class:`~tandem.engine.prefill.PendingPrefill`), else None
+    prefill: object = None
 
     def __post_init__(self) -> None:
         if not self.accepted_at:

@@ -147,7 +147,7 @@ class TrunkStage(KeyedStates):
             for a, b in zip(pts, pts[1:]):
                 o = self.model.prime(cache, ids[:, a - pts[0]: b - pts[0]], f)
                 parts.append(o if f else (o,))
-                if cache.pos % schema.PREFIX_BLOCK == 0 and cache.pos < pts[-1]:
+                if cache.pos % schema.PREFIX_BLOCK == 0:  # also at the end: a chunked prime goes on from there
                     self.captures.setdefault(it.sid, {})[cache.pos] = {
                         i: l.clone() for i, l in enumerate(cache.layers) if isinstance(l, KDAState)}
             cat = tuple(torch.cat(xs, 1) for xs in zip(*parts))

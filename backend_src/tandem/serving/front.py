@@ -156,7 +156,7 @@ class TandemFront:
         last_expire = last_probe = time.monotonic()
         while not self._stop.is_set():
             sched = self.sched
-            new = self._drain(block=not sched.active())  # waiting turns retry every poll_s
+            new = self._drain(block=not sched.busy())  # waiting turns retry every poll_s
             if self.exiting:  # the server is shutting down: refuse, call no stage
                 for t in new:
                     t.emit(None, SHUTTING_DOWN, True)
@@ -164,7 +164,7 @@ class TandemFront:
             try:
                 if new or sched.waiting():
                     sched.admit(new)
-                if sched.active():
+                if sched.busy():
                     sched.burst()
                 if time.monotonic() - last_expire > 1.0:
                     sched.expire_idle()

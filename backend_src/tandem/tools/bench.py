@@ -138,7 +138,7 @@ def main(
     from ..engine.inprocess import Engine
     from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
     from .bench_limits import limits, print_limits
-    from .bench_load import print_scaling, run_scaling
+    from .bench_load import print_long_prompt, print_scaling, run_long_prompt, run_scaling
     from .bench_prefix import run_prefix_section
     from .bench_report import ceilings, print_report, served_calls, speedup_ratios, summarize
     from .data import humaneval_prompts, sharegpt_prompts
@@ -249,12 +249,23 @@ def main(
             console.print(f"concurrency: {concurrency} sessions vs one at a time ({label}) ...")
             eng = plain_eng if arm == schema.OFF else engs[label]
             scaling.append({**run_scaling(eng, conc_ids, max_tokens, arm), "label": label})
+    if concurrency > 1:  # a 2,000-token prompt arriving while 4 sessions stream (chunked prefill)
+        import inspect
+        import json as json_mod
+
+        console.print("long prompt arriving while sessions stream ...")
+        long_ids = tok.chat_prompt("Explain this code:\n" + inspect.getsource(json_mod.decoder) * 3)
+        long_ids = long_ids[: (200 if quick else 2000) - 2] + long_ids[-2:]
+        streams = [tok.chat_prompt(t) for t in sharegpt_prompts(4, seed=seed + 3, exclude=seen)]
+        profile["long_prompt"] = run_long_prompt(plain_eng, streams, long_ids, 32 if quick else 160, schema.OFF)
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,
                  f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, {threads} thread(s), "
                  "interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
     print_limits(console, lim)
     print_scaling(console, scaling)
+    if "long_prompt" in profile:
+        print_long_prompt(console, profile["long_prompt"])
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "threads": threads},
               "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval, "quick": quick,

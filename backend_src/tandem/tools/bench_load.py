@@ -70,3 +70,71 @@ def print_scaling(console, rows: list[dict]) -> None:
                       f"at a time {r['one_tokens_per_s']:.1f} = [bold]{r['ratio']:.2f}x[/]; TTFT {m['ttft_s'] * 1e3:.0f} vs "
                       f"{o['ttft_s'] * 1e3:.0f} ms, ITL {m['itl_s'] * 1e3:.1f} vs {o['itl_s'] * 1e3:.1f} ms, gap between "
                       f"responses {m['gap_s'] * 1e3:.0f} vs {o['gap_s'] * 1e3:.0f} ms; outputs identical {r['identical']}")
+
+
+def _stream_with_arrival(engine, prompts: list[list[int]], max_tokens: int, spec: str,
+                         long_prompt: list[int] | None, after_bursts: int) -> dict:
+    """``prompts`` stream together; after ``after_bursts`` bursts the ``long_prompt`` turn (one token)
+    arrives. Returns the streaming sessions' per-token ITL samples (s) and the long turn's TTFT (s)."""
+    sched, base = engine.sched, 1 << 51
+    seen: dict[int, list[tuple[float, int]]] = {}
+    arrival, first = [None], [None]
+
+    def emitter(sid):
+        def emit(r, err, final):
+            if err:
+                raise RuntimeError(err)
+            if sid == base - 1:
+                first[0] = first[0] or time.perf_counter()
+            else:
+                seen.setdefault(sid, []).append((time.perf_counter(), len(r.tokens)))
+        return emit
+
+    sids = [base + i for i in range(len(prompts))]
+    sched.admit([Turn(s, list(p), max_tokens, emitter(s), spec=spec) for s, p in zip(sids, prompts)])
+    n = 0
+    while any(s in sched.turns for s in sids):
+        if long_prompt is not None and n == after_bursts:
+            arrival[0] = time.perf_counter()
+            sched.admit([Turn(base - 1, list(long_prompt), 1, emitter(base - 1), spec=spec)])
+        sched.burst()
+        n += 1
+    while base - 1 in sched.turns:
+        sched.burst()
+    itl = [(b - a) / k for ev in seen.values() for (a, _), (b, k) in zip(ev, ev[1:]) if k for _ in range(k)]
+    gap = max(b - a for ev in seen.values() for (a, _), (b, _) in zip(ev, ev[1:]))
+    return {"itl": itl, "max_gap_s": gap, "ttft_s": None if arrival[0] is None else first[0] - arrival[0]}
+
+
+def run_long_prompt(engine, prompts: list[list[int]], long_prompt: list[int], max_tokens: int, spec: str) -> dict:
+    """The streaming sessions' p90 inter-token latency alone, and with ``long_prompt`` arriving
+    mid-stream primed in chunks (the engine's ``prefill_chunk``) and all at once; the long turn's
+    TTFT each way. Ratios are p90 with / p90 alone (issue 11: at most 2x chunked)."""
+    import dataclasses
+
+    import numpy as np
+
+    cfg, sched = engine.sched.config, engine.sched
+    p90 = lambda xs: float(np.percentile(xs, 90))  # noqa: E731
+    _stream_with_arrival(engine, prompts[:1], 8, spec, None, 0)  # warm-up
+    alone = _stream_with_arrival(engine, prompts, max_tokens, spec, None, 0)
+    out = {"spec": spec, "sessions": len(prompts), "long_tokens": len(long_prompt), "chunk": cfg.prefill_chunk,
+           "alone_p90_s": p90(alone["itl"]), "alone_max_gap_s": alone["max_gap_s"]}
+    for name, chunk in (("chunked", cfg.prefill_chunk), ("whole", 0)):
+        sched.config = dataclasses.replace(cfg, prefill_chunk=chunk)
+        try:
+            r = _stream_with_arrival(engine, prompts, max_tokens, spec, long_prompt, 3)
+        finally:
+            sched.config = cfg
+        out[name] = {"p90_s": p90(r["itl"]), "ratio": p90(r["itl"]) / out["alone_p90_s"], "ttft_s": r["ttft_s"],
+                     "max_gap_s": r["max_gap_s"]}
+    return out
+
+
+def print_long_prompt(console, r: dict) -> None:
+    c, w = r["chunked"], r["whole"]
+    console.print(f"{'long prompt ' + r['spec']:>30}: {r['sessions']} streaming sessions' p90 ITL {r['alone_p90_s'] * 1e3:.1f} ms "
+                  f"alone (longest gap {r['alone_max_gap_s'] * 1e3:.0f} ms); a {r['long_tokens']}-token prompt arriving, "
+                  f"primed {r['chunk']} rows a burst: p90 {c['p90_s'] * 1e3:.1f} ms = [bold]{c['ratio']:.2f}x[/] (target <= 2x), "
+                  f"longest gap {c['max_gap_s'] * 1e3:.0f} ms, its TTFT {c['ttft_s']:.2f} s; primed at once: p90 "
+                  f"{w['p90_s'] * 1e3:.1f} ms = {w['ratio']:.2f}x, longest gap {w['max_gap_s'] * 1e3:.0f} ms, TTFT {w['ttft_s']:.2f} s")
