@@ -29,8 +29,9 @@ from tandem_client.client import TandemClientError, generate, new_sequence_id, s
 from conftest import CHECKPOINT  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# prefill_chunk 0: a long prompt is one trunk call, the stage call that outlives the deadline below
 LIMITS = {"TANDEM_IDLE_TIMEOUT_S": "3", "TANDEM_STAGE_TIMEOUT_S": "1.5", "TANDEM_MAX_SESSIONS": "16",
-          "TANDEM_ADMISSION_WAIT_S": "1"}
+          "TANDEM_ADMISSION_WAIT_S": "1", "TANDEM_PREFILL_CHUNK": "0"}
 STAGES = ("trunk", "drafter_mtp", "drafter_dflash")
 PROMPT = [9, 120, 431, 77, 1500, 32, 8, 640, 91, 12]
 
