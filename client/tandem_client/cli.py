@@ -118,6 +118,8 @@ def generate_cmd(
         check_url(url)
         if len(stop_token_id) > schema.MAX_STOP_TOKEN_IDS:
             raise ValueError(f"--stop-token-id: at most {schema.MAX_STOP_TOKEN_IDS}, got {len(stop_token_id)}")
+        if any(x < 0 for x in stop_token_id):
+            raise ValueError(f"--stop-token-id must be >= 0, got {min(stop_token_id)}")
         text_in = read_prompt(prompt, file)
     except (ValueError, TandemClientError) as e:
         _fail(str(e), 2)
@@ -191,7 +193,7 @@ def chat_cmd(
                            url=url, spec=spec if first else None, num_draft_tokens=num_draft_tokens, sequence_id=sid,
                            sequence_start=first, sequence_end=False, on_tokens=on_tokens, timeout_s=timeout_s)
         except TandemClientError as e:
-            typer.echo(f"\nerror: {e}", err=True)
+            typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
             raise typer.Exit(2 if isinstance(e, ServerUnreachable) else 1)
         sys.stdout.write(dec.flush() + "\n")
         sys.stdout.flush()
