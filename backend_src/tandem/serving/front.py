@@ -10,6 +10,7 @@ in-process over the stages' wire form (``handle``), which is how it is unit-test
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -83,8 +84,9 @@ class TandemFront:
         if watch is not None:
             self._watchdog.start()
 
-    def submit(self, req: TurnRequest, send: Send, is_cancelled: Callable[[], bool] | None = None) -> None:
-        """Queue one turn. ``send`` is called once per burst and once with ``final=True`` (an error
+    def submit(self, req: Turn, send: Send, is_cancelled: Callable[[], bool] | None = None) -> None:
+        """Queue one turn (a :func:`~tandem.serving.turns.parse_turn` result; its ``emit`` is set
+        here). ``send`` is called once per burst and once with ``final=True`` (an error
         response is always final); it must not block for long. Exceptions from ``send`` /
         ``is_cancelled`` are logged and never reach other sessions."""
         state: dict[str, Any] = {"done": False, "turn": None, "sent": False}
@@ -122,9 +124,7 @@ class TandemFront:
                         state["done"] = True
                         self.sched.request_cancel(req.sid, state["turn"])
 
-        state["turn"] = Turn(req.sid, req.tokens, req.max_tokens, emit, spec=req.spec, start=req.start, end=req.end,
-                             num_draft_tokens=req.num_draft_tokens, sampling=req.sampling,
-                             stop_token_ids=req.stop_token_ids)
+        state["turn"] = dataclasses.replace(req, emit=emit)
         self.q.put(state["turn"])
 
     def reject(self, send: Send, error: str) -> None:

@@ -10,23 +10,15 @@ import numpy as np
 
 from .. import schema
 from ..engine.sampling import SamplingParams
+from ..engine.scheduler import Turn
 from ..schema import Arrays, WireError
 
 
 # -- requests in, receipts out ------------------------------------------------------------------------
-@dataclasses.dataclass
-class TurnRequest:
-    """A decoded ``tandem`` request: a :class:`~tandem.engine.scheduler.Turn` without its ``emit``."""
-
-    sid: int
-    tokens: list[int]
-    max_tokens: int
-    spec: str | None = None
-    start: bool = True
-    end: bool = True
-    num_draft_tokens: int | None = None
-    sampling: SamplingParams | None = None
-    stop_token_ids: tuple[int, ...] = ()
+def TurnRequest(sid: int, tokens: list[int], max_tokens: int, spec: str | None = None, **fields) -> Turn:
+    """A decoded ``tandem`` request: a :class:`~tandem.engine.scheduler.Turn` (same fields) whose
+    ``emit`` is still None; :meth:`tandem.serving.front.TandemFront.submit` sets it."""
+    return Turn(sid, tokens, max_tokens, None, spec=spec, **fields)
 
 
 def parse_sampling(arrays: Arrays) -> SamplingParams | None:
@@ -40,7 +32,7 @@ def parse_sampling(arrays: Arrays) -> SamplingParams | None:
     return SamplingParams.create(kw[schema.TEMPERATURE], kw[schema.TOP_K], kw[schema.TOP_P], kw[schema.SEED], mode)
 
 
-def parse_turn(arrays: Arrays, correlation_id, flags: int) -> TurnRequest:
+def parse_turn(arrays: Arrays, correlation_id, flags: int) -> Turn:
     """Decode a ``tandem`` request: its tensors (absent optional inputs left out of ``arrays``), its
     correlation id (tritonclient's ``sequence_id``: a non-zero unsigned integer) and its flags
     (:data:`tandem.schema.FLAG_START` / :data:`tandem.schema.FLAG_END`: ``sequence_start`` /
@@ -63,10 +55,10 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int) -> TurnRequest:
         raise WireError(f"{schema.STOP_TOKEN_IDS} must be 1-D, got shape {list(np.asarray(stops).shape)}")
     arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
     return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None,
-                       bool(flags & schema.FLAG_START), bool(flags & schema.FLAG_END),
-                       None if schema.NUM_DRAFT_TOKENS not in arrays
-                       else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), parse_sampling(arrays),
-                       () if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()))
+                       start=bool(flags & schema.FLAG_START), end=bool(flags & schema.FLAG_END),
+                       num_draft_tokens=None if schema.NUM_DRAFT_TOKENS not in arrays
+                       else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), sampling=parse_sampling(arrays),
+                       stop_token_ids=() if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()))
 
 
 @dataclasses.dataclass
