@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup test serve model drafter bench loadtest soak clean
+.PHONY: setup test serve model drafter bench loadtest soak genai-perf clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -59,5 +59,13 @@ SOAK_MINUTES ?= 5
 soak: setup
 	$(VPY) -m loadtest.soak --minutes $(SOAK_MINUTES) --users $(USERS) $(ARGS)
 
+# NVIDIA GenAI-Perf profiles the text ensemble over gRPC streaming (its own venv, .venv-genai, built on first
+# use); starts its own tritonserver unless URL=host:port; CONCURRENCY, REQUESTS; artifacts in reports/genai-perf-<UTC time>/
+CONCURRENCY ?= 4
+REQUESTS ?= 24
+genai-perf: setup
+	$(VPY) -m loadtest.genai_perf --concurrency $(CONCURRENCY) --requests $(REQUESTS) --output-tokens $(MAX_TOKENS) \
+		$(if $(URL),--url $(URL)) $(ARGS)
+
 clean:
-	rm -rf $(VENV) triton_backends runs
+	rm -rf $(VENV) .venv-genai triton_backends runs

@@ -109,16 +109,23 @@ def test_service_errors_name_the_field(model):
 
 def test_parse_turn():
     t = fr.parse_turn({"INPUT_IDS": np.array([1, 2], np.int32), "MAX_TOKENS": np.array([5], np.int32),
-                        "SPEC": np.array([b"OFF"], object)}, 2**64 - 2, schema.FLAG_START)
-    assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens) == \
-        (2**64 - 2, [1, 2], 5, "off", True, False, None)
+                        "SPEC": np.array([b"OFF"], object)}, 2**63 - 2, schema.FLAG_START)
+    assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens, t.stream, t.stop) == \
+        (2**63 - 2, [1, 2], 5, "off", True, False, None, True, ())
     t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2]),
                        "STOP_TOKEN_IDS": np.array([7, 9], np.int32)}, 7, schema.FLAG_START | schema.FLAG_END)
     assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end, t.stop_token_ids) == ([], None, 2, True, True, (7, 9))
     assert (fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start, fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7,
                                                                                        schema.FLAG_END).end) == (False, True)
-    for inputs, corr, msg in [({"MAX_TOKENS": np.array([1])}, 0, "sequence_id: every request needs a non-zero integer"),
-                              ({"MAX_TOKENS": np.array([1])}, "chat-1", "sequence_id: .* got 'chat-1'"),
+    # no sequence id (HTTP generate): a one-turn session of its own, ids from 2**63 up, never reused
+    a, b = (fr.parse_turn({"MAX_TOKENS": np.array([1]), "STREAM": np.array([False]),
+                           "STOP": np.array([b"\n\n", "é".encode()], object)}, 0, 0) for _ in range(2))
+    assert a.sid >= 2**63 and b.sid == a.sid + 1 and (a.start, a.end, a.stream, a.stop) == (True, True, False, ("\n\n", "é"))
+    for inputs, corr, msg in [({"MAX_TOKENS": np.array([1])}, 2**63, r"sequence_id must be below 2\*\*63 .*one-turn"),
+                              ({"MAX_TOKENS": np.array([1])}, "chat-1", "sequence_id: sequence ids are unsigned integers, "
+                               "got the string 'chat-1'"),
+                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([[b"a"]], object)}, 1, "STOP must be 1-D"),
+                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([b"\xff"], object)}, 1, "STOP must be UTF-8"),
                               ({}, 1, "MAX_TOKENS is required"),
                               ({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))}, 1, "INPUT_IDS must be 1-D"),
                               ({"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros((1, 2))}, 1,

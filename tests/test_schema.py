@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tandem import schema
+from tandem import schema, schema_text
 from tandem.serving.serve import MODELS, MODEL_REPOSITORY
 
 
@@ -54,7 +54,7 @@ def config_errors(spec: schema.ModelSpec, cfg: mc.ModelConfig) -> list[str]:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_config_matches_schema(name):
-    assert config_errors(schema.MODELS[name], load_config(name)) == []
+    assert config_errors({**schema.MODELS, **schema_text.MODELS}[name], load_config(name)) == []
 
 
 def test_no_model_runs_more_than_one_instance():
@@ -62,15 +62,19 @@ def test_no_model_runs_more_than_one_instance():
     and a config asking for more is refused at load with the reason."""
     from google.protobuf import json_format
 
-    from tandem.serving.backend import require_one_instance
+    from tandem.serving.backend import IN_ORDER, require_one_instance
 
-    for name in MODELS:
+    for name in (*schema.MODELS, schema_text.POSTPROCESSING.name):  # preprocessing is stateless
         cfg = load_config(name)
         assert sum(g.count for g in cfg.instance_group) == 1, name
         require_one_instance(json_format.MessageToDict(cfg, preserving_proto_field_name=True))
         cfg.instance_group[0].count = 2
-        with pytest.raises(ValueError, match=f"model '{name}': instance_group asks for 2 instances.*replicas"):
-            require_one_instance(json_format.MessageToDict(cfg, preserving_proto_field_name=True))
+        post = name == schema_text.POSTPROCESSING.name
+        with pytest.raises(ValueError, match=f"model '{name}': instance_group asks for 2 instances, but "
+                           f"{'two instances could finish' if post else 'tandem keeps'}.*replicas"):
+            require_one_instance(json_format.MessageToDict(cfg, preserving_proto_field_name=True),
+                                 *([IN_ORDER] if post else []))
+    assert "require_one_instance(config, backend.IN_ORDER)" in (MODEL_REPOSITORY / "postprocessing/1/model.py").read_text()
 
 
 def test_checker_catches_a_renamed_input():

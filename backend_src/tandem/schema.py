@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .wire import (NUMPY, Arrays, ModelSpec, TensorSpec, WireError, check_range, check_tokens, describe,  # noqa: F401
-                   get_scalar, get_string, get_vector, sids_from_wire, sids_to_wire, split_rows, string_array)
+                   get_scalar, get_string, get_strings, get_vector, sids_from_wire, sids_to_wire, split_rows, string_array)
 
 #: Tokens per prefix-cache block: prompts are published and reused in whole blocks, and with the
 #: prefix cache on every prime and DFlash ingest is computed in pieces ending at multiples of it (a
@@ -138,12 +138,22 @@ NUM_DRAFT_TOKENS = "NUM_DRAFT_TOKENS"
 STOP_TOKEN_IDS = "STOP_TOKEN_IDS"
 #: stop token ids a turn may add to the template's
 MAX_STOP_TOKEN_IDS = 16
+STOP, STREAM = "STOP", "STREAM"
+#: stop strings per turn, and characters per stop string, at most
+MAX_STOPS, MAX_STOP_CHARS = 8, 64
+#: ``PRECEDING_IDS``: the turn's tokens sent before a response's, at most this many (a detokenizer's
+#: context: a UTF-8 character spans at most 4 byte-level tokens)
+DETOKENIZE_WINDOW = 6
 #: a turn's sequence fields, as tritonclient's ``(async_stream_)infer`` names them; Triton passes them as the
 #: request's correlation id and flags (``tandem`` has no sequence batcher: the worker owns every session)
 SEQUENCE_ID, SEQUENCE_START, SEQUENCE_END = "sequence_id", "sequence_start", "sequence_end"
 #: TRITONSERVER_RequestFlag bits of a request's ``flags()``
 FLAG_START, FLAG_END = 1, 2
+#: sequence ids from here up are tandem's one-turn sessions (a request with no sequence id, as Triton's
+#: HTTP generate endpoint sends); a client's own ids must be below
+ONE_TURN_SEQUENCE_IDS = 1 << 63
 OUTPUT_IDS, ROUNDS, DRAFTED, ACCEPTED, FINISH_REASON = "OUTPUT_IDS", "ROUNDS", "DRAFTED", "ACCEPTED", "FINISH_REASON"
+PRECEDING_IDS, STOP_STRING = "PRECEDING_IDS", "STOP_STRING"
 #: the turn's usage so far, in every response (the final one: the turn's usage)
 PROMPT_TOKENS, COMPLETION_TOKENS, TOTAL_ROUNDS, MEAN_ACCEPTANCE_LENGTH = (
     "PROMPT_TOKENS", "COMPLETION_TOKENS", "TOTAL_ROUNDS", "MEAN_ACCEPTANCE_LENGTH")
@@ -176,13 +186,22 @@ TANDEM = ModelSpec(
         *SAMPLING_INPUTS,
         TensorSpec(STOP_TOKEN_IDS, "TYPE_INT32", (-1,), optional=True, default=(),
                    doc=f"token ids that also end this turn (emitted, nothing after them; at most {MAX_STOP_TOKEN_IDS})"),
+        TensorSpec(STOP, "TYPE_STRING", (-1,), optional=True, default=(),
+                   doc=f"stop strings (at most {MAX_STOPS} of 1-{MAX_STOP_CHARS} characters): the ids run through the "
+                   "token completing one, the text ends before it"),
+        TensorSpec(STREAM, "TYPE_BOOL", (1,), optional=True, default=True,
+                   doc="true: one response per burst; false: one response with the whole turn"),
     ),
     outputs=(
         TensorSpec(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
+        TensorSpec(PRECEDING_IDS, "TYPE_INT32", (-1,),
+                   doc=f"the turn's last tokens before OUTPUT_IDS (at most {DETOKENIZE_WINDOW}: a detokenizer's context)"),
         TensorSpec(ROUNDS, "TYPE_INT32", (1,), doc="verify rounds in this burst"),
         TensorSpec(DRAFTED, "TYPE_INT32", (1,), doc="draft tokens proposed in this burst"),
         TensorSpec(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
+        TensorSpec(STOP_STRING, "TYPE_STRING", (1,), doc="the stop string that ended the turn ('' otherwise): "
+                   "its text ends where this string starts"),
         TensorSpec(PROMPT_TOKENS, "TYPE_INT32", (1,), doc="the turn's context: earlier turns + this prompt (usage)"),
         TensorSpec(COMPLETION_TOKENS, "TYPE_INT32", (1,), doc="tokens this turn has generated so far (usage)"),
         TensorSpec(TOTAL_ROUNDS, "TYPE_INT32", (1,), doc="verify rounds of this turn so far (usage)"),

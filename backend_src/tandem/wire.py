@@ -16,7 +16,7 @@ Arrays = dict[str, np.ndarray]
 
 #: Triton data type -> numpy dtype (``TYPE_STRING`` tensors are numpy ``object`` arrays of bytes).
 NUMPY = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32,
-         "TYPE_STRING": np.object_}
+         "TYPE_STRING": np.object_, "TYPE_BOOL": np.bool_}
 
 
 class WireError(ValueError):
@@ -110,7 +110,24 @@ def get_scalar(arrays: Arrays, spec: TensorSpec) -> int | float | None:
         if not np.isfinite(v):
             raise WireError(f"{spec.name} must be a finite number, got {v}")
         return float(v)
+    if spec.dtype == "TYPE_BOOL":
+        return bool(v)
     return int(v)
+
+
+def get_strings(arrays: Arrays, spec: TensorSpec) -> tuple[str, ...]:
+    """The strings of the 1-D ``TYPE_STRING`` input ``spec`` (UTF-8; its default when absent).
+    Raises :class:`WireError` naming the field for another rank or invalid UTF-8."""
+    a = arrays.get(spec.name)
+    if a is None:
+        return tuple(spec.default or ())
+    a = np.asarray(a)
+    if a.ndim != 1:
+        raise WireError(f"{spec.name} must be 1-D, got shape {list(a.shape)}")
+    try:
+        return tuple(v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v) for v in a.tolist())
+    except UnicodeDecodeError as e:
+        raise WireError(f"{spec.name} must be UTF-8 text: {e}") from None
 
 
 def check_range(spec: TensorSpec, v: int | float, hi: int | float | None = None) -> None:

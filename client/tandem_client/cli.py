@@ -11,9 +11,9 @@ from typing import Optional
 
 import typer
 
-from tandem import schema
+from tandem import schema, schema_text
 
-from .client import (DEFAULT_URL, IncrementalDecoder, ServerUnreachable, TandemClientError, check_url,
+from .client import (DEFAULT_URL, IncrementalDecoder, ServerUnreachable, TandemClientError, check_url, turn_text,
                      default_checkpoint, generate, new_sequence_id, stage_health)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -93,7 +93,7 @@ _SAMPLING_HELP = ("speculative sampling: " + " | ".join(schema.SAMPLING_MODES)
 def generate_cmd(
     prompt: Optional[str] = typer.Argument(None, help="user message (wrapped in the chat template); - reads stdin"),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="read the user message from this file"),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="tokens to generate at most"),
+    max_tokens: int = typer.Option(schema_text.DEFAULT_MAX_TOKENS, "--max-tokens", "-n", help="tokens to generate at most"),
     spec: Optional[str] = typer.Option(None, "--spec", help=_SPEC_HELP),
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", "-k", help="drafts per round"),
     url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
@@ -109,6 +109,8 @@ def generate_cmd(
     sampling: Optional[str] = typer.Option(None, "--sampling", help=_SAMPLING_HELP),
     stop_token_id: list[int] = typer.Option([], "--stop-token-id", help="a token id that also ends the reply "
                                             f"(repeatable, at most {schema.MAX_STOP_TOKEN_IDS})"),
+    stop: list[str] = typer.Option([], "--stop", help="a string that ends the reply (not printed; repeatable, at most "
+                                   f"{schema.MAX_STOPS} of 1-{schema.MAX_STOP_CHARS} characters)"),
 ) -> None:
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
     smp = {schema.TEMPERATURE: temperature, schema.TOP_K: top_k, schema.TOP_P: top_p, schema.SEED: seed,
@@ -120,12 +122,14 @@ def generate_cmd(
             raise ValueError(f"--stop-token-id: at most {schema.MAX_STOP_TOKEN_IDS}, got {len(stop_token_id)}")
         if any(x < 0 for x in stop_token_id):
             raise ValueError(f"--stop-token-id must be >= 0, got {min(stop_token_id)}")
+        if len(stop) > schema.MAX_STOPS or any(not 1 <= len(x) <= schema.MAX_STOP_CHARS for x in stop):
+            raise ValueError(f"--stop: at most {schema.MAX_STOPS} strings of 1-{schema.MAX_STOP_CHARS} characters")
         text_in = read_prompt(prompt, file)
     except (ValueError, TandemClientError) as e:
         _fail(str(e), 2)
     tok = _tokenizer(checkpoint or default_checkpoint())
     ids = tok.chat_prompt(text_in, system=system)
-    dec = IncrementalDecoder(tok.decode)
+    dec = IncrementalDecoder(tok.decode, tuple(stop))
 
     def on_tokens(new_ids):
         piece = dec.push(new_ids)
@@ -136,14 +140,15 @@ def generate_cmd(
     try:
         res = generate(ids, max_tokens=max_tokens, url=url, spec=spec, num_draft_tokens=num_draft_tokens,
                        on_tokens=None if as_json else on_tokens, timeout_s=timeout_s, sampling=smp,
-                       stop_token_ids=stop_token_id or None)
+                       stop_token_ids=stop_token_id or None, stop=stop or None)
     except TandemClientError as e:
         typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
         raise typer.Exit(2 if isinstance(e, ServerUnreachable) else 1)
     if as_json:
         keys = ("token_ids", "rounds", "drafted", "accepted", "mean_acceptance_length", "finish_reason", "tokens_per_s",
-                "usage")
-        print(json.dumps({**{k: res[k] for k in keys}, "text": tok.decode(res["token_ids"]), "ttft_s": res["ttft_s"]},
+                "stop_string", "usage")
+        print(json.dumps({**{k: res[k] for k in keys}, "text": turn_text(tok.decode, res["token_ids"], res["stop_string"]),
+                          "ttft_s": res["ttft_s"]},
                          ensure_ascii=False))
         return
     sys.stdout.write(dec.flush() + "\n")

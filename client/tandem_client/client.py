@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from tandem import schema
+from tandem import schema, schema_text
 
 #: Triton's gRPC endpoint: ``$TANDEM_URL`` when set, else the one ``make serve`` opens
 DEFAULT_URL = os.environ.get("TANDEM_URL") or "127.0.0.1:8001"
@@ -50,16 +50,21 @@ def new_sequence_id() -> int:
 class IncrementalDecoder:
     """Decode a growing token list piece by piece. ``push(ids)`` returns the newly completed text;
     text ending in an incomplete UTF-8 sequence (decoded as U+FFFD) is held back until the next
-    push or :meth:`flush`. ``decode``: ``list[int] -> str`` (e.g. ``ChatTokenizer.decode``)."""
+    push or :meth:`flush`. ``decode``: ``list[int] -> str`` (e.g. ``ChatTokenizer.decode``);
+    ``stops``: the turn's stop strings: text from the first one on is never returned (the server
+    holds back tokens that could begin one, so nothing before it needs taking back)."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...] = ()) -> None:
+        self.decode, self.stops = decode, tuple(stops)
         self.ids: list[int] = []
         self.text = ""
 
     def _advance(self, full: str) -> str:
         if not full.startswith(self.text):  # a merge changed earlier text: emit nothing rather than garble
             return ""
+        cut = min((i for s in self.stops if (i := full.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            full = full[:max(cut, len(self.text))]
         new, self.text = full[len(self.text):], full
         return new
 
@@ -71,6 +76,13 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """Everything not yet returned (including a trailing U+FFFD if the stream really ended so)."""
         return self._advance(self.decode(self.ids))
+
+
+def turn_text(decode: Callable[[list[int]], str], ids: list[int], stop_string: str = "") -> str:
+    """A turn's text: ``decode(ids)``, ending where ``stop_string`` (the turn's ``stop_string``) starts."""
+    text = decode(list(ids))
+    i = text.find(stop_string) if stop_string else -1
+    return text if i < 0 else text[:i]
 
 
 def check_url(url: str) -> str:
@@ -109,11 +121,12 @@ def _check_reachable(client, url: str, timeout_s: float) -> None:
         raise ServerUnreachable(f"the Triton server at {url} is not live")
 
 
-def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_URL, spec: str | None = None,
+def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TOKENS, url: str = DEFAULT_URL, spec: str | None = None,
              num_draft_tokens: int | None = None, sequence_id: int | None = None, model: str = schema.TANDEM.name,
              on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
              connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True,
-             sampling: dict | None = None, stop_token_ids: list[int] | None = None) -> dict:
+             sampling: dict | None = None, stop_token_ids: list[int] | None = None,
+             stop: list[str] | None = None) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
@@ -124,11 +137,14 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
     on the stream's thread for each burst's new ids; ``timeout_s`` — limit between responses;
     ``sampling`` — the turn's sampling inputs by wire name (``{"TEMPERATURE": 0.8, "SEED": 7, ...}``,
     see :data:`tandem.schema.SAMPLING_INPUTS`; None or absent names: the server's defaults, greedy);
-    ``stop_token_ids`` — tokens that also end the turn (emitted; nothing after them).
+    ``stop_token_ids`` — tokens that also end the turn (emitted; nothing after them); ``stop`` —
+    stop strings (the ids run through the token completing one; the text ends before it, see
+    :class:`IncrementalDecoder`'s ``stops``).
 
     Returns ``token_ids``, ``rounds``, ``drafted``, ``accepted``, ``mean_acceptance_length``
     (tau = 1 + accepted / rounds; None without rounds), ``finish_reason``, ``bursts``, ``ttft_s``,
-    ``elapsed_s`` (request sent to final response, seconds), ``tokens_per_s``, ``sequence_id``, and
+    ``elapsed_s`` (request sent to final response, seconds), ``tokens_per_s``, ``sequence_id``,
+    ``stop_string`` (the stop string that ended the turn, else ""), and
     ``usage``: the server's count for the turn from its final response (``prompt_tokens``: the
     sequence's context before generating, ``completion_tokens``, ``rounds``, ``mean_acceptance_length``).
 
@@ -160,6 +176,8 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
             add(schema.NUM_DRAFT_TOKENS, np.array([num_draft_tokens], dtype=np.int32), "INT32")
         if stop_token_ids:
             add(schema.STOP_TOKEN_IDS, np.asarray(stop_token_ids, dtype=np.int32).reshape(-1), "INT32")
+        if stop:
+            add(schema.STOP, np.array([x.encode() for x in stop], dtype=np.object_), "BYTES")
         for t in schema.SAMPLING_INPUTS:
             v = (sampling or {}).get(t.name)
             if v is not None:
@@ -169,7 +187,7 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
         q: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: q.put((result, error)))
         out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "finish_reason": None, "bursts": 0,
-               "ttft_s": None, "sequence_id": sid, "usage": None}
+               "ttft_s": None, "sequence_id": sid, "usage": None, "stop_string": ""}
         t0 = time.perf_counter()
         completed = False
         try:
@@ -199,6 +217,7 @@ def generate(prompt_ids: list[int], max_tokens: int = 128, url: str = DEFAULT_UR
                     fr = fr.decode() if isinstance(fr, bytes) else str(fr)
                     if fr:
                         out["finish_reason"] = fr
+                        out["stop_string"] = result.as_numpy(schema.STOP_STRING)[0].decode()
                         out["usage"] = {"prompt_tokens": int(result.as_numpy(schema.PROMPT_TOKENS)[0]),
                                         "completion_tokens": int(result.as_numpy(schema.COMPLETION_TOKENS)[0]),
                                         "rounds": int(result.as_numpy(schema.TOTAL_ROUNDS)[0]),
@@ -239,7 +258,7 @@ def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, st
     try:
         _check_reachable(c, url, timeout_s)
         out = {}
-        for name, spec in schema.MODELS.items():
+        for name, spec in {**schema.MODELS, **schema_text.MODELS}.items():
             if not c.is_model_ready(name, client_timeout=timeout_s):
                 out[name] = "NOT READY"
                 continue

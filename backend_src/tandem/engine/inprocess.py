@@ -53,7 +53,8 @@ class Engine:
         if dflash:
             stage = DFlashStage(dflash, self.model.embed_tokens, self.model.lm_head, self.config.max_num_draft_tokens)
             self.drafters.update({arm: stage for arm in dflash})
-        self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids)
+        self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids,
+                               decode=getattr(self.tokenizer, "decode", None))  # None: no stop strings
         self._ids = itertools.count(1 << 40)
 
     def reset_prefix_cache(self) -> None:
@@ -67,10 +68,10 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str | None = None,
                  num_draft_tokens: int | None = None, on_burst=None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, sampling: str = schema.REJECTION,
-                 stop_token_ids: tuple[int, ...] = ()) -> dict:
+                 stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = ()) -> dict:
         """Generate one turn in a fresh sequence (``temperature`` 0: greedy; else sampled with
         ``top_k``, ``top_p``, ``seed`` — None: a fresh one — and ``sampling`` mode, see
-        :mod:`tandem.engine.sampling`; ``stop_token_ids`` end the turn too). Returns ``token_ids``, ``rounds``, ``drafted``,
+        :mod:`tandem.engine.sampling`; ``stop_token_ids`` and ``stop`` strings end the turn too). Returns ``token_ids``, ``rounds``, ``drafted``,
         ``accepted``, ``accepted_at``, ``mean_acceptance_length`` (None without verify rounds),
         ``finish_reason``, ``ttft_s``, ``elapsed_s``, ``tokens_per_s``, ``bursts`` and ``top2_gaps``;
         ``on_burst(receipt)`` sees each burst.
@@ -80,7 +81,7 @@ class Engine:
         params = SamplingParams.create(temperature, top_k, top_p, seed, sampling) if temperature else None
         sid = next(self._ids)
         out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "accepted_at": [], "finish_reason": None,
-               "bursts": 0, "top2_gaps": [], "error": None, "ttft_s": None}
+               "bursts": 0, "top2_gaps": [], "error": None, "ttft_s": None, "stop_string": ""}
         t0 = time.perf_counter()
 
         def emit(r, err, final):
@@ -99,12 +100,12 @@ class Engine:
                 acc[i] += v
             out["bursts"] += 1
             if final:
-                out["finish_reason"] = r.finish_reason
+                out["finish_reason"], out["stop_string"] = r.finish_reason, r.stop_string
             if on_burst is not None:
                 on_burst(r)
 
         self.sched.admit([Turn(sid, list(prompt_ids), max_tokens, emit, spec=spec, num_draft_tokens=num_draft_tokens,
-                               sampling=params, stop_token_ids=tuple(stop_token_ids))])
+                               sampling=params, stop_token_ids=tuple(stop_token_ids), stop=tuple(stop))])
         while sid in self.sched.turns:
             self.sched.burst()
         if out["error"]:

@@ -110,9 +110,13 @@ class Lifecycle:
 
     def gauges(self) -> dict[str, float]:
         """The scheduler's gauges: ``sessions_open``, ``session_slots_free`` (``max_sessions`` minus
-        open), ``turns_running``, ``turns_waiting`` (new sequences waiting for a slot)."""
+        open), ``turns_running``, ``turns_waiting`` (new sequences waiting for a slot),
+        ``cache_rows`` (trunk cache rows the open sessions hold: their committed tokens) and
+        ``prefix_cache_blocks`` (published prompt blocks of 64 tokens held by the prefix cache)."""
         return {"sessions_open": len(self.sessions), "session_slots_free": self.config.max_sessions - len(self.sessions),
-                "turns_running": len(self.turns), "turns_waiting": len(self._waiting)}
+                "turns_running": len(self.turns), "turns_waiting": len(self._waiting),
+                "cache_rows": sum(len(s.committed) for s in self.sessions.values()),
+                "prefix_cache_blocks": self.prefix.stats["blocks"] if self.prefix is not None else 0}
 
     def close(self, sid: int) -> None:
         """Forget ``sid``; its stage state is dropped with the next batched close."""

@@ -7,49 +7,20 @@ is opened and closed here, batched. Synchronous: in-process it is driven directl
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Callable
 
 from .. import schema
 from ..schema import ServingConfig
-from .accept import accept_walk
+from .accept import Walk, accept_walk
 from .demotion import Demotion
 from .lifecycle import Lifecycle
 from .prefill import Prefill
 from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
-from .sampling import SamplingParams
-from .session import Receipt, SpecSession
-
-#: ``emit(receipt, error, final)``: one streamed response (``receipt`` None when ``error`` is set).
-Emit = Callable[[Receipt | None, str | None, bool], None]
-
-
-@dataclasses.dataclass
-class Turn:
-    """One request in a sequence: append ``tokens`` and generate up to ``max_tokens``.
-
-    ``spec``: one of :data:`tandem.schema.SPECS` (None: the session's arm, or the server default for
-    a new session); ``start``/``end``: Triton sequence flags;
-    ``num_draft_tokens``: None for the server default; ``sampling``: the turn's
-    :class:`~tandem.engine.sampling.SamplingParams` (None: greedy); ``stop_token_ids``: tokens that
-    end this turn besides the scheduler's ``stop_ids``; ``emit`` is called once per burst
-    and once with ``final=True``.
-    """
-
-    sid: int
-    tokens: list[int]
-    max_tokens: int
-    emit: Emit
-    spec: str | None = None
-    start: bool = True
-    end: bool = True
-    num_draft_tokens: int | None = None
-    sampling: SamplingParams | None = None
-    stop_token_ids: tuple[int, ...] = ()
-
+from .session import Receipt, SpecSession, Turn  # noqa: F401 - Turn: re-exported (the scheduler's API)
+from .stops import StopText, validate_stops
 
 class Scheduler(Lifecycle, Prefill):
     """Sessions by sequence id, and the round / burst loop over them.
@@ -57,14 +28,15 @@ class Scheduler(Lifecycle, Prefill):
     Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
     :class:`~tandem.engine.protocols.DrafterAPI` (arms not listed are refused; one stage may serve
     several arms, and gets one call per round for all of them); ``config`` — defaults and limits;
-    ``stop_ids`` — tokens that end a turn.
+    ``stop_ids`` — tokens that end a turn; ``decode`` — ``list[int] -> str`` for stop strings (None: refused).
     ``request_cancel`` may be called from any thread; everything else from one thread.
     """
 
     def __init__(self, trunk: TrunkAPI, drafters: dict[str, DrafterAPI] | None = None,
-                 config: ServingConfig = schema.DEFAULTS, stop_ids: tuple[int, ...] = ()) -> None:
+                 config: ServingConfig = schema.DEFAULTS, stop_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.trunk, self.drafters = trunk, dict(drafters or {})
-        self.config = config
+        self.config, self.decode = config, decode
         self.stop_ids = tuple(stop_ids)
         self.sessions: dict[int, SpecSession] = {}
         self.turns: dict[int, Turn] = {}
@@ -105,6 +77,9 @@ class Scheduler(Lifecycle, Prefill):
             return f"{schema.NUM_DRAFT_TOKENS}: sequence {t.sid} decodes plain ({schema.SPEC} 'off'), which takes no drafts"
         try:
             schema.check_range(schema.TANDEM.input(schema.MAX_TOKENS), t.max_tokens, hi=cfg.max_ctx)
+        except schema.WireError as e:
+            return str(e)
+        try:
             if t.num_draft_tokens is not None:  # a DFlash block holds the anchor and block_size - 1 drafts
                 schema.check_range(schema.TANDEM.input(schema.NUM_DRAFT_TOKENS), t.num_draft_tokens,
                                    hi=cfg.block_size - 1 if arm in schema.DFLASH_ARMS else cfg.max_num_draft_tokens)
@@ -119,6 +94,8 @@ class Scheduler(Lifecycle, Prefill):
         bad = next((x for x in t.stop_token_ids if not 0 <= x < (vocab if vocab is not None else 2**31)), None)
         if bad is not None:
             return f"{schema.STOP_TOKEN_IDS}: token ids must be in [0, {vocab}), got {bad}"
+        if (err := validate_stops(t.stop, self.decode)) is not None:
+            return err
         if not t.start and s is None:
             return f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid} (set {schema.SEQUENCE_START} on the first turn)"
         if t.sid in self.turns:
@@ -178,6 +155,7 @@ class Scheduler(Lifecycle, Prefill):
             item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
             item.sampling = s.sampling = t.sampling
             s.stop_ids = self.stop_ids + tuple(x for x in t.stop_token_ids if x not in self.stop_ids)
+            s.stop_text = StopText(self.decode, t.stop) if t.stop else None
             ok.append((t, s, self._chunked(s, item, t.max_tokens)))
         self._waiting = waiting
         self._flush_closes()
@@ -242,7 +220,8 @@ class Scheduler(Lifecycle, Prefill):
         s.ingest = ingest
         s.last_active = time.monotonic()
         r = Receipt(tokens=[tok], top2_gaps=[float(out.top2_gap[-1])], accepted_at=[0] * len(s.accepted_at))
-        self._finish(s, r, "stop" if tok in s.stop_ids else ("length" if s.turn_remaining <= 0 else None))
+        stop = tok in s.stop_ids or (s.stop_text is not None and s.stop_text.scan([tok]) is not None)
+        self._finish(s, r, "stop" if stop else ("length" if s.turn_remaining <= 0 else None))
         return r
 
     def _finish(self, s: SpecSession, r: Receipt, finish: str | None) -> None:
@@ -251,6 +230,7 @@ class Scheduler(Lifecycle, Prefill):
         if finish is not None:
             r.finish_reason = s.finish_reason = finish
             s.turn_done = True
+            r.stop_string = (s.stop_text.matched or "") if s.stop_text is not None else ""
 
     def _arm(self, t: Turn) -> str:
         s = self.sessions.get(t.sid)
@@ -331,6 +311,8 @@ class Scheduler(Lifecycle, Prefill):
         """Apply the accept walk to the session and the burst's receipt (and, after a speculative
         round with ``load`` active sessions, to the demotion policy); returns rows to commit."""
         w = accept_walk(drafts, out.argmax.tolist(), s.stop_ids, s.turn_remaining)
+        if s.stop_text is not None and (n := s.stop_text.scan(w.emitted)) is not None:  # a stop string: cut there
+            w = Walk(min(w.accepted, n), w.emitted[:n], "stop")
         m = len(w.emitted)
         s.rounds += 1
         s.drafted += len(drafts)
@@ -378,6 +360,8 @@ class Scheduler(Lifecycle, Prefill):
 
     def _publish(self, s: SpecSession, r: Receipt) -> None:
         t = self.turns[s.sid]
+        if s.stop_text is not None:  # tokens that may begin a stop string wait for the next burst
+            r.tokens, r.top2_gaps = s.stop_text.hold_back(r.tokens, r.top2_gaps, r.finish_reason is not None)
         self.stats["drafted"] += r.drafted
         self.stats["accepted"] += r.accepted
         if r.finish_reason is None:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import schema
 from .demotion import DemotionState
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -34,6 +37,18 @@ class Receipt:
     finish_reason: str | None = None
     spec_rounds: int = 0
     top2_gaps: list[float] = dataclasses.field(default_factory=list)
+    #: the stop string that ended the turn ("" otherwise; :mod:`tandem.engine.stops`)
+    stop_string: str = ""
+
+    def merge(self, later: "Receipt") -> None:
+        """Add a later receipt of the same turn to this one (one response for several bursts)."""
+        self.tokens += later.tokens
+        self.top2_gaps += later.top2_gaps
+        for f in ("rounds", "drafted", "accepted", "spec_rounds"):
+            setattr(self, f, getattr(self, f) + getattr(later, f))
+        n = max(len(self.accepted_at), len(later.accepted_at))
+        self.accepted_at = [sum(a[i] for a in (self.accepted_at, later.accepted_at) if i < len(a)) for i in range(n)]
+        self.finish_reason, self.stop_string = later.finish_reason, later.stop_string
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,6 +96,8 @@ class SpecSession:
     degraded: bool = False
     #: tokens that end the current turn: the scheduler's and the turn's own ``stop_token_ids``
     stop_ids: tuple[int, ...] = ()
+    #: the current turn's :class:`~tandem.engine.stops.StopText` (None: it has no stop strings)
+    stop_text: Any = None
     #: the turn's prime while it runs in chunks (:class:`~tandem.engine.prefill.PendingPrefill`), else None
     prefill: object = None
 
@@ -145,3 +162,35 @@ class SpecSession:
         """Drafts to propose this round: ``num_draft_tokens`` capped so that even when every draft is
         accepted, the committed rows plus the new anchor stay within ``max_ctx`` tokens."""
         return max(0, min(self.num_draft_tokens, self.max_ctx - len(self.committed) - 2))
+
+
+#: ``emit(receipt, error, final)``: one streamed response (``receipt`` None when ``error`` is set).
+Emit = Callable[[Receipt | None, str | None, bool], None]
+
+
+@dataclasses.dataclass
+class Turn:
+    """One request in a sequence: append ``tokens`` and generate up to ``max_tokens``.
+
+    ``spec``: one of :data:`tandem.schema.SPECS` (None: the session's arm, or the server default for
+    a new session); ``start``/``end``: Triton sequence flags;
+    ``num_draft_tokens``: None for the server default; ``sampling``: the turn's
+    :class:`~tandem.engine.sampling.SamplingParams` (None: greedy); ``stop_token_ids``: tokens that
+    end this turn besides the scheduler's ``stop_ids``; ``emit`` is called once per burst
+    and once with ``final=True``.
+    """
+
+    sid: int
+    tokens: list[int]
+    max_tokens: int
+    emit: Emit
+    spec: str | None = None
+    start: bool = True
+    end: bool = True
+    num_draft_tokens: int | None = None
+    sampling: SamplingParams | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    #: stop strings (:mod:`tandem.engine.stops`; need the scheduler's ``decode``); ``stream``: False sends
+    #: the turn as one response (the front merges its bursts)
+    stop: tuple[str, ...] = ()
+    stream: bool = True

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from .. import schema
 
 
@@ -75,6 +73,8 @@ def resolve_checkpoint(config: schema.ServingConfig, model_dir: str | Path, requ
 def set_torch_threads(n: int = 1) -> None:
     """One intra-op (and, if still possible, inter-op) thread per model process: the models share
     a 2-core machine."""
+    import torch  # here: the text models (preprocessing, postprocessing) run without torch
+
     torch.set_num_threads(n)
     try:
         torch.set_num_interop_threads(n)
@@ -82,19 +82,25 @@ def set_torch_threads(n: int = 1) -> None:
         pass
 
 
-def require_one_instance(model_config: dict) -> None:
+_ONE_PROCESS = ("tandem keeps each sequence's state in one process per model (Triton would route a sequence's calls "
+                "to any instance)")
+#: why ``postprocessing`` runs one instance
+IN_ORDER = "two instances could finish a stream's responses out of order"
+
+
+def require_one_instance(model_config: dict, reason: str = _ONE_PROCESS) -> None:
     """Refuse a model config whose ``instance_group`` asks for more than one instance.
 
     Sessions live inside one process per model: ``tandem``'s worker batches every session, and each
     stage model keys its state by sequence id. Triton routes a BLS call (and, without a sequence
     batcher, a client request) to any instance, so a second instance would see sequences it never
-    opened. Raises ``ValueError`` saying why and what to do instead.
+    opened (``postprocessing`` passes :data:`IN_ORDER` as ``reason``). Raises ``ValueError`` saying
+    why and what to do instead.
     """
     count = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
     if count > 1:
         raise ValueError(
-            f"model {model_config.get('name', '?')!r}: instance_group asks for {count} instances, but tandem keeps each "
-            f"sequence's state in one process per model (Triton would route a sequence's calls to any instance); "
+            f"model {model_config.get('name', '?')!r}: instance_group asks for {count} instances, but {reason}; "
             f"keep count: 1 and scale out with replicas of the whole repository (README, 'Deploying safely')")
 
 

@@ -45,7 +45,7 @@ class TandemFront:
     watchdog thread.
 
     Args: ``trunk`` — the trunk stage or proxy; ``drafters`` — arm -> drafter stage or proxy (arms
-    not listed are refused); ``stop_ids``; ``config``; ``log(message)`` for errors that have no
+    not listed are refused); ``stop_ids``; ``decode`` (``list[int] -> str``, for stop strings); ``config``; ``log(message)`` for errors that have no
     request; ``info(message)`` for notable events (a client cancelled a turn); ``watch`` — the
     :class:`~tandem.serving.proxies.WatchedTransport` under the proxies (None: no stage deadline);
     ``restart(model)`` — called (on a thread of its own) when a stage's process died, to bring it
@@ -61,10 +61,11 @@ class TandemFront:
                  log: Callable[[str], None] | None = None, info: Callable[[str], None] | None = None,
                  poll_s: float = 0.005, watch: WatchedTransport | None = None,
                  restart: Callable[[str], None] | None = None,
-                 gauges: Callable[[dict[str, float]], None] | None = None) -> None:
+                 gauges: Callable[[dict[str, float]], None] | None = None,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.log = log or (lambda msg: None)
         self.info = info or (lambda msg: None)
-        self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids)
+        self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids, decode=decode)
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
         self.sched.on_event = self.log
         self.sched.on_stage_dead = self._stage_dead
@@ -87,9 +88,9 @@ class TandemFront:
     def submit(self, req: Turn, send: Send, is_cancelled: Callable[[], bool] | None = None) -> None:
         """Queue one turn (a :func:`~tandem.serving.turns.parse_turn` result; its ``emit`` is set
         here). ``send`` is called once per burst and once with ``final=True`` (an error
-        response is always final); it must not block for long. Exceptions from ``send`` /
+        response is always final; a turn with ``stream`` False: once, its bursts merged); it must not block for long. Exceptions from ``send`` /
         ``is_cancelled`` are logged and never reach other sessions."""
-        state: dict[str, Any] = {"done": False, "turn": None, "sent": False}
+        state: dict[str, Any] = {"done": False, "turn": None, "sent": False, "tail": [], "held": None}
         clock, usage = self.telemetry.turn(), Usage()
 
         def emit(receipt, error, final):
@@ -115,9 +116,17 @@ class TandemFront:
                         self.telemetry.count("prompt_tokens_total", len(req.tokens))
                         s = self.sched.sessions.get(req.sid)
                         usage.prompt_tokens = len(s.committed) if s is not None else len(req.tokens)
+                    if not req.stream:  # one response: the bursts merged
+                        if state["held"] is not None:
+                            state["held"].merge(receipt)
+                            receipt = state["held"]
+                        if not final:
+                            state["held"] = receipt
+                            return
                     clock.response(receipt, receipt.spec_rounds)
                     usage.add(receipt)
-                    send(receipt_outputs(receipt, usage), None, final)
+                    send(receipt_outputs(receipt, usage, state["tail"]), None, final)
+                    state["tail"] = (state["tail"] + receipt.tokens)[-schema.DETOKENIZE_WINDOW:]
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
                     self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
                     if not final:
@@ -292,6 +301,8 @@ GAUGES = {
     "session_slots_free": "sessions that may still open (max_sessions minus open)",
     "turns_running": "turns being generated",
     "turns_waiting": "turns of new sequences waiting for a free session slot",
+    "cache_rows": "trunk cache rows (tokens) held by the open sessions",
+    "prefix_cache_blocks": "prompt blocks (64 tokens each) held by the prefix cache",
     "sessions_opened": "sessions opened since the server started",
     "sessions_expired": "sessions closed for idling past idle_timeout_s",
     "sessions_refused_full": "new sequences refused after waiting admission_wait_s for a slot",
@@ -299,4 +310,4 @@ GAUGES = {
     "degraded_sessions": "sessions moved to plain decoding because their drafter failed",
     "stage_restarts": "stage models restarted after their process died",
 }
-COUNTERS = tuple(GAUGES)[4:]
+COUNTERS = tuple(GAUGES)[6:]

@@ -29,13 +29,14 @@ from typing import Iterator, Optional
 
 import typer
 
-from .. import schema
+from .. import schema, schema_text
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 BACKEND_ROOT = REPO_ROOT / "triton_backends"
 #: Models the server loads (explicit model control: ``model_repository/weights`` is not a model).
-MODELS = tuple(schema.MODELS)
+#: every model of the repository: the session models, then the text front (ensemble last: its steps load first)
+MODELS = tuple(schema.MODELS) + tuple(schema_text.MODELS)
 SHM_GLOB = "/dev/shm/triton_python_backend_shm_region_*"
 
 

@@ -5,6 +5,7 @@ decoded into a :class:`TurnRequest` (:func:`parse_turn`), and a burst's receipt 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -32,20 +33,29 @@ def parse_sampling(arrays: Arrays) -> SamplingParams | None:
     return SamplingParams.create(kw[schema.TEMPERATURE], kw[schema.TOP_K], kw[schema.TOP_P], kw[schema.SEED], mode)
 
 
+#: ids of one-turn sessions (requests without a sequence id), from :data:`tandem.schema.ONE_TURN_SEQUENCE_IDS` up
+_one_turn_ids = itertools.count(schema.ONE_TURN_SEQUENCE_IDS)
+
+
 def parse_turn(arrays: Arrays, correlation_id, flags: int) -> Turn:
     """Decode a ``tandem`` request: its tensors (absent optional inputs left out of ``arrays``), its
-    correlation id (tritonclient's ``sequence_id``: a non-zero unsigned integer) and its flags
+    correlation id (tritonclient's ``sequence_id``: an unsigned integer below
+    :data:`tandem.schema.ONE_TURN_SEQUENCE_IDS`; 0, as Triton's HTTP generate endpoint and a client
+    that sets none send: a one-turn session of its own) and its flags
     (:data:`tandem.schema.FLAG_START` / :data:`tandem.schema.FLAG_END`: ``sequence_start`` /
     ``sequence_end``). Value ranges are checked once, by :meth:`Scheduler.validate`. Raises
     :class:`~tandem.schema.WireError` naming the field when a tensor has the wrong shape, a required
-    one is missing or the sequence id is not a non-zero integer.
+    one is missing or the sequence id is a string or in tandem's one-turn range.
     """
     spec = schema.TANDEM
-    if isinstance(correlation_id, str) or not correlation_id:
-        raise WireError(f"{schema.SEQUENCE_ID}: every request needs a non-zero integer sequence id (a turn of a "
-                        f"sequence; set {schema.SEQUENCE_START} on the first, {schema.SEQUENCE_END} on the last), "
-                        f"got {correlation_id!r}")
-    sid = int(correlation_id)
+    if isinstance(correlation_id, str):
+        raise WireError(f"{schema.SEQUENCE_ID}: sequence ids are unsigned integers, got the string {correlation_id!r}")
+    sid = int(correlation_id or 0)
+    if sid >= schema.ONE_TURN_SEQUENCE_IDS:
+        raise WireError(f"{schema.SEQUENCE_ID} must be below 2**63 (ids from there up are tandem's one-turn "
+                        f"sessions), got {sid}")
+    if sid == 0:  # no sequence: a session for this one turn
+        sid, flags = next(_one_turn_ids), schema.FLAG_START | schema.FLAG_END
     ids = arrays.get(schema.INPUT_IDS)
     if ids is not None and np.asarray(ids).ndim != 1:
         raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
@@ -58,7 +68,9 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int) -> Turn:
                        start=bool(flags & schema.FLAG_START), end=bool(flags & schema.FLAG_END),
                        num_draft_tokens=None if schema.NUM_DRAFT_TOKENS not in arrays
                        else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), sampling=parse_sampling(arrays),
-                       stop_token_ids=() if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()))
+                       stop_token_ids=() if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()),
+                       stop=schema.get_strings(arrays, spec.input(schema.STOP)),
+                       stream=schema.get_scalar(arrays, spec.input(schema.STREAM)))
 
 
 @dataclasses.dataclass
@@ -82,20 +94,24 @@ class Usage:
         return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
 
 
-def receipt_outputs(receipt, usage: Usage | None = None) -> Arrays:
+def receipt_outputs(receipt, usage: Usage | None = None, preceding: list[int] = ()) -> Arrays:
     """One streamed ``tandem`` response (:data:`tandem.schema.TANDEM` outputs) from a
-    :class:`~tandem.engine.session.Receipt`: ``OUTPUT_IDS [n]`` int32, ``ROUNDS`` / ``DRAFTED`` /
-    ``ACCEPTED [1]`` int32 (deltas for this burst), ``FINISH_REASON [1]`` ("" while streaming), and
-    the turn's :class:`Usage` so far: ``PROMPT_TOKENS``, ``COMPLETION_TOKENS``, ``TOTAL_ROUNDS [1]``
-    int32, ``MEAN_ACCEPTANCE_LENGTH [1]`` fp32 (``usage`` None: this receipt alone)."""
+    :class:`~tandem.engine.session.Receipt`: ``OUTPUT_IDS [n]`` int32, ``PRECEDING_IDS [<= 6]``
+    (``preceding``: the turn's tokens sent before), ``ROUNDS`` / ``DRAFTED`` /
+    ``ACCEPTED [1]`` int32 (deltas for this burst), ``FINISH_REASON [1]`` ("" while streaming),
+    ``STOP_STRING [1]``, and the turn's :class:`Usage` so far: ``PROMPT_TOKENS``,
+    ``COMPLETION_TOKENS``, ``TOTAL_ROUNDS [1]`` int32, ``MEAN_ACCEPTANCE_LENGTH [1]`` fp32 (``usage``
+    None: this receipt alone)."""
     if usage is None:
         usage = Usage()
         usage.add(receipt)
     out = {schema.OUTPUT_IDS: np.array(receipt.tokens, dtype=np.int32),
+           schema.PRECEDING_IDS: np.array(list(preceding)[-schema.DETOKENIZE_WINDOW:], dtype=np.int32),
            schema.ROUNDS: np.array([receipt.rounds], dtype=np.int32),
            schema.DRAFTED: np.array([receipt.drafted], dtype=np.int32),
            schema.ACCEPTED: np.array([receipt.accepted], dtype=np.int32),
            schema.FINISH_REASON: schema.string_array(receipt.finish_reason or ""),
+           schema.STOP_STRING: schema.string_array(receipt.stop_string),
            schema.PROMPT_TOKENS: np.array([usage.prompt_tokens], dtype=np.int32),
            schema.COMPLETION_TOKENS: np.array([usage.completion_tokens], dtype=np.int32),
            schema.TOTAL_ROUNDS: np.array([usage.rounds], dtype=np.int32),

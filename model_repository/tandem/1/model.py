@@ -34,8 +34,9 @@ class TritonPythonModel:
         dflash = front.DFlashProxy(transport, on_error=log)
         drafters.update({arm: dflash for arm in dflash_arms(ckpt)})
         gauges = backend.Gauges(pb_utils, "tandem", front.GAUGES)
+        tok = ChatTokenizer(ckpt / "tokenizer.json")
         self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log), drafters,
-                                       ChatTokenizer(ckpt / "tokenizer.json").stop_ids, cfg, log=log,
+                                       tok.stop_ids, cfg, log=log, decode=tok.decode,
                                        info=pb_utils.Logger.log_info, watch=transport,
                                        restart=lambda m: backend.reload_model(pb_utils, m), gauges=gauges.set)
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)

@@ -1,0 +1,85 @@
+"""The text front's two steps, Triton-free: ``preprocessing`` (a user message rendered with the
+checkpoint's chat template and tokenized) and ``postprocessing`` (a ``tandem`` response's tokens
+turned into text, statelessly). ``model_repository/{preprocessing,postprocessing}/1/model.py``
+convert tensors; the ``ensemble`` model chains them around ``tandem``
+(:mod:`tandem.schema_text` holds every name).
+
+Stateless incremental detokenization: each ``tandem`` response carries ``PRECEDING_IDS``, the
+turn's last tokens before its own, so a response's text is the decode of (preceding + its ids)
+minus the decode of the preceding ids. A character belongs to the response carrying its last byte:
+text ending in an incomplete UTF-8 sequence (decoded as U+FFFD) is left to the next response, and
+only the final response flushes it (:func:`tandem.engine.stops.response_text`, the rule
+:class:`~tandem.engine.stops.StopText` follows too, so a turn cut at a stop string loses exactly the
+text from the stop string on).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .. import schema, schema_text
+from ..engine.stops import response_text
+from ..schema import Arrays, WireError
+
+def postprocess(decode: Callable[[list[int]], str], arrays: Arrays) -> Arrays:
+    """One ``postprocessing`` response from one ``tandem`` response's tensors (names of
+    :data:`tandem.schema_text.POSTPROCESSING`): ``text_output [1]`` (TYPE_STRING, see
+    :func:`response_text`), and every other tandem output passed through under its lowercase name.
+    Raises :class:`~tandem.schema.WireError` naming a missing or malformed input."""
+    spec = schema_text.POSTPROCESSING
+    for t in spec.inputs:
+        if t.name not in arrays:
+            raise WireError(f"{t.name} is required (a {schema.TANDEM.name} output)")
+    ids = schema.get_vector(arrays, spec.input(schema.OUTPUT_IDS)).astype(np.int64).tolist()
+    prev = schema.get_vector(arrays, spec.input(schema.PRECEDING_IDS)).astype(np.int64).tolist()
+    finish = schema.get_string(arrays, spec.input(schema.FINISH_REASON))
+    stop = schema.get_string(arrays, spec.input(schema.STOP_STRING))
+    out = {schema_text.TEXT_OUTPUT: schema.string_array(response_text(decode, ids, prev, bool(finish), stop))}
+    for name in schema_text.PASSED_THROUGH:
+        out[name.lower()] = np.asarray(arrays[name])
+    assert tuple(out) == spec.output_names
+    return out
+
+
+def preprocess(render: Callable[[str], list[int]], arrays: Arrays) -> Arrays:
+    """One ``preprocessing`` response (names of :data:`tandem.schema_text.PREPROCESSING`): the user
+    message ``text_input`` rendered and tokenized by ``render`` (``str -> list[int]``, e.g.
+    ``ChatTokenizer.chat_prompt``) as ``INPUT_IDS [n]`` int32; ``max_tokens`` and ``stream`` as
+    ``MAX_TOKENS [1]`` int32 and ``STREAM [1]`` bool, with their defaults when absent (ranges are
+    ``tandem``'s to check). Raises :class:`~tandem.schema.WireError` naming the field (also for a
+    missing ``text_input`` and for ``exclude_input_in_output`` false)."""
+    spec = schema_text.PREPROCESSING
+    if schema_text.TEXT_INPUT not in arrays:
+        raise WireError(f"{schema_text.TEXT_INPUT} is required (the user message, a string)")
+    if not schema.get_scalar(arrays, spec.input(schema_text.EXCLUDE_INPUT)):
+        raise WireError(f"{schema_text.EXCLUDE_INPUT} must be true: tandem's output never repeats the prompt")
+    text = schema.get_string(arrays, spec.input(schema_text.TEXT_INPUT))
+    ids = render(text)
+    out = {schema.INPUT_IDS: np.asarray(ids, dtype=np.int32),
+           schema.MAX_TOKENS: np.array([schema.get_scalar(arrays, spec.input(schema_text.MAX_TOKENS_IN))], np.int32),
+           schema.STREAM: np.array([schema.get_scalar(arrays, spec.input(schema_text.STREAM_IN))], np.bool_)}
+    assert tuple(out) == spec.output_names
+    return out
+
+
+class Preprocessor:
+    """The ``preprocessing`` model's ``handle(arrays) -> arrays`` (:func:`preprocess`) over a
+    checkpoint's tokenizer and chat template (``tokenizer`` a ``ChatTokenizer``)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def handle(self, arrays: Arrays) -> Arrays:
+        return preprocess(self.tokenizer.chat_prompt, arrays)
+
+
+class Postprocessor:
+    """The ``postprocessing`` model's ``handle(arrays) -> arrays`` (:func:`postprocess`)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def handle(self, arrays: Arrays) -> Arrays:
+        return postprocess(self.tokenizer.decode, arrays)

@@ -1,0 +1,21 @@
+"""Triton adapter for the `postprocessing` model (a step of `ensemble`): pb_utils tensors <->
+tandem.serving.text.Postprocessor.handle. No torch in this process."""
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from tandem import schema_text
+from tandem.model.tokenizer import ChatTokenizer
+from tandem.serving import backend, text
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        backend.require_one_instance(config, backend.IN_ORDER)
+        ckpt = backend.resolve_checkpoint(backend.serving_config(config), args["model_repository"], require_weights=False)
+        self.step = text.Postprocessor(ChatTokenizer(ckpt / "tokenizer.json"))
+
+    def execute(self, requests):
+        return backend.stage_execute(pb_utils, schema_text.POSTPROCESSING, self.step, requests)
