@@ -3,6 +3,7 @@ fp32-kept parameters, and transformers-style initialisation."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -46,33 +47,139 @@ def cast_trunk(model: Trunk, dtype: torch.dtype) -> Trunk:
     return input_major_linears(model)
 
 
-def load_trunk(folder: str | Path, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
-               overrides: dict | None = None) -> Trunk:
-    """Load ``config.json`` + ``model.safetensors`` from a checkpoint folder; ``overrides`` replace
-    config fields (e.g. ``{"index_topk": 4096}`` for the dense DSA regime).
+#: a sharded checkpoint's index (transformers' layout: ``{"weight_map": {key: shard file}}``)
+INDEX = "model.safetensors.index.json"
 
-    Raises ``FileNotFoundError`` if the folder lacks them, ``KeyError`` on missing trunk keys.
+
+def weight_map(folder: str | Path) -> dict[str, Path]:
+    """Every tensor key of a checkpoint folder -> the safetensors file holding it: through
+    ``model.safetensors.index.json`` (sharded) or the single ``model.safetensors``. Raises
+    ``FileNotFoundError`` naming a missing file (the weights, or a shard the index names)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if (folder / INDEX).exists():
+        wm = json.loads((folder / INDEX).read_text())["weight_map"]
+        files = {f: folder / f for f in set(wm.values())}
+        gone = sorted(f for f, path in files.items() if not path.exists())
+        if gone:
+            raise FileNotFoundError(f"{folder / INDEX} names shard(s) not in the folder: {gone}")
+        return {k: files[f] for k, f in wm.items()}
+    if not (folder / "model.safetensors").exists():
+        raise FileNotFoundError(f"no model.safetensors or {INDEX} in {folder} (run `make model`)")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: folder / "model.safetensors" for k in f.keys()}
+
+
+def param_bytes(cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool = True) -> tuple[int, int]:
+    """(parameters, bytes) of the trunk built from ``cfg`` in ``dtype`` (fp32-kept ones at 4 bytes),
+    counted on the meta device: no memory is used."""
+    with torch.device("meta"):
+        model = Trunk(cfg, with_mtp=with_mtp)
+    n = b = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        n += t.numel()
+        b += t.numel() * (4 if is_fp32_param(name) else dtype.itemsize)
+    return n, b
+
+
+def free_bytes(device: str = "cpu") -> int:
+    """Memory free for weights on ``device``: ``MemAvailable`` of ``/proc/meminfo`` on the CPU, the
+    CUDA allocator's free memory on a GPU."""
+    if str(device).startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def check_fits(cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool, folder: str | Path, device: str = "cpu") -> int:
+    """Refuse a checkpoint whose weights cannot fit before anything is allocated. Returns the
+    estimate in bytes; raises ``MemoryError`` giving the estimate and the free memory."""
+    n, need = param_bytes(cfg, dtype, with_mtp)
+    free = free_bytes(device)
+    if need > free:
+        raise MemoryError(f"checkpoint {folder} needs about {need / 2**30:.1f} GiB for its weights "
+                          f"({n / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')}), but {device} has only "
+                          f"{free / 2**30:.1f} GiB free; serve it on a larger machine or GPU, or in bf16")
+    return need
+
+
+def load_trunk(folder: str | Path, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
+               overrides: dict | None = None, device: str = "cpu") -> Trunk:
+    """Load a checkpoint folder: ``config.json`` (:meth:`TrunkConfig.from_dict`, strict) and its
+    weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, read one
+    file at a time into a model built on the meta device and allocated once on ``device`` in
+    ``dtype`` (fp32-kept parameters in fp32) after :func:`check_fits`. ``overrides`` replace config
+    fields (e.g. ``{"index_topk": 4096}`` for the dense DSA regime); the MTP layer is left out
+    without ``with_mtp`` or when ``num_nextn_predict_layers`` is 0.
+
+    Raises ``FileNotFoundError`` if the folder lacks a file, ``KeyError`` naming missing or
+    unexpected keys, ``ValueError`` naming a key whose shape differs (or a config field tandem
+    cannot honour), ``MemoryError`` when the weights cannot fit.
     """
     import dataclasses
 
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     folder = Path(folder)
-    if not (folder / "model.safetensors").exists():
-        raise FileNotFoundError(f"no model.safetensors in {folder} (run `make model`)")
+    files = weight_map(folder)
     cfg = TrunkConfig.load(folder)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
-    model = Trunk(cfg, with_mtp=with_mtp)
-    sd = load_file(str(folder / "model.safetensors"))
+    with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0
+    check_fits(cfg, dtype, with_mtp, folder, device)
+    with torch.device("meta"):
+        model = Trunk(cfg, with_mtp=with_mtp)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        t.data = t.data.to(torch.float32 if is_fp32_param(name) else dtype)
+    model = model.to_empty(device=device)
+    sd = model.state_dict()
     if not with_mtp:
         prefix = f"layers.{cfg.num_hidden_layers}."
-        sd = {k: v for k, v in sd.items() if not k.startswith(prefix)}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+        files = {k: f for k, f in files.items() if not k.startswith(prefix)}
+    missing, unexpected = sorted(sd.keys() - files.keys()), sorted(files.keys() - sd.keys())
     if missing or unexpected:
-        raise KeyError(f"checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+        raise KeyError(f"checkpoint {folder} does not fit its config: {len(missing)} missing key(s) {missing[:5]}, "
+                       f"{len(unexpected)} unexpected key(s) {unexpected[:5]}")
+    by_file: dict[Path, list[str]] = {}
+    for k, f in files.items():
+        by_file.setdefault(f, []).append(k)
+    for f in sorted(by_file):  # one shard at a time
+        with safe_open(str(f), "pt") as st:
+            for k in by_file[f]:
+                t = st.get_tensor(k)
+                if tuple(t.shape) != tuple(sd[k].shape):
+                    raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
+                sd[k].copy_(t)
     model.eval().requires_grad_(False)
-    return cast_trunk(model, dtype)
+    return input_major_linears(model)
+
+
+def save_sharded(model: Trunk, folder: str | Path, shards: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``config.json``, ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``
+    (transformers' sharded layout), keys split into ``shards`` files of about equal size."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.cfg.save(folder)
+    sd = {k: v.detach().to(torch.float32 if is_fp32_param(k) else dtype).contiguous() for k, v in model.state_dict().items()}
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    parts, acc, cur = [[]], 0, 0
+    for k, v in sd.items():
+        if acc >= total * (cur + 1) / shards and cur < shards - 1:
+            parts.append([])
+            cur += 1
+        parts[-1].append(k)
+        acc += v.numel() * v.element_size()
+    wm = {}
+    for i, keys in enumerate(parts):
+        name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        save_file({k: sd[k] for k in keys}, str(folder / name), metadata={"format": "pt"})
+        wm.update({k: name for k in keys})
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2) + "\n")
 
 
 def save_trunk(model: Trunk, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:

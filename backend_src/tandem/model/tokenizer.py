@@ -1,18 +1,39 @@
-"""Byte-level BPE tokenizer (Hugging Face ``tokenizers``) and tandem's chat template.
+"""Byte-level BPE tokenizer (Hugging Face ``tokenizers``) and a checkpoint's chat template.
 
-Special tokens: ``<|endoftext|>`` (EOS), ``<|system|>``, ``<|user|>``, ``<|assistant|>``.
-A chat prompt is ``<|user|>\\n{text}<|assistant|>\\n``; generation stops at ``<|endoftext|>`` or
-``<|user|>`` (both in ``stop_ids``). Only the template inserts control ids (:class:`ChatTokenizer`).
+A checkpoint folder holds ``tokenizer.json``, and ``tokenizer_config.json`` with its ``chat_template``
+(rendered as transformers renders it: :mod:`tandem.model.chat_template`) and ``generation_config.json``
+with its stop ids (``eos_token_id``). The shipped miniature's special tokens: ``<|endoftext|>`` (EOS),
+``<|system|>``, ``<|user|>``, ``<|assistant|>``; its template renders a chat prompt as
+``<|user|>\\n{text}<|assistant|>\\n``, and generation stops at ``<|endoftext|>`` or ``<|user|>``
+(:data:`MINIATURE_TEMPLATE`, written by :func:`write_tokenizer_config`; a folder without a template
+falls back to it). Only the template inserts control ids (:class:`ChatTokenizer`).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Iterable
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
 ROLE_TOKEN = {"human": "<|user|>", "user": "<|user|>", "gpt": "<|assistant|>", "assistant": "<|assistant|>",
               "system": "<|system|>"}
+#: roles as templates name them (ShareGPT's ``human`` / ``gpt`` too)
+ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+#: the shipped miniature's chat template (its ``tokenizer_config.json``)
+MINIATURE_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] }}{% endfor %}"
+                      "{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}")
+
+
+def write_tokenizer_config(folder: str | Path, stop_ids: list[int]) -> None:
+    """Write the miniature's ``tokenizer_config.json`` (its chat template, for tandem and
+    transformers' ``AutoTokenizer``) and ``generation_config.json`` (``eos_token_id``: ``stop_ids``)."""
+    folder = Path(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": MINIATURE_TEMPLATE, "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "model_max_length": 4096, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(stop_ids)}, indent=2) + "\n")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
@@ -29,11 +50,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
 
 
 class ChatTokenizer:
-    """Encode/decode text and chat prompts with a trained ``tokenizer.json``. Only the template
-    inserts control ids: text, user text included, is always encoded as ordinary text, so a message
-    that spells ``<|assistant|>`` or ``<|endoftext|>`` cannot end its turn or forge another.
+    """Encode/decode text and chat prompts with a checkpoint's ``tokenizer.json``, its chat
+    template and its stop ids (``generation_config.json``'s ``eos_token_id``; without one, the
+    miniature's ``<|endoftext|>`` and ``<|user|>``). Only the template inserts control ids: text,
+    user text included, is always encoded as ordinary text, so a message that spells
+    ``<|assistant|>`` or ``<|endoftext|>`` cannot end its turn or forge another.
 
-    Raises ``FileNotFoundError`` when the file is missing.
+    Raises ``FileNotFoundError`` when the file is missing, ``ValueError`` on a bad template config.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -44,12 +67,22 @@ class ChatTokenizer:
             p = p / "tokenizer.json"
         if not p.exists():
             raise FileNotFoundError(f"tokenizer file not found: {p}")
+        from .chat_template import ChatTemplate
+
         self.tok = Tokenizer.from_file(str(p))
         self.tok.encode_special_tokens = True  # control tokens spelled in text stay text
+        added = sorted((t.content for t in self.tok.get_added_tokens_decoder().values()), key=len, reverse=True)
+        self._added = re.compile("(" + "|".join(re.escape(a) for a in added) + ")") if added else None
         self.eos_id = self.tok.token_to_id("<|endoftext|>")
         self.user_id = self.tok.token_to_id("<|user|>")
         self.role_ids = {r: self.tok.token_to_id(t) for r, t in ROLE_TOKEN.items()}
-        self.stop_ids = (self.eos_id, self.user_id)
+        self.template = ChatTemplate.load(p.parent) or ChatTemplate(MINIATURE_TEMPLATE)
+        gen = p.parent / "generation_config.json"
+        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None
+        if eos is None:
+            self.stop_ids = (self.eos_id, self.user_id)
+        else:
+            self.stop_ids = tuple(int(x) for x in (eos if isinstance(eos, list) else [eos]))
 
     @property
     def vocab_size(self) -> int:
@@ -64,28 +97,37 @@ class ChatTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def message(self, role: str, text: str) -> list[int]:
-        """One template message: the control id of ``role`` (``user``/``human``, ``assistant``/``gpt``,
-        ``system``), then a newline and ``text``, as text."""
-        return [self.role_ids[role]] + self.encode("\n" + text)
+        """One message as the template renders it alone (no generation prompt): for the miniature,
+        the control id of ``role`` (``user``/``human``, ``assistant``/``gpt``, ``system``), then a
+        newline and ``text``, as text."""
+        return self.render([(role, text)], add_generation_prompt=False)
 
     def chat_prompt(self, user_text: str, system: str | None = None) -> list[int]:
-        """Token ids of a chat turn ending with ``<|assistant|>\\n``: an optional system message, then
-        the user message. A later turn of a session is ``chat_prompt(text)`` as well: the previous
-        reply's stop token is not context (the session drops it), so this turn's ``<|user|>`` is the
-        one boundary token between the turns."""
-        return (self.message("system", system) if system else []) + self.message("user", user_text) + \
-            self.message("assistant", "")
+        """Token ids of a chat turn ending with the template's generation prompt
+        (``<|assistant|>\\n``): an optional system message, then the user message. A later turn of
+        a session is ``chat_prompt(text)`` as well: the previous reply's stop token is not context
+        (the session drops it), so this turn's ``<|user|>`` is the one boundary token between the turns."""
+        return self.render(([("system", system)] if system else []) + [("user", user_text)])
 
-    def render(self, messages: list[tuple[str, str]]) -> list[int]:
-        """The template's rendering of a conversation ``[(role, text), ...]``, each message in turn
-        (no stop token after a reply), with the ``<|assistant|>\\n`` header after a final user
-        message: the reference a multi-turn session's context must equal."""
+    def render(self, messages: list[tuple[str, str]], add_generation_prompt: bool | None = None) -> list[int]:
+        """Token ids of the template's rendering of a conversation ``[(role, text), ...]`` (no stop
+        token after a reply), with the generation prompt after a final user message unless
+        ``add_generation_prompt`` says otherwise: the reference a multi-turn session's context must
+        equal. Message text is encoded as ordinary text, the template's own text with its control
+        tokens; the rendered text is :meth:`ChatTemplate.render`'s, transformers' own."""
+        msgs = [{"role": ROLE[r], "content": t} for r, t in messages]
+        if add_generation_prompt is None:
+            add_generation_prompt = bool(msgs) and msgs[-1]["role"] == "user"
         out: list[int] = []
-        for role, text in messages:
-            out += self.message(role, text)
-        if messages and messages[-1][0] in ("user", "human"):
-            out += self.message("assistant", "")
-        return out
+        text = ""  # the text between two of the template's control tokens (as transformers splits it)
+        for piece, content in self.template.pieces(msgs, add_generation_prompt):
+            for part in [piece] if content or self._added is None else self._added.split(piece):
+                if not content and self._added is not None and self._added.fullmatch(part):
+                    out += self.encode(text) + [self.tok.token_to_id(part)]
+                    text = ""
+                else:
+                    text += part
+        return out + self.encode(text)
 
     def conversation(self, turns: list[dict]) -> list[int]:
         """Token ids of a whole ShareGPT conversation, ending with EOS (training documents)."""

@@ -58,12 +58,14 @@ def resolve_checkpoint(config: schema.ServingConfig, model_dir: str | Path, requ
     ``model_dir``, the folder Triton passes as ``args["model_repository"]``).
 
     Raises ``FileNotFoundError`` naming the folder and the missing file (``config.json``,
-    ``tokenizer.json``, and ``model.safetensors`` when ``require_weights``).
+    ``tokenizer.json``, and ``model.safetensors`` or the sharded ``model.safetensors.index.json`` when
+    ``require_weights``).
     """
     p = Path(config.checkpoint)
     if not p.is_absolute():
         p = Path(model_dir).resolve().parent / p
-    for f in ["config.json", "tokenizer.json"] + (["model.safetensors"] if require_weights else []):
+    weights = "model.safetensors.index.json" if (p / "model.safetensors.index.json").exists() else "model.safetensors"
+    for f in ["config.json", "tokenizer.json"] + ([weights] if require_weights else []):
         if not (p / f).exists():
             raise FileNotFoundError(f"checkpoint folder {p} lacks {f} (set TANDEM_CHECKPOINT or the model's "
                                     f"'checkpoint' parameter; `make model` trains the default)")

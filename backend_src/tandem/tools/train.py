@@ -27,7 +27,7 @@ from ..model.checkpoint import DEFAULT_CHECKPOINT, init_weights, load_trunk, sav
 from ..model.config import TrunkConfig
 from ..model.layers import MoE
 from ..model.mla import MLAttention
-from ..model.tokenizer import ChatTokenizer, train_tokenizer
+from ..model.tokenizer import ChatTokenizer, train_tokenizer, write_tokenizer_config
 from ..model.trunk import Trunk
 from .data import sharegpt_conversations, stdlib_sources
 from .plots import save_curves
@@ -180,6 +180,8 @@ def main(
         sample += list(stdlib_sources(max_files=400))
         rng.shuffle(sample)
         train_tokenizer(sample, vocab_size=8192).save(str(tok_path))
+    if not (out / "tokenizer_config.json").exists():  # the chat template and stop ids travel with the checkpoint
+        write_tokenizer_config(out, [0, 2])  # train_tokenizer gives <|endoftext|> id 0, <|user|> id 2
     tok = ChatTokenizer(tok_path)
 
     print(f"[2/4] corpus ({max_tokens/1e6:.0f}M tokens max)")
