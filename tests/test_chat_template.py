@@ -90,25 +90,37 @@ def test_template_errors_are_clear(tmp_path):
 @pytest.fixture(scope="module")
 def served_folder(tmp_path_factory):
     """A random-weight checkpoint with the real per-head dimensions (tests/test_real_config.py), the
-    shipped tokenizer's vocabulary, 2 shards + index, and its own chat template (OTHER_TEMPLATE)."""
+    shipped tokenizer's vocabulary, 2 shards + index, and its own chat template (OTHER_TEMPLATE); and
+    a random DFlash2 drafter for it in a folder of its own (``drafter/dflash2``), as a real
+    GLM-5.3-Flash DFlash2 drafter ships."""
     from test_real_config import real_dims_config
+
+    from tandem.model.checkpoint import save_dflash
+    from tandem.model.dflash import DFlashConfig, DFlashDrafter
 
     folder = tmp_path_factory.mktemp("served-glm")
     save_sharded(init_weights(Trunk(real_dims_config(vocab_size=8192)), seed=5, std=0.05), folder, 2, torch.bfloat16)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DFlashConfig(hidden_size=256, vocab_size=8192, target_layer_ids=[0, 1, 3]), dflash2=True)
+    save_dflash(drafter, folder.parent / (folder.name + "-drafter"), "dflash2")
     return _folder(folder, OTHER_TEMPLATE)
 
 
 def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
     """Must-show 3: tritonserver serves the sharded random-weight folder (TANDEM_CHECKPOINT, what `make
     serve CHECKPOINT=...` sets) and `tandem generate --checkpoint` streams from it with the folder's
-    template; the server's own text front renders the same prompt (the ensemble's prompt_tokens)."""
+    template; the server's own text front renders the same prompt (the ensemble's prompt_tokens); its
+    DFlash2 drafter loads from a folder of its own (TANDEM_DFLASH2_CHECKPOINT, `--dflash2-checkpoint`)
+    and greedy DFlash2 output equals plain decoding's."""
     from typer.testing import CliRunner
 
     from tandem.serving.serve import running_server
     from tandem_client.cli import app
 
     tok = ChatTokenizer(served_folder / "tokenizer.json")
-    with running_server(env={"TANDEM_CHECKPOINT": str(served_folder)}, ready_timeout_s=240) as srv:
+    drafter = served_folder.parent / (served_folder.name + "-drafter") / "dflash2"
+    env = {"TANDEM_CHECKPOINT": str(served_folder), "TANDEM_DFLASH2_CHECKPOINT": str(drafter)}
+    with running_server(env=env, ready_timeout_s=240) as srv:
         res = CliRunner().invoke(app, ["generate", "Hello there", "-n", "12", "--json", "--url", srv.grpc_url,
                                        "--checkpoint", str(served_folder)])
         assert res.exit_code == 0, res.output + srv.log()[-3000:]
@@ -122,4 +134,10 @@ def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
             ans = json.loads(r.read())
         assert ans["prompt_tokens"] == len(tok.chat_prompt("Hello there")) and ans["completion_tokens"] == 12
         assert ans["text_output"] == out["text"]  # greedy: the same reply through either front
+        from tandem_client.client import generate
+
+        plain = generate(tok.chat_prompt("Hello there"), 24, url=srv.grpc_url, spec="off")
+        spec = generate(tok.chat_prompt("Hello there"), 24, url=srv.grpc_url, spec="dflash2")  # the drafter's own folder
+        assert spec["token_ids"] == plain["token_ids"] and spec["drafted"] > 0
+        assert f"drafters {{'dflash2': '{drafter}'}}" in srv.log()
         assert tok.decode(tok.chat_prompt("Hello there"), skip_special=False).startswith("<|system|>\nYou are a test model.")

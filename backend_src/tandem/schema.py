@@ -40,6 +40,8 @@ class ServingConfig:
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
     repository; ``dtype``: compute dtype of the stage models; ``prefix_cache_mb``: memory bound of
     the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off;
+    ``dflash_checkpoint`` / ``dflash2_checkpoint``: a drafter folder of its own (``config.json`` +
+    ``model.safetensors``, relative to the model repository) instead of ``<checkpoint>/dflash[2]``;
     ``batch_invariant``: pad plain decoding's one-row trunk passes to two rows so a row's logits are
     bit-identical alone or in a verify block (off by default: it costs plain decoding ~16%, measured).
 
@@ -59,6 +61,8 @@ class ServingConfig:
     burst_rounds: int = 4
     block_size: int = 8
     checkpoint: str = "weights/tandem-tiny"
+    dflash_checkpoint: str = ""
+    dflash2_checkpoint: str = ""
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
     max_sessions: int = 256
@@ -208,7 +212,7 @@ TANDEM = ModelSpec(
         TensorSpec(MEAN_ACCEPTANCE_LENGTH, "TYPE_FP32", (1,),
                    doc="this turn's tau so far: 1 + accepted / rounds (0 before any round; usage)"),
     ),
-    parameters=("checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
                 "idle_timeout_s", "max_sessions", "prefill_chunk", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
                 "demote_load_slope", "demote_probe_rounds"),
     decoupled=True,
@@ -244,7 +248,7 @@ TRUNK = ModelSpec(
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
         _NBYTES,
     ),
-    parameters=("checkpoint", "dtype", "batch_invariant"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "batch_invariant"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict"),
 )
 
@@ -283,7 +287,7 @@ DRAFTER_DFLASH = ModelSpec(
         TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
         _NBYTES,
     ),
-    parameters=("checkpoint", "dtype", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "max_num_draft_tokens"),
     ops=("open", "close", "draft", "publish", "evict"),
 )
 

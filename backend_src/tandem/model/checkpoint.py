@@ -224,32 +224,52 @@ def init_weights(model: Trunk, seed: int = 0, std: float = 0.02) -> Trunk:
 
 
 # -- DFlash drafters: <checkpoint>/<arm>/{config.json, model.safetensors}, arm in tandem.schema.DFLASH_ARMS --------
-def dflash_arms(folder: str | Path) -> list[str]:
-    """The DFlash arms whose drafter checkpoint exists under ``folder``."""
-    return [a for a in schema.DFLASH_ARMS if (Path(folder) / a / "model.safetensors").exists()]
+#: ``arm -> drafter folder`` (each holding ``config.json`` and ``model.safetensors``)
+DrafterDirs = dict
 
 
-def dflash_feature_layers(folder: str | Path) -> tuple[int, ...]:
-    """The trunk layers every DFlash drafter under ``folder`` reads (empty without drafters).
-    Raises ``ValueError`` when two drafters want different layers (the trunk exports one set)."""
+def drafter_dirs(folder: str | Path, given: dict[str, str | Path] | None = None) -> DrafterDirs:
+    """The DFlash drafter folders of a checkpoint, by arm: ``given[arm]`` (a drafter checkpoint of
+    its own, in the layout ``make model`` writes) where set, else ``<folder>/<arm>`` when it exists.
+    Raises ``FileNotFoundError`` naming a given folder that holds no drafter."""
+    out = {}
+    for a in schema.DFLASH_ARMS:
+        d = Path(given[a]) if given and given.get(a) else Path(folder) / a
+        if (d / "model.safetensors").exists():
+            out[a] = d
+        elif given and given.get(a):
+            raise FileNotFoundError(f"the {a} drafter folder {d} lacks model.safetensors (and config.json)")
+    return out
+
+
+def dflash_arms(folder: str | Path, dirs: DrafterDirs | None = None) -> list[str]:
+    """The DFlash arms with a drafter (``dirs`` from :func:`drafter_dirs`; default: under ``folder``)."""
+    return list(dirs if dirs is not None else drafter_dirs(folder))
+
+
+def dflash_feature_layers(folder: str | Path, dirs: DrafterDirs | None = None) -> tuple[int, ...]:
+    """The trunk layers every DFlash drafter reads (empty without drafters). Raises ``ValueError``
+    when two drafters want different layers (the trunk exports one set)."""
     from .dflash import DFlashConfig
 
-    sets = {tuple(DFlashConfig.load(Path(folder) / a).target_layer_ids) for a in dflash_arms(folder)}
+    dirs = dirs if dirs is not None else drafter_dirs(folder)
+    sets = {tuple(DFlashConfig.load(d).target_layer_ids) for d in dirs.values()}
     if len(sets) > 1:
-        raise ValueError(f"DFlash drafters in {folder} read different target layers: {sorted(sets)}")
+        raise ValueError(f"the DFlash drafters {sorted(map(str, dirs.values()))} read different target layers: {sorted(sets)}")
     return sets.pop() if sets else ()
 
 
-def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16):
-    """The ``arm`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder, in
-    eval mode. Raises ``FileNotFoundError`` when it is missing, ``KeyError`` on missing or unexpected keys."""
+def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16, path: str | Path | None = None):
+    """The ``arm`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder (or
+    from its own folder ``path``), in eval mode. Raises ``FileNotFoundError`` when it is missing,
+    ``KeyError`` on missing or unexpected keys, ``ValueError`` on a config field it cannot honour."""
     from safetensors.torch import load_file
 
     from .dflash import DFlashConfig, DFlashDrafter
 
-    sub = Path(folder) / arm
+    sub = Path(path) if path is not None else Path(folder) / arm
     if not (sub / "model.safetensors").exists():
-        raise FileNotFoundError(f"no {arm} drafter in {folder} (expected {sub}/model.safetensors; `make model` trains it)")
+        raise FileNotFoundError(f"no {arm} drafter in {sub.parent} (expected {sub}/model.safetensors; `make model` trains it)")
     model = DFlashDrafter(DFlashConfig.load(sub), dflash2=arm == schema.DFLASH2)
     missing, unexpected = model.load_state_dict(load_file(str(sub / "model.safetensors")), strict=False)
     if missing or unexpected:

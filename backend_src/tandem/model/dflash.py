@@ -60,9 +60,14 @@ class DFlashConfig:
 
     @classmethod
     def load(cls, folder: str | Path) -> "DFlashConfig":
-        """Read ``config.json`` of a drafter checkpoint folder. Raises ``FileNotFoundError``."""
+        """Read ``config.json`` of a drafter checkpoint folder. Raises ``FileNotFoundError``, and
+        ``ValueError`` naming a field tandem does not know."""
         d = json.loads(Path(folder, "config.json").read_text())
         names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if k not in names and k not in ("model_type", "architectures", "torch_dtype", "dtype",
+                                                                         "transformers_version"))
+        if unknown:
+            raise ValueError(f"{Path(folder, 'config.json')}: unknown field(s) {unknown}: tandem cannot honour them")
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def save(self, folder: str | Path) -> None:

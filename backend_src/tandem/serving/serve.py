@@ -307,6 +307,8 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
                                    "unauthenticated server (README, 'Deploying safely')"),
           model_repository: Path = typer.Option(MODEL_REPOSITORY, help="Triton model repository"),
           checkpoint: str = typer.Option("", help="checkpoint folder; default: config.pbtxt's (weights/tandem-tiny)"),
+          dflash2_checkpoint: str = typer.Option("", help="a DFlash2 drafter folder of its own (config.json + "
+                                                 "model.safetensors); default: CHECKPOINT/dflash2"),
           spec: Optional[str] = typer.Option(None, help=f"default arm of a new sequence [{schema.DEFAULTS.spec}]"),
           num_draft_tokens: Optional[int] = typer.Option(None, help=f"MTP drafts per round when a request says none "
                                                          f"[{schema.DEFAULTS.num_draft_tokens}]"),
@@ -325,7 +327,9 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     try:
         overrides = parameter_overrides({"spec": spec, "num_draft_tokens": num_draft_tokens, "burst_rounds": burst_rounds,
                                          "max_ctx": max_ctx, "dtype": dtype, **parse_settings(set_),
-                                         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None})
+                                         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
+                                         "dflash2_checkpoint": str(Path(dflash2_checkpoint).resolve()) if dflash2_checkpoint
+                                         else None})
     except ValueError as e:
         print(f"tandem: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(2)

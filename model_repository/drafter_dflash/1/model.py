@@ -20,13 +20,14 @@ class TritonPythonModel:
         self.gauges = backend.Gauges(pb_utils, config["name"], backend.STAGE_GAUGES)
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
-        dt, arms = parse_dtype(cfg.dtype), dflash_arms(ckpt)
+        dirs = backend.drafter_dirs(cfg, args["model_repository"], ckpt)
+        dt, arms = parse_dtype(cfg.dtype), dflash_arms(ckpt, dirs)
         self.stage = None
         if arms:
             trunk = load_trunk(ckpt, dt, with_mtp=False)  # for its embedding and LM head
-            self.stage = DFlashStage({a: load_dflash(ckpt, a, dt) for a in arms}, trunk.embed_tokens, trunk.lm_head,
+            self.stage = DFlashStage({a: load_dflash(ckpt, a, dt, dirs[a]) for a in arms}, trunk.embed_tokens, trunk.lm_head,
                                      cfg.max_num_draft_tokens)
-        pb_utils.Logger.log_info(f"drafter_dflash: {ckpt} ({cfg.dtype}), arms {arms or 'none'}")
+        pb_utils.Logger.log_info(f"drafter_dflash: {ckpt} ({cfg.dtype}), drafters {({a: str(d) for a, d in dirs.items()}) or 'none'}")
 
     def execute(self, requests):
         return backend.stage_execute(pb_utils, schema.DRAFTER_DFLASH, self.stage, requests, self.gauges, None if self.stage else

@@ -32,7 +32,7 @@ class TritonPythonModel:
         transport = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
         drafters = {schema.MTP: front.DrafterProxy(transport, on_error=log)}
         dflash = front.DFlashProxy(transport, on_error=log)
-        drafters.update({arm: dflash for arm in dflash_arms(ckpt)})
+        drafters.update({arm: dflash for arm in dflash_arms(ckpt, backend.drafter_dirs(cfg, args["model_repository"], ckpt))})
         gauges = backend.Gauges(pb_utils, "tandem", front.GAUGES)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
         self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log), drafters,

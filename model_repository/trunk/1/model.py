@@ -20,7 +20,7 @@ class TritonPythonModel:
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
-        features = dflash_feature_layers(ckpt)
+        features = dflash_feature_layers(ckpt, backend.drafter_dirs(cfg, args["model_repository"], ckpt))
         self.stage = TrunkStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), feature_layers=features,
                                 batch_invariant=cfg.batch_invariant)
         pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({cfg.dtype}, batch_invariant={cfg.batch_invariant}), "
