@@ -100,10 +100,11 @@ def test_refused_final_request_ends_the_sequence(engine):
     assert 89 not in sched.sessions and 89 not in engine.trunk.caches
 
 
-def _serve(*args, log=subprocess.PIPE):
+def _serve(*args, log=subprocess.PIPE, ignore_sigint=False):
     return subprocess.Popen([sys.executable, "-m", "tandem.serving.serve", "serve", *args], cwd=REPO_ROOT,
                             stdout=log, stderr=subprocess.STDOUT if log is not subprocess.PIPE else subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
 
 
 def test_launcher_refuses_busy_ports_before_loading():
@@ -120,21 +121,23 @@ def test_launcher_refuses_busy_ports_before_loading():
 
 
 @pytest.mark.integration
-def test_hangup_stops_the_server(tmp_path):
-    """Closing the terminal (SIGHUP to the launcher) stops tritonserver like Ctrl-C: the ports are
-    free again afterwards."""
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT], ids=["SIGHUP", "SIGINT-inherited-ignored"])
+def test_hangup_stops_the_server(tmp_path, sig):
+    """Closing the terminal (SIGHUP to the launcher) stops tritonserver like Ctrl-C, and so does
+    SIGINT for a launcher started in the background by a shell (which inherits SIGINT ignored): the
+    ports are free again afterwards."""
     ports = dict(zip(("HTTP", "gRPC", "metrics"), free_ports(3)))
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         p = _serve("--http-port", str(ports["HTTP"]), "--grpc-port", str(ports["gRPC"]), "--metrics-port",
-                   str(ports["metrics"]), log=f)
+                   str(ports["metrics"]), log=f, ignore_sigint=sig == signal.SIGINT)
     try:
         t0 = time.monotonic()
         while "tandem: ready in" not in log.read_text() and time.monotonic() - t0 < 300:
             assert p.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
         assert "tandem: ready in" in log.read_text()
-        os.kill(p.pid, signal.SIGHUP)
+        os.kill(p.pid, sig)
         p.wait(timeout=60)
     finally:
         if p.poll() is None:

@@ -335,6 +335,8 @@ def test_cli_reads_stdin_and_files_and_checks_flags(server, engine, tmp_path):
                       (("--top-p", "1.5", "--temperature", "0.5"), "--top-p must be in (0.0, 1.0], got 1.5"),
                       (("--sampling", "beam"), "--sampling must be one of"),
                       (("--stop-token-id", "-1"), "--stop-token-id must be >= 0, got -1"),
+                      (("--stop", "x" * 65), "--stop: each stop string must have 1 to 64 characters, got 65"),
+                      (sum((("--stop", str(i)) for i in range(9)), ()), "--stop: at most 8 stop strings, got 9"),
                       (("--url", f"http://127.0.0.1:{server.grpc_port}"), "not a URL"),
                       (("--url", f"127.0.0.1:{server.http_port}"), "is Triton's HTTP port")]:
         p = _cli("generate", "Hi", "--checkpoint", str(CKPT), *(() if "--url" in args else ("--url", server.grpc_url)),

@@ -104,7 +104,9 @@ def test_bad_text_requests_name_the_field(server):
                       ({"text_input": "hi", "exclude_input_in_output": False}, "exclude_input_in_output must be true"),
                       ({"text_input": "hi", "max_tokens": 0}, "MAX_TOKENS must be in [1, "),
                       ({"text_input": "hi", "stop": ["x" * 65]}, "STOP: each stop string must have 1 to 64 characters"),
-                      ({"text_input": "hi", "temperature": -1.0}, "TEMPERATURE must be in")]:
+                      ({"text_input": "hi", "temperature": -1.0}, "TEMPERATURE must be in"),
+                      ({"text_input": "hi", "spec": "off", "num_draft_tokens": 3},
+                       "NUM_DRAFT_TOKENS: this request (it has no sequence id) decodes plain")]:
         for endpoint in ("generate", "generate_stream"):
             code, text = _post(server, endpoint, body)
             assert code == 400 and msg in text, (endpoint, body, code, text)

@@ -156,6 +156,12 @@ FLAG_START, FLAG_END = 1, 2
 #: sequence ids from here up are tandem's one-turn sessions (a request with no sequence id, as Triton's
 #: HTTP generate endpoint sends); a client's own ids must be below
 ONE_TURN_SEQUENCE_IDS = 1 << 63
+
+
+def sequence_name(sid: int) -> str:
+    """How an error names a sequence: ``"sequence 7"``, or ``"this request (it has no sequence id)"``
+    for a one-turn session (its internal id means nothing to the client)."""
+    return "this request (it has no sequence id)" if sid >= ONE_TURN_SEQUENCE_IDS else f"sequence {sid}"
 OUTPUT_IDS, ROUNDS, DRAFTED, ACCEPTED, FINISH_REASON = "OUTPUT_IDS", "ROUNDS", "DRAFTED", "ACCEPTED", "FINISH_REASON"
 PRECEDING_IDS, STOP_STRING = "PRECEDING_IDS", "STOP_STRING"
 #: the turn's usage so far, in every response (the final one: the turn's usage)

@@ -122,8 +122,11 @@ def generate_cmd(
             raise ValueError(f"--stop-token-id: at most {schema.MAX_STOP_TOKEN_IDS}, got {len(stop_token_id)}")
         if any(x < 0 for x in stop_token_id):
             raise ValueError(f"--stop-token-id must be >= 0, got {min(stop_token_id)}")
-        if len(stop) > schema.MAX_STOPS or any(not 1 <= len(x) <= schema.MAX_STOP_CHARS for x in stop):
-            raise ValueError(f"--stop: at most {schema.MAX_STOPS} strings of 1-{schema.MAX_STOP_CHARS} characters")
+        if len(stop) > schema.MAX_STOPS:
+            raise ValueError(f"--stop: at most {schema.MAX_STOPS} stop strings, got {len(stop)}")
+        bad = next((x for x in stop if not 1 <= len(x) <= schema.MAX_STOP_CHARS), None)
+        if bad is not None:
+            raise ValueError(f"--stop: each stop string must have 1 to {schema.MAX_STOP_CHARS} characters, got {len(bad)}")
         text_in = read_prompt(prompt, file)
     except (ValueError, TandemClientError) as e:
         _fail(str(e), 2)

@@ -100,7 +100,7 @@ class Lifecycle:
     def _no_free_session(self, t: Turn) -> str:
         self.stats["sessions_refused_full"] = self.stats.get("sessions_refused_full", 0) + 1
         cfg = self.config
-        return (f"{schema.SEQUENCE_ID}: no free session for sequence {t.sid}: all {cfg.max_sessions} sessions are open "
+        return (f"{schema.SEQUENCE_ID}: no free session for {schema.sequence_name(t.sid)}: all {cfg.max_sessions} sessions are open "
                 f"(max_sessions) and none closed within {cfg.admission_wait_s:g} s (admission_wait_s); end finished "
                 f"sequences with {schema.SEQUENCE_END}, or retry later")
 

@@ -74,7 +74,8 @@ class Scheduler(Lifecycle, Prefill):
         if s is not None and not t.start and t.spec is not None and t.spec != s.arm:
             return f"{schema.SPEC}: sequence {t.sid} runs {s.arm!r}; a later turn cannot switch to {t.spec!r}"
         if t.num_draft_tokens is not None and arm == schema.OFF:  # never silently ignored
-            return f"{schema.NUM_DRAFT_TOKENS}: sequence {t.sid} decodes plain ({schema.SPEC} 'off'), which takes no drafts"
+            return (f"{schema.NUM_DRAFT_TOKENS}: {schema.sequence_name(t.sid)} decodes plain ({schema.SPEC} 'off'), "
+                    f"which takes no drafts")
         try:
             schema.check_range(schema.TANDEM.input(schema.MAX_TOKENS), t.max_tokens, hi=cfg.max_ctx)
         except schema.WireError as e:

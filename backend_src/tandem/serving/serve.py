@@ -347,8 +347,10 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     def _on_term(signum, frame):  # SIGTERM (`kill`, a supervisor) and SIGHUP (the terminal closed) stop it like Ctrl-C
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _on_term)
-    signal.signal(signal.SIGHUP, _on_term)
+    # SIGINT too: a job started in the background by a shell inherits SIGINT ignored, so Ctrl-C (or
+    # `kill -INT`) would otherwise leave tritonserver running
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _on_term)
     shm_before = _shm_files()
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     asked_to_stop = False
