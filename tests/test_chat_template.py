@@ -141,3 +141,25 @@ def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
         assert spec["token_ids"] == plain["token_ids"] and spec["drafted"] > 0
         assert f"drafters {{'dflash2': '{drafter}'}}" in srv.log()
         assert tok.decode(tok.chat_prompt("Hello there"), skip_special=False).startswith("<|system|>\nYou are a test model.")
+
+
+def test_a_later_turn_leaves_out_the_preamble(tmp_path):
+    """With a template that renders a preamble (OTHER_TEMPLATE's default system message, like GLM's
+    ``[gMASK]<sop>``), a session's context after two turns equals the template's rendering of the
+    whole conversation: the later turn leaves the preamble out, and so does the ensemble's
+    preprocessing for a turn of a sequence without sequence_start."""
+    import numpy as np
+
+    from tandem import schema
+    from tandem.serving.text import Preprocessor
+
+    tok = ChatTokenizer(_folder(tmp_path, OTHER_TEMPLATE) / "tokenizer.json")
+    reply = "Waves fold into foam."
+    context = tok.chat_prompt("Write a haiku.") + tok.encode(reply) + tok.chat_prompt("Another.", later=True)
+    assert context == tok.render([("user", "Write a haiku."), ("assistant", reply), ("user", "Another.")])
+    assert tok.chat_prompt("Another.", later=True) != tok.chat_prompt("Another.")
+    pre = Preprocessor(tok)
+    arrays = {"text_input": np.array([b"Another."], dtype=np.object_)}
+    ids = lambda *a: pre.handle(arrays, *a)[schema.INPUT_IDS].tolist()  # noqa: E731
+    assert ids(7, 0) == tok.chat_prompt("Another.", later=True)  # a later turn of sequence 7
+    assert ids(7, schema.FLAG_START) == ids(0, 0) == tok.chat_prompt("Another.")

@@ -197,7 +197,8 @@ def chat_cmd(
                 sys.stdout.flush()
 
         try:
-            res = generate(tok.chat_prompt(line.rstrip("\n"), system=system if first else None), max_tokens=max_tokens,
+            res = generate(tok.chat_prompt(line.rstrip("\n"), system=system if first else None, later=not first),
+                           max_tokens=max_tokens,
                            url=url, spec=spec if first else None, num_draft_tokens=num_draft_tokens, sequence_id=sid,
                            sequence_start=first, sequence_end=False, on_tokens=on_tokens, timeout_s=timeout_s)
         except TandemClientError as e:

@@ -102,12 +102,16 @@ class ChatTokenizer:
         newline and ``text``, as text."""
         return self.render([(role, text)], add_generation_prompt=False)
 
-    def chat_prompt(self, user_text: str, system: str | None = None) -> list[int]:
+    def chat_prompt(self, user_text: str, system: str | None = None, later: bool = False) -> list[int]:
         """Token ids of a chat turn ending with the template's generation prompt
-        (``<|assistant|>\\n``): an optional system message, then the user message. A later turn of
-        a session is ``chat_prompt(text)`` as well: the previous reply's stop token is not context
-        (the session drops it), so this turn's ``<|user|>`` is the one boundary token between the turns."""
-        return self.render(([("system", system)] if system else []) + [("user", user_text)])
+        (``<|assistant|>\\n``): an optional system message, then the user message. A ``later`` turn
+        of a session leaves out the template's preamble (its rendering of no messages, e.g. GLM's
+        ``[gMASK]<sop>``; the miniature has none), which the session holds already; the previous
+        reply's stop token is not context (the session drops it), so this turn's ``<|user|>`` is the
+        one boundary token between the turns."""
+        ids = self.render(([("system", system)] if system else []) + [("user", user_text)])
+        pre = self.render([], add_generation_prompt=False) if later else []
+        return ids[len(pre):] if pre and ids[:len(pre)] == pre else ids
 
     def render(self, messages: list[tuple[str, str]], add_generation_prompt: bool | None = None) -> list[int]:
         """Token ids of the template's rendering of a conversation ``[(role, text), ...]`` (no stop

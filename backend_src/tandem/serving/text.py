@@ -65,14 +65,17 @@ def preprocess(render: Callable[[str], list[int]], arrays: Arrays) -> Arrays:
 
 
 class Preprocessor:
-    """The ``preprocessing`` model's ``handle(arrays) -> arrays`` (:func:`preprocess`) over a
-    checkpoint's tokenizer and chat template (``tokenizer`` a ``ChatTokenizer``)."""
+    """The ``preprocessing`` model's ``handle(arrays, correlation_id, flags) -> arrays``
+    (:func:`preprocess`) over a checkpoint's tokenizer and chat template (``tokenizer`` a
+    ``ChatTokenizer``). The ensemble passes its request's sequence id and flags to this step: a
+    turn of a sequence without ``sequence_start`` is a later turn (the template's preamble left out)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def handle(self, arrays: Arrays) -> Arrays:
-        return preprocess(self.tokenizer.chat_prompt, arrays)
+    def handle(self, arrays: Arrays, correlation_id=0, flags: int = 0) -> Arrays:
+        later = bool(correlation_id) and not flags & schema.FLAG_START
+        return preprocess(lambda text: self.tokenizer.chat_prompt(text, later=later), arrays)
 
 
 class Postprocessor:

@@ -17,4 +17,4 @@ class TritonPythonModel:
         self.step = text.Preprocessor(ChatTokenizer(ckpt / "tokenizer.json"))
 
     def execute(self, requests):
-        return backend.stage_execute(pb_utils, schema_text.PREPROCESSING, self.step, requests)
+        return backend.stage_execute(pb_utils, schema_text.PREPROCESSING, self.step, requests, with_sequence=True)
