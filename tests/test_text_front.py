@@ -183,3 +183,28 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
         c.close()
     assert t1 == cli_reply["text"] and ctx1 == cli_reply["usage"]["prompt_tokens"]
     assert ctx2 > ctx1 + 64 and t2
+
+
+def test_a_client_that_leaves_the_ensemble_is_cancelled(server):
+    """A curl stream killed mid-turn: Triton marks only the ensemble's later step requests cancelled
+    (not the running tandem step), so postprocessing sends tandem a CANCEL for the session; the turn
+    stops within seconds (counted as cancelled) instead of running to its max_tokens."""
+    import subprocess
+    import time
+
+    before = tandem_metrics(server.metrics_port)["tandem"]["cancelled"]
+    body = json.dumps({"text_input": PROMPT, "max_tokens": 3000, "stream": True})
+    p = subprocess.Popen([shutil.which("curl"), "-sN", "-d", body,
+                          f"127.0.0.1:{server.http_port}/v2/models/ensemble/generate_stream"], stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while tandem_metrics(server.metrics_port)["tandem"]["turns_running"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.kill()
+    p.wait()
+    t0 = time.monotonic()
+    while (m := tandem_metrics(server.metrics_port)["tandem"])["turns_running"] != 0 and time.monotonic() - t0 < 10:
+        time.sleep(0.2)
+    assert m["turns_running"] == 0 and m["cancelled"] == before + 1 and m["sessions_open"] == 0, m
+    assert time.monotonic() - t0 < 5  # 3,000 tokens would take well over 10 s here

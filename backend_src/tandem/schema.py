@@ -142,7 +142,7 @@ NUM_DRAFT_TOKENS = "NUM_DRAFT_TOKENS"
 STOP_TOKEN_IDS = "STOP_TOKEN_IDS"
 #: stop token ids a turn may add to the template's
 MAX_STOP_TOKEN_IDS = 16
-STOP, STREAM = "STOP", "STREAM"
+STOP, STREAM, CANCEL, SESSION_ID = "STOP", "STREAM", "CANCEL", "SESSION_ID"
 #: stop strings per turn, and characters per stop string, at most
 MAX_STOPS, MAX_STOP_CHARS = 8, 64
 #: ``PRECEDING_IDS``: the turn's tokens sent before a response's, at most this many (a detokenizer's
@@ -201,6 +201,9 @@ TANDEM = ModelSpec(
                    "token completing one, the text ends before it"),
         TensorSpec(STREAM, "TYPE_BOOL", (1,), optional=True, default=True,
                    doc="true: one response per burst; false: one response with the whole turn"),
+        TensorSpec(CANCEL, "TYPE_BOOL", (1,), optional=True, default=False,
+                   doc="true: cancel the running turn of the session SESSION_ID names (the request's sequence id); "
+                   "answered at once with an empty final response (postprocessing sends it for a client that left)"),
     ),
     outputs=(
         TensorSpec(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
@@ -212,6 +215,8 @@ TANDEM = ModelSpec(
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
         TensorSpec(STOP_STRING, "TYPE_STRING", (1,), doc="the stop string that ended the turn ('' otherwise): "
                    "its text ends where this string starts"),
+        TensorSpec(SESSION_ID, "TYPE_INT64", (1,), doc="the session's id (the sequence id, or a one-turn session's own; "
+                   "uint64 bits): what a CANCEL request names"),
         TensorSpec(PROMPT_TOKENS, "TYPE_INT32", (1,), doc="the turn's context: earlier turns + this prompt (usage)"),
         TensorSpec(COMPLETION_TOKENS, "TYPE_INT32", (1,), doc="tokens this turn has generated so far (usage)"),
         TensorSpec(TOTAL_ROUNDS, "TYPE_INT32", (1,), doc="verify rounds of this turn so far (usage)"),

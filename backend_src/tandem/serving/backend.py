@@ -142,11 +142,12 @@ STAGE_GAUGES = {"stage_sequences": "sequences whose state a stage model's proces
 
 
 def stage_execute(pb_utils, spec: schema.ModelSpec, stage, requests, gauges: Gauges | None = None,
-                  unavailable: str | None = None, with_sequence: bool = False) -> list:
+                  unavailable: str | None = None, with_sequence: bool = False, on_cancelled=None) -> list:
     """The ``execute`` of a stage model: each request's tensors -> ``stage.handle`` -> one response;
     a :class:`~tandem.schema.WireError` answers with its text (naming the field), anything else with
     ``internal error: ...``; ``unavailable`` (a reason) answers every request with it; ``with_sequence``
-    passes each request's correlation id and flags to ``handle`` too. Afterwards
+    passes each request's correlation id and flags to ``handle`` too; ``on_cancelled(arrays)`` is
+    called instead of ``handle`` for a request its client cancelled (answered ``cancelled``). Afterwards
     the ``stage_sequences`` gauge is set to ``len(stage.states)``."""
     responses = []
     for r in requests:
@@ -155,6 +156,9 @@ def stage_execute(pb_utils, spec: schema.ModelSpec, stage, requests, gauges: Gau
                 raise schema.WireError(unavailable)
             arrays = {n: t.as_numpy() for n in spec.input_names
                       if (t := pb_utils.get_input_tensor_by_name(r, n)) is not None}
+            if on_cancelled is not None and r.is_cancelled():
+                on_cancelled(arrays)
+                raise schema.WireError("cancelled by the client")
             out = stage.handle(arrays, r.correlation_id(), r.flags()) if with_sequence else stage.handle(arrays)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
         except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported

@@ -125,7 +125,7 @@ class TandemFront:
                             return
                     clock.response(receipt, receipt.spec_rounds)
                     usage.add(receipt)
-                    send(receipt_outputs(receipt, usage, state["tail"]), None, final)
+                    send(receipt_outputs(receipt, usage, state["tail"], req.sid), None, final)
                     state["tail"] = (state["tail"] + receipt.tokens)[-schema.DETOKENIZE_WINDOW:]
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
                     self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
@@ -135,6 +135,16 @@ class TandemFront:
 
         state["turn"] = dataclasses.replace(req, emit=emit)
         self.q.put(state["turn"])
+
+    def cancel_session(self, sid: int, send: Send) -> None:
+        """A ``CANCEL`` request: the running turn of ``sid`` ends at the next burst boundary (counted
+        as a client's cancel); answered at once with an empty final response."""
+        self.sched.request_cancel(sid)
+        self.info(f"sequence {sid}: turn cancelled (CANCEL request: its client left the ensemble)")
+        try:
+            send({}, None, True)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"could not answer a CANCEL request: {type(e).__name__}: {e}")
 
     def reject(self, send: Send, error: str) -> None:
         """Answer a request that could not be parsed (on the caller's thread)."""

@@ -79,10 +79,25 @@ class Preprocessor:
 
 
 class Postprocessor:
-    """The ``postprocessing`` model's ``handle(arrays) -> arrays`` (:func:`postprocess`)."""
+    """The ``postprocessing`` model's ``handle(arrays) -> arrays`` (:func:`postprocess`), and
+    :meth:`cancelled` for a response whose client left: Triton marks the ensemble's later step
+    requests cancelled, not the running ``tandem`` step (server issue #6739), so this step passes the
+    cancel on. ``cancel(session_id)``: sends ``tandem`` a ``CANCEL`` request (BLS, in model.py)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, cancel=None) -> None:
+        self.tokenizer, self.cancel = tokenizer, cancel
+        self._cancelled: set[int] = set()
 
     def handle(self, arrays: Arrays) -> Arrays:
         return postprocess(self.tokenizer.decode, arrays)
+
+    def cancelled(self, arrays: Arrays) -> None:
+        """Cancel the ``tandem`` turn behind a cancelled response, once per session."""
+        if self.cancel is None or schema.SESSION_ID not in arrays:
+            return
+        sid = schema.sids_from_wire(np.asarray(arrays[schema.SESSION_ID]).reshape(-1))[0]
+        if sid not in self._cancelled:
+            if len(self._cancelled) > 4096:
+                self._cancelled.clear()
+            self._cancelled.add(sid)
+            self.cancel(sid)

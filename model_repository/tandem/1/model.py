@@ -55,6 +55,9 @@ class TritonPythonModel:
 
             arrays = {n: t.as_numpy() for n in schema.TANDEM.input_names
                       if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
+            if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
+                self.front.cancel_session(int(request.correlation_id()), send)
+                continue
             try:
                 turn = front.parse_turn(arrays, request.correlation_id(), request.flags())
             except schema.WireError as e:
