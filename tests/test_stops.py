@@ -210,3 +210,13 @@ def test_eos_inside_accepted_blocks(trunk_fp32, tokenizer):
         eng.sched.close(s.sid)
     eng.sched.stop_ids = tokenizer.stop_ids
     assert inside >= 2, inside
+
+
+def test_a_stop_token_first_with_stop_strings(trunk_fp32, tokenizer):
+    """A turn with stop strings whose very first token is a stop token id: it ends there, and the
+    stop-string tracker has seen that token (its response is released, not refused by hold_back)."""
+    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, demote_probe_rounds=0)
+    ids = tokenizer.chat_prompt("Write a Python function that reverses a string.")
+    first = eng.generate(ids, 4, spec="off")["token_ids"][0]
+    out = eng.generate(ids, 20, spec="mtp", stop_token_ids=(first,), stop=("never-in-text",))
+    assert out["token_ids"] == [first] and out["finish_reason"] == "stop" and out["stop_string"] == ""

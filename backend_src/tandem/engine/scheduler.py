@@ -221,7 +221,8 @@ class Scheduler(Lifecycle, Prefill):
         s.ingest = ingest
         s.last_active = time.monotonic()
         r = Receipt(tokens=[tok], top2_gaps=[float(out.top2_gap[-1])], accepted_at=[0] * len(s.accepted_at))
-        stop = tok in s.stop_ids or (s.stop_text is not None and s.stop_text.scan([tok]) is not None)
+        hit = s.stop_text is not None and s.stop_text.scan([tok]) is not None  # always pushed: hold_back needs it
+        stop = hit or tok in s.stop_ids
         self._finish(s, r, "stop" if stop else ("length" if s.turn_remaining <= 0 else None))
         return r
 
