@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup test serve model drafter bench loadtest soak genai-perf clean
+.PHONY: setup test serve model drafter bench loadtest soak genai-perf kernel-bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -66,6 +66,11 @@ REQUESTS ?= 24
 genai-perf: setup
 	$(VPY) -m loadtest.genai_perf --concurrency $(CONCURRENCY) --requests $(REQUESTS) --output-tokens $(MAX_TOKENS) \
 		$(if $(URL),--url $(URL)) $(ARGS)
+
+# each Triton kernel (kernels/) against its torch reference on a GPU; without one it says so (ARGS=--cpu with
+# TRITON_INTERPRET=1: an interpreter smoke run, agreement only)
+kernel-bench: setup
+	$(VPY) -m tandem_kernels.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-genai triton_backends runs

@@ -22,6 +22,7 @@ pytest.importorskip("tritonclient.grpc")
 
 from tandem import schema  # noqa: E402
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
+from tandem.model.device import parse_dtype, resolve_device  # noqa: E402
 from tandem.serving.serve import MODELS, model_states  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id  # noqa: E402
 
@@ -77,8 +78,8 @@ def test_stream_equals_engine(server, engine, spec):
 
 @pytest.mark.parametrize("spec", ["dflash", "dflash2"])
 def test_served_dflash_equals_plain_decoding(server, engine, spec):
-    """In fp32 (the serving default) the DFlash arms stream exactly plain greedy decoding."""
-    assert schema.DEFAULTS.dtype == "fp32"
+    """In fp32 (the serving default on the CPU) the DFlash arms stream exactly plain greedy decoding."""
+    assert parse_dtype(schema.DEFAULTS.dtype, resolve_device(schema.DEFAULTS.device)) == torch.float32
     for text in ("Explain what a hash table is.", "def fibonacci(n):"):
         prompt = engine.tokenizer.chat_prompt(text)
         plain = engine.generate(prompt, max_tokens=48, spec="off")

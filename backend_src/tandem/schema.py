@@ -10,6 +10,7 @@ numpy only (no torch, no Triton): the client imports it. Sequence ids are Triton
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import numpy as np
@@ -38,10 +39,17 @@ class ServingConfig:
     prime rows per burst of a long prompt (a multiple of ``PREFIX_BLOCK``; 0: the whole prompt at
     once), so streaming sessions keep getting bursts while it is primed; ``spec``: the default arm (the fastest measured;
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
-    repository; ``dtype``: compute dtype of the stage models; ``prefix_cache_mb``: memory bound of
+    repository; ``dtype``: compute dtype of the stage models (:data:`DTYPES`; ``auto``: fp32 on the
+    CPU, where it measured faster, bf16 on CUDA); ``device``: where the stage models hold their weights
+    and run (``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``;
+    resolved, and refused when absent, at load by :func:`tandem.model.device.resolve_device`);
+    ``prefix_cache_mb``: memory bound of
     the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off;
     ``dflash_checkpoint`` / ``dflash2_checkpoint``: a drafter folder of its own (``config.json`` +
     ``model.safetensors``, relative to the model repository) instead of ``<checkpoint>/dflash[2]``;
+    ``kernels``: which implementation the stage models take (:data:`KERNEL_MODES`; ``$TANDEM_KERNELS``,
+    :mod:`tandem_kernels.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on the CPU,
+    ``triton`` the Triton kernels everywhere, ``torch`` the pure-torch reference everywhere;
     ``batch_invariant``: pad plain decoding's one-row trunk passes to two rows so a row's logits are
     bit-identical alone or in a verify block (off by default: it costs plain decoding ~16%, measured).
 
@@ -69,9 +77,11 @@ class ServingConfig:
     prefill_chunk: int = 64
     admission_wait_s: float = 5.0
     stage_timeout_s: float = 30.0
-    dtype: str = "fp32"
+    dtype: str = "auto"
+    device: str = "auto"
     prefix_cache_mb: int = 256
     batch_invariant: bool = False
+    kernels: str = "auto"
     demote_below: float = 1.0
     promote_above: float = 1.15
     round_cost_mtp: float = 1.45
@@ -89,6 +99,10 @@ class ServingConfig:
             raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not re.fullmatch(DEVICE_PATTERN, self.device):
+            raise ValueError(f"device must be one of {DEVICES} (N a GPU index), got {self.device!r}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
         for name in ("burst_rounds", "max_ctx", "max_sessions"):
@@ -130,7 +144,10 @@ MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"  # arms: native MT
 SPECS = (MTP, DFLASH, DFLASH2, OFF)
 #: The arms served by the ``drafter_dflash`` model.
 DFLASH_ARMS = (DFLASH, DFLASH2)
-DTYPES = ("bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")  # auto: fp32 on the CPU, bf16 on CUDA
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DEVICE
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+KERNEL_MODES = ("auto", "triton", "torch")  # ServingConfig.kernels / $TANDEM_KERNELS
 DEFAULTS = ServingConfig()
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -259,7 +276,7 @@ TRUNK = ModelSpec(
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
         _NBYTES,
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "batch_invariant"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "batch_invariant"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict"),
 )
 
@@ -277,7 +294,7 @@ DRAFTER_MTP = ModelSpec(
         TensorSpec("DRAFTS", "TYPE_INT64", (-1,)),
         TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
     ),
-    parameters=("checkpoint", "dtype", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dtype", "device", "max_num_draft_tokens"),
     ops=("open", "close", "draft"),
 )
 
@@ -298,7 +315,7 @@ DRAFTER_DFLASH = ModelSpec(
         TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
         _NBYTES,
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "max_num_draft_tokens"),
     ops=("open", "close", "draft", "publish", "evict"),
 )
 

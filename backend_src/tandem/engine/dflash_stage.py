@@ -53,6 +53,8 @@ class DFlashStage(DrafterStage):
         super().__init__(max_num_draft_tokens)
         self.drafters, self.embed, self.head = drafters, embed, head
         self.feature_size = sizes.pop()
+        #: where the drafters' weights are: every tensor made for them is created there
+        self.device = embed.weight.device
         #: published drafter tails: (arm, chain key) -> the context K/V of that block's rows
         self.tails: dict[tuple[str, int], KV] = {}
 
@@ -130,9 +132,9 @@ class DFlashStage(DrafterStage):
                 raise ValueError(f"sequence {it.sid} drafts with {st.arm}, not {it.arm}")
             model = self.drafters[it.arm]
             n = len(it.next_tokens)
-            feats = it.features.reshape(1, n, -1)
+            feats = it.features.to(self.device).reshape(1, n, -1)
             pts = split_points(st.rows, st.rows + n)  # pieces end at multiples of PREFIX_BLOCK: warm == cold
-            pieces = [model.context_kv(model.context(feats[:, a - pts[0]: b - pts[0]]), torch.arange(a, b))
+            pieces = [model.context_kv(model.context(feats[:, a - pts[0]: b - pts[0]]), torch.arange(a, b, device=self.device))
                       for a, b in zip(pts, pts[1:])]
             if st.kv is not None:
                 pieces.insert(0, st.kv)
@@ -146,8 +148,8 @@ class DFlashStage(DrafterStage):
         for (arm, k), idx in blocks.items():  # one block forward per arm and block size, all sequences
             model, sts = self.drafters[arm], [self.state(items[i].sid) for i in idx]
             anchors = [int(items[i].next_tokens[-1]) for i in idx]
-            x = model.block_input(torch.tensor(anchors), self.embed, k + 1).reshape(1, -1, model.cfg.hidden_size)
-            pos = torch.cat([torch.arange(st.rows, st.rows + k + 1) for st in sts])
+            x = model.block_input(torch.tensor(anchors, device=self.device), self.embed, k + 1).reshape(1, -1, model.cfg.hidden_size)
+            pos = torch.cat([torch.arange(st.rows, st.rows + k + 1, device=self.device) for st in sts])
             kv = [([st.kv[i][0] for st in sts], [st.kv[i][1] for st in sts]) for i in range(len(model.layers))]
             h = model(x, pos, kv, block=k + 1)[0].view(len(idx), k + 1, -1)[:, 1:]
             logits = self.head(h).float()
@@ -196,7 +198,7 @@ class DFlashStage(DrafterStage):
 
     def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
         """The draft items of a packed request: ``FEATURES [N, F]``, ``LENGTHS [S]``, ``ANCHORS [S]``,
-        ``SPEC [S]``."""
+        ``SPEC [S]`` (``FEATURES`` copied to the drafters' device)."""
         feats = schema.get_vector(arrays, self.spec.input("FEATURES"), ndim=2)
         if feats.shape[1] != self.feature_size:
             raise WireError(f"FEATURES must be [N, {self.feature_size}], got {list(feats.shape)}")
@@ -209,7 +211,7 @@ class DFlashStage(DrafterStage):
             if self.states[s].arm not in (None, a):
                 raise WireError(f"{schema.SPEC}: sequence {s} drafts with {self.states[s].arm}, not {a}")
         schema.check_tokens("ANCHORS", anchors, self.embed.num_embeddings)
-        fs = schema.split_rows(torch.from_numpy(np.ascontiguousarray(feats)), lengths)
+        fs = schema.split_rows(torch.from_numpy(np.ascontiguousarray(feats)).to(self.device), lengths)
         # the stage reads only each sequence's anchor (the last next token); the others are not sent
         return [DraftRequest(s, torch.zeros(0), [0] * (n - 1) + [int(a)], k, f, arm)
                 for s, n, a, k, f, arm in zip(sids, lengths, anchors.tolist(), ks, fs, arms)]

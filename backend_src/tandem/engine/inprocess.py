@@ -29,7 +29,7 @@ class Engine:
     """Trunk + drafters (the MTP layer; the DFlash drafters the checkpoint holds) + scheduler in one process.
 
     Args: ``checkpoint`` folder (config.json, model.safetensors, tokenizer.json, optional
-    ``dflash/`` and ``dflash2/`` drafters); ``dtype`` (``"bf16"``, ``"fp32"`` or a torch dtype);
+    ``dflash/`` and ``dflash2/`` drafters); ``dtype`` (``"auto"``: fp32 here on the CPU, ``"bf16"``, ``"fp32"`` or a torch dtype);
     ``model``/``tokenizer`` to share loaded ones; ``dflash`` — arm -> drafter to use instead of the
     checkpoint's (e.g. a freshly trained one);
     ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.

@@ -50,25 +50,26 @@ class MTPStage(DrafterStage):
     def draft(self, items: list[DraftRequest]) -> list[list[int]]:
         """For each item: drop speculative entries, ingest its ``n`` committed rows, return
         ``num_draft_tokens`` greedy drafts (``[]`` for 0). Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
-        mtp, emb = self.model.mtp, self.model.embed_tokens
+        mtp, emb, dev = self.model.mtp, self.model.embed_tokens, self.model.device
         res = []
         for it in items:
             st = self.state(it.sid)
             st.cache.truncate(st.committed)
-            h = it.hidden.to(self.model.dtype).unsqueeze(0)
-            hn = mtp.rows(emb(torch.tensor([it.next_tokens])), h, st.cache)[:, -1:]
+            h = it.hidden.to(device=dev, dtype=self.model.dtype).unsqueeze(0)
+            hn = mtp.rows(emb(torch.tensor([it.next_tokens], device=dev)), h, st.cache)[:, -1:]
             st.committed = len(st.cache)
             out: list[int] = []
             for j in range(it.num_draft_tokens):
                 tok = int(mtp.shared_head.head(hn[0, -1]).float().argmax())
                 out.append(tok)
                 if j + 1 < it.num_draft_tokens:
-                    hn = mtp.rows(emb(torch.tensor([[tok]])), hn, st.cache)
+                    hn = mtp.rows(emb(torch.tensor([[tok]], device=dev)), hn, st.cache)
             res.append(out)
         return res
 
     def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
-        """The draft items of a packed request: ``HIDDEN [N, D]``, ``NEXT_TOKENS [N]``, ``LENGTHS [S]``."""
+        """The draft items of a packed request: ``HIDDEN [N, D]`` (copied to the model's device),
+        ``NEXT_TOKENS [N]``, ``LENGTHS [S]``."""
         hidden = schema.get_vector(arrays, self.spec.input("HIDDEN"), ndim=2)
         nxt = schema.get_vector(arrays, self.spec.input("NEXT_TOKENS"))
         D = self.model.cfg.hidden_size
@@ -78,5 +79,5 @@ class MTPStage(DrafterStage):
             raise WireError(f"HIDDEN has {hidden.shape[0]} rows but NEXT_TOKENS has {nxt.size}")
         lengths = schema.lengths_of(arrays, len(sids), nxt.size, "NEXT_TOKENS")
         schema.check_tokens("NEXT_TOKENS", nxt, self.model.cfg.vocab_size)
-        hs = schema.split_rows(torch.from_numpy(np.ascontiguousarray(hidden)), lengths)
+        hs = schema.split_rows(torch.from_numpy(np.ascontiguousarray(hidden)).to(self.model.device), lengths)
         return [DraftRequest(s, h, n.tolist(), k) for s, h, n, k in zip(sids, hs, schema.split_rows(nxt, lengths), ks)]

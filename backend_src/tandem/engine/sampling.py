@@ -141,7 +141,7 @@ def row_targets(logits: torch.Tensor, tokens: list[int], pos0: int, p: SamplingP
     """
     R, V = logits.shape
     lo = R - 1 if last_only else 0
-    probs = transform(logits[lo:], p)
+    probs = transform(logits[lo:].cpu(), p)
     positions = range(pos0 + lo + 1, pos0 + R + 1)
     if p.mode == schema.COUPLED:
         g = np.stack([uniforms(p.seed, t, GUMBEL, V) for t in positions])
@@ -155,9 +155,28 @@ def row_targets(logits: torch.Tensor, tokens: list[int], pos0: int, p: SamplingP
         u_r = np.array([uniforms(p.seed, t, RESIDUAL)[0] for t in pos[:k]])[None]
         tgt = rejection_targets(probs[None], drafts.reshape(1, k), u_a.reshape(1, k), u_r.reshape(1, k),
                                 uniforms(p.seed, pos[-1], BONUS))[0]
-    out = torch.zeros(R, dtype=torch.int64)
+    out = torch.zeros(R, dtype=torch.int64, device="cpu")  # drawn on the host (numpy); the caller moves it
     out[lo:] = torch.from_numpy(np.asarray(tgt, np.int64))
     return out
+
+
+def targets_and_gaps(logits: torch.Tensor, lengths: list[int], samplers: list | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's target token ``[R]`` int64 and top-2 logit gap ``[R]`` (the reference of the fused
+    Triton sampler, :func:`tandem_kernels.sampler.targets_and_gaps`).
+
+    ``logits [R, V]`` hold the walks' rows in turn (``lengths``); ``samplers[j]`` (None: greedy, the
+    argmax) is ``(params, row tokens, position of row 0, last row only)`` for :func:`row_targets`.
+    """
+    top = logits.topk(2, dim=-1)
+    target = top.indices[:, 0]
+    if samplers is not None and any(samplers):
+        target, off = target.clone(), 0
+        for n, smp in zip(lengths, samplers):
+            if smp is not None:
+                target[off: off + n] = row_targets(logits[off: off + n], smp[1], smp[2], smp[0], smp[3]).to(target.device)
+            off += n
+    return target, top.values[:, 0] - top.values[:, 1]
 
 
 def to_wire(params: list[SamplingParams | None]) -> dict[str, np.ndarray]:

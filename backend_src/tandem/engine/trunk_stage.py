@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import torch
+from tandem_kernels import dispatch
 
 from .. import schema
 from ..model.cache import KDAState, MLACache, TrunkCache
@@ -45,20 +46,18 @@ def _outs(model: Trunk, outs: list, features: tuple[int, ...], samplers: list | 
     """Per sequence a :class:`VerifyOut` from its pass output (hidden ``[1, R, D]``, or the pair with
     features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
     greedy) is ``(params, row tokens, position of row 0, last row only)`` for
-    :func:`~tandem.engine.sampling.row_targets`, which then gives sequence ``j``'s targets."""
+    :func:`~tandem.engine.sampling.row_targets`, which then gives sequence ``j``'s targets (on CUDA,
+    or with the Triton kernels forced, the fused :func:`tandem_kernels.sampler.targets_and_gaps`)."""
     hs = [o[0] if features else o for o in outs]
     lengths = [h.shape[1] for h in hs]
     h = torch.cat(hs, 1)[0] if len(hs) > 1 else hs[0][0]
     logits = model.logits(h)
-    top = logits.topk(2, dim=-1)
-    target = top.indices[:, 0]
-    if samplers is not None and any(samplers):
-        target, off = target.clone(), 0
-        for n, smp in zip(lengths, samplers):
-            if smp is not None:
-                target[off: off + n] = sampling.row_targets(logits[off: off + n], smp[1], smp[2], smp[0], smp[3])
-            off += n
-    cols = (target, h.float(), top.values[:, 0] - top.values[:, 1])
+    if dispatch.use_triton(logits):
+        from tandem_kernels import sampler
+        target, gap = sampler.targets_and_gaps(logits, lengths, samplers)
+    else:
+        target, gap = sampling.targets_and_gaps(logits, lengths, samplers)
+    cols = (target, h.float(), gap)
     res = []
     for j, parts in enumerate(zip(*(c.split(lengths) for c in cols))):
         f = outs[j][1][0] if features else hs[j].new_zeros(lengths[j], 0)
@@ -135,7 +134,7 @@ class TrunkStage(KeyedStates):
             if it.sampling is not None and not it.sampling.greedy:
                 self.sampling[it.sid] = it.sampling
             cache = self.cache(it.sid)
-            ids = torch.tensor([it.tokens])
+            ids = torch.tensor([it.tokens], device=self.model.device)
             if it.prefix is None:
                 o = self.model.prime(cache, ids, f)
                 outs.append(_out(self.model, o, f, self._sampler(it, cache.pos - len(it.tokens), True)))
@@ -215,7 +214,7 @@ class TrunkStage(KeyedStates):
         if not items:
             return []
         caches = [self.cache(it.sid) for it in items]
-        outs = self.model.verify_many(caches, [torch.tensor([it.tokens]) for it in items], f)
+        outs = self.model.verify_many(caches, [torch.tensor([it.tokens], device=self.model.device) for it in items], f)
         return _outs(self.model, outs, f, [self._sampler(it, c.pos, False) for it, c in zip(items, caches)])
 
     def commit(self, items: list[Commit]) -> None:
@@ -297,7 +296,9 @@ class TrunkStage(KeyedStates):
             D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
             return {"ARGMAX": np.zeros(0, np.int64), "HIDDEN": np.zeros((0, D), np.float32),
                     "TOP2_GAP": np.zeros(0, np.float32), "FEATURES": np.zeros((0, F), np.float32), "NBYTES": nb}
-        return {"ARGMAX": torch.cat([o.argmax for o in outs]).numpy().astype(np.int64, copy=False),
-                "HIDDEN": torch.cat([o.hidden for o in outs]).float().numpy(),
-                "TOP2_GAP": torch.cat([o.top2_gap for o in outs]).float().numpy(),
-                "FEATURES": torch.cat([o.features for o in outs]).float().numpy(), "NBYTES": nb}
+        def wire(name: str, dtype) -> np.ndarray:  # the one copy back to the host (bf16 has no numpy dtype)
+            t = torch.cat([getattr(o, name) for o in outs])
+            return (t if dtype is np.int64 else t.float()).cpu().numpy().astype(dtype, copy=False)
+
+        return {"ARGMAX": wire("argmax", np.int64), "HIDDEN": wire("hidden", np.float32),
+                "TOP2_GAP": wire("top2_gap", np.float32), "FEATURES": wire("features", np.float32), "NBYTES": nb}

@@ -10,22 +10,12 @@ import torch
 
 from .. import schema
 from .config import TrunkConfig
+from .device import check_bytes, free_bytes, parse_dtype  # noqa: F401 - parse_dtype, free_bytes: re-exported
 from .layers import input_major_linears
 from .trunk import Trunk
 
 #: The shipped checkpoint: ``model_repository/<ServingConfig.checkpoint>``.
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[3] / "model_repository" / schema.DEFAULTS.checkpoint
-
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """``"bf16"`` / ``"fp32"`` (:data:`tandem.schema.DTYPES`) -> torch dtype. Raises ``ValueError`` otherwise."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {schema.DTYPES}, got {name!r}") from None
-
 
 FP32_KEEP = ("e_score_correction_bias", "gate.weight", "conv1d", "dt_bias", "A_log",
              "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale")
@@ -83,31 +73,19 @@ def param_bytes(cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool = True) -> 
     return n, b
 
 
-def free_bytes(device: str = "cpu") -> int:
-    """Memory free for weights on ``device``: ``MemAvailable`` of ``/proc/meminfo`` on the CPU, the
-    CUDA allocator's free memory on a GPU."""
-    if str(device).startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("no MemAvailable in /proc/meminfo")
-
-
-def check_fits(cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool, folder: str | Path, device: str = "cpu") -> int:
-    """Refuse a checkpoint whose weights cannot fit before anything is allocated. Returns the
-    estimate in bytes; raises ``MemoryError`` giving the estimate and the free memory."""
+def check_fits(cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool, folder: str | Path,
+               device: str | torch.device = "cpu") -> int:
+    """Refuse a checkpoint whose weights cannot fit on ``device`` before anything is allocated:
+    :func:`param_bytes` against :func:`~tandem.model.device.free_bytes` (host ``MemAvailable``, or
+    the GPU's free memory). Returns the estimate in bytes; raises ``MemoryError`` giving both."""
     n, need = param_bytes(cfg, dtype, with_mtp)
-    free = free_bytes(device)
-    if need > free:
-        raise MemoryError(f"checkpoint {folder} needs about {need / 2**30:.1f} GiB for its weights "
-                          f"({n / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')}), but {device} has only "
-                          f"{free / 2**30:.1f} GiB free; serve it on a larger machine or GPU, or in bf16")
+    check_bytes(need, free_bytes(device), f"checkpoint {folder}", device,
+                f" ({n / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})")
     return need
 
 
 def load_trunk(folder: str | Path, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
-               overrides: dict | None = None, device: str = "cpu") -> Trunk:
+               overrides: dict | None = None, device: str | torch.device = "cpu") -> Trunk:
     """Load a checkpoint folder: ``config.json`` (:meth:`TrunkConfig.from_dict`, strict) and its
     weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, read one
     file at a time into a model built on the meta device and allocated once on ``device`` in
@@ -259,10 +237,13 @@ def dflash_feature_layers(folder: str | Path, dirs: DrafterDirs | None = None) -
     return sets.pop() if sets else ()
 
 
-def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16, path: str | Path | None = None):
+def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16, path: str | Path | None = None,
+                device: str | torch.device = "cpu"):
     """The ``arm`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder (or
-    from its own folder ``path``), in eval mode. Raises ``FileNotFoundError`` when it is missing,
-    ``KeyError`` on missing or unexpected keys, ``ValueError`` on a config field it cannot honour."""
+    from its own folder ``path``), in eval mode, in ``dtype`` on ``device`` (read on the host, moved
+    once). Raises ``FileNotFoundError`` when it is missing, ``KeyError`` on missing or unexpected keys,
+    ``ValueError`` on a config field it cannot honour, ``MemoryError`` (before reading the weights)
+    when they cannot fit on ``device`` (:func:`~tandem.model.device.check_bytes`)."""
     from safetensors.torch import load_file
 
     from .dflash import DFlashConfig, DFlashDrafter
@@ -270,11 +251,17 @@ def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat1
     sub = Path(path) if path is not None else Path(folder) / arm
     if not (sub / "model.safetensors").exists():
         raise FileNotFoundError(f"no {arm} drafter in {sub.parent} (expected {sub}/model.safetensors; `make model` trains it)")
-    model = DFlashDrafter(DFlashConfig.load(sub), dflash2=arm == schema.DFLASH2)
+    cfg = DFlashConfig.load(sub)
+    with torch.device("meta"):
+        shapes = DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2).state_dict()
+    need = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in shapes.values())
+    check_bytes(need, free_bytes(device), f"the {arm} drafter {sub}", device,
+                f" ({sum(t.numel() for t in shapes.values()) / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})")
+    model = DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2)
     missing, unexpected = model.load_state_dict(load_file(str(sub / "model.safetensors")), strict=False)
     if missing or unexpected:
         raise KeyError(f"{arm} drafter checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
-    return input_major_linears(model.eval().requires_grad_(False).to(dtype))
+    return input_major_linears(model.eval().requires_grad_(False).to(device=device, dtype=dtype))
 
 
 def save_dflash(model, folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import numpy as np
 import torch
 from numba import njit
+from tandem_kernels import dispatch
 
 _F = np.float32
 
@@ -27,9 +28,10 @@ _F = np.float32
 ENABLED = True
 
 
-def active() -> bool:
-    """True when the serving hot path should call these kernels (enabled, autograd off)."""
-    return ENABLED and not torch.is_grad_enabled()
+def active(t: torch.Tensor | None = None) -> bool:
+    """True when the serving hot path should call these kernels: enabled, autograd off, the Triton
+    kernels not forced (:func:`tandem_kernels.dispatch.numba_allowed`) and, when given, ``t`` on the CPU."""
+    return ENABLED and not torch.is_grad_enabled() and dispatch.numba_allowed() and (t is None or t.device.type == "cpu")
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tandem_kernels import dispatch
 
 from .layers import RMSNorm, clamped_swiglu
 
@@ -109,6 +110,19 @@ class TwoTapConv(nn.Module):
         return y.view(b, s, d)
 
 
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list[torch.Tensor],
+                    ctx_v: list[torch.Tensor]) -> torch.Tensor:
+    """Block attention of ``N = len(ctx_k)`` sequences (the reference of
+    :func:`tandem_kernels.block_attention.block_attention`): ``q``, ``k``, ``v [1, H, N * S, d]`` hold
+    the sequences' blocks of ``S`` rows in turn; the queries of block ``j`` attend, without a mask,
+    to ``[ctx_k[j], block j's keys]`` (``ctx_k[j]``, ``ctx_v[j] [1, H, C_j, d]``, ``C_j >= 0``)
+    with scale ``d ** -0.5``. Returns ``o [1, H, N * S, d]``."""
+    n = q.shape[2] // len(ctx_k)
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, j * n:(j + 1) * n], torch.cat([ck, k[:, :, j * n:(j + 1) * n]], 2),
+                                                     torch.cat([cv, v[:, :, j * n:(j + 1) * n]], 2))
+                      for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v))], 2)
+
+
 class DFlashAttention(nn.Module):
     """Block queries over ``[context K/V, block K/V]``; per-head RMSNorm on q and k, RoPE."""
 
@@ -140,10 +154,11 @@ class DFlashAttention(nn.Module):
         q = rope(self.q_norm(self.q_proj(x).view(b, s, self.h, self.d)).transpose(1, 2), pos, self.theta)
         k, v = self.kv(x, pos)
         if isinstance(ctx_k, list):
-            n = s // len(ctx_k)
-            o = torch.cat([F.scaled_dot_product_attention(q[:, :, j * n:(j + 1) * n], torch.cat([ck, k[:, :, j * n:(j + 1) * n]], 2),
-                                                          torch.cat([cv, v[:, :, j * n:(j + 1) * n]], 2))
-                           for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v))], 2)
+            if dispatch.use_triton(x):
+                from tandem_kernels import block_attention as kernel
+                o = kernel.block_attention(q, k, v, ctx_k, ctx_v)
+            else:
+                o = block_attention(q, k, v, ctx_k, ctx_v)
         else:
             k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.unsqueeze(1))
@@ -202,10 +217,10 @@ class CandidateSelector(nn.Module):
         Every pair score is computed in one pass (``[S, K_prev, K]``: position 0's only predecessor is
         the anchor); the walk itself is ``S`` argmaxes over ``K`` numbers."""
         unary, cand = logits.float().topk(self.top_k, dim=-1)  # [S, K]
-        prev = torch.cat([torch.full((1, self.top_k), anchor, dtype=cand.dtype), cand[:-1]])  # [S, K_prev]
+        prev = torch.cat([torch.full((1, self.top_k), anchor, dtype=cand.dtype, device=cand.device), cand[:-1]])  # [S, K_prev]
         g = self.predecessor(prev).float() * self.hidden_proj(h).float().unsqueeze(1)  # [S, K_prev, r]
         pair = unary.unsqueeze(1) + torch.einsum("sar,sbr->sab", g, self.successor(cand).float())  # [S, K_prev, K]
-        pair, cand_l = pair.numpy(), cand.tolist()
+        pair, cand_l = pair.cpu().numpy(), cand.tolist()
         out, a = [], 0  # row 0 of position 0: the anchor (every row of it is the anchor)
         for t in range(len(cand_l)):
             b = int(pair[t, a].argmax())
@@ -217,7 +232,7 @@ class CandidateSelector(nn.Module):
     def walk_reference(self, h: torch.Tensor, logits: torch.Tensor, anchor: int) -> list[int]:
         """:meth:`walk` one position at a time through :meth:`pair_scores` (the reference it is tested against)."""
         unary, cand = logits.float().topk(self.top_k, dim=-1)
-        prev = torch.tensor([anchor])
+        prev = torch.tensor([anchor], device=cand.device)
         out = []
         for t in range(h.shape[0]):
             sc = self.pair_scores(h[t: t + 1], prev, cand[t: t + 1], unary[t: t + 1])

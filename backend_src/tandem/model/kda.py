@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tandem_kernels import dispatch
 
 from . import cpu_kernels
 from .config import TrunkConfig
@@ -78,7 +79,8 @@ def kda_rows(
     incl = (idx[:, None] >= idx[None, :])[:, :, None]  # [T, T, 1]
     D = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~incl, float("-inf")).exp()  # [B, H, T, T, dk]
     KD = D * k.unsqueeze(-3)  # [B, H, T(t), T(j), dk]: D_tj * k_j
-    A = torch.einsum("bhtd,bhtjd->bhtj", k, KD).masked_fill(~incl[..., 0] | torch.eye(T, dtype=torch.bool), 0.0)
+    A = torch.einsum("bhtd,bhtjd->bhtj", k, KD).masked_fill(
+        ~incl[..., 0] | torch.eye(T, dtype=torch.bool, device=k.device), 0.0)
     eG = G.exp()
     rhs = beta.unsqueeze(-1) * (v - (eG * k) @ state)
     Tm = torch.eye(T, dtype=k.dtype, device=k.device) + beta.unsqueeze(-1) * A
@@ -244,14 +246,19 @@ class LinearAttention(nn.Module):
         """Verify / decode path (row by row). ``x [B, T, D]`` -> ``y [B, T, D]``, pre-conv inputs with
         the old tail ``[B, 3qkv, K-1+T]`` (the tail after row r is ``[..., r+1 : r+K]``) and every
         row's recurrent state ``[B, T, H, dk, dv]``. Without autograd (serving) one sequence runs in
-        :func:`~tandem.model.cpu_kernels.kda_rows_fused`; this torch path is its reference."""
+        :func:`~tandem.model.cpu_kernels.kda_rows_fused`; this torch path is its reference. On CUDA (or
+        with the kernels forced) the rows run in :func:`tandem_kernels.kda_verify.kda_rows`."""
         tail, S = state
-        if cpu_kernels.active() and x.shape[0] == 1:
+        if cpu_kernels.active(x) and x.shape[0] == 1:
             y, ((full, states),) = self.forward_rows_many(x, [state], [x.shape[1]])
             return y, full, states
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
-        o, states = kda_rows(q, k, v, g, beta, S)
+        if dispatch.use_triton(x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
+            from tandem_kernels import kda_verify
+            o, states = kda_verify.kda_rows(q, k, v, g, beta, S)
+        else:
+            o, states = kda_rows(q, k, v, g, beta, S)
         return self._out(x, o), full, states
 
     def forward_rows_many(self, x: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]

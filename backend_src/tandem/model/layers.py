@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.active() and x.dtype == torch.float32 == self.weight.dtype:  # one op
+        if cpu_kernels.active(x) and x.dtype == torch.float32 == self.weight.dtype:  # one op
             return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
         dt = x.dtype
         xf = x.float()
@@ -142,7 +142,7 @@ class Experts(nn.Module):
             g, u = gu.chunk(2, dim=-1)
             a = clamped_swiglu(g, u, self.limit).transpose(0, 1)  # [E, N, I]
             h = torch.bmm(a, self.down_proj.transpose(1, 2))  # [E, N, D]
-            wf = torch.zeros(n, e, dtype=h.dtype).scatter_(1, idx, w.to(h.dtype))
+            wf = torch.zeros(n, e, dtype=h.dtype, device=h.device).scatter_(1, idx, w.to(h.dtype))
             return (h * wf.t().unsqueeze(-1)).sum(0).to(x.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
@@ -218,7 +218,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if (cpu_kernels.active() and getattr(self, "_w_up", None) is not None and x.dtype == torch.float32
+        if (cpu_kernels.active(x) and getattr(self, "_w_up", None) is not None and x.dtype == torch.float32
                 and self._w_up.dtype == torch.float32 and x.numel() <= shape[-1] * self.kernel_rows):
             g = self.gate
             return cpu_kernels.moe_rows(x.reshape(-1, shape[-1]), g.weight, g.e_score_correction_bias, g.top_k,
@@ -269,7 +269,7 @@ class HyperConnection(nn.Module):
     def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the block's ``norm`` applied to the collapsed input; in serving (no
         autograd) one :func:`~tandem.model.cpu_kernels.hc_weights` call."""
-        if cpu_kernels.active():
+        if cpu_kernels.active(streams):
             return cpu_kernels.hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.eps,
                                           self.norm_eps, norm.weight, norm.variance_epsilon)
         post, comb, x = self(streams)
@@ -290,7 +290,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """mHC expand + mix: ``post ⊗ block_out + comb^T @ residual``. Shapes ``[B,T,N]``, ``[B,T,N,N]``,
     ``[B,T,D]``, ``[B,T,N,D]`` -> ``[B,T,N,D]``."""
-    if cpu_kernels.active() and residual.dtype == torch.float32:
+    if cpu_kernels.active(residual) and residual.dtype == torch.float32:
         return cpu_kernels.hc_merge(post, comb, block_out, residual)
     dt = residual.dtype
     return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), residual)

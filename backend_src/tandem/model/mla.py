@@ -11,6 +11,11 @@ position ``p``, causally and identically in every mode (training, prime, verify)
 
 With ``index_topk >= p + 1`` this is plain causal attention (the dense regime in which
 transformers' ``Glm5NextTextModel`` is the oracle).
+
+:func:`pool_scores`, :func:`select_pools` and :func:`masked_attention` are the torch references of
+the Triton kernels ``tandem_kernels.dsa_indexer`` and ``tandem_kernels.mla_attention``, which the
+model takes instead when :func:`tandem_kernels.dispatch.use_triton` says so (CUDA, or forced) and
+autograd is off.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tandem_kernels import dispatch
 
 from . import cpu_attention, cpu_kernels
 from .config import TrunkConfig
@@ -27,6 +33,50 @@ from .layers import RMSNorm, fused_linear
 
 if TYPE_CHECKING:
     from .cache import MLACache
+
+
+def _kernels(x: torch.Tensor) -> bool:
+    """Whether rows ``x`` take the Triton kernels (no autograd through them)."""
+    return not torch.is_grad_enabled() and dispatch.use_triton(x)
+
+
+def pool_scores(iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+    """DSA pool scores ``sum_h (w_h Hi^-1/2) relu(q_h . pk_j di^-1/2)`` (fp32 ``[B, T, P]``) of
+    indexer queries ``iq [B, T, Hi, di]`` with head weights ``iw [B, T, Hi]`` over pool keys ``pk [B, P, di]``."""
+    hi, di = iq.shape[-2:]
+    s = F.relu(torch.matmul(iq.float(), pk.float().transpose(-1, -2).unsqueeze(1)) * di ** -0.5)  # [B,T,H,P]
+    w = iw.float() * hi ** -0.5
+    return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+
+
+def select_pools(scores: torch.Tensor, q_pos: torch.Tensor, kv_len: int, kp: int, k_pools: int) -> torch.Tensor:
+    """DSA visibility mask ``[B, T, kv_len]`` (bool) from pool scores ``[B, T, P]`` for queries at
+    absolute positions ``q_pos [T]``: the ``k_pools`` best candidate pools (ties toward the earlier
+    pool) of ``kp`` tokens each, plus the incomplete tail (module docstring)."""
+    b, t, p = scores.shape
+    dev = scores.device
+    pool_end = (torch.arange(p, device=dev) + 1) * kp - 1
+    cand = pool_end[None, :] <= q_pos[:, None]  # [T, P]
+    mask = torch.zeros(b, t, kv_len, dtype=torch.bool, device=dev)
+    if p > 0:
+        s = scores.masked_fill(~cand, float("-inf"))
+        k = min(k_pools, p)
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]  # [B,T,k]
+        ok = cand.expand(b, t, p).gather(-1, order)
+        pool_sel = torch.zeros(b, t, p, dtype=torch.bool, device=dev)
+        pool_sel.scatter_(-1, order, ok)
+        mask[..., : p * kp] = pool_sel.repeat_interleave(kp, dim=-1)
+    kv = torch.arange(kv_len, device=dev)
+    tail_start = ((q_pos + 1) // kp) * kp
+    tail = (kv[None, :] >= tail_start[:, None]) & (kv[None, :] <= q_pos[:, None])
+    return mask | tail.unsqueeze(0)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """Softmax attention of ``q [B, H, T, dqk]`` over ``k [B, H, L, dqk]``, ``v [B, H, L, dv]`` where
+    ``mask [B, T, L]`` (bool) is True, logits scaled by ``scaling``. Returns ``[B, H, T, dv]``."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scaling)
 
 
 class Indexer(nn.Module):
@@ -61,41 +111,34 @@ class Indexer(nn.Module):
         """Visibility mask ``[B, T, kv_len]`` of rows ``x [B, T, D]`` (``rows`` from
         :meth:`MLAttention.project`) over pool keys ``pk [B, P, di]``: :meth:`select` of
         :meth:`scores`, or for one sequence in serving :func:`~tandem.model.cpu_kernels.dsa_mask`."""
-        if cpu_kernels.active() and x.shape[0] == 1 and "iq" in rows:
+        if cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows:
             b, t = x.shape[:2]
             dots = torch.matmul(pk[0], rows["iq"].reshape(t * self.h, self.d).t()).t().reshape(b, t, self.h, -1)
             return cpu_kernels.dsa_mask(dots, rows["iw"], q_pos, kv_len, self.kp, self.k_pools,
                                         self.d ** -0.5, self.h ** -0.5)
+        if _kernels(x):
+            from tandem_kernels import dsa_indexer
+
+            return dsa_indexer.mask(*self.queries(x, rows), pk, q_pos, kv_len, self.kp, self.k_pools)
         return self.select(self.scores(x, rows["q_resid"], pk), q_pos, kv_len)
+
+    def queries(self, x: torch.Tensor, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries ``[B, T, Hi, di]`` and head weights ``[B, T, Hi]`` of rows ``x [B, T, D]``
+        (taken from ``rows`` in the fused serving layout)."""
+        b, t = x.shape[:2]
+        if "iq" in rows:
+            return rows["iq"].view(b, t, self.h, self.d), rows["iw"]
+        return self.wq_b(rows["q_resid"]).view(b, t, self.h, self.d), self.weights_proj(x)
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
         """Pool scores ``[B, T, P]`` (fp32) for queries ``x [B,T,D]`` over pool keys ``pk [B,P,di]``."""
         b, t = x.shape[:2]
-        q = self.wq_b(q_resid).view(b, t, self.h, self.d).float()
-        s = F.relu(torch.matmul(q, pk.float().transpose(-1, -2).unsqueeze(1)) * self.d ** -0.5)  # [B,T,H,P]
-        w = self.weights_proj(x).float() * self.h ** -0.5
-        return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
+        return pool_scores(self.wq_b(q_resid).view(b, t, self.h, self.d), self.weights_proj(x), pk)
 
     def select(self, scores: torch.Tensor, q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Visibility mask ``[B, T, kv_len]`` (bool) from pool scores ``[B, T, P]`` for queries at
-        absolute positions ``q_pos [T]``."""
-        b, t, p = scores.shape
-        dev = scores.device
-        pool_end = (torch.arange(p, device=dev) + 1) * self.kp - 1
-        cand = pool_end[None, :] <= q_pos[:, None]  # [T, P]
-        mask = torch.zeros(b, t, kv_len, dtype=torch.bool, device=dev)
-        if p > 0:
-            s = scores.masked_fill(~cand, float("-inf"))
-            k = min(self.k_pools, p)
-            order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]  # [B,T,k]
-            ok = cand.expand(b, t, p).gather(-1, order)
-            pool_sel = torch.zeros(b, t, p, dtype=torch.bool, device=dev)
-            pool_sel.scatter_(-1, order, ok)
-            mask[..., : p * self.kp] = pool_sel.repeat_interleave(self.kp, dim=-1)
-        kv = torch.arange(kv_len, device=dev)
-        tail_start = ((q_pos + 1) // self.kp) * self.kp
-        tail = (kv[None, :] >= tail_start[:, None]) & (kv[None, :] <= q_pos[:, None])
-        return mask | tail.unsqueeze(0)
+        absolute positions ``q_pos [T]`` (:func:`select_pools`)."""
+        return select_pools(scores, q_pos, kv_len, self.kp, self.k_pools)
 
 
 class MLAttention(nn.Module):
@@ -160,14 +203,18 @@ class MLAttention(nn.Module):
         of :func:`~tandem.model.cpu_attention.mla_rows_into`, which serving's :meth:`rows_many` calls)."""
         b, t, _ = x.shape
         mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
-        if cpu_kernels.active() and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
+        if _kernels(x):
+            from tandem_kernels import mla_attention
+
+            o = mla_attention.attention(rows["q"], k_all, v_all, mask, self.scaling)
+        elif cpu_kernels.active(x) and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
             # K @ Q^T, not Q @ K^T: this CPU's GEMM gives each column the same sums whatever the column
             # count, but not each row whatever the row count (measured)
             att = torch.matmul(k_all, (rows["q"] * self.scaling).transpose(-1, -2)).transpose(-1, -2)
             att = att.masked_fill(~mask.unsqueeze(1), float("-inf"))
             o = torch.matmul(att.softmax(-1), v_all)
         else:
-            o = F.scaled_dot_product_attention(rows["q"], k_all, v_all, attn_mask=mask.unsqueeze(1), scale=self.scaling)
+            o = masked_attention(rows["q"], k_all, v_all, mask, self.scaling)
         return o.transpose(1, 2).reshape(b, t, -1), mask
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -192,8 +239,10 @@ class MLAttention(nn.Module):
         turn (``lengths``); projections and ``o_proj`` run over all rows, attention per sequence over
         its own ``caches[i]``. Returns ``[1, sum R, D]``."""
         rows, outs, off = self.project(x), [], 0
-        if cpu_kernels.active() and x.shape[0] == 1 and "iq" in rows and x.dtype == torch.float32 and max(lengths) <= 16:
+        if cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows and x.dtype == torch.float32 and max(lengths) <= 16:
             return self.o_proj(self._kernel_rows(rows, caches, lengths))
+        if _kernels(x) and x.shape[0] == 1:
+            return self.o_proj(self._triton_rows(x, rows, caches, lengths))
         for cache, n in zip(caches, lengths):
             seg = {k: v[:, :, off: off + n] if k in ("q", "k", "v") else v[:, off: off + n] for k, v in rows.items()}
             outs.append(self._cached(x[:, off: off + n], seg, cache))
@@ -214,6 +263,26 @@ class MLAttention(nn.Module):
                                         ix.d ** -0.5, ix.h ** -0.5, out)
             off += n
         return torch.from_numpy(out)[None]
+
+    def _triton_rows(self, x: torch.Tensor, rows: dict[str, torch.Tensor], caches: list["MLACache"],
+                     lengths: list[int]) -> torch.Tensor:
+        """CUDA path of :meth:`rows_many` before ``o_proj``: each sequence's rows appended to its cache,
+        then one DSA indexer and one attention launch over all sequences' rows (ragged; each reads its
+        own cache in place). Returns the heads' outputs ``[1, sum R, H * dv]``."""
+        from tandem_kernels import dsa_indexer, mla_attention
+
+        ix, pos = self.indexer, []
+        for cache, n, off in zip(caches, lengths, [sum(lengths[:i]) for i in range(len(lengths))]):
+            pos.append(torch.arange(len(cache), len(cache) + n, device=x.device))
+            cache.append(rows, off, n)
+            self._add_pools(cache)
+        iq, iw = ix.queries(x, rows)
+        pks = [c.pk[0] if c.pk is not None else iq.new_zeros(0, ix.d) for c in caches]
+        _, mask = dsa_indexer.select_rows(iq[0], iw[0], pks, lengths, torch.cat(pos).to(x.device),
+                                          [len(c) for c in caches], ix.kp, ix.k_pools)
+        o = mla_attention.attend_rows(rows["q"][0].transpose(0, 1), [c.k[0] for c in caches],
+                                      [c.v[0] for c in caches], mask, lengths, self.scaling)
+        return o.reshape(1, o.shape[0], -1)
 
     def _add_pools(self, cache: "MLACache") -> None:
         """Compress the pools the cache's rows completed since the last call."""

@@ -69,6 +69,11 @@ class Trunk(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (and the stages create the model's input tensors)."""
+        return self.embed_tokens.weight.device
+
     def _streams(self, ids: torch.Tensor) -> torch.Tensor:
         e = self.embed_tokens(ids)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
@@ -158,10 +163,10 @@ class Trunk(nn.Module):
             attn = layer.self_attn
             if layer.layer_type != "linear_attention":
                 return lambda x: attn.rows_many(x, [c.layers[i] for c in caches], comp)
-            sts = [(st.tail, st.S) if (st := c.layers[i]) is not None else attn.init_state(x0.shape[0]) for c in caches]
+            sts = [(st.tail, st.S) if (st := c.layers[i]) is not None else attn.init_state(x0.shape[0], x0.device) for c in caches]
 
             def fn(x):
-                if cpu_kernels.active() and x.shape[0] == 1:
+                if cpu_kernels.active(x) and x.shape[0] == 1:
                     y, per = attn.forward_rows_many(x, sts, comp)
                 else:  # the torch reference, one sequence at a time
                     res = [attn.forward_rows(xs, st) for xs, st in zip(x.split(comp, 1), sts)]

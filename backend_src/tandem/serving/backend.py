@@ -22,13 +22,18 @@ def env_name(parameter: str) -> str:
 def parameter_overrides(settings: dict[str, object]) -> dict[str, str]:
     """Model parameters given on the command line (name -> value; None: not given) as the environment
     variables the models read (:func:`tandem.serving.backend.env_name`), checked first: raises
-    ``ValueError`` naming an unknown parameter or a bad value (the whole config is validated)."""
+    ``ValueError`` naming an unknown parameter or a bad value (the whole config is validated; a
+    CUDA ``device`` torch does not see is refused here too, before anything starts)."""
     given = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items() if v is not None}
     taken = {p for m in schema.MODELS.values() for p in m.parameters}
     for k in given:
         if k not in taken:
             raise ValueError(f"no model takes parameter {k!r} (model parameters: {sorted(taken)})")
     schema.ServingConfig.from_parameters({k: v for k, v in given.items() if k != "checkpoint"})
+    if given.get("device", "auto") not in ("auto", "cpu"):
+        from ..model.device import resolve_device  # torch: only for a GPU named on the command line
+
+        resolve_device(given["device"])
     return {env_name(k): v for k, v in given.items()}
 
 
@@ -46,11 +51,16 @@ def parse_settings(pairs: list[str]) -> dict[str, str]:
 def serving_config(model_config: dict) -> schema.ServingConfig:
     """The model's parameters over :data:`tandem.schema.DEFAULTS`, each overridden by the environment
     variable :func:`env_name` (``$TANDEM_MAX_CTX`` for ``max_ctx``; ``tandem serve`` flags set them);
-    ``$TANDEM_CHECKPOINT`` and ``$TANDEM_DTYPE`` apply to every model. Raises ``ValueError`` on a bad parameter."""
+    ``$TANDEM_CHECKPOINT``, ``$TANDEM_DTYPE``, ``$TANDEM_DEVICE`` and ``$TANDEM_KERNELS`` apply to every
+    model; the resolved ``kernels`` is left in ``$TANDEM_KERNELS``, where :mod:`tandem_kernels.dispatch`
+    reads it (``device`` is resolved at load: :func:`tandem.model.device.placement`). Raises
+    ``ValueError`` on a bad parameter."""
     params = model_parameters(model_config)
-    env = {name: env_name(name) for name in ("checkpoint", "dtype", *params)}
+    env = {name: env_name(name) for name in ("checkpoint", "dtype", "device", "kernels", *params)}
     params.update({k: os.environ[v] for k, v in env.items() if os.environ.get(v)})
-    return schema.ServingConfig.from_parameters(params)
+    cfg = schema.ServingConfig.from_parameters(params)
+    os.environ[env_name("kernels")] = cfg.kernels
+    return cfg
 
 
 def resolve_checkpoint(config: schema.ServingConfig, model_dir: str | Path, require_weights: bool = True) -> Path:

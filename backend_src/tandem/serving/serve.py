@@ -316,7 +316,9 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
                                                      f"[{schema.DEFAULTS.burst_rounds}]"),
           max_ctx: Optional[int] = typer.Option(None, help=f"tokens per session [{schema.DEFAULTS.max_ctx}]"),
           dtype: Optional[str] = typer.Option(None, help=f"stage compute dtype: {' | '.join(schema.DTYPES)} "
-                                              f"[{schema.DEFAULTS.dtype}]"),
+                                              f"(auto: fp32 on the CPU, bf16 on CUDA) [{schema.DEFAULTS.dtype}]"),
+          device: Optional[str] = typer.Option(None, help=f"where the stage models run: {' | '.join(schema.DEVICES)} "
+                                               f"(auto: cuda when torch sees a GPU, else cpu) [{schema.DEFAULTS.device}]"),
           set_: list[str] = typer.Option([], "--set", help="any other model parameter, NAME=VALUE (repeatable; "
                                          "README, 'Serve options')"),
           ready_timeout_s: float = typer.Option(300.0, help="seconds to wait for every model READY"),
@@ -326,7 +328,7 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
 
     try:
         overrides = parameter_overrides({"spec": spec, "num_draft_tokens": num_draft_tokens, "burst_rounds": burst_rounds,
-                                         "max_ctx": max_ctx, "dtype": dtype, **parse_settings(set_),
+                                         "max_ctx": max_ctx, "dtype": dtype, "device": device, **parse_settings(set_),
                                          "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
                                          "dflash2_checkpoint": str(Path(dflash2_checkpoint).resolve()) if dflash2_checkpoint
                                          else None})

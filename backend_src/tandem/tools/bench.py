@@ -120,7 +120,7 @@ def main(
     served_arms: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
     prefix_pairs: int = typer.Option(4, help="question pairs of the prefix-cache section (0: skip it)"),
     concurrency: int = typer.Option(8, help="sessions of the concurrency section (plain and the best arm, in-process; 0: skip)"),
-    dtype: str = typer.Option(schema.DEFAULTS.dtype, help="bf16 | fp32 (default: the serving default)"),
+    dtype: str = typer.Option(schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     threads: int = typer.Option(1, help="torch threads in-process (the served models use 1 each)"),
     served: bool = typer.Option(True, help="include the served rows (starts a tritonserver)"),

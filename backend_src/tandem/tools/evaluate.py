@@ -40,7 +40,7 @@ def main(
     checkpoint: Path = typer.Option(DEFAULT_CHECKPOINT, help="checkpoint folder"),
     prompts: int = typer.Option(20, help="number of ShareGPT prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
-    dtype: str = typer.Option(schema.DEFAULTS.dtype, help="bf16 | fp32 (default: the serving default)"),
+    dtype: str = typer.Option(schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"),
     num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", help="MTP draft tokens per round"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     tie_bound: float = typer.Option(0.125, help="top-2 logit gap below which a divergence is a near-tie"),

@@ -8,7 +8,8 @@ import triton_python_backend_utils as pb_utils
 
 from tandem import schema
 from tandem.engine.dflash_stage import DFlashStage
-from tandem.model.checkpoint import dflash_arms, load_dflash, load_trunk, parse_dtype
+from tandem.model.checkpoint import dflash_arms, load_dflash, load_trunk
+from tandem.model.device import placement
 from tandem.serving import backend
 
 
@@ -21,13 +22,13 @@ class TritonPythonModel:
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
         dirs = backend.drafter_dirs(cfg, args["model_repository"], ckpt)
-        dt, arms = parse_dtype(cfg.dtype), dflash_arms(ckpt, dirs)
+        (dev, dt), arms = placement(cfg), dflash_arms(ckpt, dirs)
         self.stage = None
         if arms:
-            trunk = load_trunk(ckpt, dt, with_mtp=False)  # for its embedding and LM head
-            self.stage = DFlashStage({a: load_dflash(ckpt, a, dt, dirs[a]) for a in arms}, trunk.embed_tokens, trunk.lm_head,
+            trunk = load_trunk(ckpt, dt, with_mtp=False, device=dev)  # for its embedding and LM head
+            self.stage = DFlashStage({a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms}, trunk.embed_tokens, trunk.lm_head,
                                      cfg.max_num_draft_tokens)
-        pb_utils.Logger.log_info(f"drafter_dflash: {ckpt} ({cfg.dtype}), drafters {({a: str(d) for a, d in dirs.items()}) or 'none'}")
+        pb_utils.Logger.log_info(f"drafter_dflash: {ckpt} ({dt} on {dev}), drafters {({a: str(d) for a, d in dirs.items()}) or 'none'}")
 
     def execute(self, requests):
         return backend.stage_execute(pb_utils, schema.DRAFTER_DFLASH, self.stage, requests, self.gauges, None if self.stage else

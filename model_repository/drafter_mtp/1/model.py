@@ -7,7 +7,8 @@ import triton_python_backend_utils as pb_utils
 from tandem import schema
 from tandem.model.warm import compile_kernels
 from tandem.engine.mtp_stage import MTPStage
-from tandem.model.checkpoint import load_trunk, parse_dtype
+from tandem.model.checkpoint import load_trunk
+from tandem.model.device import placement
 from tandem.serving import backend
 
 
@@ -20,8 +21,9 @@ class TritonPythonModel:
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
-        self.stage = MTPStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), cfg.max_num_draft_tokens)
-        pb_utils.Logger.log_info(f"drafter_mtp: loaded {ckpt} ({cfg.dtype})")
+        dev, dt = placement(cfg)
+        self.stage = MTPStage(load_trunk(ckpt, dt, device=dev), cfg.max_num_draft_tokens)
+        pb_utils.Logger.log_info(f"drafter_mtp: loaded {ckpt} ({dt} on {dev})")
 
     def execute(self, requests):
         return backend.stage_execute(pb_utils, schema.DRAFTER_MTP, self.stage, requests, self.gauges)

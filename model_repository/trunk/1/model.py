@@ -7,7 +7,8 @@ import triton_python_backend_utils as pb_utils
 from tandem import schema
 from tandem.model.warm import compile_kernels
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model.checkpoint import dflash_feature_layers, load_trunk, parse_dtype
+from tandem.model.checkpoint import dflash_feature_layers, load_trunk
+from tandem.model.device import placement
 from tandem.serving import backend
 
 
@@ -21,9 +22,10 @@ class TritonPythonModel:
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
         features = dflash_feature_layers(ckpt, backend.drafter_dirs(cfg, args["model_repository"], ckpt))
-        self.stage = TrunkStage(load_trunk(ckpt, parse_dtype(cfg.dtype)), feature_layers=features,
+        dev, dt = placement(cfg)
+        self.stage = TrunkStage(load_trunk(ckpt, dt, device=dev), feature_layers=features,
                                 batch_invariant=cfg.batch_invariant)
-        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({cfg.dtype}, batch_invariant={cfg.batch_invariant}), "
+        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}), "
                                  f"DFlash features from layers {list(features)}")
 
     def execute(self, requests):

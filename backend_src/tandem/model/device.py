@@ -1,0 +1,91 @@
+"""Where the stage models run: the serving parameters ``device`` and ``dtype``
+(:attr:`tandem.schema.ServingConfig.device`, :attr:`~tandem.schema.ServingConfig.dtype`) resolved to
+a torch device and dtype.
+
+``device``: ``auto`` is ``cuda`` when ``torch.cuda.is_available()``, else ``cpu``; ``cuda`` /
+``cuda:N`` are refused with a ``ValueError`` naming the parameter when torch sees no such GPU.
+``dtype``: ``auto`` is fp32 on the CPU (measured faster there: README, "Serving") and bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .. import schema
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` (:data:`tandem.schema.DEVICES`) -> the torch device.
+
+    Raises ``ValueError`` naming the ``device`` parameter (and ``$TANDEM_DEVICE``) for another value,
+    for ``cuda`` when torch has no CUDA device (a CPU-only build, no driver, no GPU visible), and for
+    ``cuda:N`` when ``N`` is not below the GPU count."""
+    if not re.fullmatch(schema.DEVICE_PATTERN, name):
+        raise ValueError(f"device must be one of {schema.DEVICES} (N a GPU index), got {name!r}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} (model parameter 'device', $TANDEM_DEVICE): torch sees no CUDA device "
+                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use 'cpu' or 'auto'")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"device {name!r} (model parameter 'device', $TANDEM_DEVICE): GPU index {dev.index} is "
+                             f"out of range, torch sees {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+    return dev
+
+
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """``"auto"`` / ``"bf16"`` / ``"fp32"`` (:data:`tandem.schema.DTYPES`) -> torch dtype; ``auto`` is
+    bf16 on a CUDA ``device`` and fp32 elsewhere. Raises ``ValueError`` naming ``dtype`` otherwise."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {schema.DTYPES}, got {name!r}") from None
+
+
+def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
+    """A stage model's (device, compute dtype) from its serving config; a CUDA device becomes the
+    process's current one (Triton kernels launch on the current device). Raises ``ValueError`` as
+    :func:`resolve_device` does."""
+    dev = resolve_device(cfg.device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev, parse_dtype(cfg.dtype, dev)
+
+
+def free_bytes(device: str | torch.device = "cpu") -> int:
+    """Bytes free for weights on ``device``: the CUDA driver's free memory of that GPU
+    (``torch.cuda.mem_get_info``) on CUDA, ``MemAvailable`` of ``/proc/meminfo`` on the CPU.
+    Raises ``OSError`` when ``/proc/meminfo`` has no ``MemAvailable``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB with one decimal (MiB below 0.1 GiB, so that a small load does not read 0.0)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def check_bytes(need: int, free: int, what: str, device: str | torch.device, detail: str = "") -> None:
+    """Refuse a load of ``need`` bytes onto ``device`` with ``free`` bytes free: raises ``MemoryError``
+    giving both numbers and what to do; ``what`` names the load, ``detail`` says what was counted."""
+    if need > free:
+        dev = torch.device(device)
+        hint = ("another GPU (device=cuda:N), a larger one, or bf16" if dev.type == "cuda"
+                else "a larger machine, a GPU (device=cuda), or bf16")
+        raise MemoryError(f"{what} needs about {_size(need)} for its weights{detail}, but {dev} has only {_size(free)} free; "
+                          f"serve it on {hint}")

@@ -1,0 +1,64 @@
+"""The engine on the Triton kernels: the shipped model's speculative decoding with every kernel forced
+(``tandem_kernels.dispatch.force("triton")``; on the CPU they run in Triton's interpreter) gives the
+same tokens as the pure-torch path, and each hooked kernel is actually called. Auto mode on the CPU
+takes no kernel (torch / numba)."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+from tandem.engine.inprocess import Engine  # noqa: E402
+from tandem.model import cpu_kernels  # noqa: E402
+from tandem_kernels import dispatch  # noqa: E402
+
+#: (module, launcher the engine calls) for every hooked kernel
+HOOKS = [("sampler", "targets_and_gaps"), ("kda_verify", "kda_rows"), ("block_attention", "block_attention"),
+         ("dsa_indexer", None), ("mla_attention", None)]
+
+
+def test_auto_takes_no_kernel_on_the_cpu(engine, tokenizer, calls):
+    ids = tokenizer.chat_prompt("Write a haiku about the sea.")
+    with dispatch.force("auto"):
+        out = engine.generate(ids, 6, spec="dflash2")
+    assert len(out["token_ids"]) == 6 and not calls
+
+
+@pytest.fixture(scope="module")
+def engine(trunk_fp32, tokenizer):
+    return Engine(model=trunk_fp32, tokenizer=tokenizer, burst_rounds=2, demote_probe_rounds=0, prefix_cache_mb=0)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls of every public launcher of the hooked kernel modules."""
+    import importlib
+
+    counts: dict[str, int] = {}
+    for name, _ in HOOKS:
+        mod = importlib.import_module(f"tandem_kernels.{name}")
+        for attr in getattr(mod, "ENGINE_LAUNCHERS", ()):
+            fn = getattr(mod, attr)
+
+            def wrapped(*a, _fn=fn, _key=f"{name}.{attr}", **k):
+                counts[_key] = counts.get(_key, 0) + 1
+                return _fn(*a, **k)
+            monkeypatch.setattr(mod, attr, wrapped)
+    return counts
+
+
+@pytest.mark.parametrize("arm,sampled,n", [("dflash2", False, 16), ("mtp", True, 10)])
+def test_speculative_decoding_on_kernels_equals_torch(engine, tokenizer, sharegpt_prompts, calls, arm, sampled, n):
+    """Greedy DFlash2 and sampled (rejection, seeded) MTP; the interpreter costs seconds a round."""
+    ids = tokenizer.chat_prompt(sharegpt_prompts[2])[:90]  # > 64 tokens: DSA selects pools, rows cross pool boundaries
+    kw = dict(temperature=0.8, seed=11) if sampled else {}
+    with dispatch.force("torch"), cpu_kernels.reference():
+        ref = engine.generate(ids, n, spec=arm, **kw)
+    assert not calls
+    with dispatch.force("triton"):
+        got = engine.generate(ids, n, spec=arm, **kw)
+    assert got["error"] is None and ref["error"] is None
+    assert got["token_ids"] == ref["token_ids"] and len(got["token_ids"]) == n
+    assert got["accepted"] == ref["accepted"] and got["accepted"] > 0
+    hooked = {k.split(".")[0] for k, n in calls.items() if n > 0}
+    want = {"sampler", "kda_verify", "dsa_indexer", "mla_attention"} | ({"block_attention"} if arm == "dflash2" else set())
+    assert hooked >= want, calls
