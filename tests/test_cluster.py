@@ -8,6 +8,8 @@ with ``SessionLost`` and answers its sessions' next turns with ``SessionLost`` w
 sessions stream on; re-primed conversations equal an uninterrupted run token for token. Server return:
 A restarted; re-primed sessions stay on B, new sessions reach A. Capacity: a full server refuses a
 first turn "at capacity"; the client retries under a new id and the proxy sends it to the other server.
+``make serve-cluster``'s command stops everything on SIGINT. Without a server: the HAProxy config, the
+client's error typing and Conversation's transcript.
 """
 
 from __future__ import annotations
@@ -248,3 +250,64 @@ def test_serve_cluster_runs_in_the_foreground_and_ctrl_c_cleans_up(tokenizer):
     ports = {str(p): p for p in (proxy, base, base + 1, base + 2)}
     wait_for(lambda: busy_ports(ports) is None, 10.0)
     assert not shm_files(prefix.group(1))
+
+
+def test_haproxy_config_is_valid_and_keys_on_the_routing_header(tmp_path):
+    """The config ``make serve-cluster`` writes passes ``haproxy -c`` and holds what routing needs: h2
+    on both sides, a stick table on the header, leastconn, health checks on each HTTP port, redispatch."""
+    from tandem.serving.haproxy import ensure_haproxy, haproxy_config
+
+    text = haproxy_config([("tandem0", 9101, 9100), ("tandem1", 9104, 9103)], 9001)
+    (tmp_path / "haproxy.cfg").write_text(text)
+    ensure_haproxy().check(tmp_path / "haproxy.cfg")
+    for line in ("bind 127.0.0.1:9001 proto h2", f"stick on req.hdr({schema.ROUTING_HEADER})", "balance leastconn",
+                 "option httpchk GET /v2/health/ready", "option redispatch",
+                 "server tandem0 127.0.0.1:9101 proto h2 check port 9100",
+                 "server tandem1 127.0.0.1:9104 proto h2 check port 9103"):
+        assert line in text, line
+
+
+def test_client_types_errors_by_marker_and_transport():
+    """A broken stream (gRPC status set) and the session-lost marker give SessionLost, the at-capacity
+    marker AtCapacity, any other server message a plain TandemClientError."""
+    from tritonclient.utils import InferenceServerException
+
+    from tandem_client.client import error_from
+
+    broken = error_from(InferenceServerException("Socket closed", status="StatusCode.UNAVAILABLE"), "h:1", 7)
+    assert type(broken) is SessionLost and "sequence 7" in str(broken) and schema.SESSION_LOST_MARKER in str(broken)
+    lost = error_from(InferenceServerException(f"sequence_id: unknown sequence id 7 {schema.SESSION_LOST_MARKER}"),
+                      "h:1", 7)
+    assert type(lost) is SessionLost
+    full = error_from(InferenceServerException(f"sequence_id: no free session {schema.AT_CAPACITY_MARKER}"), "h:1", 7)
+    assert type(full) is AtCapacity
+    other = error_from(InferenceServerException("MAX_TOKENS must be in [1, 4096], got 0"), "h:1", 7)
+    assert type(other) is TandemClientError and str(other) == "server error: MAX_TOKENS must be in [1, 4096], got 0"
+
+
+def test_conversation_keeps_the_sessions_context_and_reprimes_it(monkeypatch):
+    """Conversation's transcript is what the server's session holds (a reply's final template stop
+    token dropped, a user stop id or a length-cut reply kept), and after SessionLost the next turn is a
+    first turn under a new id carrying transcript + prompt."""
+    import tandem_client.conversation as conv_mod
+
+    sent, answers = [], [([4, 5, 99], "stop", 11), ([6, 7], "length", 11), SessionLost("gone"), ([8], "length", 12)]
+
+    def fake(ids, max_tokens, sequence_id=None, sequence_start=True, **kw):
+        sent.append((list(ids), sequence_id, sequence_start))
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return {"token_ids": a[0], "finish_reason": a[1], "sequence_id": a[2]}
+    monkeypatch.setattr(conv_mod, "generate", fake)
+    conv = Conversation("h:1", stop_ids=(99,))
+    conv.turn([1, 2], 8)
+    assert conv.transcript == [1, 2, 4, 5] and conv.sequence_id == 11
+    conv.turn([3], 8)
+    assert conv.transcript == [1, 2, 4, 5, 3, 6, 7]
+    with pytest.raises(SessionLost):
+        conv.turn([9], 8)
+    assert conv.sequence_id is None and conv.transcript == [1, 2, 4, 5, 3, 6, 7]
+    res = conv.turn([9], 8)
+    assert res["reprimed"] and conv.sequence_id == 12 and conv.reprimes == 1
+    assert sent == [([1, 2], None, True), ([3], 11, False), ([9], 11, False), ([1, 2, 4, 5, 3, 6, 7, 9], None, True)]
