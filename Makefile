@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-setup
 
-.PHONY: setup test serve serve-cluster model drafter bench loadtest soak genai-perf clean
+.PHONY: setup test serve model drafter bench loadtest soak genai-perf clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,6 +37,7 @@ serve: setup
 # REPLICAS tritonservers (server i: HTTP 9100+3i, gRPC +1, metrics +2) behind HAProxy on 127.0.0.1:9001,
 # sessions routed by the x-tandem-session header; Ctrl-C stops everything (README, "Deploying replicas")
 REPLICAS ?= 2
+.PHONY: serve-cluster
 serve-cluster: setup
 	$(VPY) -m tandem.serving.cluster serve --replicas $(REPLICAS) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
