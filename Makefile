@@ -22,11 +22,24 @@ $(BACKEND): $(STAMP)
 	$(VPY) -m tandem.model.warm
 	@touch $(BACKEND)
 
-setup: $(STAMP) $(BACKEND)
+# HAProxy for `make serve-cluster` and its tests: Debian 12's haproxy 2.6 + the libraries it lacks here,
+# fetched with apt-get download and unpacked under triton_backends/haproxy (no root install; once)
+HAPROXY := triton_backends/haproxy/.stamp
+$(HAPROXY): $(STAMP)
+	$(VPY) -m tandem.serving.cluster install-haproxy
+
+setup: $(STAMP) $(BACKEND) $(HAPROXY)
 
 # Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics); CHECKPOINT=dir overrides the weights
 serve: setup
 	$(VPY) -m tandem.serving.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
+
+# REPLICAS tritonservers (server i: HTTP 9100+3i, gRPC +1, metrics +2) behind HAProxy on 127.0.0.1:9001,
+# sessions routed by the x-tandem-session header; Ctrl-C stops everything (README, "Deploying replicas")
+REPLICAS ?= 2
+.PHONY: serve-cluster
+serve-cluster: setup
+	$(VPY) -m tandem.serving.cluster serve --replicas $(REPLICAS) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
 test: setup
 	$(VPY) -m pytest -q tests

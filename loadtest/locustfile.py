@@ -243,8 +243,9 @@ class TandemUser(User):
         out = {"bursts": [], "finish_reason": "", "t0": time.time()}
         completed = False
         try:
+            # the routing key a proxy sticks the session to (README, "Deploying replicas")
             self.client.start_stream(callback=lambda result, error: q.put((result, error)),
-                                     stream_timeout=self.opts.turn_timeout)
+                                     stream_timeout=self.opts.turn_timeout, headers={schema.ROUTING_HEADER: str(self.sid)})
             out["sent"] = time.perf_counter()
             self.client.async_stream_infer(self.opts.tandem_model, inputs, sequence_id=self.sid,
                                            sequence_start=start, sequence_end=end, enable_empty_final_response=True)

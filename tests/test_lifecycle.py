@@ -161,10 +161,9 @@ def test_shutdown_gives_streams_one_clear_error():
     from tandem.serving.serve import running_server, stop_server
     from tandem_client.client import TandemClientError, generate
 
-    from tandem.serving.serve import _shm_files
+    from tandem.serving.host import shm_files
 
     prompt = ChatTokenizer(DEFAULT_CHECKPOINT).chat_prompt("Tell me a long story.")
-    shm_before = _shm_files()
     with running_server(env={"TANDEM_CHECKPOINT": str(DEFAULT_CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
         box, first = {}, threading.Event()
         generate(prompt, 2, url=srv.grpc_url, sequence_end=False)  # an idle open session
@@ -177,6 +176,7 @@ def test_shutdown_gives_streams_one_clear_error():
         t = threading.Thread(target=stream)
         t.start()
         assert first.wait(120)
+        assert shm_files(srv.shm_prefix)  # the server's regions carry its own prefix
         t0 = time.monotonic()
         stop_server(srv.proc)
         t.join(timeout=60)
@@ -185,7 +185,7 @@ def test_shutdown_gives_streams_one_clear_error():
         assert "StageError" not in box["err"]
         assert srv.proc.returncode == 0 and took < 8, took  # --exit-timeout-secs is 10
         assert "Exit timeout expired" not in srv.log()
-        assert _shm_files() <= shm_before  # no shared-memory region left behind
+        assert not shm_files(srv.shm_prefix)  # no shared-memory region left behind
 
 
 def test_draft_count_is_honoured_or_refused_never_ignored(engine):

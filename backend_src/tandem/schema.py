@@ -173,6 +173,14 @@ FLAG_START, FLAG_END = 1, 2
 #: sequence ids from here up are tandem's one-turn sessions (a request with no sequence id, as Triton's
 #: HTTP generate endpoint sends); a client's own ids must be below
 ONE_TURN_SEQUENCE_IDS = 1 << 63
+#: gRPC metadata (an HTTP/2 request header) on every turn's stream, ``x-tandem-session: <sequence id>``:
+#: the key a proxy routes a session by (tritonclient carries the sequence id inside the protobuf body,
+#: which no proxy reads on a stream)
+ROUTING_HEADER = "x-tandem-session"
+#: fixed markers ending an error message, for clients to type it: this server holds no such session
+#: (unknown sequence id, or the server is shutting down): re-prime under a new sequence id; no free
+#: session slot: retry the first turn under a new sequence id (a proxy routes it by load)
+SESSION_LOST_MARKER, AT_CAPACITY_MARKER = "[tandem: session lost]", "[tandem: at capacity]"
 
 
 def sequence_name(sid: int) -> str:

@@ -33,6 +33,36 @@ class ServerUnreachable(TandemClientError):
     """No Triton server answered at the URL."""
 
 
+class SessionLost(TandemClientError):
+    """The server no longer holds the session: it died or is shutting down (the stream broke mid-turn, or
+    its message carries :data:`tandem.schema.SESSION_LOST_MARKER`), or a proxy sent the turn to a server
+    that never held it. The server keeps nothing of it; re-prime the conversation under a new sequence
+    id (:class:`tandem_client.conversation.Conversation` does)."""
+
+
+class AtCapacity(TandemClientError):
+    """The server had no free session slot for a first turn (its message carries
+    :data:`tandem.schema.AT_CAPACITY_MARKER`); retry it under a new sequence id, which a proxy routes by load."""
+
+
+def error_from(error, url: str, sid: int) -> TandemClientError:
+    """The typed client error for a failed turn: ``error`` is tritonclient's exception (or any other)
+    from the stream of sequence ``sid`` at ``url``. A transport error (gRPC status set: the stream broke,
+    e.g. ``UNAVAILABLE`` when the server died) and a message with the session-lost marker give
+    :class:`SessionLost`; the at-capacity marker :class:`AtCapacity`; anything else
+    :class:`TandemClientError` carrying the server's message."""
+    from tritonclient.utils import InferenceServerException
+
+    msg = (error.message() or str(error)) if isinstance(error, InferenceServerException) else str(error)
+    status = error.status() if isinstance(error, InferenceServerException) else None
+    if status and schema.SESSION_LOST_MARKER not in msg and schema.AT_CAPACITY_MARKER not in msg:
+        return SessionLost(f"the stream of sequence {sid} via {url} broke ({status}: {msg}); the server holding it "
+                           f"is gone {schema.SESSION_LOST_MARKER}")
+    kind = (SessionLost if schema.SESSION_LOST_MARKER in msg else AtCapacity if schema.AT_CAPACITY_MARKER in msg
+            else TandemClientError)
+    return kind(f"server error: {msg}")
+
+
 def default_checkpoint() -> Path:
     """``$TANDEM_CHECKPOINT`` if set, else the shipped checkpoint (``model_repository/`` +
     :attr:`tandem.schema.ServingConfig.checkpoint`)."""
@@ -106,17 +136,27 @@ def _answers_http(url: str) -> bool:
         return False
 
 
-def _check_reachable(client, url: str, timeout_s: float) -> None:
+#: how gRPC reports an HTTP/2 REFUSED_STREAM (the request was not processed, so it is safe to send again):
+#: HAProxy answers so while it finds that a session's server died; the liveness check asks again
+REFUSED_STREAM, REFUSED_RETRIES, REFUSED_PAUSE_S = "RST_STREAM with error code 7", 5, 0.2
+
+
+def _check_reachable(client, url: str, timeout_s: float, headers: dict | None = None) -> None:
     from tritonclient.utils import InferenceServerException
 
-    try:
-        live = client.is_server_live(client_timeout=timeout_s)
-    except InferenceServerException as e:
-        if _answers_http(url):
-            raise ServerUnreachable(f"{url} is Triton's HTTP port; the tandem client speaks gRPC: pass the gRPC "
-                                    f"port (8001 by default, e.g. --url {url.rpartition(':')[0]}:8001)") from None
-        raise ServerUnreachable(f"cannot reach a Triton server at {url} ({e.message() or e}); "
-                                f"start one with `make serve`") from None
+    for attempt in range(REFUSED_RETRIES + 1):
+        try:
+            live = client.is_server_live(headers=headers, client_timeout=timeout_s)
+            break
+        except InferenceServerException as e:
+            if REFUSED_STREAM in (e.message() or "") and attempt < REFUSED_RETRIES:
+                time.sleep(REFUSED_PAUSE_S)
+                continue
+            if _answers_http(url):
+                raise ServerUnreachable(f"{url} is Triton's HTTP port; the tandem client speaks gRPC: pass the gRPC "
+                                        f"port (8001 by default, e.g. --url {url.rpartition(':')[0]}:8001)") from None
+            raise ServerUnreachable(f"cannot reach a Triton server at {url} ({e.message() or e}); "
+                                    f"start one with `make serve`") from None
     if not live:
         raise ServerUnreachable(f"the Triton server at {url} is not live")
 
@@ -126,7 +166,7 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
              on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
              connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True,
              sampling: dict | None = None, stop_token_ids: list[int] | None = None,
-             stop: list[str] | None = None) -> dict:
+             stop: list[str] | None = None, start_retries: int = 0) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
@@ -139,7 +179,10 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
     see :data:`tandem.schema.SAMPLING_INPUTS`; None or absent names: the server's defaults, greedy);
     ``stop_token_ids`` — tokens that also end the turn (emitted; nothing after them); ``stop`` —
     stop strings (the ids run through the token completing one; the text ends before it, see
-    :class:`IncrementalDecoder`'s ``stops``).
+    :class:`IncrementalDecoder`'s ``stops``); ``start_retries`` — a first turn on a fresh sequence id
+    (``sequence_id`` None) refused :class:`AtCapacity` is sent again this many times, each under a new id
+    (through a proxy, routed by load). The stream carries the routing header
+    (:data:`tandem.schema.ROUTING_HEADER`: the sequence id) for a proxy.
 
     Returns ``token_ids``, ``rounds``, ``drafted``, ``accepted``, ``mean_acceptance_length``
     (tau = 1 + accepted / rounds; None without rounds), ``finish_reason``, ``bursts``, ``ttft_s``,
@@ -148,9 +191,19 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
     ``usage``: the server's count for the turn from its final response (``prompt_tokens``: the
     sequence's context before generating, ``completion_tokens``, ``rounds``, ``mean_acceptance_length``).
 
-    Raises :class:`ServerUnreachable` when nothing answers at ``url``, :class:`TandemClientError`
-    with the server's message on an error response, or when no response arrives within ``timeout_s``.
+    Raises :class:`ServerUnreachable` when nothing answers at ``url``; :class:`SessionLost` when the server
+    does not hold the session or the stream broke (the server died); :class:`AtCapacity` when no session
+    slot was free (after ``start_retries``); :class:`TandemClientError` with the server's message on any
+    other error response, or when no response arrives within ``timeout_s``.
     """
+    if sequence_id is None and sequence_start and start_retries > 0:
+        args = {k: v for k, v in locals().items() if k not in ("sequence_id", "start_retries")}
+        for left in range(start_retries, -1, -1):
+            try:
+                return generate(**args, sequence_id=new_sequence_id())
+            except AtCapacity:
+                if not left:
+                    raise
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -158,8 +211,9 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
         if v is not None and not -(2**31) <= v < 2**31:  # the wire is int32: never send a wrapped value
             raise TandemClientError(f"{name} must fit in an int32 (the server's limit is far lower), got {v}")
     client = grpcclient.InferenceServerClient(check_url(url))
-    try:
-        _check_reachable(client, url, connect_timeout_s)
+    sid = sequence_id if sequence_id is not None else new_sequence_id()
+    try:  # the liveness check carries the routing header too: a proxy routes both requests to one server
+        _check_reachable(client, url, connect_timeout_s, headers={schema.ROUTING_HEADER: str(sid)})
         inputs = []
 
         def add(name, arr, dtype):
@@ -183,9 +237,10 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
             if v is not None:
                 dt = schema.NUMPY[t.dtype]
                 add(t.name, np.array([v.encode() if isinstance(v, str) else v], dtype=dt), _TRITON[t.dtype])
-        sid = sequence_id if sequence_id is not None else new_sequence_id()
         q: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: q.put((result, error)))
+        # the routing key a proxy reads (schema.ROUTING_HEADER; the sequence id itself sits in the protobuf body)
+        client.start_stream(callback=lambda result, error: q.put((result, error)),
+                            headers={schema.ROUTING_HEADER: str(sid)})
         out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "finish_reason": None, "bursts": 0,
                "ttft_s": None, "sequence_id": sid, "usage": None, "stop_string": ""}
         t0 = time.perf_counter()
@@ -199,8 +254,7 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
                 except queue.Empty:
                     raise TandemClientError(f"no response from {model} within {timeout_s:.0f} s") from None
                 if error is not None:
-                    msg = error.message() if isinstance(error, InferenceServerException) else str(error)
-                    raise TandemClientError(f"server error: {msg}")
+                    raise error_from(error, url, sid)
                 resp = result.get_response()
                 final = resp.parameters["triton_final_response"].bool_param if "triton_final_response" in \
                     resp.parameters else False
@@ -231,7 +285,7 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
             # an abandoned turn (error, timeout, Ctrl-C) is cancelled so the server stops generating it
             client.stop_stream(cancel_requests=not completed)
     except InferenceServerException as e:
-        raise TandemClientError(f"server error: {e.message() or e}") from None
+        raise error_from(e, url, sid) from None
     finally:
         client.close()
     el = time.perf_counter() - t0

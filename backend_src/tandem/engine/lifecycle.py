@@ -102,7 +102,7 @@ class Lifecycle:
         cfg = self.config
         return (f"{schema.SEQUENCE_ID}: no free session for {schema.sequence_name(t.sid)}: all {cfg.max_sessions} sessions are open "
                 f"(max_sessions) and none closed within {cfg.admission_wait_s:g} s (admission_wait_s); end finished "
-                f"sequences with {schema.SEQUENCE_END}, or retry later")
+                f"sequences with {schema.SEQUENCE_END}, or retry later {schema.AT_CAPACITY_MARKER}")
 
     def waiting(self) -> int:
         """Turns of new sequences waiting for a free session slot."""

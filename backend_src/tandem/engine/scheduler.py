@@ -98,7 +98,8 @@ class Scheduler(Lifecycle, Prefill):
         if (err := validate_stops(t.stop, self.decode)) is not None:
             return err
         if not t.start and s is None:
-            return f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid} (set {schema.SEQUENCE_START} on the first turn)"
+            return (f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid} (set {schema.SEQUENCE_START} on the first turn) "
+                    f"{schema.SESSION_LOST_MARKER}")
         if t.sid in self.turns:
             return f"{schema.SEQUENCE_ID}: sequence id {t.sid} already has a turn in progress"
         base = 0 if t.start or s is None else len(s.committed) + (s.anchor is not None and not self._drops_anchor(s))

@@ -29,7 +29,7 @@ Send = Callable[[Arrays | None, str | None, bool], None]
 
 
 # -- the worker ---------------------------------------------------------------------------------------
-SHUTTING_DOWN = "server shutting down"
+SHUTTING_DOWN = f"server shutting down {schema.SESSION_LOST_MARKER}"
 #: seconds between probes of the stage processes while no turn runs
 PROBE_S = 2.0
 

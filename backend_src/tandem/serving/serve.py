@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import filecmp
-import glob
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -30,6 +28,7 @@ from typing import Iterator, Optional
 import typer
 
 from .. import schema, schema_text
+from .host import busy_ports, free_ports, new_shm_prefix, remove_shm
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -37,7 +36,6 @@ BACKEND_ROOT = REPO_ROOT / "triton_backends"
 #: Models the server loads (explicit model control: ``model_repository/weights`` is not a model).
 #: every model of the repository: the session models, then the text front (ensemble last: its steps load first)
 MODELS = tuple(schema.MODELS) + tuple(schema_text.MODELS)
-SHM_GLOB = "/dev/shm/triton_python_backend_shm_region_*"
 
 
 class ServerError(RuntimeError):
@@ -99,14 +97,15 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
                            model_repository: str | Path = MODEL_REPOSITORY, models: tuple[str, ...] = MODELS,
                            exit_timeout_s: int = 10, log_verbose: int = 0,
                            env_overrides: dict[str, str] | None = None,
-                           host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
+                           host: str = "127.0.0.1", shm_prefix: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The ``tritonserver`` argv and environment for ``model_repository``.
 
     Binds HTTP/gRPC/metrics to ``host`` (127.0.0.1 unless told) on the given ports, loads ``models`` explicitly, passes
     ``--exit-timeout-secs``; ``LD_LIBRARY_PATH`` gets the wheel's ``nvidia_pytriton.libs`` and the
     interpreter's ``LIBDIR`` (for ``libpython``) in front, ``PATH`` the virtual environment's
     ``bin`` first (the stub's embedded interpreter finds the venv from it). ``env_overrides``
-    (e.g. ``TANDEM_CHECKPOINT``) are applied last. Assembles the backend folder if needed.
+    (e.g. ``TANDEM_CHECKPOINT``) are applied last; ``shm_prefix`` names the Python backend's shared-memory
+    regions (``shm-region-prefix-name``; None: Triton's default). Assembles the backend folder if needed.
     """
     p = wheel_paths()
     backend_dir = ensure_backend_dir()
@@ -122,6 +121,7 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={exit_timeout_s}",
         f"--log-verbose={log_verbose}",
+        *([f"--backend-config=python,shm-region-prefix-name={shm_prefix}"] if shm_prefix else []),
     ]
     env = os.environ.copy()
     libdir = sysconfig.get_config_var("LIBDIR") or ""
@@ -132,34 +132,6 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(env_overrides or {})
     return argv, env
-
-
-def busy_ports(ports: dict[str, int]) -> str | None:
-    """The first of ``ports`` (role -> port) that cannot be bound on 127.0.0.1, as a sentence
-    (``"gRPC port 8001 on 127.0.0.1 is in use"``), or None when all are free."""
-    for role, port in ports.items():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to a server
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return f"{role} port {port} on 127.0.0.1 is in use"
-    return None
-
-
-def free_ports(n: int = 3) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now (racy by nature; fine for tests)."""
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def _http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -180,10 +152,6 @@ def model_states(http_port: int) -> dict[str, str]:
             return {m["name"]: m.get("state", "") for m in json.loads(r.read())}
     except (urllib.error.URLError, OSError, ValueError):
         return {}
-
-
-def _shm_files() -> set[str]:
-    return set(glob.glob(SHM_GLOB))
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, models: tuple[str, ...], timeout_s: float,
@@ -235,10 +203,11 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 30.0) -> int | None:
 
 class RunningServer:
     """Handle yielded by :func:`running_server`: ``http_port``, ``grpc_port``, ``metrics_port``,
-    ``grpc_url`` (``127.0.0.1:port``), ``proc``, ``log_path``, ``ready_s``."""
+    ``grpc_url`` (``127.0.0.1:port``), ``proc``, ``log_path``, ``ready_s``, ``shm_prefix``."""
 
-    def __init__(self, proc: subprocess.Popen, ports: tuple[int, int, int], log_path: Path, ready_s: float) -> None:
-        self.proc = proc
+    def __init__(self, proc: subprocess.Popen, ports: tuple[int, int, int], log_path: Path, ready_s: float,
+                 shm_prefix: str = "") -> None:
+        self.proc, self.shm_prefix = proc, shm_prefix
         self.http_port, self.grpc_port, self.metrics_port = ports
         self.log_path = log_path
         self.ready_s = ready_s
@@ -256,10 +225,10 @@ class RunningServer:
 def running_server(http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
                    model_repository: str | Path = MODEL_REPOSITORY, env: dict[str, str] | None = None,
                    models: tuple[str, ...] = MODELS, ready_timeout_s: float = 180.0,
-                   log_path: str | Path | None = None) -> Iterator[RunningServer]:
+                   log_path: str | Path | None = None, shm_prefix: str | None = None) -> Iterator[RunningServer]:
     """Start ``tritonserver`` (free ports where not given), wait until ready and every model is
     READY, yield a :class:`RunningServer`, then always stop it (SIGINT, then SIGKILL of its
-    process group) and remove the ``/dev/shm/triton_python_backend_shm_region_*`` files it left.
+    process group) and remove the shared-memory files of its own prefix (``shm_prefix``, default a new one).
     The server log goes to ``log_path`` (default: a temporary file, deleted after a clean run and
     kept, with its path in ``RunningServer.log_path``, after a failure).
 
@@ -269,28 +238,26 @@ def running_server(http_port: int | None = None, grpc_port: int | None = None, m
     """
     ports = free_ports(3)
     ports = (http_port or ports[0], grpc_port or ports[1], metrics_port or ports[2])
+    shm_prefix = shm_prefix or new_shm_prefix()
     argv, full_env = server_command_and_env(*ports, model_repository=model_repository, models=models,
-                                            env_overrides=env)
+                                            env_overrides=env, shm_prefix=shm_prefix)
     own_log = log_path is None
     if own_log:
         fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
         os.close(fd)
         log_path = Path(name)
     log_path = Path(log_path)
-    shm_before = _shm_files()
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(argv, env=full_env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     clean = False
     try:
         ready_s = wait_ready(proc, ports[0], models, ready_timeout_s, log_path)
-        yield RunningServer(proc, ports, log_path, ready_s)
+        yield RunningServer(proc, ports, log_path, ready_s, shm_prefix)
         clean = True
     finally:
         stop_server(proc)
-        for f in _shm_files() - shm_before:
-            with contextlib.suppress(OSError):
-                os.unlink(f)
+        remove_shm(shm_prefix)
         if own_log and clean:  # keep the log of a failed run for inspection
             with contextlib.suppress(OSError):
                 log_path.unlink()
@@ -338,8 +305,9 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"tandem: WARNING: binding {host}: the server has no authentication; put an authenticating TLS "
               f"proxy in front (README, 'Deploying safely')", file=sys.stderr, flush=True)
-    argv, env = server_command_and_env(http_port, grpc_port, metrics_port, model_repository,
-                                       log_verbose=log_verbose, env_overrides=overrides, host=host)
+    shm_prefix = new_shm_prefix()
+    argv, env = server_command_and_env(http_port, grpc_port, metrics_port, model_repository, log_verbose=log_verbose,
+                                       env_overrides=overrides, host=host, shm_prefix=shm_prefix)
     busy = busy_ports({"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
     if busy:  # before loading anything: a second server would load every model, then fail to bind
         print(f"tandem: {busy} (is another tandem / tritonserver running? stop it, or pass other --*-port "
@@ -353,7 +321,6 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     # `kill -INT`) would otherwise leave tritonserver running
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _on_term)
-    shm_before = _shm_files()
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     asked_to_stop = False
     try:
@@ -369,9 +336,7 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
         raise typer.Exit(1)
     finally:
         stop_server(proc)
-        for f in _shm_files() - shm_before:
-            with contextlib.suppress(OSError):
-                os.unlink(f)
+        remove_shm(shm_prefix)
     if asked_to_stop:
         # the stop was ours and everything is cleaned up: report success whatever Triton's exit code
         if proc.returncode:
