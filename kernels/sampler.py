@@ -78,7 +78,7 @@ def _uniform(seed, position, purpose: tl.constexpr, j):
     return (w >> 11).to(tl.float64) * (1.0 / 9007199254740992.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "position"])  # an int argument equal to 1 would become a constant
 def _uniforms_kernel(out, seed, position, n, PURPOSE: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(out + j, _uniform(seed, position, PURPOSE, j.to(tl.uint64)), mask=j < n)
@@ -95,8 +95,10 @@ def uniforms(seed: int, position: int, purpose: int, n: int = 1, device: str | t
 
 @triton.jit
 def _key(x):
-    """Orderable int64 keys of float32 ``x`` (a < b as floats iff key(a) < key(b))."""
+    """Orderable int64 keys of float32 ``x`` (a < b as floats iff key(a) < key(b); -0.0 is +0.0,
+    equal as floats)."""
     b = x.to(tl.int32, bitcast=True)
+    b = tl.where(b == -2147483648, 0, b)
     return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
 
 
@@ -211,7 +213,9 @@ def _row_params(lengths: list[int], samplers: list | None, device) -> list[torch
     """Per-row kernel parameters (temperature, top_k, top_p, seed, mode, position, draft) of
     :func:`targets_and_gaps`'s ``samplers`` (greedy rows: mode 0, the rest unused)."""
     R = sum(lengths)
-    samplers = samplers or [None] * len(lengths)
+    if not samplers or not any(samplers):  # all greedy: only the modes (0) are read, made on the device
+        z = torch.zeros(R, dtype=torch.int32, device=device)
+        return [z.double(), z, z.double(), z.long(), z, z.long(), z.long()]
     temp, topp = np.ones(R), np.ones(R)
     topk, mode = np.zeros(R, np.int32), np.zeros(R, np.int32)
     seed, pos, draft = np.zeros(R, np.int64), np.zeros(R, np.int64), np.full(R, -1, np.int64)
@@ -232,7 +236,8 @@ def _row_params(lengths: list[int], samplers: list | None, device) -> list[torch
             if last_only:
                 mode[off: off + n - 1] = SKIP_ROW
         off += n
-    return [torch.from_numpy(a).to(device) for a in (temp, topk, topp, seed, mode, pos, draft)]
+    cuda = torch.device(device).type == "cuda"
+    return [torch.from_numpy(a).to(device, non_blocking=cuda) for a in (temp, topk, topp, seed, mode, pos, draft)]
 
 
 def targets_and_gaps(logits: torch.Tensor, lengths: list[int], samplers: list | None = None

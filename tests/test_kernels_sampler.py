@@ -20,7 +20,7 @@ from tandem_kernels import dispatch, sampler  # noqa: E402
 DEV = "cpu" if dispatch.interpreted() else "cuda"
 
 
-@pytest.mark.parametrize("seed,position,purpose", [(0, 0, sampling.ACCEPT), (123456789, 77, sampling.GUMBEL),
+@pytest.mark.parametrize("seed,position,purpose", [(0, 0, sampling.ACCEPT), (1, 1, sampling.BONUS), (123456789, 77, sampling.GUMBEL),
                                                    ((1 << 63) - 1, (1 << 40) + 3, sampling.RESIDUAL)])
 def test_philox_uniforms_bit_identical(seed, position, purpose):
     got = sampler.uniforms(seed, position, purpose, 11, DEV).cpu().numpy()  # 11: three 4-word counter blocks
@@ -69,6 +69,9 @@ def test_targets_equal_reference(p):
 def test_greedy_targets_are_the_argmax():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(6, 1500, generator=gen)
+    logits[0, :700] = -0.0  # signed zeros tie with +0.0 (the argmax is the first of them)
+    logits[0, 700:] = torch.where(logits[0, 700:] > 0, -logits[0, 700:], logits[0, 700:])
+    logits[0, 3] = 0.0
     t, g = sampler.targets_and_gaps(logits.to(DEV), [2, 4])
     top = logits.topk(2, -1)
     assert t.cpu().tolist() == top.indices[:, 0].tolist()
