@@ -64,3 +64,24 @@ def test_speculative_decoding_on_kernels_equals_torch(engine, tokenizer, sharegp
     hooked = {k.split(".")[0] for k, n in calls.items() if n > 0}
     want = {"sampler", "kda_verify", "dsa_indexer", "mla_attention"} | ({"block_attention"} if arm == "dflash2" else set())
     assert hooked >= want, calls
+
+
+def test_the_switch_is_a_checked_server_parameter(monkeypatch):
+    """``--set kernels=…`` reaches every stage model as $TANDEM_KERNELS, checked before anything starts:
+    a bad value, or the kernels forced on the CPU without Triton's interpreter, is refused with the way out."""
+    from tandem import schema
+    from tandem.serving.backend import parameter_overrides, serving_config
+
+    assert {m for m, spec in schema.MODELS.items() if "kernels" in spec.parameters} == {"trunk", "drafter_mtp", "drafter_dflash"}
+    assert parameter_overrides({"kernels": "torch"}) == {"TANDEM_KERNELS": "torch"}
+    with pytest.raises(ValueError, match=r"kernels must be one of \('auto', 'triton', 'torch'\), got 'fast'"):
+        parameter_overrides({"kernels": "fast"})
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert parameter_overrides({"kernels": "triton"}) == {"TANDEM_KERNELS": "triton"}
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match=r"kernels=triton .* on the CPU needs TRITON_INTERPRET=1.*use kernels=auto"):
+        parameter_overrides({"kernels": "triton"})
+    # a stage model's start-up leaves the resolved switch where dispatch reads it
+    monkeypatch.setenv("TANDEM_KERNELS", "torch")
+    cfg = serving_config({"parameters": {"kernels": {"string_value": "auto"}}})
+    assert cfg.kernels == "torch" and dispatch.mode() == "torch"

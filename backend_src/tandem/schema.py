@@ -284,7 +284,7 @@ TRUNK = ModelSpec(
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
         _NBYTES,
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "batch_invariant"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict"),
 )
 
@@ -302,7 +302,7 @@ DRAFTER_MTP = ModelSpec(
         TensorSpec("DRAFTS", "TYPE_INT64", (-1,)),
         TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
     ),
-    parameters=("checkpoint", "dtype", "device", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dtype", "device", "kernels", "max_num_draft_tokens"),
     ops=("open", "close", "draft"),
 )
 
@@ -323,7 +323,7 @@ DRAFTER_DFLASH = ModelSpec(
         TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
         _NBYTES,
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "max_num_draft_tokens"),
     ops=("open", "close", "draft", "publish", "evict"),
 )
 

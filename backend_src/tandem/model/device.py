@@ -54,11 +54,25 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
     """A stage model's (device, compute dtype) from its serving config; a CUDA device becomes the
     process's current one (Triton kernels launch on the current device). Raises ``ValueError`` as
-    :func:`resolve_device` does."""
+    :func:`resolve_device` does, or (:func:`check_kernels`) when the Triton kernels are forced on the CPU
+    without Triton's interpreter."""
     dev = resolve_device(cfg.device)
+    check_kernels(cfg.kernels, dev)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     return dev, parse_dtype(cfg.dtype, dev)
+
+
+def check_kernels(kernels: str, device: torch.device) -> None:
+    """Refuse ``kernels=triton`` on the CPU unless ``TRITON_INTERPRET=1`` is set (Triton compiles for
+    GPUs only; its interpreter runs kernels on CPU tensors, correctly but seconds a round). Raises
+    ``ValueError`` naming the parameter and the ways out."""
+    from tandem_kernels import dispatch
+
+    if kernels == dispatch.TRITON and device.type == "cpu" and not dispatch.interpreted():
+        raise ValueError("kernels=triton ($TANDEM_KERNELS) on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter: "
+                         "correctness only, seconds a round); use kernels=auto (the default: Triton on CUDA, torch / "
+                         "numba on the CPU) or kernels=torch")
 
 
 def free_bytes(device: str | torch.device = "cpu") -> int:

@@ -23,17 +23,18 @@ def parameter_overrides(settings: dict[str, object]) -> dict[str, str]:
     """Model parameters given on the command line (name -> value; None: not given) as the environment
     variables the models read (:func:`tandem.serving.backend.env_name`), checked first: raises
     ``ValueError`` naming an unknown parameter or a bad value (the whole config is validated; a
-    CUDA ``device`` torch does not see is refused here too, before anything starts)."""
+    CUDA ``device`` torch does not see, and ``kernels=triton`` on the CPU without ``TRITON_INTERPRET=1``,
+    are refused here too, before anything starts)."""
     given = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items() if v is not None}
     taken = {p for m in schema.MODELS.values() for p in m.parameters}
     for k in given:
         if k not in taken:
             raise ValueError(f"no model takes parameter {k!r} (model parameters: {sorted(taken)})")
     schema.ServingConfig.from_parameters({k: v for k, v in given.items() if k != "checkpoint"})
-    if given.get("device", "auto") not in ("auto", "cpu"):
-        from ..model.device import resolve_device  # torch: only for a GPU named on the command line
+    if given.get("device", "auto") not in ("auto", "cpu") or given.get("kernels") == "triton":
+        from ..model.device import check_kernels, resolve_device  # torch: only when a GPU or the kernels are named
 
-        resolve_device(given["device"])
+        check_kernels(given.get("kernels", "auto"), resolve_device(given.get("device", "auto")))
     return {env_name(k): v for k, v in given.items()}
 
 
