@@ -4,7 +4,8 @@
 module's ``bench_cases("cuda")`` (realistic GLM-5.3-Flash shapes: 8 sessions x 8 verify rows, real
 head dimensions, ~4k-token contexts, the 154,880-token vocabulary) with ``triton.testing.do_bench``
 (median of repeated runs after warm-up, milliseconds) and prints torch ms, Triton ms, the speedup and
-the largest difference between their outputs. Without a GPU it says so and, with ``--cpu``, runs the
+the largest difference between their outputs (it fails above 1e-4 in fp32 on the CPU, 5e-2 on the
+GPU or in bf16). Without a GPU it says so and, with ``--cpu``, runs the
 tiny CPU cases in Triton's interpreter (``TRITON_INTERPRET=1``): a smoke run whose timings mean nothing.
 ``--json PATH`` keeps the rows.
 """
@@ -75,10 +76,13 @@ def run(device: str, modules=MODULES, reps: int = 3) -> list[dict]:
     for name in modules:
         mod = importlib.import_module(f"tandem_kernels.{name}")
         for label, ref, ker in mod.bench_cases(device):
-            diff = max_diff(ref(), ker())
+            out = ref()
+            diff = max_diff(out, ker())
+            low = any(t.dtype in (torch.bfloat16, torch.float16) for t in _flat(out))  # bf16: ~1 rounding step
             t_ref, t_ker = timer(ref), timer(ker)
             rows.append({"module": name, "case": label, "torch_ms": t_ref, "triton_ms": t_ker,
-                         "speedup": t_ref / t_ker if t_ker > 0 else float("nan"), "max_diff": diff})
+                         "speedup": t_ref / t_ker if t_ker > 0 else float("nan"), "max_diff": diff,
+                         "low_precision": low})
             r = rows[-1]
             print(f"{name:16s} {label:58s} torch {r['torch_ms']:9.3f} ms  triton {r['triton_ms']:9.3f} ms  "
                   f"{r['speedup']:6.2f}x  max|diff| {r['max_diff']:.2e}", flush=True)
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": device, "rows": rows}, f, indent=2)
-    bad = [r for r in rows if not r["max_diff"] <= (5e-2 if device == "cuda" else 1e-4)]
+    bad = [r for r in rows if not r["max_diff"] <= (5e-2 if device == "cuda" or r["low_precision"] else 1e-4)]
     for r in bad:
         print(f"DISAGREES: {r['module']} {r['case']}: max|diff| {r['max_diff']:.3e}", file=sys.stderr)
     return 1 if bad else 0

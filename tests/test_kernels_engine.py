@@ -81,6 +81,10 @@ def test_the_switch_is_a_checked_server_parameter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match=r"kernels=triton .* on the CPU needs TRITON_INTERPRET=1.*use kernels=auto"):
         parameter_overrides({"kernels": "triton"})
+    monkeypatch.setenv("TANDEM_DEVICE", "gpu")  # the shell's variables are checked as the flags are
+    with pytest.raises(ValueError, match=r"\$TANDEM_DEVICE \(from the environment\): device must be one of"):
+        parameter_overrides({})
+    monkeypatch.delenv("TANDEM_DEVICE")
     # a stage model's start-up leaves the resolved switch where dispatch reads it
     monkeypatch.setenv("TANDEM_KERNELS", "torch")
     cfg = serving_config({"parameters": {"kernels": {"string_value": "auto"}}})

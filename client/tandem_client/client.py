@@ -155,6 +155,9 @@ def _check_reachable(client, url: str, timeout_s: float, headers: dict | None = 
             if _answers_http(url):
                 raise ServerUnreachable(f"{url} is Triton's HTTP port; the tandem client speaks gRPC: pass the gRPC "
                                         f"port (8001 by default, e.g. --url {url.rpartition(':')[0]}:8001)") from None
+            if "status: 503" in (e.message() or ""):  # a proxy (make serve-cluster) answered, but no replica is up
+                raise ServerUnreachable(f"the proxy at {url} has no live replica to route to ({e.message()}); "
+                                        "restart a server behind it, or wait for its health check") from None
             raise ServerUnreachable(f"cannot reach a Triton server at {url} ({e.message() or e}); "
                                     f"start one with `make serve`") from None
     if not live:
