@@ -28,18 +28,32 @@ AUTO, TRITON, TORCH = MODES
 _forced: str | None = None
 
 
+def _checked(m: str, where: str) -> str:
+    if m not in MODES:
+        raise ValueError(f"{where} must be one of {MODES}, got {m!r}")
+    return m
+
+
+#: the configured mode: ``$TANDEM_KERNELS`` when this module is imported, then :func:`configure`
+#: (a stage model's start-up); read on every dispatch, so it is a plain variable, not the environment
+_mode: str = _checked(os.environ.get(ENV) or AUTO, ENV)
+
+
 class KernelUnavailable(RuntimeError):
     """Raised when ``triton`` is forced where no kernel can run (no triton package, or CPU tensors
     without ``TRITON_INTERPRET=1``)."""
 
 
+def configure(m: str) -> None:
+    """Set the mode (a stage model's ``kernels`` parameter). Raises ``ValueError`` for an unknown one."""
+    global _mode
+    _mode = _checked(m, "kernels")
+
+
 def mode() -> str:
-    """The switch's value: :func:`force` if inside one, else ``$TANDEM_KERNELS`` (default ``auto``).
-    Raises ``ValueError`` for an unknown value, naming the variable and the choices."""
-    m = _forced or os.environ.get(ENV, AUTO) or AUTO
-    if m not in MODES:
-        raise ValueError(f"{ENV} must be one of {MODES}, got {m!r}")
-    return m
+    """The switch's value: :func:`force` if inside one, else the configured mode (:func:`configure`,
+    at import ``$TANDEM_KERNELS``, default ``auto``)."""
+    return _forced or _mode
 
 
 def interpreted() -> bool:
@@ -47,9 +61,12 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def available() -> bool:
-    """True when the triton package is installed."""
-    return importlib.util.find_spec("triton") is not None
+    """True when the triton package is installed (looked up once, at import)."""
+    return _AVAILABLE
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -58,11 +75,11 @@ def use_triton(t: torch.Tensor) -> bool:
     ``auto``: ``t`` on CUDA and triton installed; ``torch``: never; ``triton``: always, raising
     :class:`KernelUnavailable` when it cannot run there (``t`` on the CPU without ``TRITON_INTERPRET=1``,
     or no triton)."""
-    m = mode()
+    m = _forced or _mode
     if m == TORCH:
         return False
     if m == AUTO:
-        return t.is_cuda and available()
+        return t.is_cuda and _AVAILABLE
     if not available():
         raise KernelUnavailable(f"{ENV}=triton but the triton package is not installed")
     if not t.is_cuda and not interpreted():
@@ -74,16 +91,14 @@ def use_triton(t: torch.Tensor) -> bool:
 def numba_allowed() -> bool:
     """False when ``triton`` is forced: the CPU model then takes the call sites that dispatch here
     instead of the fused numba kernels (which replace whole stretches of the row path)."""
-    return mode() != TRITON
+    return (_forced or _mode) != TRITON
 
 
 @contextlib.contextmanager
 def force(m: str) -> Iterator[None]:
     """Within this block :func:`mode` is ``m`` (tests, A/B benches). Raises ``ValueError`` for an unknown mode."""
     global _forced
-    if m not in MODES:
-        raise ValueError(f"kernel mode must be one of {MODES}, got {m!r}")
-    old, _forced = _forced, m
+    old, _forced = _forced, _checked(m, "kernel mode")
     try:
         yield
     finally:

@@ -49,7 +49,6 @@ def test_bad_device_is_refused_naming_the_field(device):
 
 def test_device_is_global_through_the_environment(monkeypatch):
     """``$TANDEM_DEVICE`` (``tandem serve --device``) applies to every model, over its config.pbtxt."""
-    monkeypatch.setenv("TANDEM_KERNELS", "auto")  # serving_config leaves it set: undone after the test
     model = {"parameters": {"device": {"string_value": "auto"}, "dtype": {"string_value": "auto"}}}
     assert backend.serving_config(model).device == "auto"
     monkeypatch.setenv("TANDEM_DEVICE", "cuda:1")

@@ -85,7 +85,11 @@ def test_the_switch_is_a_checked_server_parameter(monkeypatch):
     with pytest.raises(ValueError, match=r"\$TANDEM_DEVICE \(from the environment\): device must be one of"):
         parameter_overrides({})
     monkeypatch.delenv("TANDEM_DEVICE")
-    # a stage model's start-up leaves the resolved switch where dispatch reads it
+    # a stage model's start-up (serving_config, then placement) sets the switch dispatch reads
+    from tandem.model.device import placement
+
+    monkeypatch.setattr(dispatch, "_mode", dispatch.mode())  # restored after the test
     monkeypatch.setenv("TANDEM_KERNELS", "torch")
     cfg = serving_config({"parameters": {"kernels": {"string_value": "auto"}}})
+    assert placement(cfg)[0].type == "cpu"
     assert cfg.kernels == "torch" and dispatch.mode() == "torch"

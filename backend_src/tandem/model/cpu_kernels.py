@@ -31,7 +31,7 @@ ENABLED = True
 def active(t: torch.Tensor | None = None) -> bool:
     """True when the serving hot path should call these kernels: enabled, autograd off, the Triton
     kernels not forced (:func:`tandem_kernels.dispatch.numba_allowed`) and, when given, ``t`` on the CPU."""
-    return ENABLED and not torch.is_grad_enabled() and dispatch.numba_allowed() and (t is None or t.device.type == "cpu")
+    return ENABLED and not torch.is_grad_enabled() and dispatch.numba_allowed() and (t is None or t.is_cpu)
 
 
 @contextlib.contextmanager

@@ -52,12 +52,15 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 
 
 def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
-    """A stage model's (device, compute dtype) from its serving config; a CUDA device becomes the
-    process's current one (Triton kernels launch on the current device). Raises ``ValueError`` as
+    """A stage model's (device, compute dtype) from its serving config, its ``kernels`` switch applied
+    (:func:`tandem_kernels.dispatch.configure`); a CUDA device becomes the process's current one (Triton kernels launch on the current device). Raises ``ValueError`` as
     :func:`resolve_device` does, or (:func:`check_kernels`) when the Triton kernels are forced on the CPU
     without Triton's interpreter."""
+    from tandem_kernels import dispatch
+
     dev = resolve_device(cfg.device)
     check_kernels(cfg.kernels, dev)
+    dispatch.configure(cfg.kernels)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     return dev, parse_dtype(cfg.dtype, dev)

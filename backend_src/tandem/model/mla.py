@@ -271,14 +271,15 @@ class MLAttention(nn.Module):
         own cache in place). Returns the heads' outputs ``[1, sum R, H * dv]``."""
         from tandem_kernels import dsa_indexer, mla_attention
 
-        ix, pos = self.indexer, []
-        for cache, n, off in zip(caches, lengths, [sum(lengths[:i]) for i in range(len(lengths))]):
+        ix, pos, off = self.indexer, [], 0
+        for cache, n in zip(caches, lengths):
             pos.append(torch.arange(len(cache), len(cache) + n, device=x.device))
             cache.append(rows, off, n)
             self._add_pools(cache)
+            off += n
         iq, iw = ix.queries(x, rows)
         pks = [c.pk[0] if c.pk is not None else iq.new_zeros(0, ix.d) for c in caches]
-        _, mask = dsa_indexer.select_rows(iq[0], iw[0], pks, lengths, torch.cat(pos).to(x.device),
+        _, mask = dsa_indexer.select_rows(iq[0], iw[0], pks, lengths, torch.cat(pos),
                                           [len(c) for c in caches], ix.kp, ix.k_pools)
         o = mla_attention.attend_rows(rows["q"][0].transpose(0, 1), [c.k[0] for c in caches],
                                       [c.v[0] for c in caches], mask, lengths, self.scaling)

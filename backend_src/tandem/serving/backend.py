@@ -61,15 +61,12 @@ def serving_config(model_config: dict) -> schema.ServingConfig:
     """The model's parameters over :data:`tandem.schema.DEFAULTS`, each overridden by the environment
     variable :func:`env_name` (``$TANDEM_MAX_CTX`` for ``max_ctx``; ``tandem serve`` flags set them);
     ``$TANDEM_CHECKPOINT``, ``$TANDEM_DTYPE``, ``$TANDEM_DEVICE`` and ``$TANDEM_KERNELS`` apply to every
-    model; the resolved ``kernels`` is left in ``$TANDEM_KERNELS``, where :mod:`tandem_kernels.dispatch`
-    reads it (``device`` is resolved at load: :func:`tandem.model.device.placement`). Raises
+    model (``device`` and ``kernels`` are applied at load: :func:`tandem.model.device.placement`). Raises
     ``ValueError`` on a bad parameter."""
     params = model_parameters(model_config)
     env = {name: env_name(name) for name in ("checkpoint", "dtype", "device", "kernels", *params)}
     params.update({k: os.environ[v] for k, v in env.items() if os.environ.get(v)})
-    cfg = schema.ServingConfig.from_parameters(params)
-    os.environ[env_name("kernels")] = cfg.kernels
-    return cfg
+    return schema.ServingConfig.from_parameters(params)
 
 
 def resolve_checkpoint(config: schema.ServingConfig, model_dir: str | Path, require_weights: bool = True) -> Path:
