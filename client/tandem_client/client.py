@@ -316,7 +316,13 @@ def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, st
         _check_reachable(c, url, timeout_s)
         out = {}
         for name, spec in {**schema.MODELS, **schema_text.MODELS}.items():
-            if not c.is_model_ready(name, client_timeout=timeout_s):
+            try:
+                ready = c.is_model_ready(name, client_timeout=timeout_s)
+            except InferenceServerException as e:  # "Server not ready" while Triton reloads a model
+                if "not ready" not in (e.message() or str(e)).lower():
+                    raise
+                ready = False
+            if not ready:
                 out[name] = "NOT READY"
                 continue
             out[name] = "READY"
