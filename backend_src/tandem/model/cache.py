@@ -8,6 +8,7 @@ state (``pending``) and :meth:`TrunkCache.commit` selects the state after the la
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import torch
 
@@ -106,6 +107,25 @@ class MLACache:
         return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in _MLA_DIMS) if t is not None)
 
 
+class KDARows(typing.NamedTuple):
+    """One sequence's rows of a KDA verify pass, kept until :meth:`TrunkCache.commit`: views of the
+    pass's buffers shared by all its sequences (no per-sequence slices are made until one row is
+    kept). ``full [1, 3C, W]`` pre-conv inputs, this sequence's ``km1 = K - 1`` tail columns then its
+    rows starting at column ``col``; ``states [1, N, H, dk, dv]`` every row's state, this sequence's
+    from row ``row``."""
+
+    full: torch.Tensor
+    states: torch.Tensor
+    km1: int
+    col: int = 0
+    row: int = 0
+
+    def after(self, n_rows: int) -> "KDAState":
+        """The state after this sequence's first ``n_rows`` rows (views, not copies)."""
+        c = self.col + n_rows
+        return KDAState(self.full[:, :, c: c + self.km1], self.states[:, self.row + n_rows - 1])
+
+
 @dataclasses.dataclass
 class KDAState:
     """Recurrent state of one linear layer for one sequence: conv ``tail [1, 3*qkv, K-1]`` and
@@ -133,7 +153,7 @@ class TrunkCache:
         self.layers: list[MLACache | KDAState | None] = [
             MLACache(kp) if t == "indexed_attention" else None for t in layer_types
         ]
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.pending: dict[int, KDARows] | None = None
         self.pending_rows = 0
 
     def commit(self, n_rows: int) -> None:
@@ -142,9 +162,8 @@ class TrunkCache:
             raise ValueError("commit without a verify pass")
         if not 1 <= n_rows <= self.pending_rows:
             raise ValueError(f"commit n_rows={n_rows} outside [1, {self.pending_rows}]")
-        for i, (full, states) in self.pending.items():
-            km1 = full.shape[-1] - states.shape[1]  # (a padded verify computed more rows than it reports)
-            self.layers[i] = KDAState(full[:, :, n_rows: n_rows + km1], states[:, n_rows - 1])  # views, not copies
+        for i, rows in self.pending.items():
+            self.layers[i] = rows.after(n_rows)
         self.pos += n_rows
         for layer in self.layers:
             if isinstance(layer, MLACache):

@@ -3,7 +3,7 @@
 On this CPU a torch op costs 3-5 us of dispatch whatever its size, and a decode row of the tiny
 trunk is a few hundred such ops: the per-row glue between the matrix products (mHC weights with
 their Sinkhorn loop and the block norm, the mHC merge, the KDA conv / gates / recurrence / output
-norm, MoE routing / SwiGLU / combine, DSA pool selection) is fused here into one call each. Every
+norm, MoE routing / SwiGLU / combine (in :mod:`~tandem.model.cpu_moe`), DSA pool selection) is fused into one call each. Every
 kernel has a pure-torch reference it is tested against (``tests/test_cpu_kernels.py``):
 :meth:`~tandem.model.layers.HyperConnection.forward` + RMSNorm, :func:`~tandem.model.layers.hc_merge`,
 :meth:`~tandem.model.kda.LinearAttention.forward_rows`, :meth:`~tandem.model.layers.MoE.forward`,
@@ -16,11 +16,14 @@ call, so a row's result is bit-identical alone (plain decoding) or inside a veri
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import numpy as np
 import torch
 from numba import njit
 from tandem_kernels import dispatch
+
+from .cache import KDARows
 
 _F = np.float32
 
@@ -223,7 +226,7 @@ def _kda_many(mixed, tails, convw, fgate, a_log, dt_bias, lower, blog, gate, onw
 def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch.Tensor, fgate: torch.Tensor,
                    A_log: torch.Tensor, dt_bias: torch.Tensor, lower: float, beta_logits: torch.Tensor,
                    gate: torch.Tensor, onorm_w: torch.Tensor, eps: float, S0s: list[torch.Tensor], heads: int,
-                   lengths: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+                   lengths: list[int]) -> tuple[torch.Tensor, list[KDARows]]:
     """KDA rows of several sequences after their projections, each row by row (the recurrence of
     Kimi Linear, arXiv:2510.26692, eq. 1-2): conv + SiLU, L2-normalised q (scaled ``dk^-1/2``) and k,
     the safe forget gate ``lower * sigmoid(exp(A_log) * (f + dt_bias))``, ``beta = sigmoid(b)``, the
@@ -233,14 +236,14 @@ def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch
     rows in turn), ``tails[j] [1, 3C, K-1]``, ``conv_w [3C, 1, K]``, ``fgate [1, sum T, C]`` (``f_b_proj``
     output), ``A_log [H]``, ``dt_bias [C]``, ``beta_logits [1, sum T, H]``, ``gate [1, sum T, C]``
     (``g_b_proj`` output), ``onorm_w [dk]``, ``S0s[j] [1, H, dk, dk]`` (not modified). Returns the normed
-    output ``[1, sum T, C]`` fp32 and per sequence its pre-conv inputs with the tail ``[1, 3C, K-1+T]``
-    and every row's state ``[1, T, H, dk, dk]`` — what
+    output ``[1, sum T, C]`` fp32 and per sequence a :class:`~tandem.model.cache.KDARows` over the
+    shared buffers of the pre-conv inputs with the tails and of every row's state (with one sequence:
+    its ``[1, 3C, K-1+T]`` and ``[1, T, H, dk, dk]`` exactly) — what
     :meth:`~tandem.model.kda.LinearAttention.forward_rows` computes before ``o_proj``."""
     N, C3 = mixed.shape[1], mixed.shape[2]
     C, K = C3 // 3, conv_w.shape[-1]
     dk, n = C // heads, len(lengths)
-    offs = np.zeros(n + 1, np.int64)
-    offs[1:] = np.cumsum(lengths)
+    offs = np.array([0, *itertools.accumulate(lengths)], np.int64)
     full = np.empty((C3, N + n * (K - 1)), _F)
     states = np.empty((N, heads, dk, dk), _F)
     y = np.empty((N, C), _F)
@@ -249,10 +252,8 @@ def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch
     _kda_many(np_rows(mixed[0]), tl, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
               np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S,
               _F(dk ** -0.5), heads, dk, offs, full, states, y)
-    ft, st = torch.from_numpy(full), torch.from_numpy(states)
-    per = [(ft[None, :, offs[j] + j * (K - 1): offs[j + 1] + (j + 1) * (K - 1)], st[None, offs[j]: offs[j + 1]])
-           for j in range(n)]
-    return torch.from_numpy(y)[None], per
+    ft, st, o = torch.from_numpy(full)[None], torch.from_numpy(states)[None], offs.tolist()
+    return torch.from_numpy(y)[None], [KDARows(ft, st, K - 1, o[j] + j * (K - 1), o[j]) for j in range(n)]
 
 
 @njit(cache=True, nogil=True)
@@ -276,87 +277,6 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, re
     _hc_merge(np_rows(post.reshape(b * t, n)), np_rows(comb.reshape(b * t, n, n)), np_rows(block_out.reshape(b * t, d)),
               np_rows(residual.reshape(b * t, n, d)), out)
     return torch.from_numpy(out).view(b, t, n, d)
-
-
-@njit(cache=True, nogil=True)
-def _moe_route(logits, bias, top_k, norm, scale, w):  # pragma: no cover - numba
-    # logits [N, E] fp32 -> w [N, E+1] (0 for unselected experts, 1 for the shared one, last)
-    N, E = logits.shape
-    one = np.float32(1.0)
-    sc, ch, sel = np.empty(E, np.float32), np.empty(E, np.float32), np.empty(E, np.bool_)
-    for r in range(N):
-        for e in range(E):
-            sc[e] = one / (one + np.exp(-logits[r, e]))
-            ch[e] = sc[e] + bias[e]
-            w[r, e] = np.float32(0.0)
-            sel[e] = False
-        tot = np.float32(0.0)
-        for _ in range(top_k):  # the best remaining choice; ties go to the lower expert id
-            best = -1
-            for e in range(E):
-                if not sel[e] and (best < 0 or ch[e] > ch[best]):
-                    best = e
-            sel[best] = True
-            w[r, best] = sc[best]
-            tot += sc[best]
-        for e in range(E):
-            if norm:
-                w[r, e] = w[r, e] / (tot + np.float32(1e-20))
-            w[r, e] = w[r, e] * scale
-        w[r, E] = one
-
-
-@njit(cache=True, nogil=True)
-def _moe_act(gu, limit, act):  # pragma: no cover - numba
-    # gu [N, n * 2I] (n experts' gate | up) -> clamped SwiGLU act [n, N, I]
-    n, N, I = act.shape
-    one = np.float32(1.0)
-    for e in range(n):
-        for r in range(N):
-            for i in range(I):
-                g = min(gu[r, e * 2 * I + i], limit)
-                u = min(max(gu[r, e * 2 * I + I + i], -limit), limit)
-                act[e, r, i] = g / (one + np.exp(-g)) * u
-
-
-@njit(cache=True, nogil=True)
-def _moe_combine(h, w, out):  # pragma: no cover - numba
-    # out[r] += sum_e w[r, e] h[e, r] over the nonzero weights, experts in order
-    E1, N, D = h.shape
-    for r in range(N):
-        for d in range(D):
-            acc = out[r, d]
-            for e in range(E1):
-                if w[r, e] != np.float32(0.0):
-                    acc += w[r, e] * h[e, r, d]
-            out[r, d] = acc
-
-
-def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
-             w_up: torch.Tensor, w_down: torch.Tensor, limit: float) -> torch.Tensor:
-    """Sigmoid-routed MoE plus shared expert over a few fp32 rows (:meth:`tandem.model.layers.MoE.forward`
-    is the reference). Only the experts some row selects are computed, each run of consecutive ones
-    in one GEMM over all rows (a row's weight for an expert it did not select is 0), so a decode row
-    reads the top-k experts' weights, not all of them.
-
-    ``x [N, D]``; ``router_w [E, D]``, ``bias [E]`` (DeepSeek-V3 score correction); ``w_up
-    [(E+1) * 2I, D]`` (each expert's gate | up rows, the shared expert last; an input-major view);
-    ``w_down [E+1, I, D]``. Returns ``[N, D]`` fp32: ``sum_e w_e * down_e(swiglu(gate_e x, up_e x))``
-    with the top-k normalised sigmoid weights and weight 1 for the shared expert, summed over the
-    selected experts in expert order."""
-    N = x.shape[0]
-    E1, I, D = w_down.shape
-    w = np.empty((N, E1), _F)
-    _moe_route(torch.nn.functional.linear(x, router_w).numpy(), np_param(bias), top_k, norm, _F(scale), w)
-    used = np.flatnonzero(w.any(0))
-    out = np.zeros((N, D), _F)
-    up = w_up.t()  # [D, (E+1) * 2I], contiguous
-    for run in np.split(used, np.flatnonzero(np.diff(used) != 1) + 1):
-        a, b = int(run[0]), int(run[-1]) + 1
-        act = np.empty((b - a, N, I), _F)
-        _moe_act(torch.mm(x, up[:, a * 2 * I: b * 2 * I]).numpy(), _F(limit), act)
-        _moe_combine(torch.bmm(torch.from_numpy(act), w_down[a:b]).numpy(), w[:, a:b], out)
-    return torch.from_numpy(out)
 
 
 @njit(cache=True, nogil=True)

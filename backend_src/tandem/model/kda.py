@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tandem_kernels import dispatch
 
 from . import cpu_kernels
+from .cache import KDARows
 from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
 
@@ -250,8 +251,8 @@ class LinearAttention(nn.Module):
         with the kernels forced) the rows run in :func:`tandem_kernels.kda_verify.kda_rows`."""
         tail, S = state
         if cpu_kernels.active(x) and x.shape[0] == 1:
-            y, ((full, states),) = self.forward_rows_many(x, [state], [x.shape[1]])
-            return y, full, states
+            y, (rows,) = self.forward_rows_many(x, [state], [x.shape[1]])
+            return y, rows.full, rows.states
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
         if dispatch.use_triton(x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
@@ -262,11 +263,12 @@ class LinearAttention(nn.Module):
         return self._out(x, o), full, states
 
     def forward_rows_many(self, x: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
-                          ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+                          ) -> tuple[torch.Tensor, list[KDARows]]:
         """:meth:`forward_rows` for several sequences (serving): ``x [1, sum R, D]`` holds each
         sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)``. The projections run over
-        all rows, :func:`~tandem.model.cpu_kernels.kda_rows_fused` per sequence. Returns ``y [1, sum R, D]``
-        and per sequence (pre-conv inputs with its tail, every row's state)."""
+        all rows, the recurrences in one :func:`~tandem.model.cpu_kernels.kda_rows_fused` call. Returns
+        ``y [1, sum R, D]`` and per sequence its :class:`~tandem.model.cache.KDARows` (pre-conv inputs
+        with its tail, every row's state)."""
         C, dk, H = self.qkv, self.dk, self.h
         out = fused_linear(self, "_fused_x", x)
         if out is None:

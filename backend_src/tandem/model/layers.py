@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, cpu_moe
 from .config import TrunkConfig
 
 
@@ -197,11 +197,11 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
 
     #: up to this many rows (decode and verify blocks of a batch of sessions) the serving path runs
-    #: every expert densely in :func:`~tandem.model.cpu_kernels.moe_rows`: the same code for any row count
+    #: every expert densely in :func:`~tandem.model.cpu_moe.moe_rows`: the same code for any row count
     kernel_rows = 256
 
     def serving_layout(self) -> None:
-        """Fuse the routed and shared experts' weights for :func:`~tandem.model.cpu_kernels.moe_rows`:
+        """Fuse the routed and shared experts' weights for :func:`~tandem.model.cpu_moe.moe_rows`:
         ``_w_up [(E+1) * 2I, D]`` (input-major) and ``_w_down [E+1, I, D]``, the parameters becoming
         views of them. Only with one shared expert of the routed experts' width."""
         ex, sh = self.experts, self.shared_experts
@@ -221,7 +221,7 @@ class MoE(nn.Module):
         if (cpu_kernels.active(x) and getattr(self, "_w_up", None) is not None and x.dtype == torch.float32
                 and self._w_up.dtype == torch.float32 and x.numel() <= shape[-1] * self.kernel_rows):
             g = self.gate
-            return cpu_kernels.moe_rows(x.reshape(-1, shape[-1]), g.weight, g.e_score_correction_bias, g.top_k,
+            return cpu_moe.moe_rows(x.reshape(-1, shape[-1]), g.weight, g.e_score_correction_bias, g.top_k,
                                         g.norm_topk_prob, g.scale, self._w_up, self._w_down, self.experts.limit).view(shape)
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)

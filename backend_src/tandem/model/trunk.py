@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import cpu_kernels
-from .cache import KDAState, TrunkCache
+from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
 from .layers import RMSNorm
@@ -157,7 +157,7 @@ class Trunk(nn.Module):
         lengths = [_check_rows(c, x, "verify") for c, x in zip(caches, ids)]
         rows = [x.repeat(1, 2) if self.batch_invariant and n == 1 else x for x, n in zip(ids, lengths)]
         comp, x0 = [x.shape[1] for x in rows], ids[0]
-        pending: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in caches]
+        pending: list[dict[int, KDARows]] = [{} for _ in caches]
 
         def attn_fn(i, layer):
             attn = layer.self_attn
@@ -170,7 +170,8 @@ class Trunk(nn.Module):
                     y, per = attn.forward_rows_many(x, sts, comp)
                 else:  # the torch reference, one sequence at a time
                     res = [attn.forward_rows(xs, st) for xs, st in zip(x.split(comp, 1), sts)]
-                    y, per = torch.cat([r[0] for r in res], 1), [r[1:] for r in res]
+                    y = torch.cat([r[0] for r in res], 1)
+                    per = [KDARows(full, states, full.shape[-1] - states.shape[1]) for _, full, states in res]
                 for p, pr in zip(pending, per):
                     p[i] = pr
                 return y

@@ -1,0 +1,102 @@
+"""The MoE kernels of the decode / verify hot path (see :mod:`tandem.model.cpu_kernels`, whose
+conventions they share): sigmoid top-k routing, clamped SwiGLU, the weighted combine, and
+:func:`moe_rows` around two MKL GEMMs per run of selected experts. Reference:
+:meth:`tandem.model.layers.MoE.forward`."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from .cpu_kernels import _F, np_param
+
+
+@njit(cache=True, nogil=True)
+def _moe_route(logits, bias, top_k, norm, scale, w):  # pragma: no cover - numba
+    # logits [N, E] fp32 -> w [N, E+1] (0 for unselected experts, 1 for the shared one, last)
+    N, E = logits.shape
+    one = np.float32(1.0)
+    sc, ch, sel = np.empty(E, np.float32), np.empty(E, np.float32), np.empty(E, np.bool_)
+    for r in range(N):
+        for e in range(E):
+            sc[e] = one / (one + np.exp(-logits[r, e]))
+            ch[e] = sc[e] + bias[e]
+            w[r, e] = np.float32(0.0)
+            sel[e] = False
+        tot = np.float32(0.0)
+        for _ in range(top_k):  # the best remaining choice; ties go to the lower expert id
+            best = -1
+            for e in range(E):
+                if not sel[e] and (best < 0 or ch[e] > ch[best]):
+                    best = e
+            sel[best] = True
+            w[r, best] = sc[best]
+            tot += sc[best]
+        for e in range(E):
+            if norm:
+                w[r, e] = w[r, e] / (tot + np.float32(1e-20))
+            w[r, e] = w[r, e] * scale
+        w[r, E] = one
+
+
+@njit(cache=True, nogil=True)
+def _moe_act(gu, limit, act):  # pragma: no cover - numba
+    # gu [N, n * 2I] (n experts' gate | up) -> clamped SwiGLU act [n, N, I]
+    n, N, I = act.shape
+    one = np.float32(1.0)
+    for e in range(n):
+        for r in range(N):
+            for i in range(I):
+                g = min(gu[r, e * 2 * I + i], limit)
+                u = min(max(gu[r, e * 2 * I + I + i], -limit), limit)
+                act[e, r, i] = g / (one + np.exp(-g)) * u
+
+
+@njit(cache=True, nogil=True)
+def _moe_combine(h, w, out):  # pragma: no cover - numba
+    # out[r] += sum_e w[r, e] h[e, r] over the nonzero weights, experts in order
+    E1, N, D = h.shape
+    for r in range(N):
+        for d in range(D):
+            acc = out[r, d]
+            for e in range(E1):
+                if w[r, e] != np.float32(0.0):
+                    acc += w[r, e] * h[e, r, d]
+            out[r, d] = acc
+
+
+def _runs(used: list[bool]) -> list[list[int]]:
+    """``[a, b)`` per run of consecutive True entries (plain Python: ~1 us, numpy's split ~20 us)."""
+    runs: list[list[int]] = []
+    for e, u in enumerate(used):
+        if u and runs and runs[-1][1] == e:
+            runs[-1][1] = e + 1
+        elif u:
+            runs.append([e, e + 1])
+    return runs
+
+
+def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
+             w_up: torch.Tensor, w_down: torch.Tensor, limit: float) -> torch.Tensor:
+    """Sigmoid-routed MoE plus shared expert over a few fp32 rows (:meth:`tandem.model.layers.MoE.forward`
+    is the reference). Only the experts some row selects are computed, each run of consecutive ones
+    in one GEMM over all rows (a row's weight for an expert it did not select is 0), so a decode row
+    reads the top-k experts' weights, not all of them.
+
+    ``x [N, D]``; ``router_w [E, D]``, ``bias [E]`` (DeepSeek-V3 score correction); ``w_up
+    [(E+1) * 2I, D]`` (each expert's gate | up rows, the shared expert last; an input-major view);
+    ``w_down [E+1, I, D]``. Returns ``[N, D]`` fp32: ``sum_e w_e * down_e(swiglu(gate_e x, up_e x))``
+    with the top-k normalised sigmoid weights and weight 1 for the shared expert, summed over the
+    selected experts in expert order."""
+    N = x.shape[0]
+    E1, I, D = w_down.shape
+    w = np.empty((N, E1), _F)
+    _moe_route(torch.nn.functional.linear(x, router_w).numpy(), np_param(bias), top_k, norm, _F(scale), w)
+    out = np.zeros((N, D), _F)
+    up = w_up.t()  # [D, (E+1) * 2I], contiguous
+    for a, b in _runs(w.any(0).tolist()):
+        act = np.empty((b - a, N, I), _F)
+        _moe_act(torch.mm(x, up[:, a * 2 * I: b * 2 * I]).numpy(), _F(limit), act)
+        _moe_combine(torch.bmm(torch.from_numpy(act), w_down[a:b]).numpy(), w[:, a:b], out)
+    return torch.from_numpy(out)
