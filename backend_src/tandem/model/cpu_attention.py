@@ -86,8 +86,8 @@ def mla_rows_into(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], off: int, n
     visible tokens (the k best complete pools by ``sum_h w_h * relu(iq_h . pk)``, ties toward the
     earlier pool, plus the incomplete tail)."""
     q, iq, iw = arrays
-    pk = cache.pk
-    pk = np.zeros((0, iq.shape[1] // iw.shape[1]), _F) if pk is None else np_rows(pk[0])
-    _mla_rows(q[off: off + n], cache.buffer("k")[0].numpy(), cache.buffer("v")[0].numpy(), len(cache), iq[off: off + n],
+    n_pools = cache.n_pools()
+    pk = np.zeros((0, iq.shape[1] // iw.shape[1]), _F) if not n_pools else cache.buffer_np("pk")[0, :n_pools]
+    _mla_rows(q[off: off + n], cache.buffer_np("k")[0], cache.buffer_np("v")[0], len(cache), iq[off: off + n],
               iw[off: off + n], pk, np.arange(pos0, pos0 + n, dtype=np.int64), kp, k_pools, _F(scaling), _F(q_scale),
               _F(w_scale), out[off: off + n])

@@ -255,9 +255,10 @@ class MLAttention(nn.Module):
         slice of the heads' outputs ``[1, sum R, H * dv]``."""
         ix, arrays = self.indexer, cpu_attention.query_arrays(rows)
         out, off = cpu_attention.empty_out(rows), 0
+        src = {k: cpu_kernels.np_rows(rows[k]) for k in ("latent", "k", "v", "ik", "ig")}
         for cache, n in zip(caches, lengths):
             pos0 = len(cache)
-            cache.append(rows, off, n)
+            cache.append_np(src, off, n)
             self._add_pools(cache)
             cpu_attention.mla_rows_into(arrays, off, n, cache, pos0, ix.kp, ix.k_pools, self.scaling,
                                         ix.d ** -0.5, ix.h ** -0.5, out)
