@@ -144,3 +144,23 @@ def test_mla_cache_grows_truncates_and_clones_like_concatenation():
               for n in ("latent", "k", "v", "ik", "ig")})
     assert len(d) == 30 and torch.equal(d.latent, torch.cat(ref["latent"], 1)[:, :30])  # the clone is independent
     assert torch.equal(c.latent[:, 30], torch.zeros(1, 5)) and c.nbytes() > d.nbytes()
+
+
+def test_mla_cache_append_np_equals_append():
+    """The serving path's numpy append writes what the torch append does: rows ``off .. off + n`` of a
+    batch, across buffer doublings, after a prefix restore replaced a buffer, and its K buffer view
+    follows each new buffer."""
+    g = torch.Generator().manual_seed(1)
+    a, b = MLACache(4), MLACache(4)
+    for step, (N, off, n) in enumerate([(3, 1, 2), (9, 0, 9), (5, 2, 3), (40, 5, 30), (2, 1, 1)]):
+        rows = {"latent": torch.randn(1, N, 5, generator=g), "k": torch.randn(1, 2, N, 3, generator=g),
+                "v": torch.randn(1, 2, N, 3, generator=g), "ik": torch.randn(1, N, 4, generator=g),
+                "ig": torch.randn(1, N, 4, generator=g)}
+        a.append(rows, off, n)
+        b.append_np({k: v.numpy() for k, v in rows.items()}, off, n)
+        if step == 1:  # a prefix restore assigns a buffer: the numpy view must follow it
+            a.k, b.k = a.k.clone(), b.k.clone()
+        assert len(a) == len(b)
+        for name in ("latent", "k", "v", "ik", "ig"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+        assert np.shares_memory(b.buffer_np("k"), b.buffer("k").numpy())

@@ -48,6 +48,7 @@ class MLACache:
 
     def _set(self, name: str, t: torch.Tensor | None) -> None:
         self._buf[name] = None if t is None else t.contiguous()
+        self._np_views.pop(name, None)
         n = 0 if t is None else t.shape[_MLA_DIMS[name]]
         if name == "pk":
             self._np = n
@@ -68,6 +69,7 @@ class MLACache:
             if b is not None and start:
                 nb.narrow(dim, 0, start).copy_(b.narrow(dim, 0, start))
             self._buf[name] = b = nb
+            self._np_views.pop(name, None)  # (it held the old buffer)
         b.narrow(dim, start, end - start).copy_(rows)
 
     def append(self, rows: dict[str, torch.Tensor], off: int = 0, n: int | None = None) -> None:
