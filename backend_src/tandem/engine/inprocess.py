@@ -80,7 +80,7 @@ class Engine:
         """
         params = SamplingParams.create(temperature, top_k, top_p, seed, sampling) if temperature else None
         sid = next(self._ids)
-        out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "accepted_at": [], "finish_reason": None,
+        out = {"token_ids": [], "rounds": 0, "spec_rounds": 0, "drafted": 0, "accepted": 0, "accepted_at": [], "finish_reason": None,
                "bursts": 0, "top2_gaps": [], "error": None, "ttft_s": None, "stop_string": ""}
         t0 = time.perf_counter()
 
@@ -91,7 +91,7 @@ class Engine:
             if out["ttft_s"] is None:
                 out["ttft_s"] = time.perf_counter() - t0
             out["token_ids"] += r.tokens
-            for key in ("rounds", "drafted", "accepted"):
+            for key in ("rounds", "spec_rounds", "drafted", "accepted"):
                 out[key] += getattr(r, key)
             out["top2_gaps"] += r.top2_gaps
             acc = out["accepted_at"]

@@ -210,7 +210,7 @@ def main(
                 for n in order.sample(names, len(names)):  # a fresh random row order for every prompt
                     r = runners[n](ids)
                     raw[n].append({"prompt": i, **{k: r.get(k) for k in ("token_ids", "tokens_per_s", "ttft_s", "top2_gaps")},
-                                   "rounds": r.get("rounds", 0), "accepted": r.get("accepted", 0),
+                                   "rounds": r.get("rounds", 0), "spec_rounds": r.get("spec_rounds"), "accepted": r.get("accepted", 0),
                                    "accepted_at": r.get("accepted_at", [])})
                     prog.advance(task)
         rss_server = _rss_mb(_tree_pids(server.proc.pid)) if server is not None else None

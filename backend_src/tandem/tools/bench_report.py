@@ -1,9 +1,12 @@
 """`make bench`'s figures from its raw runs: per-row medians and spreads, acceptance, exact match,
 ratios, the analytical ceiling per arm, the served round breakdown, and the printed table.
 
-The ceiling of an in-process arm is ``tau * T_plain / T_round`` with ``T_round`` the measured
-draft + verify (commit folded in) + accept time of its rounds and ``T_plain`` plain decoding's round (Leviathan
-et al. 2023, §3.4, expected walltime improvement, with measured rather than modelled costs).
+The ceiling of an in-process arm is ``n * T_plain / T_round`` with ``n`` the tokens its rounds
+emit on average, ``T_round`` the measured draft + verify (commit folded in) + accept time of its
+rounds and ``T_plain`` plain decoding's round (Leviathan et al. 2023, §3.4, expected walltime
+improvement, with measured rather than modelled costs). ``n`` equals tau when every round drafts;
+the demotion policy makes some rounds plain, so tau (the mean acceptance length, vLLM's definition:
+1 + accepted / rounds that drafted) and the share of rounds that drafted are printed apart.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
     q1, med, q3 = quantiles([r["tokens_per_s"] for r in runs])
     tokens = sum(len(r["token_ids"]) for r in runs)
     seconds = sum(len(r["token_ids"]) / r["tokens_per_s"] for r in runs if r["tokens_per_s"])
-    rounds = sum(r["rounds"] for r in runs)
+    # tau and the per-position rates are over the rounds that carried drafts (vLLM's definition): a
+    # demoted session's plain rounds are not acceptance. Served rows report no spec_rounds: no tau.
+    spec = [r.get("spec_rounds") for r in runs]
+    rounds = sum(spec) if None not in spec else 0
     acc = sum(r["accepted"] for r in runs)
     per_pos = [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / rounds
                for j in range(n_pos)] if n_pos and rounds and any(r["accepted_at"] for r in runs) else []
@@ -52,6 +58,8 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
             "tokens_per_s_aggregate": tokens / seconds if seconds else 0.0,
             "mean_acceptance_length": (1 + acc / rounds) if n_pos and rounds else None,
             "acceptance_per_position": per_pos, "ttft_s": statistics.median(ttfts) if ttfts else None,
+            "spec_round_share": rounds / sum(r["rounds"] for r in runs) if rounds else None,
+            "tokens_per_round": 1 + acc / sum(r["rounds"] for r in runs) if rounds else None,
             "peak_rss_mb": rss_mb, "exact_match_rate": exact / len(runs), "near_ties": near_ties,
             "new_tokens": sum(len(r["token_ids"]) for r in runs)}
 
@@ -86,10 +94,11 @@ def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
     for label, ts in timings.items():
         t_round = {x: ts[x] / max(ts["rounds"], 1) for x in STAGES}
         row = by[f"{label} (in-process)"]
-        tau = row["mean_acceptance_length"]
-        ceiling = tau * t_plain / sum(t_round.values()) if sum(t_round.values()) and tau else None
+        tau, per_round = row["mean_acceptance_length"], row.get("tokens_per_round")  # equal unless demoted rounds
+        ceiling = per_round * t_plain / sum(t_round.values()) if sum(t_round.values()) and per_round else None
         row["ceiling_speedup"] = ceiling
-        out["arms"][label] = {"round_s": t_round, "rounds": ts["rounds"], "tau": tau, "ceiling_speedup": ceiling,
+        out["arms"][label] = {"round_s": t_round, "rounds": ts["rounds"], "tau": tau, "tokens_per_round": per_round,
+                              "spec_round_share": row.get("spec_round_share"), "ceiling_speedup": ceiling,
                               "measured_speedup": row["tokens_per_s_aggregate"] / plain_tps,
                               "round_in_plain_steps": sum(t_round.values()) / t_plain if t_plain else None}
     return out
@@ -124,8 +133,9 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
     for name, a in profile["ceilings"]["arms"].items():
         if a["ceiling_speedup"] is None:
             continue
-        console.print(f"{'ceiling ' + name:>30}: {a['ceiling_speedup']:.2f}x  measured {a['measured_speedup']:.2f}x = tau "
-                      f"{a['tau']:.2f} / round {a['round_in_plain_steps']:.2f} plain steps ("
+        console.print(f"{'ceiling ' + name:>30}: {a['ceiling_speedup']:.2f}x  measured {a['measured_speedup']:.2f}x = "
+                      f"{a['tokens_per_round']:.2f} tokens a round (tau {a['tau']:.2f} on the {a['spec_round_share']:.0%} of "
+                      f"rounds that drafted) / round {a['round_in_plain_steps']:.2f} plain steps ("
                       + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in a["round_s"].items())
                       + f" ms; plain round {t_plain * 1e3:.1f} ms)")
     calls = profile.get("served_calls")
