@@ -40,10 +40,11 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
     # tau and the per-position rates are over the rounds that carried drafts (vLLM's definition): a
     # demoted session's plain rounds are not acceptance. Served rows report no spec_rounds: no tau.
     spec = [r.get("spec_rounds") for r in runs]
-    rounds = sum(spec) if None not in spec else 0
+    spec_rounds = sum(spec) if None not in spec else 0
+    all_rounds = sum(r["rounds"] for r in runs)
     acc = sum(r["accepted"] for r in runs)
-    per_pos = [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / rounds
-               for j in range(n_pos)] if n_pos and rounds and any(r["accepted_at"] for r in runs) else []
+    per_pos = [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / spec_rounds
+               for j in range(n_pos)] if n_pos and spec_rounds and any(r["accepted_at"] for r in runs) else []
     ttfts = [r["ttft_s"] for r in runs if r.get("ttft_s") is not None]
     exact, near_ties = 0, 0
     for r in runs:
@@ -56,10 +57,10 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
         near_ties += bool(j < len(gaps) and gaps[j] < 0.125)
     return {"name": name, "tokens_per_s": med, "tokens_per_s_q1": q1, "tokens_per_s_q3": q3,
             "tokens_per_s_aggregate": tokens / seconds if seconds else 0.0,
-            "mean_acceptance_length": (1 + acc / rounds) if n_pos and rounds else None,
+            "mean_acceptance_length": (1 + acc / spec_rounds) if n_pos and spec_rounds else None,
             "acceptance_per_position": per_pos, "ttft_s": statistics.median(ttfts) if ttfts else None,
-            "spec_round_share": rounds / sum(r["rounds"] for r in runs) if rounds else None,
-            "tokens_per_round": 1 + acc / sum(r["rounds"] for r in runs) if rounds else None,
+            "spec_round_share": spec_rounds / all_rounds if spec_rounds else None,
+            "tokens_per_round": 1 + acc / all_rounds if spec_rounds else None,
             "peak_rss_mb": rss_mb, "exact_match_rate": exact / len(runs), "near_ties": near_ties,
             "new_tokens": sum(len(r["token_ids"]) for r in runs)}
 
