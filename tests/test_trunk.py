@@ -130,3 +130,37 @@ def test_batch_invariant_rows_bit_identical(checkpoint):
     model.batch_invariant = False
     print(f"max |hidden diff| M=1 vs block: batch_invariant {gaps[True]:.1e}, without {gaps[False]:.1e}")
     assert gaps[True] == 0.0 < gaps[False]
+
+
+def test_batched_prime_is_invariant_and_matches_one_at_a_time(checkpoint):
+    """The trunk stage primes all admitted prompts in one forward (`Trunk.prime_many`; with the
+    prefix cache, piece by piece): under ``batch_invariant`` each sequence's outputs and its next
+    verify are bit-identical to priming it alone; without it they still agree to fp32 rounding."""
+    from tandem.engine.protocols import Rows
+    from tandem.engine.trunk_stage import TrunkStage
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 8000, (n,), generator=g).tolist() for n in (150, 7, 64, 33)]
+    block = torch.randint(5, 8000, (4,), generator=g).tolist()
+    model = load_trunk(checkpoint, torch.float32)
+    for bi in (True, False):
+        for prefix in (None, []):  # plain, and pieces cut at PREFIX_BLOCK with captures
+            together = TrunkStage(model, 4096, batch_invariant=bi)
+            together.open([1, 2, 3, 4])
+            outs = together.prime([Rows(s, p, prefix) for s, p in zip((1, 2, 3, 4), prompts)])
+            vers = together.verify([Rows(s, block) for s in (1, 2, 3, 4)])
+            for j, p in enumerate(prompts):
+                alone = TrunkStage(model, 4096, batch_invariant=bi)
+                alone.open([9])
+                o = alone.prime([Rows(9, p, prefix)])[0]
+                v = alone.verify([Rows(9, block)])[0]
+                assert o.hidden.shape == (len(p), 256) and o.argmax.shape == (len(p),)
+                if bi:
+                    assert torch.equal(o.hidden, outs[j].hidden) and torch.equal(o.top2_gap, outs[j].top2_gap), (prefix, j)
+                    assert torch.equal(v.hidden, vers[j].hidden), (prefix, j)
+                else:
+                    torch.testing.assert_close(o.hidden, outs[j].hidden, atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(v.hidden, vers[j].hidden, atol=1e-4, rtol=1e-4)
+                if prefix is not None:
+                    assert together.captures.get(j + 1, {}).keys() == alone.captures.get(9, {}).keys()
+    model.batch_invariant = False

@@ -50,8 +50,10 @@ class ServingConfig:
     ``kernels``: which implementation the stage models take (:data:`KERNEL_MODES`; ``$TANDEM_KERNELS``,
     :mod:`tandem_kernels.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on the CPU,
     ``triton`` the Triton kernels everywhere, ``torch`` the pure-torch reference everywhere;
-    ``batch_invariant``: pad plain decoding's one-row trunk passes to two rows so a row's logits are
-    bit-identical alone or in a verify block (off by default: it costs plain decoding ~16%, measured).
+    ``batch_invariant``: a row's logits bit-identical alone (plain decoding), in a verify block or in
+    a batch of sessions: on the CPU the trunk's verify passes take the row-invariant GEMM
+    (:mod:`tandem.model.cpu_gemm`), which is faster here than MKL, so it is on by default; off,
+    they take MKL, whose rounding depends on the number of rows.
 
     Demotion (:mod:`tandem.engine.demotion`): a session's estimated speedup is its moving-average
     acceptance length tau over its arm's verify-round cost in plain decode steps (``round_cost_mtp`` at
@@ -80,7 +82,7 @@ class ServingConfig:
     dtype: str = "auto"
     device: str = "auto"
     prefix_cache_mb: int = 256
-    batch_invariant: bool = False
+    batch_invariant: bool = True
     kernels: str = "auto"
     demote_below: float = 1.0
     promote_above: float = 1.15

@@ -38,10 +38,7 @@ class TrunkBlock:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _out(model: Trunk, out, features: tuple[int, ...], sampler=None) -> VerifyOut:
-    return _outs(model, [out], features, [sampler])[0]
-
-
+@torch.no_grad()
 def _outs(model: Trunk, outs: list, features: tuple[int, ...], samplers: list | None = None) -> list[VerifyOut]:
     """Per sequence a :class:`VerifyOut` from its pass output (hidden ``[1, R, D]``, or the pair with
     features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
@@ -122,36 +119,37 @@ class TrunkStage(KeyedStates):
     def prime(self, items: list[Rows]) -> list[VerifyOut]:
         """Prefill each item (see :class:`~tandem.engine.protocols.Rows` for ``prefix``): restore its
         published blocks, then run its rows, in pieces ending at multiples of ``PREFIX_BLOCK`` when it uses
-        the prefix cache. Outputs cover the rows run (not the restored ones). Raises ``KeyError`` for an
+        the prefix cache; piece j of every item runs in one forward (:meth:`Trunk.prime_many`). Outputs
+        cover the rows run (not the restored ones). Raises ``KeyError`` for an
         unpublished key, ``ValueError`` when restoring into a non-empty cache."""
         f = self.feature_layers
-        outs = []
         for it in items:
             self.cache(it.sid)  # every sequence is open before any changes
         self._commit_first(items)
+        plans = []  # per item: its cache, its rows, their piece boundaries
         for it in items:
             self.sampling.pop(it.sid, None)  # this turn's sampling (absent: greedy) for it and its verifies
             if it.sampling is not None and not it.sampling.greedy:
                 self.sampling[it.sid] = it.sampling
             cache = self.cache(it.sid)
-            ids = torch.tensor([it.tokens], device=self.model.device)
-            if it.prefix is None:
-                o = self.model.prime(cache, ids, f)
-                outs.append(_out(self.model, o, f, self._sampler(it, cache.pos - len(it.tokens), True)))
-                continue
             if it.prefix:
                 self._restore(it.sid, cache, it.prefix)
-            pts = split_points(cache.pos, cache.pos + len(it.tokens))
-            parts = []
-            for a, b in zip(pts, pts[1:]):
-                o = self.model.prime(cache, ids[:, a - pts[0]: b - pts[0]], f)
-                parts.append(o if f else (o,))
-                if cache.pos % schema.PREFIX_BLOCK == 0:  # also at the end: a chunked prime goes on from there
-                    self.captures.setdefault(it.sid, {})[cache.pos] = {
+            end = cache.pos + len(it.tokens)
+            pts = [cache.pos, end] if it.prefix is None else split_points(cache.pos, end)
+            plans.append((cache, torch.tensor([it.tokens], device=self.model.device), pts))
+        parts: list[list[tuple]] = [[] for _ in items]
+        for w in range(max((len(p[2]) for p in plans), default=1) - 1):  # piece w of every item, one forward
+            live = [j for j, (_, _, pts) in enumerate(plans) if w + 1 < len(pts)]
+            ids = [plans[j][1][:, plans[j][2][w] - plans[j][2][0]: plans[j][2][w + 1] - plans[j][2][0]] for j in live]
+            for j, o in zip(live, self.model.prime_many([plans[j][0] for j in live], ids, f)):
+                parts[j].append(o if f else (o,))
+                cache = plans[j][0]
+                if items[j].prefix is not None and cache.pos % schema.PREFIX_BLOCK == 0:  # also at the end: a chunked prime goes on from there
+                    self.captures.setdefault(items[j].sid, {})[cache.pos] = {
                         i: l.clone() for i, l in enumerate(cache.layers) if isinstance(l, KDAState)}
-            cat = tuple(torch.cat(xs, 1) for xs in zip(*parts))
-            outs.append(_out(self.model, cat if f else cat[0], f, self._sampler(it, cache.pos - len(it.tokens), True)))
-        return outs
+        cats = [tuple(torch.cat(xs, 1) for xs in zip(*ps)) for ps in parts]
+        return _outs(self.model, [c if f else c[0] for c in cats], f,
+                     [self._sampler(it, p[0].pos - len(it.tokens), True) for it, p in zip(items, plans)])
 
     def _restore(self, sid: int, cache: TrunkCache, keys: list[int]) -> None:
         if cache.pos != 0:

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from numba import njit
 
+from . import cpu_gemm
+from .cpu_gemm import _mm
 from .cpu_kernels import _F, np_param
 
 
@@ -66,6 +68,38 @@ def _moe_combine(h, w, out):  # pragma: no cover - numba
             out[r, d] = acc
 
 
+@njit(cache=True, nogil=True)
+def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
+    # each expert e on the rows that selected it (w[r, e] != 0), in expert order: gate | up GEMM,
+    # clamped SwiGLU, down GEMM (row-invariant _mm), out[r] += w[r, e] * h; out [N, D] zeros
+    N, D = x.shape
+    E1, I, _ = down.shape
+    rows = np.empty(N, np.int64)
+    xs, gu = np.empty((N, D), _F), np.empty((N, 2 * I), _F)
+    act, h = np.empty((N, I), _F), np.empty((N, D), _F)
+    one = np.float32(1.0)
+    for e in range(E1):
+        n = 0
+        for r in range(N):
+            if w[r, e] != np.float32(0.0):
+                rows[n] = r
+                xs[n] = x[r]
+                n += 1
+        if n == 0:
+            continue
+        _mm(xs[:n], up, e * 2 * I, (e + 1) * 2 * I, gu[:n])
+        for j in range(n):
+            for i in range(I):
+                g = min(gu[j, i], limit)
+                u = min(max(gu[j, I + i], -limit), limit)
+                act[j, i] = g / (one + np.exp(-g)) * u
+        _mm(act[:n], down[e], 0, D, h[:n])
+        for j in range(n):
+            r = rows[j]
+            for d in range(D):
+                out[r, d] += w[r, e] * h[j, d]
+
+
 def _runs(used: list[bool]) -> list[list[int]]:
     """``[a, b)`` per run of consecutive True entries (plain Python: ~1 us, numpy's split ~20 us)."""
     runs: list[list[int]] = []
@@ -78,7 +112,7 @@ def _runs(used: list[bool]) -> list[list[int]]:
 
 
 def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
-             w_up: torch.Tensor, w_down: torch.Tensor, limit: float) -> torch.Tensor:
+             w_up: torch.Tensor, w_down: torch.Tensor, limit: float, invariant: bool = False) -> torch.Tensor:
     """Sigmoid-routed MoE plus shared expert over a few fp32 rows (:meth:`tandem.model.layers.MoE.forward`
     is the reference). Only the experts some row selects are computed, each run of consecutive ones
     in one GEMM over all rows (a row's weight for an expert it did not select is 0), so a decode row
@@ -88,12 +122,21 @@ def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k:
     [(E+1) * 2I, D]`` (each expert's gate | up rows, the shared expert last; an input-major view);
     ``w_down [E+1, I, D]``. Returns ``[N, D]`` fp32: ``sum_e w_e * down_e(swiglu(gate_e x, up_e x))``
     with the top-k normalised sigmoid weights and weight 1 for the shared expert, summed over the
-    selected experts in expert order."""
+    selected experts in expert order.
+
+    ``invariant``: each expert runs on only the rows that selected it, with the row-invariant GEMM
+    of :mod:`~tandem.model.cpu_gemm` (a row's output bit-identical for any number of rows; the
+    trunk's verify under ``batch_invariant``)."""
     N = x.shape[0]
     E1, I, D = w_down.shape
     w = np.empty((N, E1), _F)
-    _moe_route(torch.nn.functional.linear(x, router_w).numpy(), np_param(bias), top_k, norm, _F(scale), w)
+    xn = np.ascontiguousarray(x.numpy())
+    logits = cpu_gemm.mm_rows(xn, router_w.t().numpy()) if invariant else torch.nn.functional.linear(x, router_w).numpy()
+    _moe_route(logits, np_param(bias), top_k, norm, _F(scale), w)
     out = np.zeros((N, D), _F)
+    if invariant:
+        _moe_sparse(xn, w, w_up.t().numpy(), w_down.numpy(), _F(limit), out)
+        return torch.from_numpy(out)
     up = w_up.t()  # [D, (E+1) * 2I], contiguous
     for a, b in _runs(w.any(0).tolist()):
         act = np.empty((b - a, N, I), _F)

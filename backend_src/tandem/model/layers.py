@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_kernels, cpu_moe
+from . import cpu_gemm, cpu_kernels, cpu_moe
 from .config import TrunkConfig
 
 
@@ -27,6 +27,8 @@ def input_major_linears(module: nn.Module) -> nn.Module:
     for m in module.modules():
         if isinstance(m, nn.Linear):
             m.weight.data = m.weight.data.t().contiguous().t()
+            if type(m) is nn.Linear:  # same parameters; its forward can take the row-invariant kernel
+                m.__class__ = cpu_gemm.ServingLinear
     for m in module.modules():
         for attr, names in getattr(type(m), "FUSED", {}).items():
             ps = [_weight(m, n) for n in names]
@@ -56,7 +58,7 @@ def fused_linear(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor 
     fused = getattr(module, attr, None)
     if fused is None or torch.is_grad_enabled() or fused[0].dtype != x.dtype:
         return None
-    return F.linear(x, fused[0])
+    return cpu_gemm.linear(x, fused[0])
 
 
 class RMSNorm(nn.Module):
@@ -197,7 +199,8 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
 
     #: up to this many rows (decode and verify blocks of a batch of sessions) the serving path runs
-    #: every expert densely in :func:`~tandem.model.cpu_moe.moe_rows`: the same code for any row count
+    #: :func:`~tandem.model.cpu_moe.moe_rows`: the same code for any row count (any number of rows
+    #: under the row-invariant kernels, :func:`tandem.model.cpu_gemm.rows_mode`)
     kernel_rows = 256
 
     def serving_layout(self) -> None:
@@ -219,10 +222,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if (cpu_kernels.active(x) and getattr(self, "_w_up", None) is not None and x.dtype == torch.float32
-                and self._w_up.dtype == torch.float32 and x.numel() <= shape[-1] * self.kernel_rows):
+                and self._w_up.dtype == torch.float32 and (x.numel() <= shape[-1] * self.kernel_rows or cpu_gemm.invariant())):
             g = self.gate
             return cpu_moe.moe_rows(x.reshape(-1, shape[-1]), g.weight, g.e_score_correction_bias, g.top_k,
-                                        g.norm_topk_prob, g.scale, self._w_up, self._w_down, self.experts.limit).view(shape)
+                                    g.norm_topk_prob, g.scale, self._w_up, self._w_down, self.experts.limit,
+                                    cpu_gemm.invariant()).view(shape)
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)
         if self.training:

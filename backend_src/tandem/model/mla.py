@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tandem_kernels import dispatch
 
-from . import cpu_attention, cpu_kernels
+from . import cpu_attention, cpu_gemm, cpu_kernels
 from .config import TrunkConfig
 from .layers import RMSNorm, fused_linear
 
@@ -96,7 +96,7 @@ class Indexer(nn.Module):
 
     def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token indexer key and pool gate logits, both ``[B, T, di]``."""
-        return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
+        return self.k_norm(self.wk(x)), cpu_gemm.linear(x, self.index_kpool_compress_gate)
 
     def pool_keys(self, keys: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Compress complete pools. ``keys, gates [B, P*kp, di]`` -> ``[B, P, di]``."""
@@ -179,7 +179,7 @@ class MLAttention(nn.Module):
         if fx is not None and fq is not None:  # serving layout: one GEMM per shared input
             qa, kva, ikr, rows["iw"], ig = fx.split(self._fused_x[1], -1)
             q_resid = self.q_a_layernorm(qa)
-            q, rows["iq"] = F.linear(q_resid, fq[0]).split(fq[1], -1)
+            q, rows["iq"] = cpu_gemm.linear(q_resid, fq[0]).split(fq[1], -1)
             ik = self.indexer.k_norm(ikr)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))

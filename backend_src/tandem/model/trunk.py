@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_kernels
+from . import cpu_gemm, cpu_kernels
 from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -42,10 +42,10 @@ class Trunk(nn.Module):
     in :data:`FP32_KEEP` stay fp32 as in transformers.
     """
 
-    #: pad single-row verifies (plain decoding) to two rows: on this CPU a one-row GEMM takes a GEMV
-    #: path whose sums round differently, so without it a row's logits alone differ in the last bits
-    #: from the same row inside a verify block (the M=1 vs M=k+1 batch-invariance gap); the serving
-    #: parameter ``batch_invariant`` sets it
+    #: a row's logits bit-identical alone (plain decoding, M=1), inside a verify block (M=k+1) or in a
+    #: batch of sessions: on the CPU the verify passes and the LM head take the row-invariant GEMM of
+    #: :mod:`~tandem.model.cpu_gemm` (a BLAS sums a row differently by the number of rows); elsewhere
+    #: a one-row verify is padded to two rows. The serving parameter ``batch_invariant`` sets it
     batch_invariant: bool = False
 
     def __init__(self, cfg: TrunkConfig, with_mtp: bool = True) -> None:
@@ -100,7 +100,10 @@ class Trunk(nn.Module):
         return self._layers(self._streams(ids), lambda i, l: (lambda x: l.self_attn(x)[0]), tuple(features))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head in fp32: ``[..., D] -> [..., V]`` (one row padded to two under :attr:`batch_invariant`)."""
+        """LM head in fp32: ``[..., D] -> [..., V]`` (under :attr:`batch_invariant` row-invariant, see there)."""
+        if self._invariant_rows():
+            with cpu_gemm.rows_mode():
+                return self.lm_head(h).float()
         if self.batch_invariant and h.numel() == h.shape[-1]:
             return self.lm_head(h.reshape(1, -1).expand(2, -1)).float()[:1].view(*h.shape[:-1], -1)
         return self.lm_head(h).float()
@@ -117,22 +120,48 @@ class Trunk(nn.Module):
 
         Raises ``ValueError`` when the rows do not fit in ``cache.max_ctx`` or a verify is pending.
         """
-        T = _check_rows(cache, ids, "prime")
+        return self.prime_many([cache], [ids], features)[0]
+
+    def _invariant_rows(self) -> bool:
+        """The row-invariant kernels apply (:attr:`batch_invariant` on the CPU)."""
+        return self.batch_invariant and cpu_kernels.active(self.embed_tokens.weight)
+
+    @torch.no_grad()
+    def prime_many(self, caches: list[TrunkCache], ids: list[torch.Tensor], features: tuple[int, ...] = ()) -> list:
+        """:meth:`prime` of several sequences in one forward: their rows ``ids[i] [1, T_i]`` go
+        concatenated through every row-wise stage, and each sequence's attention primes its own
+        cache (chunked KDA, MLA). Under :attr:`batch_invariant` (CPU) the row-wise stages take the
+        row-invariant kernels, so a sequence's cache and outputs do not depend on the others primed
+        with it. Returns per sequence what :meth:`prime` returns.
+
+        Raises ``ValueError`` (before any cache changes) when a sequence's rows do not fit or it has a
+        verify pending.
+        """
+        lengths = [_check_rows(c, x, "prime") for c, x in zip(caches, ids)]
 
         def attn_fn(i, layer):
-            st = cache.layers[i]
-            if layer.layer_type != "linear_attention":
-                return lambda x: layer.self_attn.prime(x, st)
+            attn = layer.self_attn
 
             def fn(x):
-                y, (tail, S) = layer.self_attn(x, None if st is None else (st.tail, st.S))
-                cache.layers[i] = KDAState(tail, S)
-                return y
+                ys = []
+                for c, xs in zip(caches, x.split(lengths, 1)):
+                    st = c.layers[i]
+                    if layer.layer_type != "linear_attention":
+                        ys.append(attn.prime(xs, st))
+                        continue
+                    y, (tail, S) = attn(xs, None if st is None else (st.tail, st.S))
+                    c.layers[i] = KDAState(tail, S)
+                    ys.append(y)
+                return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
             return fn
 
-        out = self._layers(self._streams(ids), attn_fn, tuple(features))
-        cache.pos += T
-        return out
+        with cpu_gemm.rows_mode(self._invariant_rows()):
+            out = self._layers(self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]), attn_fn, tuple(features))
+        for c, n in zip(caches, lengths):
+            c.pos += n
+        parts = [o.split(lengths, 1) for o in (out if features else (out,))]
+        res = [tuple(ps[j] for ps in parts) for j in range(len(lengths))]
+        return res if features else [r[0] for r in res]
 
     @torch.no_grad()
     def verify(self, cache: TrunkCache, ids: torch.Tensor, features: tuple[int, ...] = ()):
@@ -149,13 +178,16 @@ class Trunk(nn.Module):
         """:meth:`verify` of several sequences in one forward: their rows ``ids[i] [1, R_i]`` are
         concatenated ``[1, sum R, D]`` through every row-wise stage (projections, mHC, norms, MoE), and
         each sequence attends over its own cache. Returns per sequence what :meth:`verify` returns.
-        Under :attr:`batch_invariant` a one-row sequence computes a second, discarded copy of its row.
+        Under :attr:`batch_invariant` the pass is row-invariant (see there; off the CPU a one-row
+        sequence computes a second, discarded copy of its row).
 
         Raises ``ValueError`` (before any cache changes) when a sequence's rows do not fit or it has a
         verify pending.
         """
         lengths = [_check_rows(c, x, "verify") for c, x in zip(caches, ids)]
-        rows = [x.repeat(1, 2) if self.batch_invariant and n == 1 else x for x, n in zip(ids, lengths)]
+        kernel = self._invariant_rows()
+        pad = self.batch_invariant and not kernel
+        rows = [x.repeat(1, 2) if pad and n == 1 else x for x, n in zip(ids, lengths)]
         comp, x0 = [x.shape[1] for x in rows], ids[0]
         pending: list[dict[int, KDARows]] = [{} for _ in caches]
 
@@ -177,7 +209,8 @@ class Trunk(nn.Module):
                 return y
             return fn
 
-        out = self._layers(self._streams(torch.cat(rows, 1)), attn_fn, tuple(features))
+        with cpu_gemm.rows_mode(kernel):
+            out = self._layers(self._streams(torch.cat(rows, 1)), attn_fn, tuple(features))
         for c, p, n in zip(caches, pending, lengths):
             c.pending, c.pending_rows = p, n
         parts = [o.split(comp, 1) for o in (out if features else (out,))]

@@ -15,7 +15,7 @@ from .trunk import Trunk
 
 def compile_kernels() -> float:
     """Compile every kernel for the argument types serving passes (numba caches them on disk beside
-    cpu_kernels.py and cpu_moe.py, so only the first call on a machine pays, ~10 s on 2 cores) by running a tiny random
+    cpu_kernels.py, cpu_moe.py and cpu_gemm.py, so only the first call on a machine pays, ~10 s on 2 cores) by running a tiny random
     trunk through prime and a two-sequence verify. Returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = TrunkConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=2,
@@ -29,6 +29,10 @@ def compile_kernels() -> float:
         for c in caches:
             model.prime(c, torch.arange(1, 21)[None])
         model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])
+        for c in caches:
+            c.commit(1)
+        model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py)
+        model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1])
     return time.perf_counter() - t0
 
 

@@ -1,0 +1,171 @@
+"""Row-invariant matrix products for the verify hot path (numba, float32, no autograd).
+
+A BLAS picks its kernel by the number of rows: MKL on this fleet's AMD EPYC machines sums a row
+differently at M >= 4 than at M <= 3 (and on Intel at M = 1 than at M >= 2), so the same row's
+logits differ in the last bits alone (plain decoding), inside a verify block of k+1 rows, or in a
+batch of sessions (the M=1 vs M=k+1 batch-invariance gap; vLLM's batch-invariance RFC). Here every
+output element is one fixed sequence of float32 fused multiply-adds over the input dimension,
+``out[r, j] = fma(x[r, D-1], w[D-1, j], ... fma(x[r, 0], w[0, j], 0))``, whatever the number of
+rows, their position or their neighbours: a row is bit-identical in any batch by construction, on
+any CPU. The serving parameter ``batch_invariant`` routes the trunk's verify passes here
+(:func:`rows_mode`); the reference is ``x @ w.T`` (``tests/test_cpu_gemm.py``).
+
+Speed, fp32, one thread, AMD EPYC (AVX-512), MKL in brackets: ``[M, 256] x [256, 2560]`` (an MoE
+layer's gate | up) M=1 32 us (48), M=8 109 (172), M=16 157 (291); the LM head ``[256, 8192]`` M=1
+102 (166), M=8 334 (888), M=64 2671 (4360). Rows go in fours with the input dimension unrolled by
+8 (one accumulator load and store per 8 fmas) and two or one for the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from numba import njit
+
+#: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
+_BLOCK = 512
+_DEPTH = [0]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _w8(wt, k, wc, n):  # pragma: no cover - numba
+    # weight rows k .. k+7, columns wc .. wc+n
+    return (wt[k, wc:wc + n], wt[k + 1, wc:wc + n], wt[k + 2, wc:wc + n], wt[k + 3, wc:wc + n],
+            wt[k + 4, wc:wc + n], wt[k + 5, wc:wc + n], wt[k + 6, wc:wc + n], wt[k + 7, wc:wc + n])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _x8(x, r, k):  # pragma: no cover - numba
+    return x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3], x[r, k + 4], x[r, k + 5], x[r, k + 6], x[r, k + 7]
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
+def _rows4(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
+    # rows r .. r+3, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
+    a0, a1, a2, a3 = out[r, o0:o0 + n], out[r + 1, o0:o0 + n], out[r + 2, o0:o0 + n], out[r + 3, o0:o0 + n]
+    a0[:] = 0.0; a1[:] = 0.0; a2[:] = 0.0; a3[:] = 0.0  # noqa: E702
+    D = x.shape[1]
+    for k in range(0, D - D % 8, 8):
+        w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
+        x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
+        x10, x11, x12, x13, x14, x15, x16, x17 = _x8(x, r + 1, k)
+        x20, x21, x22, x23, x24, x25, x26, x27 = _x8(x, r + 2, k)
+        x30, x31, x32, x33, x34, x35, x36, x37 = _x8(x, r + 3, k)
+        for j in range(n):
+            a0[j] = a0[j] + x00 * w0[j] + x01 * w1[j] + x02 * w2[j] + x03 * w3[j] + x04 * w4[j] + x05 * w5[j] + x06 * w6[j] + x07 * w7[j]
+            a1[j] = a1[j] + x10 * w0[j] + x11 * w1[j] + x12 * w2[j] + x13 * w3[j] + x14 * w4[j] + x15 * w5[j] + x16 * w6[j] + x17 * w7[j]
+            a2[j] = a2[j] + x20 * w0[j] + x21 * w1[j] + x22 * w2[j] + x23 * w3[j] + x24 * w4[j] + x25 * w5[j] + x26 * w6[j] + x27 * w7[j]
+            a3[j] = a3[j] + x30 * w0[j] + x31 * w1[j] + x32 * w2[j] + x33 * w3[j] + x34 * w4[j] + x35 * w5[j] + x36 * w6[j] + x37 * w7[j]
+    for k in range(D - D % 8, D):
+        w = wt[k, wc:wc + n]
+        x0, x1, x2, x3 = x[r, k], x[r + 1, k], x[r + 2, k], x[r + 3, k]
+        for j in range(n):
+            a0[j] += x0 * w[j]
+            a1[j] += x1 * w[j]
+            a2[j] += x2 * w[j]
+            a3[j] += x3 * w[j]
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
+def _rows2(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
+    # rows r .. r+1, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
+    a0, a1 = out[r, o0:o0 + n], out[r + 1, o0:o0 + n]
+    a0[:] = 0.0; a1[:] = 0.0  # noqa: E702
+    D = x.shape[1]
+    for k in range(0, D - D % 8, 8):
+        w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
+        x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
+        x10, x11, x12, x13, x14, x15, x16, x17 = _x8(x, r + 1, k)
+        for j in range(n):
+            a0[j] = a0[j] + x00 * w0[j] + x01 * w1[j] + x02 * w2[j] + x03 * w3[j] + x04 * w4[j] + x05 * w5[j] + x06 * w6[j] + x07 * w7[j]
+            a1[j] = a1[j] + x10 * w0[j] + x11 * w1[j] + x12 * w2[j] + x13 * w3[j] + x14 * w4[j] + x15 * w5[j] + x16 * w6[j] + x17 * w7[j]
+    for k in range(D - D % 8, D):
+        w = wt[k, wc:wc + n]
+        x0, x1 = x[r, k], x[r + 1, k]
+        for j in range(n):
+            a0[j] += x0 * w[j]
+            a1[j] += x1 * w[j]
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
+def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
+    # rows r .. r+0, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
+    a0 = out[r, o0:o0 + n]
+    a0[:] = 0.0  # noqa: E702
+    D = x.shape[1]
+    for k in range(0, D - D % 8, 8):
+        w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
+        x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
+        for j in range(n):
+            a0[j] = a0[j] + x00 * w0[j] + x01 * w1[j] + x02 * w2[j] + x03 * w3[j] + x04 * w4[j] + x05 * w5[j] + x06 * w6[j] + x07 * w7[j]
+    for k in range(D - D % 8, D):
+        w = wt[k, wc:wc + n]
+        x0 = x[r, k]
+        for j in range(n):
+            a0[j] += x0 * w[j]
+
+
+
+@njit(cache=True, nogil=True)
+def _mm(x, wt, c0, c1, out):  # pragma: no cover - numba
+    # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1], wt [D, O] C-contiguous, by column blocks; rows in
+    # fours, then twos, then one: every element is the same fma chain over k in order whichever
+    # block computes it (k unrolled by 8 chains the fmas in the same order: a + x0*w0 + x1*w1 ...)
+    M = x.shape[0]
+    for o0 in range(0, c1 - c0, _BLOCK):
+        n = min(_BLOCK, c1 - c0 - o0)
+        r = 0
+        while r + 4 <= M:
+            _rows4(x, wt, r, c0 + o0, o0, n, out)
+            r += 4
+        if r + 2 <= M:
+            _rows2(x, wt, r, c0 + o0, o0, n, out)
+            r += 2
+        if r < M:
+            _rows1(x, wt, r, c0 + o0, o0, n, out)
+
+
+def mm_rows(x: np.ndarray, wt: np.ndarray, c0: int = 0, c1: int | None = None) -> np.ndarray:
+    """``x [M, D] @ wt[:, c0:c1]`` float32 (``wt [D, O]`` C-contiguous), each row bit-identical for
+    any M. Returns a new ``[M, c1 - c0]`` array."""
+    c1 = wt.shape[1] if c1 is None else c1
+    out = np.empty((x.shape[0], c1 - c0), np.float32)
+    _mm(np.ascontiguousarray(x), wt, c0, c1, out)
+    return out
+
+
+@contextlib.contextmanager
+def rows_mode(on: bool = True):
+    """Within this block (when ``on``) :func:`linear` on CPU float32 rows takes the row-invariant
+    kernel instead of the BLAS (the trunk's verify passes and LM head under ``batch_invariant``)."""
+    _DEPTH[0] += bool(on)
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= bool(on)
+
+
+def invariant() -> bool:
+    """True inside :func:`rows_mode`."""
+    return _DEPTH[0] > 0
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x [..., D], w [O, D], b)``; inside :func:`rows_mode`, for CPU float32 without
+    autograd, the row-invariant kernel (a ``w`` not in the input-major serving layout is transposed
+    each call: correct, slower). Returns ``[..., O]``."""
+    if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and x.is_cpu and not torch.is_grad_enabled():
+        wt = w.t().numpy() if w.t().is_contiguous() else np.ascontiguousarray(w.detach().t().numpy())
+        y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), wt)).view(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+class ServingLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward is :func:`linear` (the serving layout's class; same parameters)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

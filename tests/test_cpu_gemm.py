@@ -1,0 +1,88 @@
+"""The row-invariant GEMM (``tandem.model.cpu_gemm``) against ``x @ w.T`` with odd shapes, and its
+defining property: a row's output is bit-identical whatever the number of rows, its position among
+them and its neighbours; the same for the MoE's invariant path against the torch reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.model import cpu_gemm, cpu_kernels, cpu_moe
+from tandem.model.checkpoint import cast_trunk, init_weights
+from tandem.model.config import TrunkConfig
+from tandem.model.layers import input_major_linears
+from tandem.model.trunk import Trunk
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("D,O", [(1, 1), (7, 13), (40, 517), (33, 1031), (256, 64)])
+def test_mm_rows_matches_matmul_and_is_row_invariant(D, O):
+    x, w = _randn(19, D, seed=D), _randn(O, D, seed=O)
+    wt = w.t().contiguous().numpy()
+    full = cpu_gemm.mm_rows(x.numpy(), wt)
+    torch.testing.assert_close(torch.from_numpy(full), x @ w.t(), atol=1e-5 * D, rtol=1e-4)
+    for M in (1, 2, 3, 4, 5, 8, 11, 19):
+        for start in {0, 1, 19 - M}:  # first in a pair, second in a pair, the odd last row
+            part = cpu_gemm.mm_rows(x[start:start + M].numpy(), wt)
+            assert np.array_equal(part, full[start:start + M]), (M, start)
+    perm = torch.randperm(19, generator=torch.Generator().manual_seed(1))
+    assert np.array_equal(cpu_gemm.mm_rows(x[perm].numpy(), wt), full[perm.numpy()])
+    c0, c1 = O // 3, O - O // 4
+    assert np.array_equal(cpu_gemm.mm_rows(x.numpy(), wt, c0, c1), full[:, c0:c1])
+
+
+def test_linear_takes_the_kernel_only_in_rows_mode():
+    x, w = _randn(2, 5, 24, seed=1), _randn(30, 24, seed=2)
+    w_im = w.t().contiguous().t()  # the serving layout
+    with torch.no_grad():
+        plain = cpu_gemm.linear(x, w_im)
+        with cpu_gemm.rows_mode():
+            assert cpu_gemm.invariant()
+            inv, inv_rowmajor = cpu_gemm.linear(x, w_im), cpu_gemm.linear(x, w)
+            biased = cpu_gemm.linear(x, w_im, torch.ones(30))
+        assert not cpu_gemm.invariant()
+    assert inv.shape == (2, 5, 30) and torch.equal(inv, inv_rowmajor) and torch.equal(biased, inv + 1)
+    torch.testing.assert_close(inv, plain, atol=1e-5, rtol=1e-4)
+    with cpu_gemm.rows_mode(), torch.no_grad():
+        assert torch.equal(inv.reshape(10, 30)[3:4], cpu_gemm.linear(x.reshape(10, 24)[3:4], w_im))
+
+
+def test_serving_layout_swaps_linear_class_keeping_the_checkpoint():
+    cfg = TrunkConfig(vocab_size=50, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                      num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
+                      indexer_types=["full"], linear_head_dim=8, linear_num_heads=2, max_position_embeddings=32)
+    model = init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    input_major_linears(model)
+    assert isinstance(model.lm_head, cpu_gemm.ServingLinear) and isinstance(model.lm_head, torch.nn.Linear)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("N", [1, 2, 5, 13])
+def test_moe_invariant_path_matches_reference_and_is_row_invariant(N):
+    cfg = TrunkConfig(vocab_size=97, hidden_size=40, moe_intermediate_size=24, n_routed_experts=5,
+                      num_experts_per_tok=2, num_hidden_layers=2, layer_types=["linear_attention"] * 2,
+                      mlp_layer_types=["sparse", "sparse"], indexer_types=["full", "full"],
+                      linear_head_dim=12, linear_num_heads=3, max_position_embeddings=64)
+    model = cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=3), torch.float32)
+    moe = model.layers[1].mlp
+    g = moe.gate
+    x = _randn(N, 40, seed=N)
+
+    def run(rows):
+        return cpu_moe.moe_rows(rows, g.weight, g.e_score_correction_bias, g.top_k, g.norm_topk_prob, g.scale,
+                                moe._w_up, moe._w_down, moe.experts.limit, invariant=True)
+
+    with torch.no_grad():
+        y = run(x)
+        with cpu_kernels.reference():
+            ref = moe(x[None])[0]
+        dense = cpu_moe.moe_rows(x, g.weight, g.e_score_correction_bias, g.top_k, g.norm_topk_prob, g.scale,
+                                 moe._w_up, moe._w_down, moe.experts.limit)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(y, dense, atol=1e-5, rtol=1e-4)
+    for i in range(N):
+        assert torch.equal(run(x[i:i + 1])[0], y[i]), i
