@@ -149,9 +149,10 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
 def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S, qscale,
-              H, dk, full, states, y):  # pragma: no cover - numba
+              H, dk, full, states, keep, y):  # pragma: no cover - numba
     # mixed [T, 3C] pre-conv q|k|v; tail [3C, K-1]; convw [3C, K]; fgate [T, C] (f_b output); a_log [H];
-    # blog [T, H] beta logits; gate [T, C] output-gate logits; S [H, dk, dk] (updated in place). The state
+    # blog [T, H] beta logits; gate [T, C] output-gate logits; S [H, dk, dk] (updated in place); with
+    # keep, every row's state into states [T, H, dk, dk]. The state
     # passes run along rows of S (contiguous, vectorised): decay + S'^T k, then update + S^T q + store
     T, C3 = mixed.shape
     C = C3 // 3
@@ -186,7 +187,7 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
                 dec[i] = np.exp(lower / (one + np.exp(-x)))
                 kn[i], qn[i] = act[k0 + i] * ik, act[q0 + i] * iq
                 mem[i], o[i] = zero, zero
-            Sh, st = S[h], states[t, h]
+            Sh = S[h]
             for i in range(dk):  # decay S, then S'^T k
                 d, ki, row = dec[i], kn[i], Sh[i]
                 for j in range(dk):
@@ -195,13 +196,14 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
                     mem[j] += s * ki
             for j in range(dk):
                 mem[j] = (act[v0 + j] - mem[j]) * beta
-            for i in range(dk):  # delta-rule update, S^T q, this row's state
-                ki, qi, row, srow = kn[i], qn[i], Sh[i], st[i]
+            for i in range(dk):  # delta-rule update, S^T q
+                ki, qi, row = kn[i], qn[i], Sh[i]
                 for j in range(dk):
                     s = row[j] + ki * mem[j]
                     row[j] = s
-                    srow[j] = s
                     o[j] += s * qi
+            if keep:  # this row's state
+                states[t, h, :, :] = Sh
             ss = zero  # gated RMSNorm of the head output
             for j in range(dk):
                 ss += o[j] * o[j]
@@ -213,20 +215,20 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
 
 @njit(cache=True, nogil=True)
 def _kda_many(mixed, tails, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S, qscale, H, dk, offs,
-              full, states, y):  # pragma: no cover - numba
+              full, states, keep, y):  # pragma: no cover - numba
     # sequence j owns rows offs[j]:offs[j+1] and full columns offs[j] + j*(K-1) ...; S [n, H, dk, dk] in place
     km1 = tails.shape[2]
     for j in range(offs.shape[0] - 1):
         a, b = offs[j], offs[j + 1]
         f0 = a + j * km1
         _kda_rows(mixed[a:b], tails[j], convw, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
-                  S[j], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b], y[a:b])
+                  S[j], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b] if keep else states, keep, y[a:b])
 
 
 def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch.Tensor, fgate: torch.Tensor,
                    A_log: torch.Tensor, dt_bias: torch.Tensor, lower: float, beta_logits: torch.Tensor,
                    gate: torch.Tensor, onorm_w: torch.Tensor, eps: float, S0s: list[torch.Tensor], heads: int,
-                   lengths: list[int]) -> tuple[torch.Tensor, list[KDARows]]:
+                   lengths: list[int], keep_states: bool = True) -> tuple[torch.Tensor, list]:
     """KDA rows of several sequences after their projections, each row by row (the recurrence of
     Kimi Linear, arXiv:2510.26692, eq. 1-2): conv + SiLU, L2-normalised q (scaled ``dk^-1/2``) and k,
     the safe forget gate ``lower * sigmoid(exp(A_log) * (f + dt_bias))``, ``beta = sigmoid(b)``, the
@@ -239,20 +241,27 @@ def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch
     output ``[1, sum T, C]`` fp32 and per sequence a :class:`~tandem.model.cache.KDARows` over the
     shared buffers of the pre-conv inputs with the tails and of every row's state (with one sequence:
     its ``[1, 3C, K-1+T]`` and ``[1, T, H, dk, dk]`` exactly) — what
-    :meth:`~tandem.model.kda.LinearAttention.forward_rows` computes before ``o_proj``."""
+    :meth:`~tandem.model.kda.LinearAttention.forward_rows` computes before ``o_proj``. Without
+    ``keep_states`` (a prime: nothing to roll back) per sequence the pair ``(tail [1, 3C, K-1], S [1,
+    H, dk, dk])`` after its last row instead."""
     N, C3 = mixed.shape[1], mixed.shape[2]
     C, K = C3 // 3, conv_w.shape[-1]
     dk, n = C // heads, len(lengths)
     offs = np.array([0, *itertools.accumulate(lengths)], np.int64)
     full = np.empty((C3, N + n * (K - 1)), _F)
-    states = np.empty((N, heads, dk, dk), _F)
+    states = np.empty((N if keep_states else 1, heads, dk, dk), _F)
     y = np.empty((N, C), _F)
     S = torch.cat(S0s).numpy() if n > 1 else np_rows(S0s[0]).copy()  # the kernel updates it in place
     tl = np_rows(torch.cat(tails) if n > 1 else tails[0])
     _kda_many(np_rows(mixed[0]), tl, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
               np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S,
-              _F(dk ** -0.5), heads, dk, offs, full, states, y)
-    ft, st, o = torch.from_numpy(full)[None], torch.from_numpy(states)[None], offs.tolist()
+              _F(dk ** -0.5), heads, dk, offs, full, states, keep_states, y)
+    o = offs.tolist()
+    if not keep_states:
+        ends = [o[j + 1] + (j + 1) * (K - 1) for j in range(n)]  # one past sequence j's last full column
+        return torch.from_numpy(y)[None], [(torch.from_numpy(full[None, :, e - (K - 1): e].copy()), torch.from_numpy(S[j: j + 1]))
+                                          for j, e in enumerate(ends)]
+    ft, st = torch.from_numpy(full)[None], torch.from_numpy(states)[None]
     return torch.from_numpy(y)[None], [KDARows(ft, st, K - 1, o[j] + j * (K - 1), o[j]) for j in range(n)]
 
 

@@ -262,13 +262,14 @@ class LinearAttention(nn.Module):
             o, states = kda_rows(q, k, v, g, beta, S)
         return self._out(x, o), full, states
 
-    def forward_rows_many(self, x: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int]
-                          ) -> tuple[torch.Tensor, list[KDARows]]:
+    def forward_rows_many(self, x: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int],
+                          keep_states: bool = True) -> tuple[torch.Tensor, list]:
         """:meth:`forward_rows` for several sequences (serving): ``x [1, sum R, D]`` holds each
         sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)``. The projections run over
         all rows, the recurrences in one :func:`~tandem.model.cpu_kernels.kda_rows_fused` call. Returns
         ``y [1, sum R, D]`` and per sequence its :class:`~tandem.model.cache.KDARows` (pre-conv inputs
-        with its tail, every row's state)."""
+        with its tail, every row's state); without ``keep_states`` (a prime) its ``(tail, S)`` after
+        its last row, as :meth:`forward` returns."""
         C, dk, H = self.qkv, self.dk, self.h
         out = fused_linear(self, "_fused_x", x)
         if out is None:
@@ -279,5 +280,5 @@ class LinearAttention(nn.Module):
         fb, gb = fg.f_b_proj(fa), self.g_b_proj(ga)
         y, per = cpu_kernels.kda_rows_fused(mixed, [t for t, _ in states], self.conv1d.weight, fb, fg.A_log,
                                             fg.dt_bias, fg.lower, b, gb, self.o_norm.weight,
-                                            self.o_norm.variance_epsilon, [S for _, S in states], H, lengths)
+                                            self.o_norm.variance_epsilon, [S for _, S in states], H, lengths, keep_states)
         return self.o_proj(y.to(x.dtype)), per

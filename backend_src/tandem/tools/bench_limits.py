@@ -38,21 +38,26 @@ def weight_bytes_per_token(model) -> dict:
 
 def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch.float32, reps: int = 30) -> dict:
     """Bytes/s of one-row matrix-vector products over a weight of ``nbytes`` (``[in_features, N]``),
-    the faster of the input-major layout serving uses and the row-major one (the stricter limit).
-    Median of ``reps`` timed calls after warm-up. Returns ``{"bytes_per_s", "seconds", "layout"}``."""
+    the fastest of MKL on the input-major layout serving uses, MKL on the row-major one, and (fp32)
+    tandem's own row-invariant GEMM that serving runs (the strictest limit). Median of ``reps``
+    timed calls after warm-up. Returns ``{"bytes_per_s", "seconds", "layout"}``."""
+    from ..model import cpu_gemm
     esz = torch.tensor([], dtype=dtype).element_size()
     n_out = max(1, int(nbytes // (in_features * esz)))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n_out, in_features, generator=g).to(dtype)
     x = torch.randn(1, in_features, generator=g).to(dtype)
     best = None
-    for layout, wt in (("input-major", w.t().contiguous().t()), ("row-major", w)):
+    calls = {"MKL input-major": lambda wt=w.t().contiguous().t(): F.linear(x, wt), "MKL row-major": lambda: F.linear(x, w)}
+    if dtype == torch.float32:
+        calls["tandem GEMM"] = lambda xn=x.numpy(), wt=w.t().contiguous().numpy(): cpu_gemm.mm_rows(xn, wt)
+    for layout, call in calls.items():
         for _ in range(3):
-            F.linear(x, wt)
+            call()
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            F.linear(x, wt)
+            call()
             ts.append(time.perf_counter() - t0)
         s = statistics.median(ts)
         if best is None or s < best["seconds"]:
