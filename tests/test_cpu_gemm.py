@@ -86,3 +86,26 @@ def test_moe_invariant_path_matches_reference_and_is_row_invariant(N):
     torch.testing.assert_close(y, dense, atol=1e-5, rtol=1e-4)
     for i in range(N):
         assert torch.equal(run(x[i:i + 1])[0], y[i]), i
+
+
+def test_kernel_weight_streams_bf16_bits_with_the_same_products():
+    """Weights that are exactly bfloat16 (the shipped checkpoint, upcast) are read as their uint16
+    bits: half the bytes, the products bit-identical to the fp32 weights; others stay fp32; an
+    in-place change of the weight is seen."""
+    w = _randn(517, 40, seed=5).to(torch.bfloat16).float().t().contiguous().t()  # input-major, bf16 values
+    x = _randn(9, 40, seed=6).numpy()
+    wt = cpu_gemm.kernel_weight(w)
+    assert wt.dtype == np.uint16 and wt.shape == (40, 517) and wt.nbytes == w.numel() * 2
+    assert cpu_gemm.kernel_weight(w) is wt  # made once
+    fp32 = w.t().numpy().copy()
+    assert np.array_equal(cpu_gemm.mm_rows(x, wt), cpu_gemm.mm_rows(x, fp32))
+    assert np.array_equal(cpu_gemm.mm_rows(x, wt, 100, 333), cpu_gemm.mm_rows(x, fp32)[:, 100:333])
+    odd = _randn(30, 40, seed=7)  # not bfloat16 values
+    assert cpu_gemm.kernel_weight(odd).dtype == np.float32
+    with torch.no_grad():
+        w.mul_(2.0)  # still bfloat16 values
+    again = cpu_gemm.kernel_weight(w)
+    assert again is not wt and np.array_equal(cpu_gemm.mm_rows(x, again), 2 * cpu_gemm.mm_rows(x, fp32))
+    down = _randn(3, 24, 40, seed=8).to(torch.bfloat16).float()
+    assert np.array_equal(cpu_gemm.kernel_weight(down, transpose=False).view(np.int16),
+                          down.to(torch.bfloat16).view(torch.int16).numpy())

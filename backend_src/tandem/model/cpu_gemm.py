@@ -23,11 +23,27 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 #: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
 _BLOCK = 512
 _DEPTH = [0]
+
+
+@intrinsic
+def _f32(typingctx, v):
+    """A weight element as float32: a float32 as is; a uint16 as the bfloat16 those bits encode
+    (``bits << 16``, exact)."""
+    if v == types.float32:
+        return types.float32(v), lambda context, builder, sig, args: args[0]
+    if v == types.uint16:
+        def codegen(context, builder, sig, args):
+            bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(bits, ir.FloatType())
+        return types.float32(v), codegen
+    return None
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -55,18 +71,22 @@ def _rows4(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
         x20, x21, x22, x23, x24, x25, x26, x27 = _x8(x, r + 2, k)
         x30, x31, x32, x33, x34, x35, x36, x37 = _x8(x, r + 3, k)
         for j in range(n):
-            a0[j] = a0[j] + x00 * w0[j] + x01 * w1[j] + x02 * w2[j] + x03 * w3[j] + x04 * w4[j] + x05 * w5[j] + x06 * w6[j] + x07 * w7[j]
-            a1[j] = a1[j] + x10 * w0[j] + x11 * w1[j] + x12 * w2[j] + x13 * w3[j] + x14 * w4[j] + x15 * w5[j] + x16 * w6[j] + x17 * w7[j]
-            a2[j] = a2[j] + x20 * w0[j] + x21 * w1[j] + x22 * w2[j] + x23 * w3[j] + x24 * w4[j] + x25 * w5[j] + x26 * w6[j] + x27 * w7[j]
-            a3[j] = a3[j] + x30 * w0[j] + x31 * w1[j] + x32 * w2[j] + x33 * w3[j] + x34 * w4[j] + x35 * w5[j] + x36 * w6[j] + x37 * w7[j]
+            a0[j] = (a0[j] + x00 * _f32(w0[j]) + x01 * _f32(w1[j]) + x02 * _f32(w2[j]) + x03 * _f32(w3[j])
+                     + x04 * _f32(w4[j]) + x05 * _f32(w5[j]) + x06 * _f32(w6[j]) + x07 * _f32(w7[j]))
+            a1[j] = (a1[j] + x10 * _f32(w0[j]) + x11 * _f32(w1[j]) + x12 * _f32(w2[j]) + x13 * _f32(w3[j])
+                     + x14 * _f32(w4[j]) + x15 * _f32(w5[j]) + x16 * _f32(w6[j]) + x17 * _f32(w7[j]))
+            a2[j] = (a2[j] + x20 * _f32(w0[j]) + x21 * _f32(w1[j]) + x22 * _f32(w2[j]) + x23 * _f32(w3[j])
+                     + x24 * _f32(w4[j]) + x25 * _f32(w5[j]) + x26 * _f32(w6[j]) + x27 * _f32(w7[j]))
+            a3[j] = (a3[j] + x30 * _f32(w0[j]) + x31 * _f32(w1[j]) + x32 * _f32(w2[j]) + x33 * _f32(w3[j])
+                     + x34 * _f32(w4[j]) + x35 * _f32(w5[j]) + x36 * _f32(w6[j]) + x37 * _f32(w7[j]))
     for k in range(D - D % 8, D):
         w = wt[k, wc:wc + n]
         x0, x1, x2, x3 = x[r, k], x[r + 1, k], x[r + 2, k], x[r + 3, k]
         for j in range(n):
-            a0[j] += x0 * w[j]
-            a1[j] += x1 * w[j]
-            a2[j] += x2 * w[j]
-            a3[j] += x3 * w[j]
+            a0[j] += x0 * _f32(w[j])
+            a1[j] += x1 * _f32(w[j])
+            a2[j] += x2 * _f32(w[j])
+            a3[j] += x3 * _f32(w[j])
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
@@ -80,14 +100,16 @@ def _rows2(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
         x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
         x10, x11, x12, x13, x14, x15, x16, x17 = _x8(x, r + 1, k)
         for j in range(n):
-            a0[j] = a0[j] + x00 * w0[j] + x01 * w1[j] + x02 * w2[j] + x03 * w3[j] + x04 * w4[j] + x05 * w5[j] + x06 * w6[j] + x07 * w7[j]
-            a1[j] = a1[j] + x10 * w0[j] + x11 * w1[j] + x12 * w2[j] + x13 * w3[j] + x14 * w4[j] + x15 * w5[j] + x16 * w6[j] + x17 * w7[j]
+            a0[j] = (a0[j] + x00 * _f32(w0[j]) + x01 * _f32(w1[j]) + x02 * _f32(w2[j]) + x03 * _f32(w3[j])
+                     + x04 * _f32(w4[j]) + x05 * _f32(w5[j]) + x06 * _f32(w6[j]) + x07 * _f32(w7[j]))
+            a1[j] = (a1[j] + x10 * _f32(w0[j]) + x11 * _f32(w1[j]) + x12 * _f32(w2[j]) + x13 * _f32(w3[j])
+                     + x14 * _f32(w4[j]) + x15 * _f32(w5[j]) + x16 * _f32(w6[j]) + x17 * _f32(w7[j]))
     for k in range(D - D % 8, D):
         w = wt[k, wc:wc + n]
         x0, x1 = x[r, k], x[r + 1, k]
         for j in range(n):
-            a0[j] += x0 * w[j]
-            a1[j] += x1 * w[j]
+            a0[j] += x0 * _f32(w[j])
+            a1[j] += x1 * _f32(w[j])
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
@@ -100,12 +122,13 @@ def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
         w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
         x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
         for j in range(n):
-            a0[j] = a0[j] + x00 * w0[j] + x01 * w1[j] + x02 * w2[j] + x03 * w3[j] + x04 * w4[j] + x05 * w5[j] + x06 * w6[j] + x07 * w7[j]
+            a0[j] = (a0[j] + x00 * _f32(w0[j]) + x01 * _f32(w1[j]) + x02 * _f32(w2[j]) + x03 * _f32(w3[j])
+                     + x04 * _f32(w4[j]) + x05 * _f32(w5[j]) + x06 * _f32(w6[j]) + x07 * _f32(w7[j]))
     for k in range(D - D % 8, D):
         w = wt[k, wc:wc + n]
         x0 = x[r, k]
         for j in range(n):
-            a0[j] += x0 * w[j]
+            a0[j] += x0 * _f32(w[j])
 
 
 
@@ -129,12 +152,35 @@ def _mm(x, wt, c0, c1, out):  # pragma: no cover - numba
 
 
 def mm_rows(x: np.ndarray, wt: np.ndarray, c0: int = 0, c1: int | None = None) -> np.ndarray:
-    """``x [M, D] @ wt[:, c0:c1]`` float32 (``wt [D, O]`` C-contiguous), each row bit-identical for
-    any M. Returns a new ``[M, c1 - c0]`` array."""
+    """``x [M, D] @ wt[:, c0:c1]`` float32 (``wt [D, O]`` C-contiguous, float32 or the uint16 bits of
+    bfloat16 values, :func:`kernel_weight`), each row bit-identical for any M. Returns a new
+    ``[M, c1 - c0]`` float32 array."""
     c1 = wt.shape[1] if c1 is None else c1
     out = np.empty((x.shape[0], c1 - c0), np.float32)
     _mm(np.ascontiguousarray(x), wt, c0, c1, out)
     return out
+
+
+_W: dict[int, tuple] = {}
+
+
+def kernel_weight(w: torch.Tensor, transpose: bool = True) -> np.ndarray:
+    """The array the kernels read for the fp32 weight ``w``: ``w.t()`` (``[D, O]`` from an
+    input-major ``[O, D]``) or with ``transpose=False`` ``w`` itself, C-contiguous; as the uint16
+    bits of bfloat16 when every value is exactly a bfloat16 (the shipped weights are bf16 upcast to
+    fp32: half the bytes to stream from memory, the same products bit for bit), else float32. Made
+    once per weight tensor (again after an in-place change: ``_version``); ``w`` must outlive its
+    use (parameters and the serving layout's fused buffers)."""
+    hit = _W.get(id(w))
+    if hit is not None and hit[0] is w and hit[1] == (w.data_ptr(), w._version):
+        return hit[2]
+    t = (w.detach().t() if transpose else w.detach()).contiguous()
+    b = t.to(torch.bfloat16)
+    arr = b.view(torch.int16).numpy().view(np.uint16) if torch.equal(b.float(), t) else t.numpy()
+    if len(_W) > 4096:  # not a cache of temporaries
+        _W.clear()
+    _W[id(w)] = (w, (w.data_ptr(), w._version), arr)
+    return arr
 
 
 @contextlib.contextmanager
@@ -155,11 +201,9 @@ def invariant() -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x [..., D], w [O, D], b)``; inside :func:`rows_mode`, for CPU float32 without
-    autograd, the row-invariant kernel (a ``w`` not in the input-major serving layout is transposed
-    each call: correct, slower). Returns ``[..., O]``."""
+    autograd, the row-invariant kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
     if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and x.is_cpu and not torch.is_grad_enabled():
-        wt = w.t().numpy() if w.t().is_contiguous() else np.ascontiguousarray(w.detach().t().numpy())
-        y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), wt)).view(*x.shape[:-1], w.shape[0])
+        y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w))).view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
     return F.linear(x, w, b)
 

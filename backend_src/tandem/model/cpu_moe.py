@@ -131,11 +131,11 @@ def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k:
     E1, I, D = w_down.shape
     w = np.empty((N, E1), _F)
     xn = np.ascontiguousarray(x.numpy())
-    logits = cpu_gemm.mm_rows(xn, router_w.t().numpy()) if invariant else torch.nn.functional.linear(x, router_w).numpy()
+    logits = cpu_gemm.mm_rows(xn, cpu_gemm.kernel_weight(router_w)) if invariant else torch.nn.functional.linear(x, router_w).numpy()
     _moe_route(logits, np_param(bias), top_k, norm, _F(scale), w)
     out = np.zeros((N, D), _F)
     if invariant:
-        _moe_sparse(xn, w, w_up.t().numpy(), w_down.numpy(), _F(limit), out)
+        _moe_sparse(xn, w, cpu_gemm.kernel_weight(w_up), cpu_gemm.kernel_weight(w_down, transpose=False), _F(limit), out)
         return torch.from_numpy(out)
     up = w_up.t()  # [D, (E+1) * 2I], contiguous
     for a, b in _runs(w.any(0).tolist()):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -14,14 +15,19 @@ import torch.nn.functional as F
 def weight_bytes_per_token(model) -> dict:
     """Bytes of weights one plain decode row reads (the trunk only, not the MTP layer): every dense
     parameter of the trunk layers, the routed experts' share ``top_k / n_routed_experts`` (the experts
-    a token needs), the shared experts, the final norm and LM head, one embedding row. Returns
+    a token needs), the shared experts, the final norm and LM head, one embedding row; each at the
+    width serving reads it (2 bytes for the weights the row-invariant GEMM streams as bfloat16 bits,
+    :func:`tandem.model.cpu_gemm.kernel_weight`, once a decode has made them). Returns
     ``{"total": bytes, "lm_head": .., "experts": .., "other": ..}``."""
+    from ..model import cpu_gemm
+
+    bf16 = {e[0].untyped_storage().data_ptr() for e in cpu_gemm._W.values() if e[2].dtype == np.uint16}
     cfg = model.cfg
     n = cfg.num_hidden_layers
     share = cfg.num_experts_per_tok / cfg.n_routed_experts
     out = {"lm_head": 0.0, "experts": 0.0, "embedding": 0.0, "other": 0.0}
     for name, p in model.named_parameters():
-        b = p.numel() * p.element_size()
+        b = p.numel() * (2 if p.untyped_storage().data_ptr() in bf16 else p.element_size())
         if name.startswith(f"layers.{n}."):
             continue
         if name.startswith("embed_tokens"):
@@ -39,7 +45,7 @@ def weight_bytes_per_token(model) -> dict:
 def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch.float32, reps: int = 30) -> dict:
     """Bytes/s of one-row matrix-vector products over a weight of ``nbytes`` (``[in_features, N]``),
     the fastest of MKL on the input-major layout serving uses, MKL on the row-major one, and (fp32)
-    tandem's own row-invariant GEMM that serving runs (the strictest limit). Median of ``reps``
+    tandem's own row-invariant GEMM that serving runs, on fp32 and on bf16 weights (the strictest limit). Median of ``reps``
     timed calls after warm-up. Returns ``{"bytes_per_s", "seconds", "layout"}``."""
     from ..model import cpu_gemm
     esz = torch.tensor([], dtype=dtype).element_size()
@@ -49,8 +55,10 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
     x = torch.randn(1, in_features, generator=g).to(dtype)
     best = None
     calls = {"MKL input-major": lambda wt=w.t().contiguous().t(): F.linear(x, wt), "MKL row-major": lambda: F.linear(x, w)}
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # bytes/s of the weight as stored, fp32 or bf16 bits (half the bytes)
         calls["tandem GEMM"] = lambda xn=x.numpy(), wt=w.t().contiguous().numpy(): cpu_gemm.mm_rows(xn, wt)
+        wb = w.to(torch.bfloat16).t().contiguous().view(torch.int16).numpy().view(np.uint16)
+        calls["tandem GEMM, bf16 weights"] = lambda xn=x.numpy(), wt=wb: cpu_gemm.mm_rows(xn, wt)
     for layout, call in calls.items():
         for _ in range(3):
             call()
@@ -60,8 +68,9 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
             call()
             ts.append(time.perf_counter() - t0)
         s = statistics.median(ts)
-        if best is None or s < best["seconds"]:
-            best = {"seconds": s, "layout": layout, "bytes_per_s": n_out * in_features * esz / s}
+        rate = n_out * in_features * (2 if "bf16" in layout else esz) / s
+        if best is None or rate > best["bytes_per_s"]:
+            best = {"seconds": s, "layout": layout, "bytes_per_s": rate}
     return best
 
 
@@ -94,12 +103,13 @@ def decode_seconds_per_token(runs: list[dict]) -> float:
 def limits(model, engine, plain_runs: list[dict], ids: list[int]) -> dict:
     """The weight-streaming section: bytes per token, bandwidth, limit (s per token), plain decoding's
     measured s per token and its fraction of the limit (limit / measured), ops per token."""
+    ops = ops_per_token(engine, ids, 32)  # first: a decode makes the kernels' weights
     wb = weight_bytes_per_token(model)
     bw = matvec_bandwidth(wb["total"], model.cfg.hidden_size, model.dtype)
     limit = wb["total"] / bw["bytes_per_s"]
     measured = decode_seconds_per_token(plain_runs)
     return {"weight_bytes": wb, "bandwidth": bw, "limit_s_per_token": limit, "plain_s_per_token": measured,
-            "fraction_of_limit": limit / measured, "ops_per_token": ops_per_token(engine, ids, 32)}
+            "fraction_of_limit": limit / measured, "ops_per_token": ops}
 
 
 def print_limits(console, lim: dict) -> None:
