@@ -57,7 +57,8 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
     calls = {"MKL input-major": lambda wt=w.t().contiguous().t(): F.linear(x, wt), "MKL row-major": lambda: F.linear(x, w)}
     if dtype == torch.float32:  # bytes/s of the weight as stored, fp32 or bf16 bits (half the bytes)
         calls["tandem GEMM"] = lambda xn=x.numpy(), wt=w.t().contiguous().numpy(): cpu_gemm.mm_rows(xn, wt)
-        wb = w.to(torch.bfloat16).t().contiguous().view(torch.int16).numpy().view(np.uint16)
+        n_bf16 = max(1, int(nbytes // (in_features * 2)))  # the same bytes: twice the rows
+        wb = torch.randn(n_bf16, in_features, generator=g).to(torch.bfloat16).t().contiguous().view(torch.int16).numpy().view(np.uint16)
         calls["tandem GEMM, bf16 weights"] = lambda xn=x.numpy(), wt=wb: cpu_gemm.mm_rows(xn, wt)
     for layout, call in calls.items():
         for _ in range(3):
@@ -68,7 +69,7 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
             call()
             ts.append(time.perf_counter() - t0)
         s = statistics.median(ts)
-        rate = n_out * in_features * (2 if "bf16" in layout else esz) / s
+        rate = (n_bf16 * in_features * 2 if "bf16" in layout else n_out * in_features * esz) / s
         if best is None or rate > best["bytes_per_s"]:
             best = {"seconds": s, "layout": layout, "bytes_per_s": rate}
     return best
