@@ -138,18 +138,26 @@ class TrunkStage(KeyedStates):
             pts = [cache.pos, end] if it.prefix is None else split_points(cache.pos, end)
             plans.append((cache, torch.tensor([it.tokens], device=self.model.device), pts))
         parts: list[list[tuple]] = [[] for _ in items]
+        together = self.model._invariant_rows()  # else one item a forward: a row's sums would depend on the others'
         for w in range(max((len(p[2]) for p in plans), default=1) - 1):  # piece w of every item, one forward
             live = [j for j, (_, _, pts) in enumerate(plans) if w + 1 < len(pts)]
-            ids = [plans[j][1][:, plans[j][2][w] - plans[j][2][0]: plans[j][2][w + 1] - plans[j][2][0]] for j in live]
-            for j, o in zip(live, self.model.prime_many([plans[j][0] for j in live], ids, f)):
-                parts[j].append(o if f else (o,))
-                cache = plans[j][0]
-                if items[j].prefix is not None and cache.pos % schema.PREFIX_BLOCK == 0:  # also at the end: a chunked prime goes on from there
-                    self.captures.setdefault(items[j].sid, {})[cache.pos] = {
-                        i: l.clone() for i, l in enumerate(cache.layers) if isinstance(l, KDAState)}
+            for group in ([live] if together else [[j] for j in live]):
+                self._prime_piece(items, plans, parts, group, w)
         cats = [tuple(torch.cat(xs, 1) for xs in zip(*ps)) for ps in parts]
         return _outs(self.model, [c if f else c[0] for c in cats], f,
                      [self._sampler(it, p[0].pos - len(it.tokens), True) for it, p in zip(items, plans)])
+
+    def _prime_piece(self, items: list[Rows], plans: list, parts: list[list[tuple]], group: list[int], w: int) -> None:
+        """Piece ``w`` of the items ``group`` in one forward; their outputs into ``parts``, and the
+        KDA state captured where a piece ends at a multiple of ``PREFIX_BLOCK`` (prefix cache)."""
+        f = self.feature_layers
+        ids = [plans[j][1][:, plans[j][2][w] - plans[j][2][0]: plans[j][2][w + 1] - plans[j][2][0]] for j in group]
+        for j, o in zip(group, self.model.prime_many([plans[j][0] for j in group], ids, f)):
+            parts[j].append(o if f else (o,))
+            cache = plans[j][0]
+            if items[j].prefix is not None and cache.pos % schema.PREFIX_BLOCK == 0:  # also at the end: a chunked prime goes on from there
+                self.captures.setdefault(items[j].sid, {})[cache.pos] = {
+                    i: l.clone() for i, l in enumerate(cache.layers) if isinstance(l, KDAState)}
 
     def _restore(self, sid: int, cache: TrunkCache, keys: list[int]) -> None:
         if cache.pos != 0:

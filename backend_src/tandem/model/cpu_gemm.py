@@ -201,8 +201,10 @@ def invariant() -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x [..., D], w [O, D], b)``; inside :func:`rows_mode`, for CPU float32 without
-    autograd, the row-invariant kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
-    if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and x.is_cpu and not torch.is_grad_enabled():
+    autograd and the serving kernels on (:func:`tandem.model.cpu_kernels.active`), the row-invariant kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
+    from . import cpu_kernels  # here: cpu_kernels' users import this module
+
+    if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and cpu_kernels.active(x):
         y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w))).view(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
     return F.linear(x, w, b)

@@ -123,8 +123,9 @@ class Trunk(nn.Module):
         return self.prime_many([cache], [ids], features)[0]
 
     def _invariant_rows(self) -> bool:
-        """The row-invariant kernels apply (:attr:`batch_invariant` on the CPU)."""
-        return self.batch_invariant and cpu_kernels.active(self.embed_tokens.weight)
+        """The row-invariant kernels apply (:attr:`batch_invariant` on the CPU in fp32)."""
+        w = self.embed_tokens.weight
+        return self.batch_invariant and w.dtype == torch.float32 and cpu_kernels.active(w)
 
     @torch.no_grad()
     def prime_many(self, caches: list[TrunkCache], ids: list[torch.Tensor], features: tuple[int, ...] = ()) -> list:
