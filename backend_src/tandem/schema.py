@@ -53,7 +53,11 @@ class ServingConfig:
     ``batch_invariant``: a row's logits bit-identical alone (plain decoding), in a verify block or in
     a batch of sessions: on the CPU the trunk's verify passes take the row-invariant GEMM
     (:mod:`tandem.model.cpu_gemm`), which is faster here than MKL, so it is on by default; off,
-    they take MKL, whose rounding depends on the number of rows.
+    they take MKL, whose rounding depends on the number of rows;
+    ``colocate``: the ``trunk`` model runs the drafters in its own process (sharing the trunk's embedding
+    and LM head, as in-process; :mod:`tandem.engine.colocated`), so a round is one ``trunk``
+    ``draft_verify`` call and no hidden rows cross processes; off, the drafters run in the
+    ``drafter_mtp`` / ``drafter_dflash`` models and a round makes a drafter call and a ``trunk`` call.
 
     Demotion (:mod:`tandem.engine.demotion`): a session's estimated speedup is its moving-average
     acceptance length tau over its arm's verify-round cost in plain decode steps (``round_cost_mtp`` at
@@ -83,6 +87,7 @@ class ServingConfig:
     device: str = "auto"
     prefix_cache_mb: int = 256
     batch_invariant: bool = True
+    colocate: bool = True
     kernels: str = "auto"
     demote_below: float = 1.0
     promote_above: float = 1.15
@@ -252,7 +257,7 @@ TANDEM = ModelSpec(
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
                 "idle_timeout_s", "max_sessions", "prefill_chunk", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
-                "demote_load_slope", "demote_probe_rounds"),
+                "demote_load_slope", "demote_probe_rounds", "colocate"),
     decoupled=True,
 )
 
@@ -265,6 +270,14 @@ _PREFIX_KEYS = TensorSpec("PREFIX_KEYS", "TYPE_INT64", (-1,), optional=True,
 _PREFIX_LENGTHS = TensorSpec("PREFIX_LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=-1,
                              doc="keys per sequence; prime: -1 = no prefix cache for that sequence")
 _NBYTES = TensorSpec("NBYTES", "TYPE_INT64", (-1,), doc="publish: bytes newly stored per sequence")
+_NUM_DRAFTS = TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (-1,), optional=True, lo=0, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per sequence")
+_DRAFTS = TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated")
+_DRAFT_LENGTHS = TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence")
+#: the outputs a ``draft_verify`` answers with (the rows' hidden and features stay in the trunk's process)
+DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS")
+#: ``trunk`` ops with ``colocate`` on: ``<drafter model>.<op>``, a drafter op run by the trunk's process
+HOSTED_OPS = ("drafter_mtp.open", "drafter_mtp.close", "drafter_dflash.open", "drafter_dflash.close",
+              "drafter_dflash.publish", "drafter_dflash.evict")
 
 TRUNK = ModelSpec(
     name="trunk",
@@ -277,17 +290,25 @@ TRUNK = ModelSpec(
         _PREFIX_KEYS, _PREFIX_LENGTHS,
         *(dataclasses.replace(t, dims=(-1,), dtype="TYPE_INT32" if t.name == SAMPLING else t.dtype,
                               doc=f"prime, per sequence: {t.doc}") for t in SAMPLING_INPUTS),
+        dataclasses.replace(_NUM_DRAFTS, doc="draft_verify: drafts per sequence (0: a plain row)"),
+        TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True,
+                   doc="draft_verify and drafter_dflash.open: arm per sequence (" + " | ".join(SPECS) + ")"),
     ),
     outputs=(
         TensorSpec("ARGMAX", "TYPE_INT64", (-1,), doc="each row's target token: the argmax, or with sampling "
                    "the sampled / accept-walk token (see tandem.engine.sampling)"),
-        TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), doc="[rows, hidden_size]"),
+        TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), doc="[rows, hidden_size] ([rows, 0] with colocate: the rows stay "
+                   "in the trunk's process)"),
         TensorSpec("TOP2_GAP", "TYPE_FP32", (-1,), doc="top-1 minus top-2 logit"),
-        TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features"),
+        TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features "
+                   "([rows, 0] with colocate)"),
         _NBYTES,
+        dataclasses.replace(_DRAFTS, doc="draft_verify: the drafts each sequence's rows verified"),
+        _DRAFT_LENGTHS,
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant"),
-    ops=("open", "close", "prime", "verify", "commit", "publish", "evict"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
+                "colocate", "max_num_draft_tokens"),
+    ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify") + HOSTED_OPS,
 )
 
 DRAFTER_MTP = ModelSpec(
@@ -297,13 +318,9 @@ DRAFTER_MTP = ModelSpec(
         TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, hidden_size] trunk hidden to ingest"),
         TensorSpec("NEXT_TOKENS", "TYPE_INT64", (-1,), optional=True, doc="token after each ingested row"),
         _LENGTHS,
-        TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (-1,), optional=True, lo=0, hi=DEFAULTS.max_num_draft_tokens,
-                   doc="drafts per sequence"),
+        _NUM_DRAFTS,
     ),
-    outputs=(
-        TensorSpec("DRAFTS", "TYPE_INT64", (-1,)),
-        TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
-    ),
+    outputs=(_DRAFTS, _DRAFT_LENGTHS),
     parameters=("checkpoint", "dtype", "device", "kernels", "max_num_draft_tokens"),
     ops=("open", "close", "draft"),
 )
@@ -315,16 +332,11 @@ DRAFTER_DFLASH = ModelSpec(
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, n_target * hidden_size] to ingest"),
         _LENGTHS,
         TensorSpec("ANCHORS", "TYPE_INT64", (-1,), optional=True, doc="the anchor token per sequence"),
-        TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (-1,), optional=True, lo=0, hi=DEFAULTS.max_num_draft_tokens,
-                   doc="drafts per sequence (block size - 1 at most)"),
+        dataclasses.replace(_NUM_DRAFTS, doc="drafts per sequence (block size - 1 at most)"),
         TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True, doc="arm per sequence: " + " | ".join(DFLASH_ARMS)),
         _PREFIX_KEYS, _PREFIX_LENGTHS,
     ),
-    outputs=(
-        TensorSpec("DRAFTS", "TYPE_INT64", (-1,)),
-        TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,)),
-        _NBYTES,
-    ),
+    outputs=(_DRAFTS, _DRAFT_LENGTHS, _NBYTES),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "max_num_draft_tokens"),
     ops=("open", "close", "draft", "publish", "evict"),
 )

@@ -32,7 +32,10 @@ class Lifecycle:
     on_stage_dead: Callable[[str, str], None] = staticmethod(lambda model, reason: None)
 
     def stage_name(self, stage) -> str:
-        """A stage's model name (:data:`tandem.schema.MODELS`): the proxy's or stage's ``spec``."""
+        """A stage's model name (:data:`tandem.schema.MODELS`): the model a proxy calls (a hosted
+        drafter's is the ``trunk``), else the proxy's or stage's ``spec``."""
+        if (name := getattr(stage, "model_name", None)) is not None:
+            return name
         spec = getattr(stage, "spec", None)
         return spec.name if spec is not None else (schema.TRUNK.name if stage is self.trunk else type(stage).__name__)
 

@@ -272,7 +272,9 @@ class Scheduler(Lifecycle, Prefill):
 
     def round(self, receipts: dict[int, Receipt]) -> None:
         """One verify round over every active session: one drafter call and one trunk verify, which
-        first commits each session's previous round (the walk's rows kept, see :meth:`settle`)."""
+        first commits each session's previous round (the walk's rows kept, see :meth:`settle`); with
+        a trunk that hosts the drafters (``colocate``), one ``draft_verify`` call doing all three
+        (its time counts as verify)."""
         act = self.active()
         if not act:
             return
@@ -280,13 +282,23 @@ class Scheduler(Lifecycle, Prefill):
         t0 = clock()
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
         spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
-        for stage, group in self._by_drafter(spec):
-            reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
-                    for s in group]
-            for s, d in zip(group, self._draft(stage, group, reqs)):
-                s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
-        t1 = clock()
-        outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
+        if getattr(self.trunk, "hosts_drafters", False):  # colocate: draft + verify in one trunk call
+            plans = {s.sid: (s.arm, s.draft_budget()) for s in spec}
+            t1 = clock()
+            got, outs = self.trunk.draft_verify([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act],
+                                                [plans.get(s.sid) for s in act])
+            for s, d in zip(act, got):
+                drafts[s.sid] = d
+            for s in spec:
+                s.drafter_rows, s.ingest = len(s.committed), None
+        else:
+            for stage, group in self._by_drafter(spec):
+                reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
+                        for s in group]
+                for s, d in zip(group, self._draft(stage, group, reqs)):
+                    s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
+            t1 = clock()
+            outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
         t2 = clock()
         speculated = {s.sid for s in spec}
         for s, out in zip(act, outs):

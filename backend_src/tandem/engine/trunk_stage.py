@@ -237,6 +237,9 @@ class TrunkStage(KeyedStates):
         Raises :class:`~tandem.schema.WireError` naming the field.
         """
         op = schema.get_op(arrays, schema.TRUNK)
+        if op == "draft_verify" or op in schema.HOSTED_OPS:
+            raise WireError(f"OP {op!r}: this trunk does not run the drafters (the trunk model's parameter colocate "
+                            "is false; the tandem model's must be too)")
         sids = schema.get_sids(arrays)
         if op in ("open", "close"):
             getattr(self, op)(sids)
@@ -298,13 +301,14 @@ class TrunkStage(KeyedStates):
 
     def _pack(self, outs: list[VerifyOut], nbytes: list[int] = ()) -> schema.Arrays:
         nb = np.array(list(nbytes), np.int64)
+        none = {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(0, np.int32)}  # draft_verify's (colocate)
         if not outs:
             D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
             return {"ARGMAX": np.zeros(0, np.int64), "HIDDEN": np.zeros((0, D), np.float32),
-                    "TOP2_GAP": np.zeros(0, np.float32), "FEATURES": np.zeros((0, F), np.float32), "NBYTES": nb}
+                    "TOP2_GAP": np.zeros(0, np.float32), "FEATURES": np.zeros((0, F), np.float32), "NBYTES": nb, **none}
         def wire(name: str, dtype) -> np.ndarray:  # the one copy back to the host (bf16 has no numpy dtype)
             t = torch.cat([getattr(o, name) for o in outs])
             return (t if dtype is np.int64 else t.float()).cpu().numpy().astype(dtype, copy=False)
 
         return {"ARGMAX": wire("argmax", np.int64), "HIDDEN": wire("hidden", np.float32),
-                "TOP2_GAP": wire("top2_gap", np.float32), "FEATURES": wire("features", np.float32), "NBYTES": nb}
+                "TOP2_GAP": wire("top2_gap", np.float32), "FEATURES": wire("features", np.float32), "NBYTES": nb, **none}

@@ -21,8 +21,8 @@ from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
 from .telemetry import Telemetry
 from .turns import TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
-from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, LocalTransport, StageError,  # noqa: F401
-                      Transport, TrunkProxy, WatchedTransport)
+from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, HostedTransport, LocalTransport,  # noqa: F401
+                      StageError, Transport, TrunkProxy, WatchedTransport)
 
 #: ``send(outputs, error, final)``: one streamed response (``outputs`` None when ``error`` is set).
 Send = Callable[[Arrays | None, str | None, bool], None]
@@ -50,7 +50,8 @@ class TandemFront:
     :class:`~tandem.serving.proxies.WatchedTransport` under the proxies (None: no stage deadline);
     ``restart(model)`` — called (on a thread of its own) when a stage's process died, to bring it
     back; it returns when the model is loaded again (or raises); ``gauges(values)`` — called with
-    :meth:`gauge_values` whenever they may have changed.
+    :meth:`gauge_values` whenever they may have changed; ``standby`` — proxies of loaded stage models
+    no round calls (the drafter models while the trunk hosts the drafters, ``colocate``).
 
     Emits happen on the worker thread (the watchdog's while the worker waits on a stage call past
     ``config.stage_timeout_s``); an exception inside a burst fails only the turns in flight, with
@@ -62,8 +63,11 @@ class TandemFront:
                  poll_s: float = 0.005, watch: WatchedTransport | None = None,
                  restart: Callable[[str], None] | None = None,
                  gauges: Callable[[dict[str, float]], None] | None = None,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, standby: tuple = ()) -> None:
         self.log = log or (lambda msg: None)
+        #: proxies of loaded stage models no round calls (the drafter models while the trunk hosts the
+        #: drafters): probed while idle and restarted when dead, like the others
+        self.standby = tuple(standby)
         self.info = info or (lambda msg: None)
         self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids, decode=decode)
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
@@ -215,7 +219,7 @@ class TandemFront:
     def _probe(self) -> None:
         """While no turn runs: find stages whose process died (and restart them) before a turn needs them."""
         sched = self.sched
-        for stage in dict.fromkeys([sched.trunk, *sched.drafters.values()]):
+        for stage in dict.fromkeys([sched.trunk, *sched.drafters.values(), *self.standby]):
             if hasattr(stage, "probe") and sched.stage_name(stage) not in sched.unavailable:
                 try:
                     stage.probe()

@@ -153,6 +153,8 @@ def _rows_of(items: list[DraftRequest], field: str) -> np.ndarray:
 class _Proxy:
     def __init__(self, transport: Transport, spec: schema.ModelSpec, on_error: Callable[[str], None] | None) -> None:
         self.t, self.spec, self.on_error = transport, spec, on_error
+        #: the model this proxy's calls reach (a drafter hosted by the trunk: ``trunk``)
+        self.model_name = getattr(transport, "model_name", None) or spec.name
 
     def _drafts(self, items: list[DraftRequest], arrays) -> list[list[int]]:
         """One ``draft`` call: ``arrays(items)`` packs the model-specific inputs; SIDS and
@@ -199,14 +201,58 @@ class _PrefixStoreProxy(_Proxy):
             self.t(self.spec, "evict", {"SIDS": np.zeros(0, np.int64), **schema.prefixes_to_wire([list(keys)])})
 
 
+class HostedTransport:
+    """A drafter model's ops sent to the ``trunk`` model that hosts its stage (``colocate``): op
+    ``open`` of ``drafter_dflash`` goes out as ``drafter_dflash.open`` (:data:`tandem.schema.HOSTED_OPS`),
+    answered with the drafter's outputs. Errors name the ``trunk`` (its process runs the drafter)."""
+
+    model_name = schema.TRUNK.name
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.stats = getattr(inner, "stats", None)
+
+    def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
+        return self.inner(dataclasses.replace(model, name=schema.TRUNK.name), f"{model.name}.{op}", arrays)
+
+
 class TrunkProxy(_PrefixStoreProxy):
     """:class:`~tandem.engine.protocols.TrunkAPI` over a transport (``vocab_size`` lets the
-    scheduler reject out-of-vocabulary prompts before any call). Raises :class:`StageError`."""
+    scheduler reject out-of-vocabulary prompts before any call); ``hosted``: the trunk model runs
+    the drafters (``colocate``) and the scheduler calls :meth:`draft_verify`. Raises :class:`StageError`."""
 
     def __init__(self, transport: Transport, vocab_size: int | None = None,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None, hosted: bool = False) -> None:
         super().__init__(transport, schema.TRUNK, on_error)
         self.vocab_size = vocab_size
+        self.hosts_drafters = hosted
+
+    def draft_verify(self, items: list[Rows], plans: list[tuple[str, int] | None]) -> tuple[list[list[int]], list[VerifyOut]]:
+        """One ``draft_verify`` call (see :meth:`tandem.engine.colocated.StageHost.draft_verify`): each
+        item's anchor and commit, each plan's ``(arm, drafts)`` or None. Returns the drafts and the
+        verify outputs per sequence."""
+        if not items:
+            return [], []
+        arrays = {"SIDS": schema.sids_to_wire([it.sid for it in items]),
+                  "TOKENS": np.array([it.tokens[0] for it in items], np.int64),
+                  schema.NUM_DRAFT_TOKENS: np.array([p[1] if p else 0 for p in plans], np.int32),
+                  schema.SPEC: np.array([(p[0] if p else schema.OFF).encode() for p in plans], dtype=np.object_)}
+        if any(it.commit for it in items):
+            arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
+        out = self.t(self._draft_verify_spec, "draft_verify", arrays)
+        drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
+        lens = [1 + len(d) for d in drafts]
+        none = torch.zeros(sum(lens), 0)  # the rows' hidden and features stayed in the trunk's process
+        return drafts, self._outs({**out, "HIDDEN": none, "FEATURES": none}, lens)
+
+    #: draft_verify asks for its four outputs only
+    _draft_verify_spec = dataclasses.replace(schema.TRUNK, outputs=tuple(
+        o for o in schema.TRUNK.outputs if o.name in schema.DRAFT_VERIFY_OUTPUTS))
+
+    def _outs(self, out: Arrays, lens: list[int]) -> list[VerifyOut]:
+        cols = [schema.split_rows(torch.as_tensor(np.ascontiguousarray(out[n])), lens)
+                for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]
+        return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
 
     def _rows(self, op: str, items: list[Rows]) -> list[VerifyOut]:
         if not items:
@@ -221,10 +267,7 @@ class TrunkProxy(_PrefixStoreProxy):
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
         if op == "prime":
             arrays.update(sampling.to_wire([it.sampling for it in items]))
-        out = self.t(self.spec, op, arrays)
-        cols = [schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens)
-                for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]
-        return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
+        return self._outs(self.t(self.spec, op, arrays), lens)
 
     def prime(self, items: list[Rows]) -> list[VerifyOut]:
         return self._rows("prime", items)

@@ -30,15 +30,17 @@ class TritonPythonModel:
         log = pb_utils.Logger.log_error
         self.bls = front.BLSTransport(pb_utils)
         transport = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
-        drafters = {schema.MTP: front.DrafterProxy(transport, on_error=log)}
-        dflash = front.DFlashProxy(transport, on_error=log)
+        to_drafters = front.HostedTransport(transport) if cfg.colocate else transport  # colocate: the trunk runs them
+        drafters = {schema.MTP: front.DrafterProxy(to_drafters, on_error=log)}
+        dflash = front.DFlashProxy(to_drafters, on_error=log)
         drafters.update({arm: dflash for arm in dflash_arms(ckpt, backend.drafter_dirs(cfg, args["model_repository"], ckpt))})
         gauges = backend.Gauges(pb_utils, "tandem", front.GAUGES)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
-        self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log), drafters,
+        self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log, hosted=cfg.colocate), drafters,
                                        tok.stop_ids, cfg, log=log, decode=tok.decode,
                                        info=pb_utils.Logger.log_info, watch=transport,
-                                       restart=lambda m: backend.reload_model(pb_utils, m), gauges=gauges.set)
+                                       restart=lambda m: backend.reload_model(pb_utils, m), gauges=gauges.set,
+                                       standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else ())
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
 

@@ -6,8 +6,9 @@ import triton_python_backend_utils as pb_utils
 
 from tandem import schema
 from tandem.model.warm import compile_kernels
+from tandem.engine.colocated import StageHost
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model.checkpoint import dflash_feature_layers, load_trunk
+from tandem.model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
 from tandem.model.device import placement
 from tandem.serving import backend
 
@@ -21,12 +22,17 @@ class TritonPythonModel:
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
-        features = dflash_feature_layers(ckpt, backend.drafter_dirs(cfg, args["model_repository"], ckpt))
+        dirs = backend.drafter_dirs(cfg, args["model_repository"], ckpt)
+        features = dflash_feature_layers(ckpt, dirs)
         dev, dt = placement(cfg)
         self.stage = TrunkStage(load_trunk(ckpt, dt, device=dev), feature_layers=features,
                                 batch_invariant=cfg.batch_invariant)
+        if cfg.colocate:  # the drafters run here, on the trunk's embedding and LM head: one call a round
+            self.stage = StageHost.build(self.stage, {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in dflash_arms(ckpt, dirs)},
+                                         cfg.max_num_draft_tokens)
         pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}), "
-                                 f"DFlash features from layers {list(features)}")
+                                 f"DFlash features from layers {list(features)}, drafters hosted: "
+                                 f"{sorted(getattr(self.stage, 'drafters', {})) if cfg.colocate else 'none (colocate off)'}")
 
     def execute(self, requests):
         return backend.stage_execute(pb_utils, schema.TRUNK, self.stage, requests, self.gauges)

@@ -1,0 +1,329 @@
+"""The co-located stage host (``colocate``, on by default): the trunk stage and the drafter stages in
+one process, so that a verify round is one call (:meth:`StageHost.draft_verify`: commit, draft,
+verify) and no hidden row crosses a process boundary.
+
+Served with separate drafter models, a round makes two BLS calls (drafter, then trunk), the trunk's
+``HIDDEN`` / ``FEATURES`` rows travel to the ``tandem`` process and back out to the drafter, and the
+drafter's process keeps a second copy of the embedding and LM head that competes with the trunk's
+for the shared cache. Here the drafters share the trunk's weights exactly as in-process
+(:class:`~tandem.engine.inprocess.Engine`), and the rows a drafter has not ingested yet wait in this
+process: :class:`StageHost` keeps, per sequence with an open drafter, the trunk outputs of its
+committed rows since its last draft (the rows the scheduler's ``SpecSession.ingest`` names), and hands
+them to the drafter with the next ``draft_verify``. The scheduler still decides every round (which
+sessions draft, how many tokens, the accept walk); the wire carries only tokens.
+
+:meth:`StageHost.handle` is the ``trunk`` model's wire form with ``colocate`` on
+(:data:`tandem.schema.TRUNK`): the trunk's ops, ``draft_verify``, and the hosted drafter ops
+``drafter_mtp.open`` / ``.close`` and ``drafter_dflash.open`` / ``.close`` / ``.publish`` / ``.evict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from .. import schema
+from ..schema import WireError
+from .drafter_stage import DrafterStage
+from .protocols import Commit, DraftRequest, Rows, VerifyOut
+from .trunk_stage import TrunkStage
+
+
+@dataclasses.dataclass
+class _Ingest:
+    """Committed rows of one sequence that its drafter has not ingested: per piece the trunk output
+    rows (``VerifyOut`` over ``n`` rows) and the ``n`` tokens at those rows."""
+
+    outs: list[VerifyOut] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+    def add(self, out: VerifyOut, tokens: list[int]) -> None:
+        assert out.argmax.shape[0] == len(tokens), (out.argmax.shape, len(tokens))
+        self.outs.append(out)
+        self.tokens.extend(tokens)
+
+
+class StageHost:
+    """Implements :class:`~tandem.engine.protocols.TrunkAPI` plus :meth:`draft_verify` over a
+    :class:`~tandem.engine.trunk_stage.TrunkStage` and the drafter stages that share its weights.
+
+    Args: ``trunk``; ``drafters`` — arm -> drafter stage (:class:`~tandem.engine.mtp_stage.MTPStage`
+    for ``mtp``, one :class:`~tandem.engine.dflash_stage.DFlashStage` for the DFlash arms); the
+    hosted drafter ops name a stage by its model (``drafter_mtp``, ``drafter_dflash``).
+    Raises :class:`~tandem.engine.protocols.UnknownSequence` for sequences it does not hold.
+    """
+
+    spec = schema.TRUNK
+    #: the scheduler makes one :meth:`draft_verify` call a round instead of a drafter call + verify
+    hosts_drafters = True
+
+    def __init__(self, trunk: TrunkStage, drafters: dict[str, DrafterStage]) -> None:
+        self.trunk, self.drafters = trunk, dict(drafters)
+        self.vocab_size = trunk.vocab_size
+        #: drafter stages by model name (the prefix of a hosted op)
+        self.by_model: dict[str, DrafterStage] = {st.spec.name: st for st in self.drafters.values()}
+        #: per sequence whose drafter state is open: the committed rows it has not ingested
+        self.ingest: dict[int, _Ingest] = {}
+        #: per sequence, its pending verify's outputs and tokens (kept until the commit says how many rows stay)
+        self.pending: dict[int, tuple[VerifyOut, list[int]]] = {}
+
+    @classmethod
+    def build(cls, trunk: TrunkStage, dflash: dict | None = None,
+              max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> "StageHost":
+        """The host of ``trunk`` with the drafters an in-process :class:`~tandem.engine.inprocess.Engine`
+        would build: the trunk's MTP layer (when the checkpoint has one) and ``dflash`` (arm ->
+        :class:`~tandem.model.dflash.DFlashDrafter`) sharing the trunk's embedding and LM head."""
+        from .dflash_stage import DFlashStage
+        from .mtp_stage import MTPStage
+
+        model, drafters = trunk.model, {}
+        if model.mtp is not None:
+            drafters[schema.MTP] = MTPStage(model, max_num_draft_tokens)
+        if dflash:
+            stage = DFlashStage(dict(dflash), model.embed_tokens, model.lm_head, max_num_draft_tokens)
+            drafters.update({arm: stage for arm in dflash})
+        return cls(trunk, drafters)
+
+    # -- the trunk's API, keeping the drafters' rows --------------------------------------------------
+    @property
+    def states(self) -> dict:
+        """The trunk's caches by sequence id (the ``stage_sequences`` gauge counts them)."""
+        return self.trunk.states
+
+    @property
+    def caches(self) -> dict:
+        return self.trunk.caches
+
+    def open(self, sids: list[int]) -> None:
+        self.trunk.open(sids)
+        for s in sids:
+            self.ingest.pop(s, None)
+            self.pending.pop(s, None)
+
+    def close(self, sids: list[int]) -> None:
+        self.trunk.close(sids)
+        for s in sids:
+            self.ingest.pop(s, None)
+            self.pending.pop(s, None)
+
+    def _committed(self, items) -> None:
+        """Rows of each sequence's pending verify that a commit keeps join its drafter's rows."""
+        for it in items:
+            n = it.commit if isinstance(it, Rows) else it.n_rows
+            pend = self.pending.pop(it.sid, None) if n else None
+            if pend is not None and it.sid in self.ingest:
+                self.ingest[it.sid].add(pend[0].rows(n), pend[1][:n])
+
+    def prime(self, items: list[Rows]) -> list[VerifyOut]:
+        self._committed(items)
+        outs = self.trunk.prime(items)
+        for it, out in zip(items, outs):
+            if it.sid in self.ingest:
+                self.ingest[it.sid].add(out, it.tokens)
+        return outs
+
+    def verify(self, items: list[Rows]) -> list[VerifyOut]:
+        self._committed(items)
+        outs = self.trunk.verify(items)
+        for it, out in zip(items, outs):
+            self.pending[it.sid] = (out, it.tokens)
+        return outs
+
+    def commit(self, items: list[Commit]) -> None:
+        self._committed(items)
+        self.trunk.commit(items)
+
+    def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
+        return self.trunk.publish(items)
+
+    def evict(self, keys: list[int]) -> None:
+        self.trunk.evict(keys)
+
+    # -- hosted drafter state ---------------------------------------------------------------------
+    def drafter_open(self, model: str, sids: list[int], prefixes=None) -> None:
+        """Open drafter state for ``sids`` in the stage of ``model`` (``prefixes``: DFlash warm starts,
+        see :meth:`~tandem.engine.dflash_stage.DFlashStage.open`); their committed rows are kept for it
+        from now on. Raises ``KeyError`` for a model not hosted here."""
+        stage = self.by_model[model]
+        if prefixes is not None:
+            stage.open(sids, prefixes)
+        else:
+            stage.open(sids)
+        for s in sids:
+            self.ingest[s] = _Ingest()
+
+    def drafter_close(self, model: str, sids: list[int]) -> None:
+        """Drop the drafter state of ``sids`` (a degraded session decodes plain: no rows are kept)."""
+        if model in self.by_model:
+            self.by_model[model].close(sids)
+        for s in sids:
+            self.ingest.pop(s, None)
+
+    # -- the round ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def draft_verify(self, items: list[Rows], plans: list[tuple[str, int] | None]) -> tuple[list[list[int]], list[VerifyOut]]:
+        """One verify round in one call. ``items[j]``: sequence ``j``'s anchor (``tokens == [anchor]``)
+        and the rows of its pending verify to commit first (``commit``); ``plans[j]``: ``(arm, k)`` —
+        ingest its committed rows in the arm's drafter and draft ``k`` tokens (``k`` may be 0) — or
+        None (a plain row). Returns the drafts per sequence and the verify output over
+        ``[anchor, *drafts]`` per sequence (pending until the next call's ``commit``).
+
+        Raises :class:`~tandem.engine.protocols.UnknownSequence`, ``ValueError`` for an arm not hosted,
+        a sequence without drafter state, or rows that do not line up with the drafter's (an invariant)."""
+        assert len(items) == len(plans)
+        assert all(len(it.tokens) == 1 for it in items), "draft_verify takes the anchor row only"
+        for it in items:
+            self.trunk.cache(it.sid)
+        self._committed(items)
+        self.trunk.commit([Commit(it.sid, it.commit) for it in items if it.commit])
+        groups: dict[int, tuple[DrafterStage, list[int]]] = {}
+        for j, (it, plan) in enumerate(zip(items, plans)):
+            if plan is None:
+                continue
+            if plan[0] not in self.drafters:
+                raise ValueError(f"{schema.SPEC}: {plan[0]!r} is not hosted here (loaded: {sorted(self.drafters)})")
+            if it.sid not in self.ingest:
+                raise ValueError(f"sequence {it.sid} has no drafter state (open it first)")
+            stage = self.drafters[plan[0]]
+            groups.setdefault(id(stage), (stage, []))[1].append(j)
+        drafts: list[list[int]] = [[] for _ in items]
+        for stage, idx in groups.values():
+            reqs = [self._request(items[j], *plans[j]) for j in idx]
+            for j, d in zip(idx, stage.draft(reqs)):
+                drafts[j] = d
+        rows = [Rows(it.sid, it.tokens + d) for it, d in zip(items, drafts)]
+        for r in rows:
+            c = self.trunk.cache(r.sid)
+            if c.pos + len(r.tokens) > c.max_ctx:
+                raise ValueError(f"context full for sequence {r.sid}: {c.pos} + {len(r.tokens)} rows > max_ctx {c.max_ctx}")
+        return drafts, self.verify(rows)
+
+    def _request(self, it: Rows, arm: str, k: int) -> DraftRequest:
+        """The drafter request of a sequence: its kept rows (cleared), each followed by the next kept
+        row's token and the last by the anchor."""
+        ing = self.ingest[it.sid]
+        self.ingest[it.sid] = _Ingest()
+        if not ing.outs:
+            raise ValueError(f"sequence {it.sid}: no committed rows for its drafter (each round commits at least one)")
+        out = ing.outs[0] if len(ing.outs) == 1 else VerifyOut(*(torch.cat([getattr(o, f.name) for o in ing.outs])
+                                                                   for f in dataclasses.fields(VerifyOut)))
+        covered = getattr(self.drafters[arm], "covered_rows", None)
+        if covered is not None and self.trunk.cache(it.sid).pos != covered(it.sid) + len(ing.tokens):
+            raise ValueError(f"sequence {it.sid}: the drafter covers {covered(it.sid)} rows + {len(ing.tokens)} kept, "
+                             f"the trunk holds {self.trunk.cache(it.sid).pos}")
+        return DraftRequest(it.sid, out.hidden, ing.tokens[1:] + [it.tokens[0]], k, out.features, arm)
+
+    # -- wire form ----------------------------------------------------------------------------------
+    def handle(self, arrays: schema.Arrays) -> schema.Arrays:
+        """One packed request of the ``trunk`` model (:data:`tandem.schema.TRUNK`) with ``colocate`` on.
+        Outputs as :meth:`TrunkStage.handle`, but ``HIDDEN`` / ``FEATURES`` are ``[rows, 0]`` (the rows
+        stay here), and ``DRAFTS`` / ``DRAFT_LENGTHS`` (a hosted drafter op: the drafter's);
+        ``draft_verify`` answers :data:`tandem.schema.DRAFT_VERIFY_OUTPUTS` only. Raises :class:`~tandem.schema.WireError` naming the field."""
+        op = schema.get_op(arrays, schema.TRUNK)
+        if "." in op:
+            return self._hosted(op, arrays)
+        if op in ("open", "close"):  # the trunk's caches and this host's rows together
+            getattr(self, op)(schema.get_sids(arrays))
+            return self._empty()
+        if op != "draft_verify":
+            out = self.trunk.handle(arrays)
+            if op in ("prime", "verify", "commit"):  # the trunk checked everything; now keep the drafters' rows
+                self._after_wire(op, arrays, out)
+            return self._slim(out)
+        sids = schema.get_sids(arrays)
+        for s in sids:
+            if s not in self.trunk.caches:
+                raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
+        n_rows = self.trunk._n_rows(arrays, sids, required=False)
+        toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))  # LENGTHS: 1 each (not read)
+        if toks.size != len(sids):
+            raise WireError(f"TOKENS: draft_verify takes one anchor per sequence ({len(sids)}), got {toks.size}")
+        schema.check_tokens("TOKENS", toks, self.vocab_size)
+        k_spec = schema.TRUNK.input(schema.NUM_DRAFT_TOKENS)
+        ks = [int(x) for x in schema.get_vector(arrays, k_spec)]
+        arms = [a.decode() if isinstance(a, bytes) else str(a) for a in np.asarray(arrays.get(schema.SPEC, [])).reshape(-1)]
+        if len(ks) != len(sids) or len(arms) != len(sids):
+            raise WireError(f"{schema.NUM_DRAFT_TOKENS} and {schema.SPEC} need one entry per SIDS ({len(sids)}), "
+                            f"got {len(ks)} and {len(arms)}")
+        plans: list[tuple[str, int] | None] = []
+        for s, k, arm, n in zip(sids, ks, arms, n_rows):
+            schema.check_range(k_spec, k)
+            if arm not in schema.SPECS:
+                raise WireError(f"{schema.SPEC} must be one of {schema.SPECS}, got {arm!r}")
+            c = self.trunk.caches[s]
+            if c.pending is not None and not n:
+                raise WireError(f"OP: draft_verify for sequence {s} while a verify is pending (N_ROWS)")
+            if c.pos + (n or 0) + 1 + k > c.max_ctx:
+                raise WireError(f"TOKENS: context full for sequence {s}: {c.pos + n} + {1 + k} rows > max_ctx {c.max_ctx}")
+            if arm == schema.OFF:
+                plans.append(None)
+                continue
+            if arm not in self.drafters:
+                raise WireError(f"{schema.SPEC}: {arm!r} is not hosted here (loaded: {sorted(self.drafters)})")
+            if s not in self.ingest:
+                raise WireError(f"SIDS: sequence {s} has no {arm} drafter state (drafter open first)")
+            if not self.ingest[s].outs and not n:
+                raise WireError(f"SIDS: sequence {s} has no committed rows its {arm} drafter has not seen "
+                                "(open the drafter before the prime)")
+            plans.append((arm, k))
+        items = [Rows(s, [int(t)], commit=n) for s, t, n in zip(sids, toks.tolist(), n_rows)]
+        drafts, outs = self.draft_verify(items, plans)
+        return {"ARGMAX": torch.cat([o.argmax for o in outs]).cpu().numpy().astype(np.int64, copy=False),
+                "TOP2_GAP": torch.cat([o.top2_gap for o in outs]).float().cpu().numpy(),
+                "DRAFTS": np.array([t for d in drafts for t in d], np.int64),
+                "DRAFT_LENGTHS": np.array([len(d) for d in drafts], np.int32)}
+
+    def _after_wire(self, op: str, arrays: schema.Arrays, out: schema.Arrays) -> None:
+        """After the trunk ran a wire ``prime`` / ``verify`` / ``commit``: the same bookkeeping as the
+        in-process methods (commits, prime rows, pending verify), from the arrays."""
+        sids = schema.get_sids(arrays)  # the trunk validated the arrays already
+        kept = ([int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
+                if "N_ROWS" in arrays else [0] * len(sids))
+        self._committed([Commit(s, n) for s, n in zip(sids, kept)])
+        if op == "commit":
+            return
+        toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS")).tolist()
+        lengths = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("LENGTHS"))]
+        offs = np.cumsum([0] + lengths).tolist()
+        rows = {"argmax": torch.from_numpy(out["ARGMAX"]), "hidden": torch.from_numpy(out["HIDDEN"]),
+                "top2_gap": torch.from_numpy(out["TOP2_GAP"]), "features": torch.from_numpy(out["FEATURES"])}
+        for j, s in enumerate(sids):
+            a, b = offs[j], offs[j + 1]
+            o, t = VerifyOut(*(rows[f.name][a:b] for f in dataclasses.fields(VerifyOut))), toks[a:b]
+            if op == "verify":
+                self.pending[s] = (o, t)
+            elif s in self.ingest:
+                self.ingest[s].add(o, t)
+
+    def _slim(self, out: schema.Arrays) -> schema.Arrays:
+        """The trunk's outputs with the rows' hidden and features left here (``[rows, 0]``) and no drafts."""
+        R = out["ARGMAX"].shape[0]
+        return {**out, "HIDDEN": np.zeros((R, 0), np.float32), "FEATURES": np.zeros((R, 0), np.float32),
+                "DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(0, np.int32)}
+
+    def _hosted(self, op: str, arrays: schema.Arrays) -> schema.Arrays:
+        """A drafter model's op (``drafter_dflash.open``) on the stage hosted here."""
+        model, inner = op.split(".", 1)
+        stage = self.by_model.get(model)
+        if stage is None:
+            if inner == "close":  # nothing to close
+                return self._empty()
+            raise WireError(f"OP {op!r}: this trunk hosts no {model} (loaded: {sorted(self.by_model) or 'none'})")
+        out = stage.handle({**arrays, "OP": schema.string_array(inner)})
+        sids = schema.get_sids(arrays)
+        if inner == "open":
+            for s in sids:
+                self.ingest[s] = _Ingest()
+        elif inner == "close":
+            for s in sids:
+                self.ingest.pop(s, None)
+        return {**self._empty(), **out}
+
+    def _empty(self) -> schema.Arrays:
+        return {**self._slim(self.trunk._pack([])), "NBYTES": np.zeros(0, np.int64)}
+
+    def cache(self, sid: int):
+        """The trunk cache of ``sid``. Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
+        return self.trunk.cache(sid)

@@ -1,0 +1,158 @@
+"""The co-located stage host (``colocate``, the serving default): the drafters run in the trunk's
+process and a round is one ``trunk.draft_verify`` call. Over the wire form (the ``trunk`` model's
+``handle``, as served), every arm gives the in-process engine's tokens and acceptance, one call a
+round, no hidden row on the wire, nothing kept after a session closes; bad requests name the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem import schema
+from tandem.engine.colocated import StageHost
+from tandem.engine.inprocess import Engine
+from tandem.engine.protocols import Rows
+from tandem.engine.sampling import SamplingParams
+from tandem.engine.scheduler import Scheduler, Turn
+from tandem.engine.trunk_stage import TrunkStage
+from tandem.serving import front as fr
+
+from test_dflash import _Tok, tiny  # noqa: F401 - the tiny trunk + drafters fixture
+from test_prefix import _ids, _run
+
+C = schema.PREFIX_BLOCK
+
+
+class _Spy:
+    """A transport that records every call's model, op and arrays (in and out)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __call__(self, model, op, arrays):
+        out = self.inner(model, op, arrays)
+        self.calls.append((model.name, op, arrays, out))
+        return out
+
+
+def hosted(eng: Engine, **config):
+    """A scheduler over the served wiring with ``colocate`` on: the trunk model's wire form (a
+    :class:`StageHost` over ``eng``'s trunk and drafters, shared weights) behind a spying transport.
+    Returns (scheduler, host, spy)."""
+    dflash = {a: st.drafters[a] for a, st in eng.drafters.items() if a in schema.DFLASH_ARMS}
+    host = StageHost.build(TrunkStage(eng.model, eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant),
+                           dflash, eng.config.max_num_draft_tokens)
+    spy = _Spy(fr.LocalTransport({"trunk": host}))
+    to_drafters = fr.HostedTransport(spy)
+    dfl = fr.DFlashProxy(to_drafters)
+    drafters = {schema.MTP: fr.DrafterProxy(to_drafters), **{a: dfl for a in dflash}}
+    cfg = eng.config if not config else type(eng.config)(**{**eng.config.__dict__, **config})
+    sched = Scheduler(fr.TrunkProxy(spy, eng.model.cfg.vocab_size, hosted=True), drafters, cfg,
+                      stop_ids=eng.tokenizer.stop_ids)
+    return sched, host, spy
+
+
+@pytest.fixture(scope="module")
+def shipped(checkpoint):
+    return Engine(checkpoint)
+
+
+@pytest.mark.parametrize("arm", schema.SPECS)
+def test_every_arm_equals_the_engine_one_call_a_round(shipped, tokenizer, sharegpt_prompts, arm):
+    """Greedy, shipped checkpoint: tokens, rounds and accepted drafts equal the in-process engine's
+    (drafter and trunk calls apart), the output equals plain decoding, each round is one trunk call,
+    and no hidden or feature row crosses the wire either way."""
+    sched, host, spy = hosted(shipped)
+    for sid, text in enumerate(sharegpt_prompts[:2], 1):
+        ids = tokenizer.chat_prompt(text)
+        ref, plain = shipped.generate(ids, 48, spec=arm), shipped.generate(ids, 48, spec="off")
+        spy.calls.clear()
+        out, receipts = _run(sched, sid, ids, 48, arm)
+        assert out == ref["token_ids"] == plain["token_ids"]
+        assert sum(r.rounds for r in receipts) == ref["rounds"] and sum(r.accepted for r in receipts) == ref["accepted"]
+        if arm != schema.OFF:
+            assert ref["accepted"] > 0  # the drafts were real
+        ops = [op for _, op, _, _ in spy.calls]
+        assert ops.count("draft_verify") == ref["rounds"] and "verify" not in ops and "draft" not in ops
+        assert all(m == "trunk" for m, _, _, _ in spy.calls)
+        for _, op, args, res in spy.calls:
+            assert "FEATURES" not in args and "HIDDEN" not in args
+            assert res.get("HIDDEN", np.zeros((0, 0))).shape[-1] == 0 and res.get("FEATURES", np.zeros((0, 0))).shape[-1] == 0
+    assert not host.ingest and not host.pending and not host.trunk.caches  # closed with the sessions
+    assert all(not st.states for st in host.by_model.values())
+
+
+def test_sampled_rejection_and_multi_turn_equal_the_engine(shipped, tokenizer, sharegpt_prompts):
+    """A seeded rejection-sampled MTP turn, then a second turn of the same session: the same tokens
+    as the engine's (the session-owned Philox counters), with the previous turn's last commit riding
+    on the next prime."""
+    sched, host, _ = hosted(shipped)
+    ids = tokenizer.chat_prompt(sharegpt_prompts[2])
+    p = SamplingParams.create(0.8, 0, 1.0, 11, schema.REJECTION)
+    runs = []
+    for s in (sched, shipped.sched):
+        got = []
+        s.admit([Turn(7, list(ids), 24, lambda r, e, f: got.append((r, e)), spec="mtp", sampling=p, end=False)])
+        while 7 in s.turns:
+            s.burst()
+        more = tokenizer.chat_prompt("And then?", later=True)
+        s.admit([Turn(7, more, 16, lambda r, e, f: got.append((r, e)), spec="mtp", start=False)])
+        while 7 in s.turns:
+            s.burst()
+        assert all(e is None for _, e in got), got
+        runs.append([t for r, _ in got for t in r.tokens])
+    assert runs[0] == runs[1] and len(runs[0]) == 40
+    assert not host.ingest and not host.trunk.caches
+
+
+def test_prefix_cache_warm_equals_cold_hosted(tiny):  # noqa: F811
+    """The prefix cache with the drafter tails in the trunk's process: a warm start skips the
+    published blocks (trunk state and drafter tail) and gives the cold run's tokens."""
+    trunk, drafters = tiny
+    eng = Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, demote_probe_rounds=0, burst_rounds=2)
+    sched, host, spy = hosted(eng)
+    ids = _ids(C + 50, 31)
+    cold, _ = _run(sched, 1, ids, 30, "dflash")
+    spy.calls.clear()
+    warm, _ = _run(sched, 2, ids, 30, "dflash")
+    ref, _ = _run(eng.sched, 3, ids, 30, "dflash")
+    assert cold == warm == ref and sched.prefix.stats["hits"] == 1
+    assert set(host.trunk.blocks) == set(sched.prefix.entries) == {k for _, k in host.drafters["dflash"].tails}
+    prime = next(a for _, op, a, _ in spy.calls if op == "prime")
+    assert len(prime["TOKENS"]) == len(ids) - C  # the first block was restored, not primed
+
+
+def test_bad_requests_name_the_field(tiny):  # noqa: F811
+    trunk, drafters = tiny
+    host = StageHost.build(TrunkStage(trunk, 256, (1, 3)), drafters)
+    tr = fr.LocalTransport({"trunk": host})
+    proxy = fr.TrunkProxy(tr, 512, hosted=True)
+    proxy.open([1, 2])
+    dfl = fr.DFlashProxy(fr.HostedTransport(tr))
+    dfl.open([1])
+    proxy.prime([Rows(1, [5, 6, 7]), Rows(2, [8, 9])])
+    with pytest.raises(fr.StageError, match="SIDS: sequence 2 has no dflash drafter state"):
+        proxy.draft_verify([Rows(2, [4])], [("dflash", 3)])
+    dfl.open([2])
+    with pytest.raises(fr.StageError, match="SIDS: sequence 2 has no committed rows its dflash drafter has not seen"):
+        proxy.draft_verify([Rows(2, [4])], [("dflash", 3)])
+    with pytest.raises(fr.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
+        proxy.draft_verify([Rows(1, [4])], [("dflash", 9)])
+    with pytest.raises(fr.StageError, match="SIDS: unknown sequence id 3"):
+        proxy.draft_verify([Rows(3, [4])], [None])
+    with pytest.raises(fr.StageError, match="SPEC must be one of"):
+        proxy.draft_verify([Rows(1, [4])], [("medusa", 2)])
+    drafts, outs = proxy.draft_verify([Rows(1, [4]), Rows(2, [4])], [("dflash", 3), None])
+    assert [len(d) for d in drafts] == [3, 0] and [len(o.argmax) for o in outs] == [4, 1]
+    with pytest.raises(fr.StageError, match="OP: draft_verify for sequence 1 while a verify is pending"):
+        proxy.draft_verify([Rows(1, [4])], [None])
+    proxy.close([1, 2])
+    assert not host.ingest and not host.pending
+    bare = fr.LocalTransport({"trunk": StageHost(TrunkStage(trunk, 256), {})})
+    with pytest.raises(fr.StageError, match="OP 'drafter_dflash.open': this trunk hosts no drafter_dflash"):
+        fr.DFlashProxy(fr.HostedTransport(bare)).open([1])
+    plain = fr.TrunkProxy(fr.LocalTransport({"trunk": TrunkStage(trunk, 256)}), 512, hosted=True)
+    plain.open([1])
+    plain.prime([Rows(1, [5, 6])])
+    with pytest.raises(fr.StageError, match="this trunk does not run the drafters .* colocate is false"):
+        plain.draft_verify([Rows(1, [4])], [None])
