@@ -11,7 +11,7 @@ import pytest
 from tandem import schema
 from tandem.engine.colocated import StageHost
 from tandem.engine.inprocess import Engine
-from tandem.engine.protocols import Rows
+from tandem.engine.protocols import RoundsPlan, Rows
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.trunk_stage import TrunkStage
@@ -54,14 +54,15 @@ def hosted(eng: Engine, **config):
 
 @pytest.fixture(scope="module")
 def shipped(checkpoint):
+    """The shipped checkpoint, the serving defaults (the demotion policy on)."""
     return Engine(checkpoint)
 
 
 @pytest.mark.parametrize("arm", schema.SPECS)
 def test_every_arm_equals_the_engine_one_call_a_round(shipped, tokenizer, sharegpt_prompts, arm):
     """Greedy, shipped checkpoint: tokens, rounds and accepted drafts equal the in-process engine's
-    (drafter and trunk calls apart), the output equals plain decoding, each round is one trunk call,
-    and no hidden or feature row crosses the wire either way."""
+    (drafter and trunk calls apart), the output equals plain decoding, a burst's rounds are one trunk
+    call, and no hidden or feature row crosses the wire either way."""
     sched, host, spy = hosted(shipped)
     for sid, text in enumerate(sharegpt_prompts[:2], 1):
         ids = tokenizer.chat_prompt(text)
@@ -73,7 +74,10 @@ def test_every_arm_equals_the_engine_one_call_a_round(shipped, tokenizer, shareg
         if arm != schema.OFF:
             assert ref["accepted"] > 0  # the drafts were real
         ops = [op for _, op, _, _ in spy.calls]
-        assert ops.count("draft_verify") == ref["rounds"] and "verify" not in ops and "draft" not in ops
+        rounds_per_call = [int(res["ROUNDS_RUN"][0]) for _, op, _, res in spy.calls if op == "draft_verify"]
+        assert sum(rounds_per_call) == ref["rounds"] and "verify" not in ops and "draft" not in ops
+        # a burst's rounds in one call (fewer where the demotion policy could change the plan)
+        assert max(rounds_per_call) == sched.config.burst_rounds and len(rounds_per_call) < ref["rounds"]
         assert all(m == "trunk" for m, _, _, _ in spy.calls)
         for _, op, args, res in spy.calls:
             assert "FEATURES" not in args and "HIDDEN" not in args
@@ -122,6 +126,10 @@ def test_prefix_cache_warm_equals_cold_hosted(tiny):  # noqa: F811
     assert len(prime["TOKENS"]) == len(ids) - C  # the first block was restored, not primed
 
 
+def _plan(arm, k, rounds=1, budget=100, stop_ids=(), room=200):
+    return RoundsPlan(arm, k, rounds, budget, stop_ids, room)
+
+
 def test_bad_requests_name_the_field(tiny):  # noqa: F811
     trunk, drafters = tiny
     host = StageHost.build(TrunkStage(trunk, 256, (1, 3)), drafters)
@@ -131,21 +139,29 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
     dfl = fr.DFlashProxy(fr.HostedTransport(tr))
     dfl.open([1])
     proxy.prime([Rows(1, [5, 6, 7]), Rows(2, [8, 9])])
+    dv = proxy.draft_verify_rounds
     with pytest.raises(fr.StageError, match="SIDS: sequence 2 has no dflash drafter state"):
-        proxy.draft_verify([Rows(2, [4])], [("dflash", 3)])
+        dv([Rows(2, [4])], [_plan("dflash", 3)])
     dfl.open([2])
     with pytest.raises(fr.StageError, match="SIDS: sequence 2 has no committed rows its dflash drafter has not seen"):
-        proxy.draft_verify([Rows(2, [4])], [("dflash", 3)])
+        dv([Rows(2, [4])], [_plan("dflash", 3)])
     with pytest.raises(fr.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
-        proxy.draft_verify([Rows(1, [4])], [("dflash", 9)])
+        dv([Rows(1, [4])], [_plan("dflash", 9)])
     with pytest.raises(fr.StageError, match="SIDS: unknown sequence id 3"):
-        proxy.draft_verify([Rows(3, [4])], [None])
+        dv([Rows(3, [4])], [_plan(None, 0)])
     with pytest.raises(fr.StageError, match="SPEC must be one of"):
-        proxy.draft_verify([Rows(1, [4])], [("medusa", 2)])
-    drafts, outs = proxy.draft_verify([Rows(1, [4]), Rows(2, [4])], [("dflash", 3), None])
-    assert [len(d) for d in drafts] == [3, 0] and [len(o.argmax) for o in outs] == [4, 1]
+        dv([Rows(1, [4])], [_plan("medusa", 2)])
+    with pytest.raises(fr.StageError, match=r"ROUNDS needs one entry >= 1 per SIDS \(1\), got \[0\]"):
+        dv([Rows(1, [4])], [_plan("dflash", 2, rounds=0)])
+    bad = {"OP": schema.string_array("draft_verify"), "SIDS": schema.sids_to_wire([1]), "TOKENS": np.array([4]),
+           schema.NUM_DRAFT_TOKENS: np.array([2], np.int32), schema.SPEC: np.array([b"dflash"], dtype=object),
+           "STOP_IDS": np.array([7, 8]), "STOP_LENGTHS": np.array([1], np.int32)}
+    with pytest.raises(schema.WireError, match=r"STOP_LENGTHS \[1\] must hold one count >= 0 per SIDS \(1\) summing to the 2"):
+        host.handle(bad)
+    got = dv([Rows(1, [4]), Rows(2, [4])], [_plan("dflash", 3), _plan(None, 0)])
+    assert [[len(d) for _, d, _ in per] for per in got] == [[3], [0]] and [len(got[0][0][2].argmax)] == [4]
     with pytest.raises(fr.StageError, match="OP: draft_verify for sequence 1 while a verify is pending"):
-        proxy.draft_verify([Rows(1, [4])], [None])
+        dv([Rows(1, [4])], [_plan(None, 0)])
     proxy.close([1, 2])
     assert not host.ingest and not host.pending
     bare = fr.LocalTransport({"trunk": StageHost(TrunkStage(trunk, 256), {})})
@@ -155,4 +171,40 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
     plain.open([1])
     plain.prime([Rows(1, [5, 6])])
     with pytest.raises(fr.StageError, match="this trunk does not run the drafters .* colocate is false"):
-        plain.draft_verify([Rows(1, [4])], [None])
+        plain.draft_verify_rounds([Rows(1, [4])], [_plan(None, 0)])
+
+
+def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tokenizer, sharegpt_prompts):
+    """Sessions of every arm together, with budgets, a stop token and a near-full context that end
+    them in different rounds of a call, and one with a stop string (one round a call): each gives the
+    in-process engine's tokens and finish reason, and a call's rounds stop where its turn ends."""
+    eng = Engine(checkpoint, model=shipped.model, tokenizer=shipped.tokenizer, demote_probe_rounds=0, max_ctx=160,
+                 dflash={a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS})
+    sched, _, spy = hosted(eng)
+    ids = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[3:8]]
+    stop_tok = shipped.generate(ids[1], 12, spec="off")["token_ids"][9]  # its 10th token ends that turn
+    cases = [(ids[0], 37, "dflash2", (), ()), (ids[1], 40, "mtp", (stop_tok,), ()), (ids[2], 200, "dflash", (), ()),
+             (ids[3], 30, "off", (), ()), (ids[4], 30, "dflash2", (), (".",))]
+    cases[2] = ((ids[2] * 4)[:110], 150, "dflash", (), ())  # the context fills: 110 prompt rows of 160
+    want = [eng.generate(p, n, spec=a, stop_token_ids=st, stop=ss) for p, n, a, st, ss in cases]
+    got = {i: [] for i in range(len(cases))}
+    fin = {}
+
+    def emit(i):
+        def f(r, e, final):
+            assert e is None, e
+            got[i].extend(r.tokens)
+            if final:
+                fin[i] = r.finish_reason
+        return f
+
+    sched.decode = tokenizer.decode
+    sched.admit([Turn(100 + i, list(p), n, emit(i), spec=a, stop_token_ids=st, stop=ss)
+                 for i, (p, n, a, st, ss) in enumerate(cases)])
+    while sched.turns:
+        sched.burst()
+    for i, w in enumerate(want):
+        assert got[i] == w["token_ids"] and fin[i] == w["finish_reason"], (i, cases[i][2])
+    assert [fin[i] for i in range(4)] == ["length", "stop", "context", "length"]
+    runs = [res["ROUNDS_RUN"].tolist() for _, op, _, res in spy.calls if op == "draft_verify"]
+    assert max(max(r) for r in runs) == sched.config.burst_rounds and min(min(r) for r in runs) >= 1

@@ -121,3 +121,34 @@ def test_rejection_sampling_is_never_demoted_coupled_is(base):
     coupled, st = _run(eng, prompt, schema.DFLASH2, temperature=0.8, seed=3, mode=schema.COUPLED)
     assert st[0].demoted and eng.sched.stats["demotions"] == d0 + 1
     assert coupled == plain  # a coupled stream is the same under plain decoding
+
+
+def test_steady_predicts_what_speculates_answers_round_by_round():
+    """Demotion.steady (a co-located call's plan) against speculates() + observe() round by round,
+    for an undemoted session far from and near the bar and a demoted one between probes: over the
+    rounds steady allows, speculates gives the planned answer whatever the rounds accept."""
+    from types import SimpleNamespace
+
+    from tandem.engine.demotion import Demotion, DemotionState
+
+    cfg = schema.ServingConfig()
+
+    def session(**st):
+        return SimpleNamespace(arm=schema.DFLASH2, degraded=False, demotion=DemotionState(**st), demote_eligible=lambda: True)
+
+    pol = Demotion(cfg, {})
+    for st, want in ((dict(tau_ema=6.0, spec_rounds=20), (True, 4)), (dict(tau_ema=2.3, spec_rounds=20), (True, 2)), (dict(tau_ema=2.2, spec_rounds=20), (True, 1)),
+                     (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=3), (False, 4)),
+                     (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=13), (False, 2)),
+                     (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=15), (True, 1)),
+                     (dict(spec_rounds=2), (True, 4))):
+        s = session(**st)
+        assert pol.steady(s, 4, 1, 7) == want, st
+        for _ in range(want[1]):  # the worst case: nothing accepted
+            assert pol.speculates(s) == want[0]
+            if want[0]:
+                pol.observe(s, 0, 7, 1)
+    s = session(tau_ema=2.2, spec_rounds=20)
+    pol.speculates(s)
+    pol.observe(s, 0, 7, 1)  # near the bar: one round of nothing accepted demotes it
+    assert s.demotion.demoted and pol.speculates(s) is False

@@ -59,14 +59,8 @@ class ServingConfig:
     ``draft_verify`` call and no hidden rows cross processes; off, the drafters run in the
     ``drafter_mtp`` / ``drafter_dflash`` models and a round makes a drafter call and a ``trunk`` call.
 
-    Demotion (:mod:`tandem.engine.demotion`): a session's estimated speedup is its moving-average
-    acceptance length tau over its arm's verify-round cost in plain decode steps (``round_cost_mtp`` at
-    one draft plus ``round_cost_mtp_draft`` per further draft, ``round_cost_dflash``: `make bench`'s
-    "round N plain steps"), the cost raised by
-    ``demote_load_slope`` per further active session (batched plain rows get cheaper with load, as the
-    bench's concurrency rows show); an eligible session below ``demote_below`` decodes plain, with a
-    speculative probe round every ``demote_probe_rounds`` rounds (0: never demote), and is promoted
-    back at ``promote_above``.
+    The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
+    ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.
     """
 
     num_draft_tokens: int = 3
@@ -262,8 +256,7 @@ TANDEM = ModelSpec(
 )
 
 # -- stage models (called by tandem over BLS; one batched op over many sequences per call) ---------------------
-_OP = TensorSpec("OP", "TYPE_STRING", (1,))
-_SIDS = TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)")
+_OP, _SIDS = TensorSpec("OP", "TYPE_STRING", (1,)), TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)")
 _LENGTHS = TensorSpec("LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="rows per sequence")
 _PREFIX_KEYS = TensorSpec("PREFIX_KEYS", "TYPE_INT64", (-1,), optional=True,
                           doc="prefix-cache block keys (hash chain), concatenated over sequences")
@@ -271,10 +264,15 @@ _PREFIX_LENGTHS = TensorSpec("PREFIX_LENGTHS", "TYPE_INT32", (-1,), optional=Tru
                              doc="keys per sequence; prime: -1 = no prefix cache for that sequence")
 _NBYTES = TensorSpec("NBYTES", "TYPE_INT64", (-1,), doc="publish: bytes newly stored per sequence")
 _NUM_DRAFTS = TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (-1,), optional=True, lo=0, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per sequence")
-_DRAFTS = TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated")
-_DRAFT_LENGTHS = TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence")
+_DRAFTS, _DRAFT_LENGTHS = (TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated"),
+                           TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence"))
+#: ``draft_verify``'s round program per sequence (rounds at most; the trunk runs the accept walk between them)
+_ROUNDS_INPUTS = tuple(TensorSpec(n, t, (-1,), optional=True, doc="draft_verify: " + d) for n, t, d in (
+    ("ROUNDS", "TYPE_INT32", "rounds at most per sequence"), ("BUDGET", "TYPE_INT32", "tokens each turn may still emit"),
+    ("ROOM", "TYPE_INT32", "max_ctx minus each sequence's committed tokens (the pending commit included)"),
+    ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"), ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence")))
 #: the outputs a ``draft_verify`` answers with (the rows' hidden and features stay in the trunk's process)
-DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS")
+DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS", "ROUNDS_RUN", "ANCHORS")
 #: ``trunk`` ops with ``colocate`` on: ``<drafter model>.<op>``, a drafter op run by the trunk's process
 HOSTED_OPS = ("drafter_mtp.open", "drafter_mtp.close", "drafter_dflash.open", "drafter_dflash.close",
               "drafter_dflash.publish", "drafter_dflash.evict")
@@ -293,6 +291,7 @@ TRUNK = ModelSpec(
         dataclasses.replace(_NUM_DRAFTS, doc="draft_verify: drafts per sequence (0: a plain row)"),
         TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True,
                    doc="draft_verify and drafter_dflash.open: arm per sequence (" + " | ".join(SPECS) + ")"),
+        *_ROUNDS_INPUTS,
     ),
     outputs=(
         TensorSpec("ARGMAX", "TYPE_INT64", (-1,), doc="each row's target token: the argmax, or with sampling "
@@ -303,8 +302,10 @@ TRUNK = ModelSpec(
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features "
                    "([rows, 0] with colocate)"),
         _NBYTES,
-        dataclasses.replace(_DRAFTS, doc="draft_verify: the drafts each sequence's rows verified"),
-        _DRAFT_LENGTHS,
+        dataclasses.replace(_DRAFTS, doc="draft_verify: the drafts verified (by sequence, then round)"),
+        dataclasses.replace(_DRAFT_LENGTHS, doc="draft_verify: drafts per sequence and round"),
+        TensorSpec("ROUNDS_RUN", "TYPE_INT32", (-1,), doc="draft_verify: rounds each sequence ran"),
+        TensorSpec("ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"),
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
                 "colocate", "max_num_draft_tokens"),
@@ -396,5 +397,4 @@ def get_sids(arrays: Arrays) -> list[int]:
 
 
 if __name__ == "__main__":
-    print("\n\n".join(describe(m) for m in MODELS.values()))
-    print("\nServing defaults:", DEFAULTS)
+    print("\n\n".join(describe(m) for m in MODELS.values()) + f"\n\nServing defaults: {DEFAULTS}")

@@ -26,8 +26,9 @@ import torch
 
 from .. import schema
 from ..schema import WireError
+from .accept import accept_walk
 from .drafter_stage import DrafterStage
-from .protocols import Commit, DraftRequest, Rows, VerifyOut
+from .protocols import Commit, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
 from .trunk_stage import TrunkStage
 
 
@@ -200,6 +201,39 @@ class StageHost:
                 raise ValueError(f"context full for sequence {r.sid}: {c.pos} + {len(r.tokens)} rows > max_ctx {c.max_ctx}")
         return drafts, self.verify(rows)
 
+    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan]) -> list[list[tuple[int, list[int], VerifyOut]]]:
+        """Up to ``max(plan.rounds)`` :meth:`draft_verify` rounds in one call: after each round this host
+        runs the scheduler's accept walk (:func:`~tandem.engine.accept.accept_walk`, the same function on
+        the same inputs) to find each sequence's commit and next anchor. ``items[j]``: the first
+        round's anchor and pending commit. Returns per sequence ``(anchor, drafts, verify output)``
+        per round it ran; its last round's rows stay pending (the next call's ``commit``). The
+        scheduler replays the walks and checks the anchors (:meth:`Scheduler.burst`)."""
+        assert len(items) == len(plans)
+        res: list[list[tuple[int, list[int], VerifyOut]]] = [[] for _ in items]
+        anchor = [it.tokens[0] for it in items]
+        commit = [it.commit for it in items]
+        used = [0] * len(items)  # tokens committed in this call before the round (the pending one included)
+        budget = [p.budget for p in plans]
+        live = list(range(len(items)))
+        for r in range(max((p.rounds for p in plans), default=0)):
+            live = [j for j in live if r < plans[j].rounds]
+            if not live:
+                break
+            pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
+                  for j in live]
+            drafts, outs = self.draft_verify([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], pl)
+            nxt = []
+            for j, d, out in zip(live, drafts, outs):
+                res[j].append((anchor[j], d, out))
+                p = plans[j]
+                w = accept_walk(d, out.argmax.tolist(), p.stop_ids, budget[j])
+                m = len(w.emitted)
+                commit[j], anchor[j], used[j], budget[j] = m, w.emitted[-1], used[j] + m, budget[j] - m
+                if w.finish is None and p.room - used[j] > 1:  # else the turn ended (or the context is full)
+                    nxt.append(j)
+            live = nxt
+        return res
+
     def _request(self, it: Rows, arm: str, k: int) -> DraftRequest:
         """The drafter request of a sequence: its kept rows (cleared), each followed by the next kept
         row's token and the last by the anchor."""
@@ -247,18 +281,20 @@ class StageHost:
         if len(ks) != len(sids) or len(arms) != len(sids):
             raise WireError(f"{schema.NUM_DRAFT_TOKENS} and {schema.SPEC} need one entry per SIDS ({len(sids)}), "
                             f"got {len(ks)} and {len(arms)}")
-        plans: list[tuple[str, int] | None] = []
-        for s, k, arm, n in zip(sids, ks, arms, n_rows):
+        prog = self._rounds_program(arrays, len(sids))
+        plans: list[RoundsPlan] = []
+        for s, k, arm, n, (rounds, budget, room, stops) in zip(sids, ks, arms, n_rows, prog):
             schema.check_range(k_spec, k)
             if arm not in schema.SPECS:
                 raise WireError(f"{schema.SPEC} must be one of {schema.SPECS}, got {arm!r}")
             c = self.trunk.caches[s]
             if c.pending is not None and not n:
                 raise WireError(f"OP: draft_verify for sequence {s} while a verify is pending (N_ROWS)")
-            if c.pos + (n or 0) + 1 + k > c.max_ctx:
-                raise WireError(f"TOKENS: context full for sequence {s}: {c.pos + n} + {1 + k} rows > max_ctx {c.max_ctx}")
+            first = 1 + max(0, min(k, room - 2))  # the first round's rows (later rounds: ROOM bounds them)
+            if c.pos + n + first > c.max_ctx:
+                raise WireError(f"TOKENS: context full for sequence {s}: {c.pos + n} + {first} rows > max_ctx {c.max_ctx}")
             if arm == schema.OFF:
-                plans.append(None)
+                plans.append(RoundsPlan(None, 0, rounds, budget, stops, room))
                 continue
             if arm not in self.drafters:
                 raise WireError(f"{schema.SPEC}: {arm!r} is not hosted here (loaded: {sorted(self.drafters)})")
@@ -267,13 +303,37 @@ class StageHost:
             if not self.ingest[s].outs and not n:
                 raise WireError(f"SIDS: sequence {s} has no committed rows its {arm} drafter has not seen "
                                 "(open the drafter before the prime)")
-            plans.append((arm, k))
+            plans.append(RoundsPlan(arm, k, rounds, budget, stops, room))
         items = [Rows(s, [int(t)], commit=n) for s, t, n in zip(sids, toks.tolist(), n_rows)]
-        drafts, outs = self.draft_verify(items, plans)
-        return {"ARGMAX": torch.cat([o.argmax for o in outs]).cpu().numpy().astype(np.int64, copy=False),
-                "TOP2_GAP": torch.cat([o.top2_gap for o in outs]).float().cpu().numpy(),
-                "DRAFTS": np.array([t for d in drafts for t in d], np.int64),
-                "DRAFT_LENGTHS": np.array([len(d) for d in drafts], np.int32)}
+        res = self.draft_verify_rounds(items, plans)
+        flat = [x for per in res for x in per]  # by sequence, then round
+        return {"ARGMAX": torch.cat([o.argmax for _, _, o in flat]).cpu().numpy().astype(np.int64, copy=False),
+                "TOP2_GAP": torch.cat([o.top2_gap for _, _, o in flat]).float().cpu().numpy(),
+                "DRAFTS": np.array([t for _, d, _ in flat for t in d], np.int64),
+                "DRAFT_LENGTHS": np.array([len(d) for _, d, _ in flat], np.int32),
+                "ROUNDS_RUN": np.array([len(per) for per in res], np.int32),
+                "ANCHORS": np.array([a for a, _, _ in flat], np.int64)}
+
+    def _rounds_program(self, arrays: schema.Arrays, n: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
+        """Per sequence ``(rounds, budget, room, stop ids)`` of a ``draft_verify`` (absent: one round, no
+        limit, no stop ids). Raises :class:`~tandem.schema.WireError` naming the field."""
+        big = 1 << 30
+        cols = []
+        for name, default, lo in (("ROUNDS", 1, 1), ("BUDGET", big, 1), ("ROOM", big, 2)):
+            if name not in arrays:
+                cols.append([default] * n)
+                continue
+            v = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input(name))]
+            if len(v) != n or min(v, default=lo) < lo:
+                raise WireError(f"{name} needs one entry >= {lo} per SIDS ({n}), got {v}")
+            cols.append(v)
+        ids = schema.get_vector(arrays, schema.TRUNK.input("STOP_IDS")).tolist() if "STOP_IDS" in arrays else []
+        lens = ([int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("STOP_LENGTHS"))]
+                if "STOP_LENGTHS" in arrays else [0] * n)
+        if len(lens) != n or min(lens, default=0) < 0 or sum(lens) != len(ids):
+            raise WireError(f"STOP_LENGTHS {lens} must hold one count >= 0 per SIDS ({n}) summing to the {len(ids)} STOP_IDS")
+        offs = np.cumsum([0] + lens).tolist()
+        return [(r, b, m, tuple(ids[offs[j]:offs[j + 1]])) for j, (r, b, m) in enumerate(zip(*cols))]
 
     def _after_wire(self, op: str, arrays: schema.Arrays, out: schema.Arrays) -> None:
         """After the trunk ran a wire ``prime`` / ``verify`` / ``commit``: the same bookkeeping as the
@@ -300,8 +360,7 @@ class StageHost:
     def _slim(self, out: schema.Arrays) -> schema.Arrays:
         """The trunk's outputs with the rows' hidden and features left here (``[rows, 0]``) and no drafts."""
         R = out["ARGMAX"].shape[0]
-        return {**out, "HIDDEN": np.zeros((R, 0), np.float32), "FEATURES": np.zeros((R, 0), np.float32),
-                "DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(0, np.int32)}
+        return {**out, "HIDDEN": np.zeros((R, 0), np.float32), "FEATURES": np.zeros((R, 0), np.float32)}
 
     def _hosted(self, op: str, arrays: schema.Arrays) -> schema.Arrays:
         """A drafter model's op (``drafter_dflash.open``) on the stage hosted here."""

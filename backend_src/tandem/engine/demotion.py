@@ -66,6 +66,35 @@ class Demotion:
         st.since += 1
         return st.since % max(1, self.config.demote_probe_rounds) == 0
 
+    def steady(self, s, rounds: int, load: int, drafts: int) -> tuple[bool, int]:
+        """What :meth:`speculates` will answer for session ``s`` over its next rounds, without changing
+        anything: ``(drafts?, n)`` with ``1 <= n <= rounds`` rounds over which the answer stays the same
+        whatever those rounds accept (a call of the co-located trunk runs them with one plan). An
+        undemoted session keeps drafting while even rounds accepting nothing (tau 1) could not
+        demote it at ``load`` active sessions (fewer later) and ``drafts`` drafts a round (at most);
+        a demoted one decodes plain until its next probe round, which is a call of its own (its
+        :meth:`observe` may promote it)."""
+        st, c = s.demotion, self.config
+        if s.arm == schema.OFF or s.degraded:
+            return False, rounds
+        if not st.demoted or not s.demote_eligible():  # (an ineligible demoted session is promoted at once)
+            n = 1
+            while n < rounds and not self._may_demote(s, n, load, drafts):
+                n += 1
+            return True, n
+        every = max(1, c.demote_probe_rounds)
+        probe = every - st.since % every  # rounds until the probe round (1: the next one)
+        return (True, 1) if probe == 1 else (False, min(rounds, probe - 1))
+
+    def _may_demote(self, s, n: int, load: int, drafts: int) -> bool:
+        """Whether :meth:`observe` could demote ``s`` after its next ``n`` speculative rounds."""
+        st, c = s.demotion, self.config
+        if not c.demote_probe_rounds or not s.demote_eligible() or st.spec_rounds + n < MIN_ROUNDS:
+            return False
+        keep = (1 - EMA_WEIGHT) ** n
+        worst = 1.0 if st.tau_ema is None else keep * st.tau_ema + (1 - keep) * 1.0
+        return worst / self.cost(s.arm, max(drafts, 1), load) < c.demote_below
+
     def observe(self, s, accepted: int, drafts: int, load: int) -> None:
         """After a speculative round of ``s`` that accepted ``accepted`` of ``drafts`` drafts with
         ``load`` active sessions: update its average, then demote or promote it."""

@@ -55,6 +55,23 @@ class DraftRequest:
 
 
 @dataclasses.dataclass
+class RoundsPlan:
+    """One sequence's part in a multi-round call (:meth:`tandem.engine.colocated.StageHost.draft_verify_rounds`): ``arm``
+    drafts every round (None: plain rows), ``k`` drafts a round (capped each round as
+    :meth:`~tandem.engine.session.SpecSession.draft_budget` caps them), at most ``rounds`` rounds, ending
+    early where the accept walk ends the turn (a stop id, the ``budget`` of tokens the turn may still
+    emit) or the context is full (``room`` = the session's ``max_ctx`` minus its committed tokens,
+    the pending commit included)."""
+
+    arm: str | None
+    k: int
+    rounds: int
+    budget: int
+    stop_ids: tuple[int, ...]
+    room: int
+
+
+@dataclasses.dataclass
 class VerifyOut:
     """A trunk pass over ``R`` rows: ``argmax [R]`` int64 (each row's target token: the argmax, or under
     sampling the drawn / accept-walk token, :func:`tandem.engine.sampling.row_targets`), ``hidden [R, D]`` fp32 (final normalised

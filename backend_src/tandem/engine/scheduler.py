@@ -18,11 +18,12 @@ from .demotion import Demotion
 from .lifecycle import Lifecycle
 from .prefill import Prefill
 from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
+from .hosted import HostedRounds
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
 from .session import Receipt, SpecSession, Turn  # noqa: F401 - Turn: re-exported (the scheduler's API)
 from .stops import StopText, validate_stops
 
-class Scheduler(Lifecycle, Prefill):
+class Scheduler(Lifecycle, Prefill, HostedRounds):
     """Sessions by sequence id, and the round / burst loop over them.
 
     Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
@@ -273,32 +274,24 @@ class Scheduler(Lifecycle, Prefill):
     def round(self, receipts: dict[int, Receipt]) -> None:
         """One verify round over every active session: one drafter call and one trunk verify, which
         first commits each session's previous round (the walk's rows kept, see :meth:`settle`); with
-        a trunk that hosts the drafters (``colocate``), one ``draft_verify`` call doing all three
-        (its time counts as verify)."""
+        a trunk that hosts the drafters (``colocate``), one ``draft_verify`` call doing all three."""
         act = self.active()
         if not act:
             return
         clock = time.perf_counter
         t0 = clock()
+        if getattr(self.trunk, "hosts_drafters", False):  # colocate: draft + verify in one trunk call
+            self._hosted_call(act, receipts, {s.sid: 1 for s in act})
+            return
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
         spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
-        if getattr(self.trunk, "hosts_drafters", False):  # colocate: draft + verify in one trunk call
-            plans = {s.sid: (s.arm, s.draft_budget()) for s in spec}
-            t1 = clock()
-            got, outs = self.trunk.draft_verify([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act],
-                                                [plans.get(s.sid) for s in act])
-            for s, d in zip(act, got):
-                drafts[s.sid] = d
-            for s in spec:
-                s.drafter_rows, s.ingest = len(s.committed), None
-        else:
-            for stage, group in self._by_drafter(spec):
-                reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
-                        for s in group]
-                for s, d in zip(group, self._draft(stage, group, reqs)):
-                    s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
-            t1 = clock()
-            outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
+        for stage, group in self._by_drafter(spec):
+            reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
+                    for s in group]
+            for s, d in zip(group, self._draft(stage, group, reqs)):
+                s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
+        t1 = clock()
+        outs = self.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
         t2 = clock()
         speculated = {s.sid for s in spec}
         for s, out in zip(act, outs):
@@ -360,10 +353,13 @@ class Scheduler(Lifecycle, Prefill):
         self._apply_cancels()
         self._prefill_step()
         receipts: dict[int, Receipt] = {}
-        for _ in range(self.config.burst_rounds):
-            if not self.active():
-                break
-            self.round(receipts)
+        if getattr(self.trunk, "hosts_drafters", False):  # colocate: the rounds of a burst in as few calls as can be
+            self._hosted_burst(receipts)
+        else:
+            for _ in range(self.config.burst_rounds):
+                if not self.active():
+                    break
+                self.round(receipts)
         if self.prefix is not None:
             try:
                 publish_ready(self.prefix, [self.sessions[sid] for sid in receipts], self.trunk, self.drafters)

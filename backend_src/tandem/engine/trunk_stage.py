@@ -301,7 +301,8 @@ class TrunkStage(KeyedStates):
 
     def _pack(self, outs: list[VerifyOut], nbytes: list[int] = ()) -> schema.Arrays:
         nb = np.array(list(nbytes), np.int64)
-        none = {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(0, np.int32)}  # draft_verify's (colocate)
+        none = {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(0, np.int32),  # draft_verify's (colocate)
+                "ROUNDS_RUN": np.zeros(0, np.int32), "ANCHORS": np.zeros(0, np.int64)}
         if not outs:
             D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
             return {"ARGMAX": np.zeros(0, np.int64), "HIDDEN": np.zeros((0, D), np.float32),

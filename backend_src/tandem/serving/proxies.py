@@ -15,7 +15,7 @@ import torch
 
 from .. import schema
 from ..engine import sampling
-from ..engine.protocols import Commit, DraftRequest, Rows, VerifyOut
+from ..engine.protocols import Commit, DraftRequest, RoundsPlan, Rows, VerifyOut
 from ..schema import Arrays, WireError
 
 
@@ -227,25 +227,39 @@ class TrunkProxy(_PrefixStoreProxy):
         self.vocab_size = vocab_size
         self.hosts_drafters = hosted
 
-    def draft_verify(self, items: list[Rows], plans: list[tuple[str, int] | None]) -> tuple[list[list[int]], list[VerifyOut]]:
-        """One ``draft_verify`` call (see :meth:`tandem.engine.colocated.StageHost.draft_verify`): each
-        item's anchor and commit, each plan's ``(arm, drafts)`` or None. Returns the drafts and the
-        verify outputs per sequence."""
+    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan]) -> list[list[tuple[int, list[int], VerifyOut]]]:
+        """One ``draft_verify`` call of up to ``max(plan.rounds)`` rounds (see
+        :meth:`tandem.engine.colocated.StageHost.draft_verify_rounds`): each item's first anchor and
+        pending commit, each plan's round program. Returns per sequence ``(anchor, drafts, verify
+        output)`` per round it ran (the output's hidden and features are ``[rows, 0]``)."""
         if not items:
-            return [], []
+            return []
+        offs = [0]
+        for p in plans:
+            offs.append(offs[-1] + len(p.stop_ids))
         arrays = {"SIDS": schema.sids_to_wire([it.sid for it in items]),
                   "TOKENS": np.array([it.tokens[0] for it in items], np.int64),
-                  schema.NUM_DRAFT_TOKENS: np.array([p[1] if p else 0 for p in plans], np.int32),
-                  schema.SPEC: np.array([(p[0] if p else schema.OFF).encode() for p in plans], dtype=np.object_)}
+                  schema.NUM_DRAFT_TOKENS: np.array([p.k if p.arm else 0 for p in plans], np.int32),
+                  schema.SPEC: np.array([(p.arm or schema.OFF).encode() for p in plans], dtype=np.object_),
+                  "ROUNDS": np.array([p.rounds for p in plans], np.int32),
+                  "BUDGET": np.array([p.budget for p in plans], np.int32),
+                  "ROOM": np.array([p.room for p in plans], np.int32),
+                  "STOP_IDS": np.array([t for p in plans for t in p.stop_ids], np.int64),
+                  "STOP_LENGTHS": np.array([len(p.stop_ids) for p in plans], np.int32)}
         if any(it.commit for it in items):
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
         out = self.t(self._draft_verify_spec, "draft_verify", arrays)
         drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
         lens = [1 + len(d) for d in drafts]
         none = torch.zeros(sum(lens), 0)  # the rows' hidden and features stayed in the trunk's process
-        return drafts, self._outs({**out, "HIDDEN": none, "FEATURES": none}, lens)
+        outs = self._outs({**out, "HIDDEN": none, "FEATURES": none}, lens)
+        anchors, res, j = out["ANCHORS"].tolist(), [], 0
+        for n in out["ROUNDS_RUN"].tolist():
+            res.append(list(zip(anchors[j:j + n], drafts[j:j + n], outs[j:j + n])))
+            j += n
+        return res
 
-    #: draft_verify asks for its four outputs only
+    #: draft_verify asks for its outputs only (no hidden rows)
     _draft_verify_spec = dataclasses.replace(schema.TRUNK, outputs=tuple(
         o for o in schema.TRUNK.outputs if o.name in schema.DRAFT_VERIFY_OUTPUTS))
 
