@@ -208,3 +208,53 @@ def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tok
     assert [fin[i] for i in range(4)] == ["length", "stop", "context", "length"]
     runs = [res["ROUNDS_RUN"].tolist() for _, op, _, res in spy.calls if op == "draft_verify"]
     assert max(max(r) for r in runs) == sched.config.burst_rounds and min(min(r) for r in runs) >= 1
+
+
+def test_demotion_sees_the_load_per_round_calls_would(tiny):  # noqa: F811
+    """Load-sensitive demotion costs, one session with a stop string (one round a call) beside one
+    without: the hosted bursts give the same rounds, speculative rounds and demotions as per-round
+    calls (the policy counts every session still active in each round, not those in the call)."""
+    trunk, drafters = tiny
+    eng = Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, round_cost_dflash=1.0,
+                 demote_load_slope=1.0, demote_below=0.9, promote_above=5.0)
+    sched, _, _ = hosted(eng)
+    ids = _ids(20, 1)
+    runs = []
+    for s in (eng.sched, sched):
+        s.decode = lambda toks: " ".join(map(str, toks))
+        got = {1: [0, 0, []], 2: [0, 0, []]}
+
+        def em(i):
+            def f(r, e, final):
+                assert e is None, e
+                got[i][0] += r.rounds
+                got[i][1] += r.spec_rounds
+                got[i][2] += r.tokens
+            return f
+        s.admit([Turn(1, ids, 40, em(1), spec="dflash"), Turn(2, ids[:15], 40, em(2), spec="dflash", stop=("zzzz",))])
+        while s.turns:
+            s.burst()
+        runs.append((got, s.stats["demotions"], s.stats["promotions"]))
+    assert runs[0] == runs[1] and runs[0][1] > 0
+
+
+def test_hosted_draft_requests_are_checked_before_any_change(tiny):  # noqa: F811
+    trunk, drafters = tiny
+    host = StageHost.build(TrunkStage(trunk, 64, (1, 3)), drafters, max_num_draft_tokens=4)
+    tr = fr.LocalTransport({"trunk": host})
+    proxy, dfl = fr.TrunkProxy(tr, 512, hosted=True), fr.DFlashProxy(fr.HostedTransport(tr))
+    proxy.open([1])
+    dfl.open([1])
+    proxy.prime([Rows(1, [5, 6, 7])])
+    dv = proxy.draft_verify_rounds
+    dv([Rows(1, [4])], [_plan("dflash", 2, room=60)])  # the drafter's arm is now dflash
+    before = (host.trunk.caches[1].pending_rows, len(host.ingest[1].outs), host.drafters["dflash"].covered_rows(1))
+    with pytest.raises(fr.StageError, match="SPEC: sequence 1 drafts with dflash, not dflash2"):
+        dv([Rows(1, [4], commit=1)], [_plan("dflash2", 2, room=59)])
+    with pytest.raises(fr.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 4\], got 5"):  # this host's maximum
+        dv([Rows(1, [4], commit=1)], [_plan("dflash", 5, room=59)])
+    with pytest.raises(fr.StageError, match="ROOM: 500 for sequence 1 exceeds the 60 rows its trunk cache has left"):
+        dv([Rows(1, [4], commit=1)], [_plan("dflash", 2, room=500)])
+    assert (host.trunk.caches[1].pending_rows, len(host.ingest[1].outs), host.drafters["dflash"].covered_rows(1)) == before
+    assert dv([], []) == [] and host.handle({"OP": schema.string_array("draft_verify"), "SIDS": np.zeros(0, np.int64),
+                                             "TOKENS": np.zeros(0, np.int64)})["ROUNDS_RUN"].size == 0

@@ -15,6 +15,10 @@ sessions draft, how many tokens, the accept walk); the wire carries only tokens.
 :meth:`StageHost.handle` is the ``trunk`` model's wire form with ``colocate`` on
 (:data:`tandem.schema.TRUNK`): the trunk's ops, ``draft_verify``, and the hosted drafter ops
 ``drafter_mtp.open`` / ``.close`` and ``drafter_dflash.open`` / ``.close`` / ``.publish`` / ``.evict``.
+Every request is checked before anything changes. A drafter that raises inside a call fails that
+call (the turns in flight get the error), where a separate drafter model's failure degrades only its
+sessions to plain decoding (:mod:`tandem.engine.lifecycle`); the drafters here run the code the
+in-process engine runs, and a crash of this process takes the trunk's caches too.
 """
 
 from __future__ import annotations
@@ -34,16 +38,14 @@ from .trunk_stage import TrunkStage
 
 @dataclasses.dataclass
 class _Ingest:
-    """Committed rows of one sequence that its drafter has not ingested: per piece the trunk output
-    rows (``VerifyOut`` over ``n`` rows) and the ``n`` tokens at those rows."""
+    """A sequence's committed rows its drafter has not ingested: trunk outputs (pieces) and their tokens."""
 
     outs: list[VerifyOut] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
 
     def add(self, out: VerifyOut, tokens: list[int]) -> None:
         assert out.argmax.shape[0] == len(tokens), (out.argmax.shape, len(tokens))
-        self.outs.append(out)
-        self.tokens.extend(tokens)
+        self.outs.append(out), self.tokens.extend(tokens)
 
 
 class StageHost:
@@ -96,6 +98,10 @@ class StageHost:
     @property
     def caches(self) -> dict:
         return self.trunk.caches
+
+    def cache(self, sid: int):
+        """The trunk cache of ``sid``. Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
+        return self.trunk.cache(sid)
 
     def open(self, sids: list[int]) -> None:
         self.trunk.open(sids)
@@ -267,6 +273,9 @@ class StageHost:
                 self._after_wire(op, arrays, out)
             return self._slim(out)
         sids = schema.get_sids(arrays)
+        if not sids:
+            return {"ARGMAX": np.zeros(0, np.int64), "TOP2_GAP": np.zeros(0, np.float32), "DRAFTS": np.zeros(0, np.int64),
+                    "DRAFT_LENGTHS": np.zeros(0, np.int32), "ROUNDS_RUN": np.zeros(0, np.int32), "ANCHORS": np.zeros(0, np.int64)}
         for s in sids:
             if s not in self.trunk.caches:
                 raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
@@ -284,12 +293,15 @@ class StageHost:
         prog = self._rounds_program(arrays, len(sids))
         plans: list[RoundsPlan] = []
         for s, k, arm, n, (rounds, budget, room, stops) in zip(sids, ks, arms, n_rows, prog):
-            schema.check_range(k_spec, k)
             if arm not in schema.SPECS:
                 raise WireError(f"{schema.SPEC} must be one of {schema.SPECS}, got {arm!r}")
+            stage = self.drafters.get(arm)
+            schema.check_range(k_spec, k, hi=stage.max_num_draft_tokens if stage is not None else None)
             c = self.trunk.caches[s]
             if c.pending is not None and not n:
                 raise WireError(f"OP: draft_verify for sequence {s} while a verify is pending (N_ROWS)")
+            if room > c.max_ctx - c.pos - n:
+                raise WireError(f"ROOM: {room} for sequence {s} exceeds the {c.max_ctx - c.pos - n} rows its trunk cache has left")
             first = 1 + max(0, min(k, room - 2))  # the first round's rows (later rounds: ROOM bounds them)
             if c.pos + n + first > c.max_ctx:
                 raise WireError(f"TOKENS: context full for sequence {s}: {c.pos + n} + {first} rows > max_ctx {c.max_ctx}")
@@ -298,8 +310,10 @@ class StageHost:
                 continue
             if arm not in self.drafters:
                 raise WireError(f"{schema.SPEC}: {arm!r} is not hosted here (loaded: {sorted(self.drafters)})")
-            if s not in self.ingest:
+            if s not in self.ingest or s not in stage.states:
                 raise WireError(f"SIDS: sequence {s} has no {arm} drafter state (drafter open first)")
+            if getattr(stage.states[s], "arm", None) not in (None, arm):
+                raise WireError(f"{schema.SPEC}: sequence {s} drafts with {stage.states[s].arm}, not {arm}")
             if not self.ingest[s].outs and not n:
                 raise WireError(f"SIDS: sequence {s} has no committed rows its {arm} drafter has not seen "
                                 "(open the drafter before the prime)")
@@ -347,8 +361,9 @@ class StageHost:
         toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS")).tolist()
         lengths = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("LENGTHS"))]
         offs = np.cumsum([0] + lengths).tolist()
-        rows = {"argmax": torch.from_numpy(out["ARGMAX"]), "hidden": torch.from_numpy(out["HIDDEN"]),
-                "top2_gap": torch.from_numpy(out["TOP2_GAP"]), "features": torch.from_numpy(out["FEATURES"])}
+        dev = self.trunk.model.device  # the rows join device tensors of later commits (one device)
+        rows = {"argmax": torch.from_numpy(out["ARGMAX"]).to(dev), "hidden": torch.from_numpy(out["HIDDEN"]).to(dev),
+                "top2_gap": torch.from_numpy(out["TOP2_GAP"]).to(dev), "features": torch.from_numpy(out["FEATURES"]).to(dev)}
         for j, s in enumerate(sids):
             a, b = offs[j], offs[j + 1]
             o, t = VerifyOut(*(rows[f.name][a:b] for f in dataclasses.fields(VerifyOut))), toks[a:b]
@@ -381,8 +396,4 @@ class StageHost:
         return {**self._empty(), **out}
 
     def _empty(self) -> schema.Arrays:
-        return {**self._slim(self.trunk._pack([])), "NBYTES": np.zeros(0, np.int64)}
-
-    def cache(self, sid: int):
-        """The trunk cache of ``sid``. Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
-        return self.trunk.cache(sid)
+        return self._slim(self.trunk._pack([]))

@@ -93,7 +93,8 @@ class Demotion:
             return False
         keep = (1 - EMA_WEIGHT) ** n
         worst = 1.0 if st.tau_ema is None else keep * st.tau_ema + (1 - keep) * 1.0
-        return worst / self.cost(s.arm, max(drafts, 1), load) < c.demote_below
+        # a hair above the bar: the closed form may round a few ulps away from observe()'s steps
+        return worst / self.cost(s.arm, max(drafts, 1), load) < c.demote_below * (1 + 1e-6)
 
     def observe(self, s, accepted: int, drafts: int, load: int) -> None:
         """After a speculative round of ``s`` that accepted ``accepted`` of ``drafts`` drafts with

@@ -9,6 +9,7 @@ round.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from .protocols import RoundsPlan, Rows
 from .session import Receipt, SpecSession
@@ -21,21 +22,31 @@ class HostedRounds:
     def _hosted_burst(self, receipts: dict[int, Receipt]) -> None:
         """``burst_rounds`` rounds for every active session in as few calls as can be (sessions with
         stop strings take one round a call)."""
-        left = {s.sid: self.config.burst_rounds for s in self.active()}
+        n = self.config.burst_rounds
+        burst = [s.sid for s in self.active()]
+        left, ended = dict.fromkeys(burst, n), {}  # ended: sid -> the burst round its turn ended in
+
+        def load(t: int) -> int:  # sessions active in burst round t, as round() counts them
+            return sum(1 for sid in burst if ended.get(sid, n) >= t)
+
         while act := [s for s in self.active() if left.get(s.sid, 0) > 0]:
-            for sid, ran in self._hosted_call(act, receipts, left).items():
+            for sid, ran in self._hosted_call(act, receipts, left, len(burst), load, ended).items():
                 left[sid] -= ran
 
-    def _hosted_call(self, act: list[SpecSession], receipts: dict[int, Receipt], left: dict[int, int]) -> dict[int, int]:
+    def _hosted_call(self, act: list[SpecSession], receipts: dict[int, Receipt], left: dict[int, int], most: int,
+                     load: Callable[[int], int], ended: dict[int, int]) -> dict[int, int]:
         """One ``draft_verify`` call of a trunk that hosts the drafters, up to ``left[sid]`` rounds per
         session (one for a session with stop strings: only this side can cut them; fewer where the
         demotion policy could change its plan, :meth:`Demotion.steady`), then each round replayed in
         order exactly as :meth:`round` would apply it (the accept walk, receipts, the policy asked
         round by round), checking that the trunk's walk chose the same anchors and the plan held.
+        ``left[sid]`` counts down the burst's ``burst_rounds``, so a replayed round's burst round is
+        known, and the demotion policy sees ``load(burst round)`` active sessions (``most`` at most, the
+        bound its plan assumes), as per-round calls would; ``ended`` records where turns end.
         Returns rounds run per session. The call's time counts as verify, the replay as accept."""
         clock = time.perf_counter
         t0 = clock()
-        plan = {s.sid: self.demotion.steady(s, 1 if s.stop_text is not None else max(1, left[s.sid]), len(act),
+        plan = {s.sid: self.demotion.steady(s, 1 if s.stop_text is not None else max(1, left[s.sid]), most,
                                             s.num_draft_tokens) for s in act}  # (drafts?, rounds) per session
         plans = [RoundsPlan(s.arm if plan[s.sid][0] else None, s.num_draft_tokens, plan[s.sid][1], s.turn_remaining,
                             s.stop_ids, s.max_ctx - len(s.committed)) for s in act]
@@ -50,7 +61,10 @@ class HostedRounds:
                 if s.sid in spec:
                     s.drafter_rows, s.ingest = len(s.committed), None
                 rc = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
-                s.trunk_commit = self._after_verify(s, drafts, out, rc, len(live) if s.sid in spec else None)
+                t = self.config.burst_rounds - left[s.sid] + r
+                s.trunk_commit = self._after_verify(s, drafts, out, rc, load(t) if s.sid in spec else None)
+                if s.turn_done:
+                    ended[s.sid] = t
             self.stats["rounds"] += len(live)
             self.timing["rounds"] += 1
         self.timing["verify_s"] += t1 - t0
