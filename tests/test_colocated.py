@@ -258,3 +258,23 @@ def test_hosted_draft_requests_are_checked_before_any_change(tiny):  # noqa: F81
     assert (host.trunk.caches[1].pending_rows, len(host.ingest[1].outs), host.drafters["dflash"].covered_rows(1)) == before
     assert dv([], []) == [] and host.handle({"OP": schema.string_array("draft_verify"), "SIDS": np.zeros(0, np.int64),
                                              "TOKENS": np.zeros(0, np.int64)})["ROUNDS_RUN"].size == 0
+
+
+def test_served_with_colocate_off_takes_the_drafter_models(shipped, checkpoint, tokenizer, tmp_path):
+    """A real tritonserver with ``colocate=false`` (``$TANDEM_COLOCATE``, both models read it): the
+    drafter models draft (two calls a round, the BLS statistics logged at unload say which), with the
+    engine's tokens."""
+    from tandem.serving.serve import running_server
+    from tandem_client.client import generate
+
+    ids = tokenizer.chat_prompt("Write a short poem about the sea.")
+    env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_COLOCATE": "false", "TANDEM_PREFIX_CACHE_MB": "0"}
+    log = tmp_path / "server.log"
+    with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
+        for arm in ("dflash2", "mtp"):
+            got, ref = generate(ids, 24, url=srv.grpc_url, spec=arm), shipped.generate(ids, 24, spec=arm)
+            assert got["token_ids"] == ref["token_ids"] and got["accepted"] > 0
+    text = log.read_text(errors="replace")
+    assert "drafters hosted: none (colocate off)" in text
+    calls = text[text.index("tandem: BLS calls"):]
+    assert "'drafter_dflash.draft'" in calls and "'drafter_mtp.draft'" in calls and "draft_verify" not in calls
