@@ -48,6 +48,24 @@ class _Ingest:
         self.outs.append(out), self.tokens.extend(tokens)
 
 
+def drafter_stages(model, dflash: dict | None = None,
+                   max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> dict[str, DrafterStage]:
+    """Arm -> drafter stage over the trunk ``model``: its MTP layer (when the checkpoint has one) and one
+    :class:`~tandem.engine.dflash_stage.DFlashStage` for ``dflash`` (arm ->
+    :class:`~tandem.model.dflash.DFlashDrafter`) on the trunk's embedding and LM head. The in-process
+    :class:`~tandem.engine.inprocess.Engine` and :class:`StageHost` build their drafters with it."""
+    from .dflash_stage import DFlashStage
+    from .mtp_stage import MTPStage
+
+    drafters: dict[str, DrafterStage] = {}
+    if model.mtp is not None:
+        drafters[schema.MTP] = MTPStage(model, max_num_draft_tokens)
+    if dflash:
+        stage = DFlashStage(dict(dflash), model.embed_tokens, model.lm_head, max_num_draft_tokens)
+        drafters.update({arm: stage for arm in dflash})
+    return drafters
+
+
 class StageHost:
     """Implements :class:`~tandem.engine.protocols.TrunkAPI` plus :meth:`draft_verify` over a
     :class:`~tandem.engine.trunk_stage.TrunkStage` and the drafter stages that share its weights.
@@ -75,19 +93,8 @@ class StageHost:
     @classmethod
     def build(cls, trunk: TrunkStage, dflash: dict | None = None,
               max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> "StageHost":
-        """The host of ``trunk`` with the drafters an in-process :class:`~tandem.engine.inprocess.Engine`
-        would build: the trunk's MTP layer (when the checkpoint has one) and ``dflash`` (arm ->
-        :class:`~tandem.model.dflash.DFlashDrafter`) sharing the trunk's embedding and LM head."""
-        from .dflash_stage import DFlashStage
-        from .mtp_stage import MTPStage
-
-        model, drafters = trunk.model, {}
-        if model.mtp is not None:
-            drafters[schema.MTP] = MTPStage(model, max_num_draft_tokens)
-        if dflash:
-            stage = DFlashStage(dict(dflash), model.embed_tokens, model.lm_head, max_num_draft_tokens)
-            drafters.update({arm: stage for arm in dflash})
-        return cls(trunk, drafters)
+        """The host of ``trunk`` with :func:`drafter_stages` (the drafters an in-process engine builds)."""
+        return cls(trunk, drafter_stages(trunk.model, dflash, max_num_draft_tokens))
 
     # -- the trunk's API, keeping the drafters' rows --------------------------------------------------
     @property
@@ -147,26 +154,6 @@ class StageHost:
 
     def evict(self, keys: list[int]) -> None:
         self.trunk.evict(keys)
-
-    # -- hosted drafter state ---------------------------------------------------------------------
-    def drafter_open(self, model: str, sids: list[int], prefixes=None) -> None:
-        """Open drafter state for ``sids`` in the stage of ``model`` (``prefixes``: DFlash warm starts,
-        see :meth:`~tandem.engine.dflash_stage.DFlashStage.open`); their committed rows are kept for it
-        from now on. Raises ``KeyError`` for a model not hosted here."""
-        stage = self.by_model[model]
-        if prefixes is not None:
-            stage.open(sids, prefixes)
-        else:
-            stage.open(sids)
-        for s in sids:
-            self.ingest[s] = _Ingest()
-
-    def drafter_close(self, model: str, sids: list[int]) -> None:
-        """Drop the drafter state of ``sids`` (a degraded session decodes plain: no rows are kept)."""
-        if model in self.by_model:
-            self.by_model[model].close(sids)
-        for s in sids:
-            self.ingest.pop(s, None)
 
     # -- the round ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -264,18 +251,11 @@ class StageHost:
         op = schema.get_op(arrays, schema.TRUNK)
         if "." in op:
             return self._hosted(op, arrays)
-        if op in ("open", "close"):  # the trunk's caches and this host's rows together
-            getattr(self, op)(schema.get_sids(arrays))
-            return self._empty()
-        if op != "draft_verify":
-            out = self.trunk.handle(arrays)
-            if op in ("prime", "verify", "commit"):  # the trunk checked everything; now keep the drafters' rows
-                self._after_wire(op, arrays, out)
-            return self._slim(out)
+        if op != "draft_verify":  # the trunk's checks and packing; its ops run here (the drafters' rows kept)
+            return self.trunk.handle(arrays, run=self, with_rows=False)
         sids = schema.get_sids(arrays)
         if not sids:
-            return {"ARGMAX": np.zeros(0, np.int64), "TOP2_GAP": np.zeros(0, np.float32), "DRAFTS": np.zeros(0, np.int64),
-                    "DRAFT_LENGTHS": np.zeros(0, np.int32), "ROUNDS_RUN": np.zeros(0, np.int32), "ANCHORS": np.zeros(0, np.int64)}
+            return self._pack_rounds([])
         for s in sids:
             if s not in self.trunk.caches:
                 raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
@@ -286,7 +266,7 @@ class StageHost:
         schema.check_tokens("TOKENS", toks, self.vocab_size)
         k_spec = schema.TRUNK.input(schema.NUM_DRAFT_TOKENS)
         ks = [int(x) for x in schema.get_vector(arrays, k_spec)]
-        arms = [a.decode() if isinstance(a, bytes) else str(a) for a in np.asarray(arrays.get(schema.SPEC, [])).reshape(-1)]
+        arms = schema.get_strings(arrays, schema.TRUNK.input(schema.SPEC))
         if len(ks) != len(sids) or len(arms) != len(sids):
             raise WireError(f"{schema.NUM_DRAFT_TOKENS} and {schema.SPEC} need one entry per SIDS ({len(sids)}), "
                             f"got {len(ks)} and {len(arms)}")
@@ -319,10 +299,13 @@ class StageHost:
                                 "(open the drafter before the prime)")
             plans.append(RoundsPlan(arm, k, rounds, budget, stops, room))
         items = [Rows(s, [int(t)], commit=n) for s, t, n in zip(sids, toks.tolist(), n_rows)]
-        res = self.draft_verify_rounds(items, plans)
+        return self._pack_rounds(self.draft_verify_rounds(items, plans))
+
+    def _pack_rounds(self, res: list[list[tuple[int, list[int], VerifyOut]]]) -> schema.Arrays:
+        """:data:`tandem.schema.DRAFT_VERIFY_OUTPUTS` of :meth:`draft_verify_rounds`' result."""
         flat = [x for per in res for x in per]  # by sequence, then round
-        return {"ARGMAX": torch.cat([o.argmax for _, _, o in flat]).cpu().numpy().astype(np.int64, copy=False),
-                "TOP2_GAP": torch.cat([o.top2_gap for _, _, o in flat]).float().cpu().numpy(),
+        packed = self.trunk._pack([o for _, _, o in flat], with_rows=False)
+        return {"ARGMAX": packed["ARGMAX"], "TOP2_GAP": packed["TOP2_GAP"],
                 "DRAFTS": np.array([t for _, d, _ in flat for t in d], np.int64),
                 "DRAFT_LENGTHS": np.array([len(d) for _, d, _ in flat], np.int32),
                 "ROUNDS_RUN": np.array([len(per) for per in res], np.int32),
@@ -349,41 +332,13 @@ class StageHost:
         offs = np.cumsum([0] + lens).tolist()
         return [(r, b, m, tuple(ids[offs[j]:offs[j + 1]])) for j, (r, b, m) in enumerate(zip(*cols))]
 
-    def _after_wire(self, op: str, arrays: schema.Arrays, out: schema.Arrays) -> None:
-        """After the trunk ran a wire ``prime`` / ``verify`` / ``commit``: the same bookkeeping as the
-        in-process methods (commits, prime rows, pending verify), from the arrays."""
-        sids = schema.get_sids(arrays)  # the trunk validated the arrays already
-        kept = ([int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
-                if "N_ROWS" in arrays else [0] * len(sids))
-        self._committed([Commit(s, n) for s, n in zip(sids, kept)])
-        if op == "commit":
-            return
-        toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS")).tolist()
-        lengths = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("LENGTHS"))]
-        offs = np.cumsum([0] + lengths).tolist()
-        dev = self.trunk.model.device  # the rows join device tensors of later commits (one device)
-        rows = {"argmax": torch.from_numpy(out["ARGMAX"]).to(dev), "hidden": torch.from_numpy(out["HIDDEN"]).to(dev),
-                "top2_gap": torch.from_numpy(out["TOP2_GAP"]).to(dev), "features": torch.from_numpy(out["FEATURES"]).to(dev)}
-        for j, s in enumerate(sids):
-            a, b = offs[j], offs[j + 1]
-            o, t = VerifyOut(*(rows[f.name][a:b] for f in dataclasses.fields(VerifyOut))), toks[a:b]
-            if op == "verify":
-                self.pending[s] = (o, t)
-            elif s in self.ingest:
-                self.ingest[s].add(o, t)
-
-    def _slim(self, out: schema.Arrays) -> schema.Arrays:
-        """The trunk's outputs with the rows' hidden and features left here (``[rows, 0]``) and no drafts."""
-        R = out["ARGMAX"].shape[0]
-        return {**out, "HIDDEN": np.zeros((R, 0), np.float32), "FEATURES": np.zeros((R, 0), np.float32)}
-
     def _hosted(self, op: str, arrays: schema.Arrays) -> schema.Arrays:
         """A drafter model's op (``drafter_dflash.open``) on the stage hosted here."""
         model, inner = op.split(".", 1)
         stage = self.by_model.get(model)
         if stage is None:
             if inner == "close":  # nothing to close
-                return self._empty()
+                return self.trunk._pack([], with_rows=False)
             raise WireError(f"OP {op!r}: this trunk hosts no {model} (loaded: {sorted(self.by_model) or 'none'})")
         out = stage.handle({**arrays, "OP": schema.string_array(inner)})
         sids = schema.get_sids(arrays)
@@ -393,7 +348,4 @@ class StageHost:
         elif inner == "close":
             for s in sids:
                 self.ingest.pop(s, None)
-        return {**self._empty(), **out}
-
-    def _empty(self) -> schema.Arrays:
-        return self._slim(self.trunk._pack([]))
+        return {**self.trunk._pack([], with_rows=False), **out}

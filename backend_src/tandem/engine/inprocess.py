@@ -17,8 +17,7 @@ from .. import schema
 from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, parse_dtype
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
-from .dflash_stage import DFlashStage
-from .mtp_stage import MTPStage
+from .colocated import drafter_stages
 from .prefix import PrefixIndex
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Turn
@@ -47,12 +46,7 @@ class Engine:
             dflash = {arm: load_dflash(checkpoint, arm, self.model.dtype) for arm in dflash_arms(checkpoint)}
         feature_layers = next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
         self.trunk = TrunkStage(self.model, self.config.max_ctx, tuple(feature_layers), self.config.batch_invariant)
-        self.drafters: dict = {}
-        if self.model.mtp is not None:
-            self.drafters[schema.MTP] = MTPStage(self.model, self.config.max_num_draft_tokens)
-        if dflash:
-            stage = DFlashStage(dflash, self.model.embed_tokens, self.model.lm_head, self.config.max_num_draft_tokens)
-            self.drafters.update({arm: stage for arm in dflash})
+        self.drafters: dict = drafter_stages(self.model, dflash, self.config.max_num_draft_tokens)
         self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids,
                                decode=getattr(self.tokenizer, "decode", None))  # None: no stop strings
         self._ids = itertools.count(1 << 40)

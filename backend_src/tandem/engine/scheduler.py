@@ -278,11 +278,11 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
         act = self.active()
         if not act:
             return
-        clock = time.perf_counter
-        t0 = clock()
         if getattr(self.trunk, "hosts_drafters", False):  # colocate: draft + verify in one trunk call
             self._hosted_call(act, receipts, dict.fromkeys((s.sid for s in act), 1), len(act), lambda t: len(act), {})
             return
+        clock = time.perf_counter
+        t0 = clock()
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
         spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
         for stage, group in self._by_drafter(spec):

@@ -228,38 +228,42 @@ class TrunkStage(KeyedStates):
             self.cache(it.sid).commit(it.n_rows)
 
     # -- wire form ----------------------------------------------------------------------------------
-    def handle(self, arrays: schema.Arrays) -> schema.Arrays:
+    def handle(self, arrays: schema.Arrays, run=None, with_rows: bool = True) -> schema.Arrays:
         """Run one packed request (:data:`tandem.schema.TRUNK`). Every sequence is checked before
         any is touched, so a rejected request changes no cache. Returns ``ARGMAX [R]``,
         ``HIDDEN [R, D]``, ``TOP2_GAP [R]``, ``FEATURES [R, F]`` over all rows (``R = 0`` but for
         prime / verify) and ``NBYTES [S]`` (publish; else empty). ``PREFIX_KEYS`` / ``PREFIX_LENGTHS``
         carry prime's prefix (-1: none), publish's chains and (one entry, no SIDS) evict's keys.
         Raises :class:`~tandem.schema.WireError` naming the field.
+        ``run``: the object whose open / close / prime / verify / commit / publish / evict run the
+        checked request (default this stage; the co-located :class:`~tandem.engine.colocated.StageHost`
+        passes itself); ``with_rows`` False: ``HIDDEN`` / ``FEATURES`` go out as ``[R, 0]``.
         """
         op = schema.get_op(arrays, schema.TRUNK)
         if op == "draft_verify" or op in schema.HOSTED_OPS:
             raise WireError(f"OP {op!r}: this trunk does not run the drafters (the trunk model's parameter colocate "
                             "is false; the tandem model's must be too)")
+        run, pack = run or self, lambda outs, nbytes=(): self._pack(outs, nbytes, with_rows)
         sids = schema.get_sids(arrays)
         if op in ("open", "close"):
-            getattr(self, op)(sids)
-            return self._pack([])
+            getattr(run, op)(sids)
+            return pack([])
         if op == "evict":
-            self.evict(schema.prefixes_from_wire(arrays, 1)[0] or [])
-            return self._pack([])
+            run.evict(schema.prefixes_from_wire(arrays, 1)[0] or [])
+            return pack([])
         for s in sids:
             if s not in self.caches:
                 raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
         prefixes = schema.prefixes_from_wire(arrays, len(sids))
         if op == "publish":
             try:
-                return self._pack([], self.publish([(s, p or []) for s, p in zip(sids, prefixes)]))
+                return pack([], run.publish([(s, p or []) for s, p in zip(sids, prefixes)]))
             except ValueError as e:
                 raise WireError(f"PREFIX_KEYS: {e}") from None
         n_rows = self._n_rows(arrays, sids, required=op == "commit")
         if op == "commit":
-            self.commit([Commit(s, n) for s, n in zip(sids, n_rows)])
-            return self._pack([])
+            run.commit([Commit(s, n) for s, n in zip(sids, n_rows)])
+            return pack([])
         toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))
         lengths = schema.lengths_of(arrays, len(sids), toks.size, "TOKENS")
         schema.check_tokens("TOKENS", toks, self.vocab_size)
@@ -279,7 +283,7 @@ class TrunkStage(KeyedStates):
         smp = sampling.from_wire(arrays, len(sids)) if op == "prime" else [None] * len(sids)
         items = [Rows(s, rows.tolist(), p if op == "prime" else None, n, sp)
                  for s, rows, p, n, sp in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows, smp)]
-        return self._pack(getattr(self, op)(items))
+        return pack(getattr(run, op)(items))
 
     def _n_rows(self, arrays: schema.Arrays, sids: list[int], required: bool) -> list[int]:
         """``N_ROWS`` per sequence, checked against its pending verify: commit's rows to keep, or for
@@ -299,17 +303,20 @@ class TrunkStage(KeyedStates):
                 raise WireError(f"N_ROWS: {n} for sequence {s} outside [1, {c.pending_rows}]")
         return n_rows
 
-    def _pack(self, outs: list[VerifyOut], nbytes: list[int] = ()) -> schema.Arrays:
+    def _pack(self, outs: list[VerifyOut], nbytes: list[int] = (), with_rows: bool = True) -> schema.Arrays:
+        """The wire outputs over ``outs``' rows (``with_rows`` False: ``HIDDEN`` / ``FEATURES`` ``[R, 0]``, the
+        rows stay in this process)."""
         nb = np.array(list(nbytes), np.int64)
         none = {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(0, np.int32),  # draft_verify's (colocate)
                 "ROUNDS_RUN": np.zeros(0, np.int32), "ANCHORS": np.zeros(0, np.int64)}
-        if not outs:
-            D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
-            return {"ARGMAX": np.zeros(0, np.int64), "HIDDEN": np.zeros((0, D), np.float32),
-                    "TOP2_GAP": np.zeros(0, np.float32), "FEATURES": np.zeros((0, F), np.float32), "NBYTES": nb, **none}
-        def wire(name: str, dtype) -> np.ndarray:  # the one copy back to the host (bf16 has no numpy dtype)
+        R = sum(o.argmax.shape[0] for o in outs)
+        D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
+
+        def wire(name: str, dtype, width: int | None = None) -> np.ndarray:  # the one copy back to the host (bf16 has no numpy dtype)
+            if not outs or (width is not None and not with_rows):
+                return np.zeros((R, width if with_rows else 0) if width is not None else 0, dtype)
             t = torch.cat([getattr(o, name) for o in outs])
             return (t if dtype is np.int64 else t.float()).cpu().numpy().astype(dtype, copy=False)
 
-        return {"ARGMAX": wire("argmax", np.int64), "HIDDEN": wire("hidden", np.float32),
-                "TOP2_GAP": wire("top2_gap", np.float32), "FEATURES": wire("features", np.float32), "NBYTES": nb, **none}
+        return {"ARGMAX": wire("argmax", np.int64), "HIDDEN": wire("hidden", np.float32, D),
+                "TOP2_GAP": wire("top2_gap", np.float32), "FEATURES": wire("features", np.float32, F), "NBYTES": nb, **none}

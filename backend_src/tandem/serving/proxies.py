@@ -234,9 +234,6 @@ class TrunkProxy(_PrefixStoreProxy):
         output)`` per round it ran (the output's hidden and features are ``[rows, 0]``)."""
         if not items:
             return []
-        offs = [0]
-        for p in plans:
-            offs.append(offs[-1] + len(p.stop_ids))
         arrays = {"SIDS": schema.sids_to_wire([it.sid for it in items]),
                   "TOKENS": np.array([it.tokens[0] for it in items], np.int64),
                   schema.NUM_DRAFT_TOKENS: np.array([p.k if p.arm else 0 for p in plans], np.int32),
@@ -251,7 +248,7 @@ class TrunkProxy(_PrefixStoreProxy):
         out = self.t(self._draft_verify_spec, "draft_verify", arrays)
         drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
         lens = [1 + len(d) for d in drafts]
-        none = torch.zeros(sum(lens), 0)  # the rows' hidden and features stayed in the trunk's process
+        none = np.zeros((sum(lens), 0), np.float32)  # the rows' hidden and features stayed in the trunk's process
         outs = self._outs({**out, "HIDDEN": none, "FEATURES": none}, lens)
         anchors, res, j = out["ANCHORS"].tolist(), [], 0
         for n in out["ROUNDS_RUN"].tolist():
@@ -264,7 +261,7 @@ class TrunkProxy(_PrefixStoreProxy):
         o for o in schema.TRUNK.outputs if o.name in schema.DRAFT_VERIFY_OUTPUTS))
 
     def _outs(self, out: Arrays, lens: list[int]) -> list[VerifyOut]:
-        cols = [schema.split_rows(torch.as_tensor(np.ascontiguousarray(out[n])), lens)
+        cols = [schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens)
                 for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]
         return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
 
