@@ -66,6 +66,35 @@ def test_kda_rows_match_reference(odd, T):
     assert torch.equal(S, _randn(1, 3, 12, 12, seed=2, scale=0.3))  # the input state is not modified
 
 
+def test_kda_rows_many_reads_a_previous_pass_in_place(odd):
+    """A decode round's sequences start from views of the previous pass's buffers (``KDARows.after``):
+    the kernel reads those buffers in place (no joined copy) and gives bit-identical rows, states and
+    tails to starting from separate copies of the same states, whose inputs it leaves unchanged."""
+    kda = odd.layers[0].self_attn
+    lengths = [2, 1, 3]
+    with torch.no_grad():
+        first = [(_randn(1, 108, 3, seed=20 + j), _randn(1, 3, 12, 12, seed=30 + j, scale=0.3)) for j in range(3)]
+        _, per = kda.forward_rows_many(_randn(1, 6, 40, seed=40), first, lengths)
+        after = [p.after(n) for p, n in zip(per, (1, 1, 2))]  # each sequence keeps some of its rows
+        shared = [(a.tail, a.S) for a in after]
+        copies = [(t.clone(), S.clone()) for t, S in shared]
+        S0, s_idx = cpu_kernels._shared_states([S for _, S in shared])
+        tails, t_col = cpu_kernels._shared_tails([t for t, _ in shared])
+        assert np.shares_memory(S0, per[0].states.numpy()) and np.shares_memory(tails, per[0].full.numpy())
+        assert all(np.array_equal(S0[i], S[0].numpy()) for i, (_, S) in zip(s_idx, shared))
+        assert all(np.array_equal(tails[:, c: c + 3], t[0].numpy()) for c, (t, _) in zip(t_col, shared))
+        joined, idx = cpu_kernels._shared_states([S for _, S in copies])
+        assert not np.shares_memory(joined, per[0].states.numpy()) and idx.tolist() == [0, 1, 2]
+        x = _randn(1, 5, 40, seed=41)
+        y1, p1 = kda.forward_rows_many(x, shared, [1, 3, 1])
+        y2, p2 = kda.forward_rows_many(x, copies, [1, 3, 1])
+    assert torch.equal(y1, y2)
+    for a, b, n in zip(p1, p2, [1, 3, 1]):
+        for k in range(1, n + 1):
+            assert torch.equal(a.after(k).S, b.after(k).S) and torch.equal(a.after(k).tail, b.after(k).tail)
+    assert all(torch.equal(S, c[1]) and torch.equal(t, c[0]) for (t, S), c in zip(shared, copies))
+
+
 @pytest.mark.parametrize("N", [1, 5, 16])
 def test_moe_rows_match_reference(odd, N):
     moe = odd.layers[1].mlp

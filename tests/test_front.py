@@ -49,7 +49,8 @@ def test_proxy_equals_stage(model):
     got, ref = trunk.prime(items), ref_t.prime(items)
     for g, r in zip(got, ref):
         assert torch.equal(g.argmax, r.argmax) and torch.equal(g.hidden, r.hidden)
-        assert torch.equal(g.top2_gap, r.top2_gap)
+        assert torch.equal(g.top2_gap.isnan(), r.top2_gap.isnan())  # a prime's rows before its last: NaN
+        assert torch.equal(g.top2_gap.nan_to_num(), r.top2_gap.nan_to_num())
     d_items = [DraftRequest(it.sid, o.hidden, it.tokens[1:] + [int(o.argmax[-1])], 3) for it, o in zip(items, ref)]
     drafts = drafter.draft(d_items)
     assert drafts == ref_d.draft(d_items) and [len(d) for d in drafts] == [3, 3]

@@ -136,7 +136,8 @@ def test_batched_prime_is_invariant_and_matches_one_at_a_time(checkpoint):
     """The trunk stage primes all admitted prompts in one forward (`Trunk.prime_many`; with the
     prefix cache, piece by piece): under ``batch_invariant`` each sequence's outputs and its next
     verify are bit-identical to priming it alone; without it the primed cache still is (one item a
-    forward) and the logits and batched verify agree to fp32 rounding."""
+    forward) and the logits and batched verify agree to fp32 rounding. A prime's LM head runs on each
+    prompt's last row only: the rows before it carry argmax -1 and gap NaN."""
     from tandem.engine.protocols import Rows
     from tandem.engine.trunk_stage import TrunkStage
 
@@ -148,7 +149,14 @@ def test_batched_prime_is_invariant_and_matches_one_at_a_time(checkpoint):
         for prefix in (None, []):  # plain, and pieces cut at PREFIX_BLOCK with captures
             together = TrunkStage(model, 4096, batch_invariant=bi)
             together.open([1, 2, 3, 4])
-            outs = together.prime([Rows(s, p, prefix) for s, p in zip((1, 2, 3, 4), prompts)])
+            forwards, prime_many = [], model.prime_many
+            model.prime_many = lambda caches, *a: forwards.append(len(caches)) or prime_many(caches, *a)
+            try:
+                outs = together.prime([Rows(s, p, prefix) for s, p in zip((1, 2, 3, 4), prompts)])
+            finally:
+                del model.prime_many
+            if prefix is None:  # one forward for all four (row-invariant kernels), else one each
+                assert forwards == ([4] if bi else [1, 1, 1, 1]), (bi, forwards)
             vers = together.verify([Rows(s, block) for s in (1, 2, 3, 4)])
             for j, p in enumerate(prompts):
                 alone = TrunkStage(model, 4096, batch_invariant=bi)
@@ -156,13 +164,16 @@ def test_batched_prime_is_invariant_and_matches_one_at_a_time(checkpoint):
                 o = alone.prime([Rows(9, p, prefix)])[0]
                 v = alone.verify([Rows(9, block)])[0]
                 assert o.hidden.shape == (len(p), 256) and o.argmax.shape == (len(p),)
+                assert (o.argmax[:-1] == -1).all() and o.top2_gap[:-1].isnan().all(), (bi, prefix, j)
+                assert o.argmax[-1] >= 0 and o.top2_gap[-1].isfinite(), (bi, prefix, j)
                 # without batch_invariant the stage primes one item a forward: a prompt's cache (and so
                 # the prefix cache's warm start) never depends on the prompts admitted with it
                 assert torch.equal(o.hidden, outs[j].hidden), (bi, prefix, j)
                 if bi:
-                    assert torch.equal(o.top2_gap, outs[j].top2_gap) and torch.equal(v.hidden, vers[j].hidden), (prefix, j)
+                    assert torch.equal(o.argmax, outs[j].argmax) and torch.equal(v.hidden, vers[j].hidden), (prefix, j)
+                    assert torch.equal(o.top2_gap[-1], outs[j].top2_gap[-1]), (prefix, j)
                 else:  # one LM head over every item's rows, and a batched verify
-                    torch.testing.assert_close(o.top2_gap, outs[j].top2_gap, atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(o.top2_gap, outs[j].top2_gap, atol=1e-4, rtol=1e-4, equal_nan=True)
                     torch.testing.assert_close(v.hidden, vers[j].hidden, atol=1e-4, rtol=1e-4)
                 if prefix is not None:
                     assert together.captures.get(j + 1, {}).keys() == alone.captures.get(9, {}).keys()

@@ -76,7 +76,9 @@ class VerifyOut:
     """A trunk pass over ``R`` rows: ``argmax [R]`` int64 (each row's target token: the argmax, or under
     sampling the drawn / accept-walk token, :func:`tandem.engine.sampling.row_targets`), ``hidden [R, D]`` fp32 (final normalised
     hidden), ``top2_gap [R]`` fp32 (top-1 minus top-2 logit, for near-tie analysis), ``features
-    [R, F]`` fp32 (the DFlash target-layer features; ``F = 0`` when no DFlash drafter is loaded)."""
+    [R, F]`` fp32 (the DFlash target-layer features; ``F = 0`` when no DFlash drafter is loaded).
+    A prime decides one token, after its last row: its other rows carry argmax ``-1`` and gap ``NaN``
+    (the LM head runs on the last row only)."""
 
     argmax: torch.Tensor
     hidden: torch.Tensor

@@ -39,27 +39,44 @@ class TrunkBlock:
 
 
 @torch.no_grad()
-def _outs(model: Trunk, outs: list, features: tuple[int, ...], samplers: list | None = None) -> list[VerifyOut]:
+def _outs(model: Trunk, outs: list, features: tuple[int, ...], samplers: list | None = None,
+          last_only: bool = False) -> list[VerifyOut]:
     """Per sequence a :class:`VerifyOut` from its pass output (hidden ``[1, R, D]``, or the pair with
     features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
     greedy) is ``(params, row tokens, position of row 0, last row only)`` for
     :func:`~tandem.engine.sampling.row_targets`, which then gives sequence ``j``'s targets (on CUDA,
-    or with the Triton kernels forced, the fused :func:`tandem_kernels.sampler.targets_and_gaps`)."""
+    or with the Triton kernels forced, the fused :func:`tandem_kernels.sampler.targets_and_gaps`).
+
+    ``last_only`` (a prime: only its last row decides a token): the LM head runs on each sequence's
+    last row alone (as vLLM and SGLang do for prefill), and the rows before it carry argmax ``-1`` and
+    gap ``NaN`` (:class:`VerifyOut`). A prompt of ``R`` rows then costs one LM-head row, not ``R``."""
     hs = [o[0] if features else o for o in outs]
     lengths = [h.shape[1] for h in hs]
     h = torch.cat(hs, 1)[0] if len(hs) > 1 else hs[0][0]
-    logits = model.logits(h)
-    if dispatch.use_triton(logits):
-        from tandem_kernels import sampler
-        target, gap = sampler.targets_and_gaps(logits, lengths, samplers)
+    if last_only:
+        ends = torch.tensor(lengths, device=h.device).cumsum(0) - 1
+        smp = None if samplers is None else [None if x is None else (x[0], x[1][-1:], x[2] + n - 1, True)
+                                             for x, n in zip(samplers, lengths)]
+        last_t, last_g = _targets(model.logits(h[ends]), [1] * len(lengths), smp)
+        target = torch.full((h.shape[0],), -1, dtype=last_t.dtype, device=last_t.device)
+        gap = torch.full((h.shape[0],), float("nan"), dtype=last_g.dtype, device=last_g.device)
+        target[ends], gap[ends] = last_t, last_g
     else:
-        target, gap = sampling.targets_and_gaps(logits, lengths, samplers)
+        target, gap = _targets(model.logits(h), lengths, samplers)
     cols = (target, h.float(), gap)
     res = []
     for j, parts in enumerate(zip(*(c.split(lengths) for c in cols))):
         f = outs[j][1][0] if features else hs[j].new_zeros(lengths[j], 0)
         res.append(VerifyOut(*parts, f.float()))
     return res
+
+
+def _targets(logits: torch.Tensor, lengths: list[int], samplers: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets ``[R]`` and top-2 gaps ``[R]`` of ``logits [R, V]`` (the fused Triton sampler on CUDA)."""
+    if dispatch.use_triton(logits):
+        from tandem_kernels import sampler
+        return sampler.targets_and_gaps(logits, lengths, samplers)
+    return sampling.targets_and_gaps(logits, lengths, samplers)
 
 
 class TrunkStage(KeyedStates):
@@ -116,6 +133,7 @@ class TrunkStage(KeyedStates):
         """The cache of ``sid``. Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
         return self.state(sid)
 
+    @torch.no_grad()  # also for the kernels' choice made here (``together``): they apply with autograd off
     def prime(self, items: list[Rows]) -> list[VerifyOut]:
         """Prefill each item (see :class:`~tandem.engine.protocols.Rows` for ``prefix``): restore its
         published blocks, then run its rows, in pieces ending at multiples of ``PREFIX_BLOCK`` when it uses
@@ -145,7 +163,7 @@ class TrunkStage(KeyedStates):
                 self._prime_piece(items, plans, parts, group, w)
         cats = [tuple(torch.cat(xs, 1) for xs in zip(*ps)) for ps in parts]
         return _outs(self.model, [c if f else c[0] for c in cats], f,
-                     [self._sampler(it, p[0].pos - len(it.tokens), True) for it, p in zip(items, plans)])
+                     [self._sampler(it, p[0].pos - len(it.tokens), True) for it, p in zip(items, plans)], last_only=True)
 
     def _prime_piece(self, items: list[Rows], plans: list, parts: list[list[tuple]], group: list[int], w: int) -> None:
         """Piece ``w`` of the items ``group`` in one forward; their outputs into ``parts``, and the

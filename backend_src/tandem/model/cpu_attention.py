@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cpu_kernels import _dsa_mask, np_rows
+from .cpu_kernels import _dot, _dsa_mask, np_rows
 
 _F = np.float32
 
@@ -30,10 +30,7 @@ def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_sc
     for t in range(T):
         for h in range(Hi):
             for p in range(P):
-                acc = np.float32(0.0)
-                for d in range(di):
-                    acc += iq[t, h * di + d] * pk[p, d]
-                dots[t, h, p] = acc
+                dots[t, h, p] = _dot(iq[t, h * di: (h + 1) * di], pk[p])
     mask = np.empty((T, L), np.bool_)
     _dsa_mask(dots, iw, q_scale, w_scale, q_pos, kp, k_pools, mask)
     idx = np.empty(L, np.int64)
@@ -47,10 +44,7 @@ def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_sc
         for h in range(H):
             mx = -np.inf
             for a in range(n):
-                acc = np.float32(0.0)
-                for d in range(dq):
-                    acc += K[h, idx[a], d] * q[t, h, d]
-                s[a] = acc * scaling
+                s[a] = _dot(K[h, idx[a]], q[t, h]) * scaling
                 mx = max(mx, s[a])
             tot = np.float32(0.0)
             for a in range(n):

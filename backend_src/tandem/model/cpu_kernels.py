@@ -69,6 +69,28 @@ def np_rows(t: torch.Tensor) -> np.ndarray:
     return (t if t.is_contiguous() else t.contiguous()).numpy()
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _dot(a, b):  # pragma: no cover - numba
+    # sum_j a[j] * b[j] over eight interleaved partial sums combined in a fixed order (eight
+    # independent chains instead of one serial one; the same order for a row in any batch)
+    n = a.shape[0]
+    z = np.float32(0.0)
+    s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z
+    for j in range(0, n - n % 8, 8):
+        s0 += a[j] * b[j]
+        s1 += a[j + 1] * b[j + 1]
+        s2 += a[j + 2] * b[j + 2]
+        s3 += a[j + 3] * b[j + 3]
+        s4 += a[j + 4] * b[j + 4]
+        s5 += a[j + 5] * b[j + 5]
+        s6 += a[j + 6] * b[j + 6]
+        s7 += a[j + 7] * b[j + 7]
+    acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for j in range(n - n % 8, n):
+        acc += a[j] * b[j]
+    return acc
+
+
 @njit(cache=True, nogil=True)
 def _hc_weights(streams, fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, collapsed):  # pragma: no cover - numba
     M, ND = streams.shape
@@ -77,36 +99,29 @@ def _hc_weights(streams, fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, p
     mix = np.empty(n_mix, np.float32)
     one = np.float32(1.0)
     for r in range(M):
-        ss = np.float32(0.0)
-        for j in range(ND):
-            ss += streams[r, j] * streams[r, j]
-        inv = one / np.sqrt(ss / np.float32(ND) + norm_eps)
+        x = streams[r]
+        inv = one / np.sqrt(_dot(x, x) / np.float32(ND) + norm_eps)
         for o in range(n_mix):
-            acc = np.float32(0.0)
-            for j in range(ND):
-                acc += streams[r, j] * fn[o, j]
-            mix[o] = acc * inv
+            mix[o] = _dot(x, fn[o]) * inv
+        col = collapsed[r]
         for i in range(n):
             pre = one / (one + np.exp(-(mix[i] * scale[0] + base[i]))) + eps
             post[r, i] = np.float32(2.0) / (one + np.exp(-(mix[n + i] * scale[1] + base[n + i])))
             for d in range(D):
                 if i == 0:
-                    collapsed[r, d] = pre * streams[r, d]
+                    col[d] = pre * x[d]
                 else:
-                    collapsed[r, d] += pre * streams[r, i * D + d]
-        ss = np.float32(0.0)  # the block's input RMSNorm of the collapsed streams
+                    col[d] += pre * x[i * D + d]
+        inv = one / np.sqrt(_dot(col, col) / np.float32(D) + nw_eps)  # the block's input RMSNorm
         for d in range(D):
-            ss += collapsed[r, d] * collapsed[r, d]
-        inv = one / np.sqrt(ss / np.float32(D) + nw_eps)
-        for d in range(D):
-            collapsed[r, d] = nw[d] * (collapsed[r, d] * inv)
+            col[d] = nw[d] * (col[d] * inv)
         c = comb[r]
         for i in range(n):  # softmax over each row of the n x n logits, + eps
             mx = -np.inf
             for j in range(n):
-                x = mix[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j]
-                c[i, j] = x
-                mx = max(mx, x)
+                v = mix[2 * n + i * n + j] * scale[2] + base[2 * n + i * n + j]
+                c[i, j] = v
+                mx = max(mx, v)
             s = np.float32(0.0)
             for j in range(n):
                 c[i, j] = np.exp(c[i, j] - mx)
@@ -114,18 +129,16 @@ def _hc_weights(streams, fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, p
             for j in range(n):
                 c[i, j] = c[i, j] / s + eps
         for it in range(2 * iters - 1):  # column step, then (iters - 1) x (row step, column step)
-            _divide_rows_by_sums(c.T if it % 2 == 0 else c, eps)
-
-
-@njit(cache=True, nogil=True)
-def _divide_rows_by_sums(m, eps):  # pragma: no cover - numba
-    for i in range(m.shape[0]):
-        s = np.float32(0.0)
-        for j in range(m.shape[1]):
-            s += m[i, j]
-        s += eps
-        for j in range(m.shape[1]):
-            m[i, j] = m[i, j] / s
+            for a in range(n):
+                s = np.float32(0.0)
+                for b in range(n):
+                    s += c[b, a] if it % 2 == 0 else c[a, b]
+                s += eps
+                for b in range(n):
+                    if it % 2 == 0:
+                        c[b, a] = c[b, a] / s
+                    else:
+                        c[a, b] = c[a, b] / s
 
 
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -148,12 +161,13 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
-def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S, qscale,
+def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S0, qscale,
               H, dk, full, states, keep, y):  # pragma: no cover - numba
     # mixed [T, 3C] pre-conv q|k|v; tail [3C, K-1]; convw [3C, K]; fgate [T, C] (f_b output); a_log [H];
-    # blog [T, H] beta logits; gate [T, C] output-gate logits; S [H, dk, dk] (updated in place); with
-    # keep, every row's state into states [T, H, dk, dk]. The state
-    # passes run along rows of S (contiguous, vectorised): decay + S'^T k, then update + S^T q + store
+    # blog [T, H] beta logits; gate [T, C] output-gate logits; S0 [H, dk, dk] the state before row 0
+    # (read only). With keep, row t's state goes to states[t] ([T, H, dk, dk]), else every row's to
+    # states[0] (the state after the last row). The state passes run along rows of the state
+    # (contiguous, vectorised): decay of the previous state + S'^T k, then update + S^T q, in place
     T, C3 = mixed.shape
     C = C3 // 3
     K = convw.shape[1]
@@ -172,26 +186,25 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
             for j in range(1, K):
                 acc = acc + full[c, t + j] * convw[c, j]
             act[c] = acc / (one + np.exp(-acc))
+        dst = states[t] if keep else states[0]
+        src = S0 if t == 0 else (states[t - 1] if keep else states[0])
         for h in range(H):
             q0, k0, v0 = h * dk, C + h * dk, 2 * C + h * dk
-            sq, sk = zero, zero
-            for i in range(dk):
-                sq += act[q0 + i] * act[q0 + i]
-                sk += act[k0 + i] * act[k0 + i]
-            iq = qscale / np.sqrt(sq + np.float32(1e-6))
-            ik = one / np.sqrt(sk + np.float32(1e-6))
+            qa, ka = act[q0: q0 + dk], act[k0: k0 + dk]
+            iq = qscale / np.sqrt(_dot(qa, qa) + np.float32(1e-6))
+            ik = one / np.sqrt(_dot(ka, ka) + np.float32(1e-6))
             beta = one / (one + np.exp(-blog[t, h]))
             a_exp = np.exp(a_log[h])
             for i in range(dk):
                 x = a_exp * (fgate[t, h * dk + i] + dt_bias[h * dk + i])
                 dec[i] = np.exp(lower / (one + np.exp(-x)))
-                kn[i], qn[i] = act[k0 + i] * ik, act[q0 + i] * iq
+                kn[i], qn[i] = ka[i] * ik, qa[i] * iq
                 mem[i], o[i] = zero, zero
-            Sh = S[h]
-            for i in range(dk):  # decay S, then S'^T k
-                d, ki, row = dec[i], kn[i], Sh[i]
+            Sp, Sh = src[h], dst[h]
+            for i in range(dk):  # decay the previous state into this row's, then S'^T k
+                d, ki, prev, row = dec[i], kn[i], Sp[i], Sh[i]
                 for j in range(dk):
-                    s = row[j] * d
+                    s = prev[j] * d
                     row[j] = s
                     mem[j] += s * ki
             for j in range(dk):
@@ -202,27 +215,55 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
                     s = row[j] + ki * mem[j]
                     row[j] = s
                     o[j] += s * qi
-            if keep:  # this row's state
-                states[t, h, :, :] = Sh
-            ss = zero  # gated RMSNorm of the head output
-            for j in range(dk):
-                ss += o[j] * o[j]
-            inv = one / np.sqrt(ss / np.float32(dk) + eps)
+            inv = one / np.sqrt(_dot(o, o) / np.float32(dk) + eps)  # gated RMSNorm of the head output
             for j in range(dk):
                 g = gate[t, h * dk + j]
                 y[t, h * dk + j] = onw[j] * (o[j] * inv) * (one / (one + np.exp(-g)))
 
 
 @njit(cache=True, nogil=True)
-def _kda_many(mixed, tails, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S, qscale, H, dk, offs,
-              full, states, keep, y):  # pragma: no cover - numba
-    # sequence j owns rows offs[j]:offs[j+1] and full columns offs[j] + j*(K-1) ...; S [n, H, dk, dk] in place
-    km1 = tails.shape[2]
+def _kda_many(mixed, tails, t_col, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S0, s_idx, qscale, H,
+              dk, offs, full, states, keep, y):  # pragma: no cover - numba
+    # sequence j owns rows offs[j]:offs[j+1], full columns offs[j] + j*(K-1) ..., its conv tail is
+    # tails[:, t_col[j]: t_col[j] + K-1] and it starts from S0[s_idx[j]] (both read only); its states go
+    # to states[offs[j]:offs[j+1]] (keep) or states[j]
+    km1 = convw.shape[1] - 1
     for j in range(offs.shape[0] - 1):
         a, b = offs[j], offs[j + 1]
         f0 = a + j * km1
-        _kda_rows(mixed[a:b], tails[j], convw, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
-                  S[j], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b] if keep else states, keep, y[a:b])
+        _kda_rows(mixed[a:b], tails[:, t_col[j]: t_col[j] + km1], convw, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
+                  S0[s_idx[j]], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b] if keep else states[j: j + 1],
+                  keep, y[a:b])
+
+
+def _shared_states(S0s: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences' starting states ``S0s[j] [1, H, dk, dk]`` as one array ``[M, H, dk, dk]`` and an
+    index per sequence, without a copy when they are all states of one earlier pass (views into its
+    shared buffer, :class:`~tandem.model.cache.KDARows`: the steady decode case); else joined."""
+    one = S0s[0]
+    size = one[0].numel()
+    st = one.untyped_storage()
+    if all(s.dtype == torch.float32 and s.is_contiguous() and s.untyped_storage().data_ptr() == st.data_ptr()
+           and s.storage_offset() % size == 0 for s in S0s):
+        base = torch.empty(0, dtype=torch.float32).set_(st, 0, (st.nbytes() // 4 // size, *one.shape[1:]))
+        return base.numpy(), np.array([s.storage_offset() // size for s in S0s], np.int64)
+    return np_rows(torch.cat(S0s) if len(S0s) > 1 else S0s[0]), np.arange(len(S0s), dtype=np.int64)
+
+
+def _shared_tails(tails: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences' conv tails ``tails[j] [1, 3C, K-1]`` as one array ``[3C, W]`` and a starting
+    column per sequence, without a copy when they are all columns of one earlier pass's pre-conv
+    buffer (:class:`~tandem.model.cache.KDARows`); else joined (``W = n (K-1)``)."""
+    one = tails[0]
+    _, C3, km1 = one.shape
+    W = one.stride(1)
+    st = one.untyped_storage()
+    if (one.dtype == torch.float32 and st.nbytes() == 4 * C3 * W and
+            all(t.stride() == (C3 * W, W, 1) and t.untyped_storage().data_ptr() == st.data_ptr()
+                and t.storage_offset() + km1 <= W for t in tails)):
+        base = torch.empty(0, dtype=torch.float32).set_(st, 0, (C3, W))
+        return base.numpy(), np.array([t.storage_offset() for t in tails], np.int64)
+    return np_rows(torch.cat(tails, 2)[0]), np.arange(0, len(tails) * km1, km1, dtype=np.int64)
 
 
 def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch.Tensor, fgate: torch.Tensor,
@@ -249,17 +290,17 @@ def kda_rows_fused(mixed: torch.Tensor, tails: list[torch.Tensor], conv_w: torch
     dk, n = C // heads, len(lengths)
     offs = np.array([0, *itertools.accumulate(lengths)], np.int64)
     full = np.empty((C3, N + n * (K - 1)), _F)
-    states = np.empty((N if keep_states else 1, heads, dk, dk), _F)
+    states = np.empty((N if keep_states else n, heads, dk, dk), _F)
     y = np.empty((N, C), _F)
-    S = torch.cat(S0s).numpy() if n > 1 else np_rows(S0s[0]).copy()  # the kernel updates it in place
-    tl = np_rows(torch.cat(tails) if n > 1 else tails[0])
-    _kda_many(np_rows(mixed[0]), tl, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
-              np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S,
-              _F(dk ** -0.5), heads, dk, offs, full, states, keep_states, y)
+    S0, s_idx = _shared_states(S0s)  # read only: every row's state is written to ``states``
+    tl, t_col = _shared_tails(tails)
+    _kda_many(np_rows(mixed[0]), tl, t_col, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
+              np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S0,
+              s_idx, _F(dk ** -0.5), heads, dk, offs, full, states, keep_states, y)
     o = offs.tolist()
     if not keep_states:
         ends = [o[j + 1] + (j + 1) * (K - 1) for j in range(n)]  # one past sequence j's last full column
-        return torch.from_numpy(y)[None], [(torch.from_numpy(full[None, :, e - (K - 1): e].copy()), torch.from_numpy(S[j: j + 1]))
+        return torch.from_numpy(y)[None], [(torch.from_numpy(full[None, :, e - (K - 1): e].copy()), torch.from_numpy(states[j: j + 1]))
                                           for j, e in enumerate(ends)]
     ft, st = torch.from_numpy(full)[None], torch.from_numpy(states)[None]
     return torch.from_numpy(y)[None], [KDARows(ft, st, K - 1, o[j] + j * (K - 1), o[j]) for j in range(n)]
