@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_attention, cpu_kernels
+from tandem.model import cpu_attention, cpu_kda, cpu_kernels
 from tandem.model.cache import MLACache
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
@@ -78,18 +78,22 @@ def test_kda_rows_many_reads_a_previous_pass_in_place(odd):
         after = [p.after(n) for p, n in zip(per, (1, 1, 2))]  # each sequence keeps some of its rows
         shared = [(a.tail, a.S) for a in after]
         copies = [(t.clone(), S.clone()) for t, S in shared]
-        S0, s_idx = cpu_kernels._shared_states([S for _, S in shared])
-        tails, t_col = cpu_kernels._shared_tails([t for t, _ in shared])
+        S0, s_idx = cpu_kda._shared_states([S for _, S in shared])
+        tails, t_col = cpu_kda._shared_tails([t for t, _ in shared])
         assert np.shares_memory(S0, per[0].states.numpy()) and np.shares_memory(tails, per[0].full.numpy())
         assert all(np.array_equal(S0[i], S[0].numpy()) for i, (_, S) in zip(s_idx, shared))
         assert all(np.array_equal(tails[:, c: c + 3], t[0].numpy()) for c, (t, _) in zip(t_col, shared))
-        joined, idx = cpu_kernels._shared_states([S for _, S in copies])
+        joined, idx = cpu_kda._shared_states([S for _, S in copies])
         assert not np.shares_memory(joined, per[0].states.numpy()) and idx.tolist() == [0, 1, 2]
+        tl, cols, S0b, idx = cpu_kda._starts(after)  # the states themselves: the buffers, no views made
+        assert tl.base is not None and np.shares_memory(tl, per[0].full.numpy()) and np.shares_memory(S0b, per[0].states.numpy())
+        assert cols.tolist() == t_col.tolist() and idx.tolist() == s_idx.tolist()
         x = _randn(1, 5, 40, seed=41)
         y1, p1 = kda.forward_rows_many(x, shared, [1, 3, 1])
         y2, p2 = kda.forward_rows_many(x, copies, [1, 3, 1])
-    assert torch.equal(y1, y2)
-    for a, b, n in zip(p1, p2, [1, 3, 1]):
+        y3, p3 = kda.forward_rows_many(x, [p.after(n) for p, n in zip(per, (1, 1, 2))], [1, 3, 1])
+    assert torch.equal(y1, y2) and torch.equal(y1, y3)
+    for a, b, n in zip(p3, p2, [1, 3, 1]):
         for k in range(1, n + 1):
             assert torch.equal(a.after(k).S, b.after(k).S) and torch.equal(a.after(k).tail, b.after(k).tail)
     assert all(torch.equal(S, c[1]) and torch.equal(t, c[0]) for (t, S), c in zip(shared, copies))

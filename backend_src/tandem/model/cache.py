@@ -7,7 +7,6 @@ state (``pending``) and :meth:`TrunkCache.commit` selects the state after the la
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 import numpy as np
@@ -148,18 +147,37 @@ class KDARows(typing.NamedTuple):
     row: int = 0
 
     def after(self, n_rows: int) -> "KDAState":
-        """The state after this sequence's first ``n_rows`` rows (views, not copies)."""
-        c = self.col + n_rows
-        return KDAState(self.full[:, :, c: c + self.km1], self.states[:, self.row + n_rows - 1])
+        """The state after this sequence's first ``n_rows`` rows (views, not copies, made on first use)."""
+        return KDAState(rows=self, n_rows=n_rows)
 
 
-@dataclasses.dataclass
 class KDAState:
     """Recurrent state of one linear layer for one sequence: conv ``tail [1, 3*qkv, K-1]`` and
-    ``S [1, H, dk, dv]`` (both fp32)."""
+    ``S [1, H, dk, dv]`` (both fp32). Made by :meth:`KDARows.after` it refers to that pass's buffers
+    (``rows``, after its first ``n_rows`` rows) and makes the two views on first use: a decode round's
+    kernel reads the buffers in place without them (:func:`~tandem.model.cpu_kda.kda_rows_fused`).
+    Raises ``ValueError`` unless given either both tensors or ``rows``."""
 
-    tail: torch.Tensor
-    S: torch.Tensor
+    __slots__ = ("_tail", "_S", "rows", "n_rows")
+
+    def __init__(self, tail: torch.Tensor | None = None, S: torch.Tensor | None = None,
+                 rows: KDARows | None = None, n_rows: int = 0) -> None:
+        if (tail is None) != (S is None) or (tail is None) == (rows is None):
+            raise ValueError("KDAState takes tail and S, or rows (a KDARows) and n_rows")
+        self._tail, self._S, self.rows, self.n_rows = tail, S, rows, n_rows
+
+    @property
+    def tail(self) -> torch.Tensor:
+        if self._tail is None:
+            c = self.rows.col + self.n_rows
+            self._tail = self.rows.full[:, :, c: c + self.rows.km1]
+        return self._tail
+
+    @property
+    def S(self) -> torch.Tensor:
+        if self._S is None:
+            self._S = self.rows.states[:, self.rows.row + self.n_rows - 1]
+        return self._S
 
     def clone(self) -> "KDAState":
         return KDAState(self.tail.clone(), self.S.clone())

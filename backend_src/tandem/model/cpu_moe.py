@@ -11,7 +11,7 @@ from numba import njit
 
 from . import cpu_gemm
 from .cpu_gemm import _mm
-from .cpu_kernels import _F, np_param
+from .cpu_kernels import _F, _exp, np_param
 
 
 @njit(cache=True, nogil=True)
@@ -68,7 +68,7 @@ def _moe_combine(h, w, out):  # pragma: no cover - numba
             out[r, d] = acc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
     # each expert e on the rows that selected it (w[r, e] != 0), in expert order: gate | up GEMM,
     # clamped SwiGLU, down GEMM (row-invariant _mm), out[r] += w[r, e] * h; out [N, D] zeros
@@ -92,7 +92,7 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
             for i in range(I):
                 g = min(gu[j, i], limit)
                 u = min(max(gu[j, I + i], -limit), limit)
-                act[j, i] = g / (one + np.exp(-g)) * u
+                act[j, i] = g / (one + _exp(-g)) * u
         _mm(act[:n], down[e], 0, D, h[:n])
         for j in range(n):
             r = rows[j]

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tandem_kernels import dispatch
 
-from . import cpu_kernels
+from . import cpu_kda, cpu_kernels
 from .cache import KDARows
 from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
@@ -247,7 +247,7 @@ class LinearAttention(nn.Module):
         """Verify / decode path (row by row). ``x [B, T, D]`` -> ``y [B, T, D]``, pre-conv inputs with
         the old tail ``[B, 3qkv, K-1+T]`` (the tail after row r is ``[..., r+1 : r+K]``) and every
         row's recurrent state ``[B, T, H, dk, dv]``. Without autograd (serving) one sequence runs in
-        :func:`~tandem.model.cpu_kernels.kda_rows_fused`; this torch path is its reference. On CUDA (or
+        :func:`~tandem.model.cpu_kda.kda_rows_fused`; this torch path is its reference. On CUDA (or
         with the kernels forced) the rows run in :func:`tandem_kernels.kda_verify.kda_rows`."""
         tail, S = state
         if cpu_kernels.active(x) and x.shape[0] == 1:
@@ -262,11 +262,12 @@ class LinearAttention(nn.Module):
             o, states = kda_rows(q, k, v, g, beta, S)
         return self._out(x, o), full, states
 
-    def forward_rows_many(self, x: torch.Tensor, states: list[tuple[torch.Tensor, torch.Tensor]], lengths: list[int],
+    def forward_rows_many(self, x: torch.Tensor, states: list, lengths: list[int],
                           keep_states: bool = True) -> tuple[torch.Tensor, list]:
         """:meth:`forward_rows` for several sequences (serving): ``x [1, sum R, D]`` holds each
-        sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)``. The projections run over
-        all rows, the recurrences in one :func:`~tandem.model.cpu_kernels.kda_rows_fused` call. Returns
+        sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)`` or
+        :class:`~tandem.model.cache.KDAState` (read in place). The projections run over
+        all rows, the recurrences in one :func:`~tandem.model.cpu_kda.kda_rows_fused` call. Returns
         ``y [1, sum R, D]`` and per sequence its :class:`~tandem.model.cache.KDARows` (pre-conv inputs
         with its tail, every row's state); without ``keep_states`` (a prime) its ``(tail, S)`` after
         its last row, as :meth:`forward` returns."""
@@ -278,7 +279,6 @@ class LinearAttention(nn.Module):
         mixed, fa, b, ga = out.split([3 * C, dk, H, dk], -1)
         fg = self.forget_gate
         fb, gb = fg.f_b_proj(fa), self.g_b_proj(ga)
-        y, per = cpu_kernels.kda_rows_fused(mixed, [t for t, _ in states], self.conv1d.weight, fb, fg.A_log,
-                                            fg.dt_bias, fg.lower, b, gb, self.o_norm.weight,
-                                            self.o_norm.variance_epsilon, [S for _, S in states], H, lengths, keep_states)
+        y, per = cpu_kda.kda_rows_fused(mixed, states, self.conv1d.weight, fb, fg.A_log, fg.dt_bias, fg.lower, b,
+                                            gb, self.o_norm.weight, self.o_norm.variance_epsilon, H, lengths, keep_states)
         return self.o_proj(y.to(x.dtype)), per

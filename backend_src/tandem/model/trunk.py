@@ -147,7 +147,7 @@ class Trunk(nn.Module):
                 if layer.layer_type == "linear_attention" and cpu_kernels.active(x) and x.shape[0] == 1:
                     # the recurrence row by row, every sequence in one kernel call (faster here than
                     # the chunked form up to 256 rows, and the same whatever the chunking)
-                    sts = [(st.tail, st.S) if (st := c.layers[i]) is not None else attn.init_state(1, x.device) for c in caches]
+                    sts = [st if (st := c.layers[i]) is not None else attn.init_state(1, x.device) for c in caches]
                     y, finals = attn.forward_rows_many(x, sts, lengths, keep_states=False)
                     for c, (tail, S) in zip(caches, finals):
                         c.layers[i] = KDAState(tail, S)
@@ -204,13 +204,14 @@ class Trunk(nn.Module):
             attn = layer.self_attn
             if layer.layer_type != "linear_attention":
                 return lambda x: attn.rows_many(x, [c.layers[i] for c in caches], comp)
-            sts = [(st.tail, st.S) if (st := c.layers[i]) is not None else attn.init_state(x0.shape[0], x0.device) for c in caches]
+            sts = [st if (st := c.layers[i]) is not None else attn.init_state(x0.shape[0], x0.device) for c in caches]
 
             def fn(x):
                 if cpu_kernels.active(x) and x.shape[0] == 1:
                     y, per = attn.forward_rows_many(x, sts, comp)
                 else:  # the torch reference, one sequence at a time
-                    res = [attn.forward_rows(xs, st) for xs, st in zip(x.split(comp, 1), sts)]
+                    res = [attn.forward_rows(xs, (st.tail, st.S) if isinstance(st, KDAState) else st)
+                           for xs, st in zip(x.split(comp, 1), sts)]
                     y = torch.cat([r[0] for r in res], 1)
                     per = [KDARows(full, states, full.shape[-1] - states.shape[1]) for _, full, states in res]
                 for p, pr in zip(pending, per):

@@ -15,8 +15,8 @@ from .trunk import Trunk
 
 def compile_kernels() -> float:
     """Compile every kernel for the argument types serving passes (numba caches them on disk beside
-    cpu_kernels.py, cpu_moe.py and cpu_gemm.py, so only the first call on a machine pays, ~10 s on 2 cores) by running a tiny random
-    trunk through prime and a two-sequence verify. Returns the seconds it took."""
+    cpu_kernels.py, cpu_kda.py, cpu_moe.py and cpu_gemm.py, so only the first call on a machine pays,
+    ~10 s on 2 cores) by running a tiny random trunk through prime and a two-sequence verify. Returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = TrunkConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=2,
                       num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,

@@ -48,19 +48,25 @@ def run_concurrent(engine, prompts: list[list[int]], max_tokens: int, spec: str)
             "token_ids": [out[s] for s in sids]}
 
 
-def run_scaling(engine, prompts: list[list[int]], max_tokens: int, spec: str) -> dict:
-    """One session at a time over ``prompts`` vs all of them at once (same prompts, same engine):
-    aggregate tokens/s of each, their ratio, TTFT / gap / ITL medians, and whether every output is
-    identical (greedy outputs must not depend on the batch)."""
+def run_scaling(engine, prompts: list[list[int]], max_tokens: int, spec: str, reps: int = 3) -> dict:
+    """One session at a time over ``prompts`` vs all of them at once (same prompts, same engine),
+    ``reps`` times in turn (the machine's speed drifts: each rep's ratio is measured back to back and
+    the median rep is reported): aggregate tokens/s of each, their ratio, TTFT / gap / ITL medians,
+    every rep's ratio, and whether every output is identical (greedy outputs must not depend on the
+    batch)."""
     run_concurrent(engine, prompts[:2], 8, spec)  # warm-up
-    one = [run_concurrent(engine, [p], max_tokens, spec) for p in prompts]
-    many = run_concurrent(engine, prompts, max_tokens, spec)
-    t1 = sum(r["tokens"] for r in one) / sum(r["seconds"] for r in one)
+    runs = []
+    for _ in range(reps):
+        one = [run_concurrent(engine, [p], max_tokens, spec) for p in prompts]
+        many = run_concurrent(engine, prompts, max_tokens, spec)
+        t1 = sum(r["tokens"] for r in one) / sum(r["seconds"] for r in one)
+        runs.append((many["tokens_per_s"] / t1, t1, one, many))
+    ratio, t1, one, many = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     med = lambda k: statistics.median(r[k] for r in one if r[k] is not None)  # noqa: E731
     return {"spec": spec, "sessions": len(prompts), "one_tokens_per_s": t1, "many_tokens_per_s": many["tokens_per_s"],
-            "ratio": many["tokens_per_s"] / t1, "one": {k: med(k) for k in ("ttft_s", "gap_s", "itl_s")},
+            "ratio": ratio, "ratios": [r[0] for r in runs], "one": {k: med(k) for k in ("ttft_s", "gap_s", "itl_s")},
             "many": {k: many[k] for k in ("ttft_s", "gap_s", "itl_s")},
-            "identical": many["token_ids"] == [r["token_ids"][0] for r in one]}
+            "identical": all(m["token_ids"] == [r["token_ids"][0] for r in o] for _, _, o, m in runs)}
 
 
 def print_scaling(console, rows: list[dict]) -> None:
@@ -69,7 +75,8 @@ def print_scaling(console, rows: list[dict]) -> None:
         console.print(f"{'concurrency ' + r['spec']:>30}: {r['sessions']} sessions {r['many_tokens_per_s']:.1f} tok/s vs one "
                       f"at a time {r['one_tokens_per_s']:.1f} = [bold]{r['ratio']:.2f}x[/]; TTFT {m['ttft_s'] * 1e3:.0f} vs "
                       f"{o['ttft_s'] * 1e3:.0f} ms, ITL {m['itl_s'] * 1e3:.1f} vs {o['itl_s'] * 1e3:.1f} ms, gap between "
-                      f"responses {m['gap_s'] * 1e3:.0f} vs {o['gap_s'] * 1e3:.0f} ms; outputs identical {r['identical']}")
+                      f"responses {m['gap_s'] * 1e3:.0f} vs {o['gap_s'] * 1e3:.0f} ms; outputs identical {r['identical']}; "
+                      f"the median of {len(r['ratios'])} reps ({', '.join(f'{x:.2f}x' for x in r['ratios'])})")
 
 
 def _stream_with_arrival(engine, prompts: list[list[int]], max_tokens: int, spec: str,
