@@ -90,6 +90,11 @@ def _exp(x):  # pragma: no cover - numba
     # reduction and polynomial (S. L. Moshier, Cephes Math Library, expf.c): x = k ln2 + r, |r| <=
     # ln2 / 2, exp(r) by a degree-6 polynomial, 2**k from the exponent bits. At most 1.4 ulp off
     # exp over [-87, 88]; x is clamped to [-87.3, 88.3] (exp(-87.3) ~ 1.2e-38, exp(88.3) ~ 2.2e38)
+    # (so SiLU / sigmoid of x <= -88 give a tiny value instead of 0). Inlined, it takes the caller's
+    # fastmath flags: with "contract" (the KDA kernel) its steps fuse into FMAs, without (the MoE
+    # kernel) they do not; each is one fixed per-element function, so rows stay batch-invariant.
+    # numba's on-disk cache does not see edits here from the files that inline it: clear their
+    # __pycache__ after changing _exp or _dot.
     x = min(max(x, np.float32(-87.3)), np.float32(88.3))
     k = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
     r = x - k * np.float32(0.693359375)
