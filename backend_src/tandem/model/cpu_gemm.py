@@ -13,8 +13,8 @@ any CPU. The serving parameter ``batch_invariant`` routes the trunk's verify pas
 Speed, fp32, one thread, AMD EPYC (AVX-512), MKL in brackets: ``[M, 256] x [256, 2560]`` (an MoE
 layer's gate | up) M=1 32 us (48), M=8 109 (172), M=16 157 (291); the LM head ``[256, 8192]`` M=1
 102 (166), M=8 334 (888), M=64 2671 (4360). Rows go in fours with the input dimension unrolled by
-8 (one accumulator load and store per 8 fmas) and the last three, two or one in one block (a
-weight slice is read once per block).
+8 (one accumulator load and store per 8 fmas); the last three as four with a zero row, or the last
+two or one in one block (a weight slice is read once per block).
 """
 
 from __future__ import annotations
@@ -91,33 +91,6 @@ def _rows4(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
-def _rows3(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
-    # rows r .. r+2, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
-    a0, a1, a2 = out[r, o0:o0 + n], out[r + 1, o0:o0 + n], out[r + 2, o0:o0 + n]
-    a0[:] = 0.0; a1[:] = 0.0; a2[:] = 0.0  # noqa: E702
-    D = x.shape[1]
-    for k in range(0, D - D % 8, 8):
-        w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
-        x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
-        x10, x11, x12, x13, x14, x15, x16, x17 = _x8(x, r + 1, k)
-        x20, x21, x22, x23, x24, x25, x26, x27 = _x8(x, r + 2, k)
-        for j in range(n):
-            a0[j] = (a0[j] + x00 * _f32(w0[j]) + x01 * _f32(w1[j]) + x02 * _f32(w2[j]) + x03 * _f32(w3[j])
-                     + x04 * _f32(w4[j]) + x05 * _f32(w5[j]) + x06 * _f32(w6[j]) + x07 * _f32(w7[j]))
-            a1[j] = (a1[j] + x10 * _f32(w0[j]) + x11 * _f32(w1[j]) + x12 * _f32(w2[j]) + x13 * _f32(w3[j])
-                     + x14 * _f32(w4[j]) + x15 * _f32(w5[j]) + x16 * _f32(w6[j]) + x17 * _f32(w7[j]))
-            a2[j] = (a2[j] + x20 * _f32(w0[j]) + x21 * _f32(w1[j]) + x22 * _f32(w2[j]) + x23 * _f32(w3[j])
-                     + x24 * _f32(w4[j]) + x25 * _f32(w5[j]) + x26 * _f32(w6[j]) + x27 * _f32(w7[j]))
-    for k in range(D - D % 8, D):
-        w = wt[k, wc:wc + n]
-        x0, x1, x2 = x[r, k], x[r + 1, k], x[r + 2, k]
-        for j in range(n):
-            a0[j] += x0 * _f32(w[j])
-            a1[j] += x1 * _f32(w[j])
-            a2[j] += x2 * _f32(w[j])
-
-
-@njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
 def _rows2(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
     # rows r .. r+1, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
     a0, a1 = out[r, o0:o0 + n], out[r + 1, o0:o0 + n]
@@ -163,17 +136,22 @@ def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True)
 def _mm(x, wt, c0, c1, out):  # pragma: no cover - numba
     # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1], wt [D, O] C-contiguous, by column blocks; rows in
-    # fours, then the last three, two or one in one block: every element is the same fma chain over k in order whichever
+    # fours, then the last three (padded to four), two or one in one block: every element is the same fma chain over k in order whichever
     # block computes it (k unrolled by 8 chains the fmas in the same order: a + x0*w0 + x1*w1 ...)
     M = x.shape[0]
+    p = 4 if M % 4 == 3 else 0  # rows of the padded block (none unless three are left)
+    pad, pad_out = np.zeros((p, x.shape[1]), x.dtype), np.empty((p, _BLOCK), np.float32)
+    if M % 4 == 3:
+        pad[:3] = x[M - 3:]
     for o0 in range(0, c1 - c0, _BLOCK):
         n = min(_BLOCK, c1 - c0 - o0)
         r = 0
         while r + 4 <= M:
             _rows4(x, wt, r, c0 + o0, o0, n, out)
             r += 4
-        if r + 3 == M:
-            _rows3(x, wt, r, c0 + o0, o0, n, out)
+        if r + 3 == M:  # the last three rows as four (a zero row): the weight slice is read once
+            _rows4(pad, wt, 0, c0 + o0, 0, n, pad_out)
+            out[r:, o0:o0 + n] = pad_out[:3, :n]
         elif r + 2 == M:
             _rows2(x, wt, r, c0 + o0, o0, n, out)
         elif r < M:
