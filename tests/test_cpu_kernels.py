@@ -179,21 +179,64 @@ def test_mla_cache_grows_truncates_and_clones_like_concatenation():
     assert torch.equal(c.latent[:, 30], torch.zeros(1, 5)) and c.nbytes() > d.nbytes()
 
 
-def test_mla_cache_append_np_equals_append():
-    """The serving path's numpy append writes what the torch append does: rows ``off .. off + n`` of a
-    batch, across buffer doublings, after a prefix restore replaced a buffer, and its K buffer view
-    follows each new buffer."""
-    g = torch.Generator().manual_seed(1)
-    a, b = MLACache(4), MLACache(4)
-    for step, (N, off, n) in enumerate([(3, 1, 2), (9, 0, 9), (5, 2, 3), (40, 5, 30), (2, 1, 1)]):
-        rows = {"latent": torch.randn(1, N, 5, generator=g), "k": torch.randn(1, 2, N, 3, generator=g),
-                "v": torch.randn(1, 2, N, 3, generator=g), "ik": torch.randn(1, N, 4, generator=g),
-                "ig": torch.randn(1, N, 4, generator=g)}
-        a.append(rows, off, n)
-        b.append_np({k: v.numpy() for k, v in rows.items()}, off, n)
-        if step == 1:  # a prefix restore assigns a buffer: the numpy view must follow it
-            a.k, b.k = a.k.clone(), b.k.clone()
-        assert len(a) == len(b)
-        for name in ("latent", "k", "v", "ik", "ig"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
-        assert np.shares_memory(b.buffer_np("k"), b.buffer("k").numpy())
+@pytest.mark.parametrize("R,V", [(1, 2), (3, 97), (9, 8192)])
+def test_top2_matches_topk(R, V):
+    """Greedy targets and top-2 gaps in one pass against ``topk(2)``; at a tie the first maximum and gap 0."""
+    x = _randn(R, V, seed=R + V)
+    idx, gap = cpu_kernels.top2(x)
+    top = x.topk(2, dim=-1)
+    assert torch.equal(idx, top.indices[:, 0]) and torch.equal(gap, top.values[:, 0] - top.values[:, 1])
+    x[:, V - 1] = x[:, 0] = x.max() + 1  # a tie for the maximum, at both ends of each row
+    idx, gap = cpu_kernels.top2(x)
+    assert idx.tolist() == [0] * R and gap.tolist() == [0.0] * R
+
+
+@pytest.mark.parametrize("n", [3, 4, 13, 40])
+def test_pool_keys_match_reference(odd, n):
+    """The DSA pool compression kernel against the torch softmax-weighted sum (complete pools only)."""
+    ix = odd.layers[1].self_attn.indexer
+    keys, gates = _randn(1, n, 8, seed=n), _randn(1, n, 8, seed=n + 1, scale=3.0)
+    with torch.no_grad():
+        got = ix.pool_keys(keys, gates)
+        with cpu_kernels.reference():
+            ref = ix.pool_keys(keys, gates)
+    assert got.shape == ref.shape == (1, n // ix.kp, 8)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_mla_many_equals_one_sequence_at_a_time_and_appends_like_torch(odd):
+    """Several sequences' MLA rows in one :func:`cpu_attention.mla_many` call (rows appended in place
+    by the kernel, across buffer doublings, pools completed, a buffer replaced as a prefix restore
+    does) give each sequence's outputs bit for bit as a call of its own, and caches equal to the
+    torch append's."""
+    attn, ix = odd.layers[1].self_attn, odd.layers[1].self_attn.indexer
+
+    def call(rows, caches, lengths):
+        return cpu_attention.mla_many(rows, caches, lengths, ix.index_kpool_compress_ape, ix.kp, ix.k_pools, attn.scaling,
+                                      ix.d ** -0.5, ix.h ** -0.5)
+
+    with torch.no_grad():
+        prompts = [_randn(1, n, 40, seed=60 + n) for n in (3, 14, 30)]
+        together, alone, ref = ([MLACache(ix.kp) for _ in prompts] for _ in range(3))
+        for cs in (together, alone, ref):
+            for c, p in zip(cs, prompts):
+                attn.prime(p, c)
+        for step, lengths in enumerate([(1, 1, 1), (5, 2, 9), (1, 16, 1), (13, 3, 2), (1, 1, 1)]):
+            x = _randn(1, sum(lengths), 40, seed=70 + step)
+            rows = attn.project(x)
+            got = call(rows, together, list(lengths))
+            off = 0
+            for j, n in enumerate(lengths):
+                part = {k: (v[:, :, off: off + n] if k in ("q", "k", "v") else v[:, off: off + n]).contiguous()
+                        for k, v in rows.items()}
+                one = call(part, [alone[j]], [n])
+                assert np.array_equal(got[off: off + n], one), (step, j)
+                ref[j].append(rows, off, n)
+                ref[j].add_pools(ix.pool_keys(ref[j].ik[:, ref[j].n_pools() * ix.kp:], ref[j].ig[:, ref[j].n_pools() * ix.kp:]))
+                off += n
+            if step == 1:  # a prefix restore assigns a buffer: the kernel must write to the new one
+                together[0].k, alone[0].k = together[0].k.clone(), alone[0].k.clone()
+            for a, b in zip(together, ref):
+                assert len(a) == len(b) and a.n_pools() == b.n_pools() == len(b) // ix.kp
+                for name in ("latent", "k", "v", "ik", "ig", "pk"):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)

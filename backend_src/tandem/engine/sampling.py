@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .. import schema
+from ..model import cpu_kernels
 from ..schema import WireError
 
 #: noise purposes (the second word of the Philox key)
@@ -163,20 +164,24 @@ def row_targets(logits: torch.Tensor, tokens: list[int], pos0: int, p: SamplingP
 def targets_and_gaps(logits: torch.Tensor, lengths: list[int], samplers: list | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's target token ``[R]`` int64 and top-2 logit gap ``[R]`` (the reference of the fused
-    Triton sampler, :func:`tandem_kernels.sampler.targets_and_gaps`).
+    Triton sampler, :func:`tandem_kernels.sampler.targets_and_gaps`; on the CPU the greedy targets
+    and gaps come from :func:`~tandem.model.cpu_kernels.top2`).
 
     ``logits [R, V]`` hold the walks' rows in turn (``lengths``); ``samplers[j]`` (None: greedy, the
     argmax) is ``(params, row tokens, position of row 0, last row only)`` for :func:`row_targets`.
     """
-    top = logits.topk(2, dim=-1)
-    target = top.indices[:, 0]
+    if cpu_kernels.active(logits) and logits.dtype == torch.float32 and logits.shape[-1] > 1:
+        target, gap = cpu_kernels.top2(logits)  # one pass over each row
+    else:
+        top = logits.topk(2, dim=-1)
+        target, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
     if samplers is not None and any(samplers):
         target, off = target.clone(), 0
         for n, smp in zip(lengths, samplers):
             if smp is not None:
                 target[off: off + n] = row_targets(logits[off: off + n], smp[1], smp[2], smp[0], smp[3]).to(target.device)
             off += n
-    return target, top.values[:, 0] - top.values[:, 1]
+    return target, gap
 
 
 def to_wire(params: list[SamplingParams | None]) -> dict[str, np.ndarray]:

@@ -33,6 +33,7 @@ class MLACache:
         self._np_views: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
         self._n = 0  # rows
         self._np = 0  # complete pools stored
+        self._ptrs: tuple[int, ...] | None = None  # kernel_ptrs, while the buffers stay
 
     def _view(self, name: str) -> torch.Tensor | None:
         b = self._buf[name]
@@ -48,6 +49,7 @@ class MLACache:
     def _set(self, name: str, t: torch.Tensor | None) -> None:
         self._buf[name] = None if t is None else t.contiguous()
         self._np_views.pop(name, None)
+        self._ptrs = None
         n = 0 if t is None else t.shape[_MLA_DIMS[name]]
         if name == "pk":
             self._np = n
@@ -57,19 +59,64 @@ class MLACache:
     def __len__(self) -> int:
         return self._n
 
-    def _put(self, name: str, start: int, rows: torch.Tensor) -> None:
-        """Write ``rows`` at ``start`` along the growing dim, doubling the buffer when it is short."""
-        dim, end = _MLA_DIMS[name], start + rows.shape[_MLA_DIMS[name]]
-        b = self._buf[name]
+    def _grow(self, name: str, end: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer behind ``name`` with room for ``end`` entries along its growing dim: a new one
+        (``like``'s shape elsewhere and device, ``dtype``) holding the used entries when it is short,
+        doubling."""
+        dim, b = _MLA_DIMS[name], self._buf[name]
         if b is None or b.shape[dim] < end:
-            shape = list(rows.shape)
+            shape = list(like.shape)
             shape[dim] = max(end, 2 * (0 if b is None else b.shape[dim]), 16)
-            nb = rows.new_empty(shape)
-            if b is not None and start:
-                nb.narrow(dim, 0, start).copy_(b.narrow(dim, 0, start))
+            nb = like.new_empty(shape, dtype=dtype)
+            used = min(self._np if name == "pk" else self._n, 0 if b is None else b.shape[dim])
+            if used:
+                nb.narrow(dim, 0, used).copy_(b.narrow(dim, 0, used))
             self._buf[name] = b = nb
             self._np_views.pop(name, None)  # (it held the old buffer)
+            self._ptrs = None
+        return b
+
+    def _put(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write ``rows`` at ``start`` (the used entries' end) along the growing dim, growing the buffer."""
+        dim = _MLA_DIMS[name]
+        end = start + rows.shape[dim]
+        b = self._grow(name, end, rows, rows.dtype)
         b.narrow(dim, start, end - start).copy_(rows)
+
+    def reserve(self, n: int, like: dict[str, torch.Tensor]) -> None:
+        """Room for ``n`` more rows in every row buffer and for the pools they complete (new buffers
+        float32, shaped like ``like``'s rows ``[1, N, .]`` / ``[1, H, N, .]`` on their device), so a kernel can write
+        them in place (:meth:`kernel_ptrs`, then :meth:`extend`)."""
+        end, p = self._n + n, self._ptrs
+        if p is not None and end <= p[8] and end // self.kp <= p[9]:
+            return
+        for name in ("latent", "k", "v", "ik", "ig"):
+            self._grow(name, end, like[name], torch.float32)
+        self._grow("pk", end // self.kp, like["ik"], torch.float32)
+
+    def kernel_ptrs(self) -> tuple[int, ...]:
+        """``(latent, k, v, ik, ig, pk, k_capacity, v_capacity, row_capacity, pool_capacity)``: the
+        addresses of the float32 C-contiguous buffers (after :meth:`reserve`), the token capacity of
+        the K and V buffers ``[1, H, capacity, .]``, the rows every row buffer has room for and the
+        pools the pool buffer has room for; for the serving kernels that append rows and attend in
+        place (:func:`~tandem.model.cpu_attention.mla_many`). Made once per set of buffers.
+
+        Raises ``ValueError`` when a buffer is missing, not float32 or not contiguous."""
+        if self._ptrs is None:
+            names = ("latent", "k", "v", "ik", "ig", "pk")
+            bufs = [self._buf[n] for n in names]
+            if any(b is None or b.dtype != torch.float32 or not b.is_contiguous() for b in bufs):
+                raise ValueError("MLACache.kernel_ptrs: every buffer must be float32 and contiguous (reserve first)")
+            caps = [b.shape[_MLA_DIMS[n]] for n, b in zip(names, bufs)]
+            self._ptrs = (*(b.data_ptr() for b in bufs), caps[1], caps[2], min(caps[:5]), caps[5])
+        return self._ptrs
+
+    def extend(self, n: int) -> None:
+        """Count ``n`` rows a kernel wrote in place after the used ones, and the pools they complete
+        (:meth:`reserve` made room, :meth:`kernel_ptrs` gave the buffers)."""
+        end = self._n + n
+        assert self._ptrs is not None and end <= self._ptrs[8], "extend without reserve / kernel_ptrs"
+        self._n, self._np = end, end // self.kp
 
     def append(self, rows: dict[str, torch.Tensor], off: int = 0, n: int | None = None) -> None:
         """Append rows ``off .. off + n`` (default all) of ``latent, k, v, ik, ig`` as produced by
@@ -90,21 +137,6 @@ class MLACache:
         if hit is None or hit[0] is not b:
             hit = self._np_views[name] = (b, b.numpy())
         return hit[1]
-
-    def append_np(self, rows: dict[str, np.ndarray], off: int, n: int) -> None:
-        """:meth:`append` from numpy views of the rows (the CPU serving path: a numpy slice
-        assignment costs ~1 us where a torch narrow + copy costs ~8 us), same layouts, fp32 buffers."""
-        start, end = self._n, self._n + n
-        for name in ("latent", "k", "v", "ik", "ig"):
-            a, dim, b = rows[name], _MLA_DIMS[name], self._buf[name]
-            src = a[0, off: off + n] if dim == 1 else a[0, :, off: off + n]
-            if b is None or b.shape[dim] < end or b.dtype != torch.float32:
-                self._put(name, start, torch.from_numpy(np.ascontiguousarray(src))[None])
-            elif dim == 1:
-                self.buffer_np(name)[0, start:end] = src
-            else:
-                self.buffer_np(name)[0, :, start:end] = src
-        self._n = end
 
     def add_pools(self, pk_new: torch.Tensor) -> None:
         """Append compressed pool keys ``pk_new [1, P, di]``."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
-from .cpu_kernels import _dot, _dsa_mask, np_rows
+from .cpu_kernels import _dot, _dsa_mask, np_param, np_rows
 
 _F = np.float32
 
@@ -58,6 +60,89 @@ def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_sc
                     o[e] += w * vj[e]
 
 
+@intrinsic
+def _f32_ptr(typingctx, addr):
+    """An int64 address as a float32 pointer (for ``numba.carray`` over a buffer the caller keeps alive)."""
+    if addr != types.int64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+    return types.CPointer(types.float32)(addr), codegen
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _pools(ik, ig, ape, p0, p1, pk):  # pragma: no cover - numba
+    # the compressed keys of pools p0 .. p1-1 (rows p*kp .. p*kp+kp-1 of ik / ig [L, di]) into pk [., di]:
+    # per channel, the softmax over the pool's rows of ig + ape [kp, di], weighting ik
+    kp, di = ape.shape
+    m, tot, acc = np.empty(di, np.float32), np.empty(di, np.float32), np.empty(di, np.float32)
+    for p in range(p0, p1):
+        r0 = p * kp
+        for d in range(di):
+            m[d] = ig[r0, d] + ape[0, d]
+        for j in range(1, kp):
+            for d in range(di):
+                m[d] = max(m[d], ig[r0 + j, d] + ape[j, d])
+        tot[:] = np.float32(0.0)
+        acc[:] = np.float32(0.0)
+        for j in range(kp):
+            for d in range(di):
+                e = np.exp(ig[r0 + j, d] + ape[j, d] - m[d])
+                tot[d] += e
+                acc[d] += e * ik[r0 + j, d]
+        for d in range(di):
+            pk[p, d] = acc[d] / tot[d]
+
+
+def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """The DSA indexer's compressed pool keys (serving kernel of
+    :meth:`tandem.model.mla.Indexer.pool_keys`, its reference): ``keys, gates [1, n, di]`` fp32, ``ape
+    [kp, di]`` -> ``[1, n // kp, di]``, per channel ``sum_j softmax_j(gates + ape) * keys`` over each
+    complete pool's ``kp`` rows. The same arithmetic as the pools :func:`mla_many` completes."""
+    a = np_param(ape)
+    n = keys.shape[1] // a.shape[0]
+    out = np.empty((n, a.shape[1]), _F)
+    _pools(np_rows(keys[0]), np_rows(gates[0]), a, 0, n, out)
+    return torch.from_numpy(out)[None]
+
+
+@njit(cache=True, nogil=True)
+def _append_many(lat, k, v, ik, ig, ape, offs, ptrs, used, pools):  # pragma: no cover - numba
+    # rows offs[j]:offs[j+1] of lat [N, r], k [H, N, dqk], v [H, N, dv], ik / ig [N, di] to sequence
+    # j's cache buffers (ptrs[j]: MLACache.kernel_ptrs) after its used[j] rows, then the pools they
+    # complete after its pools[j] (_pools)
+    H, _, dq = k.shape
+    dv, r, di = v.shape[2], lat.shape[1], ik.shape[1]
+    kp = ape.shape[0]
+    for j in range(offs.shape[0] - 1):
+        a, b, L = offs[j], offs[j + 1], used[j]
+        end = L + b - a
+        carray(_f32_ptr(ptrs[j, 0]), (end, r))[L:] = lat[a:b]
+        carray(_f32_ptr(ptrs[j, 1]), (H, ptrs[j, 6], dq))[:, L:end] = k[:, a:b]
+        carray(_f32_ptr(ptrs[j, 2]), (H, ptrs[j, 7], dv))[:, L:end] = v[:, a:b]
+        cik, cig = carray(_f32_ptr(ptrs[j, 3]), (end, di)), carray(_f32_ptr(ptrs[j, 4]), (end, di))
+        cik[L:] = ik[a:b]
+        cig[L:] = ig[a:b]
+        if end // kp > pools[j]:
+            _pools(cik, cig, ape, pools[j], end // kp, carray(_f32_ptr(ptrs[j, 5]), (end // kp, di)))
+
+
+@njit(cache=True, nogil=True)
+def _attend_many(q, iq, iw, offs, ptrs, used, pools, kp, k_pools, scaling, q_scale, w_scale, out):  # pragma: no cover - numba
+    # _mla_rows of sequence j's rows offs[j]:offs[j+1] over its cache buffers (ptrs[j]), whose used[j]
+    # rows already include them, and its pools[j] complete pools
+    H, dq, di = q.shape[1], q.shape[2], iq.shape[1] // iw.shape[1]
+    dv = out.shape[1] // H
+    for j in range(offs.shape[0] - 1):
+        a, b, L = offs[j], offs[j + 1], used[j]
+        K = carray(_f32_ptr(ptrs[j, 1]), (H, ptrs[j, 6], dq))
+        V = carray(_f32_ptr(ptrs[j, 2]), (H, ptrs[j, 7], dv))
+        pk = carray(_f32_ptr(ptrs[j, 5]), (pools[j], di))
+        _mla_rows(q[a:b], K, V, L, iq[a:b], iw[a:b], pk, np.arange(L - (b - a), L), kp, k_pools, scaling, q_scale,
+                  w_scale, out[a:b])
+
+
 def query_arrays(rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The query-side arrays of projected rows (``MLAttention.project`` in the serving layout), once
     for all sequences: ``q [N, H, dqk]``, ``iq [N, Hi * di]``, ``iw [N, Hi]`` (C-contiguous fp32)."""
@@ -85,3 +170,31 @@ def mla_rows_into(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], off: int, n
     _mla_rows(q[off: off + n], cache.buffer_np("k")[0], cache.buffer_np("v")[0], len(cache), iq[off: off + n],
               iw[off: off + n], pk, np.arange(pos0, pos0 + n, dtype=np.int64), kp, k_pools, _F(scaling), _F(q_scale),
               _F(w_scale), out[off: off + n])
+
+
+def mla_many(rows: dict[str, torch.Tensor], caches: list, lengths: list[int], ape: torch.Tensor, kp: int, k_pools: int,
+             scaling: float, q_scale: float, w_scale: float) -> np.ndarray:
+    """The serving path of several sequences' MLA rows in two kernel calls: every sequence's rows of
+    ``rows`` (``MLAttention.project``'s serving layout, ``[1, sum R, .]`` / ``[1, H, sum R, .]``, the
+    sequences' ``lengths`` in turn) appended in place to its :class:`~tandem.model.cache.MLACache`
+    (``caches``) with the pools they complete (:func:`pool_keys`' arithmetic; ``ape [kp, di]``), then
+    each sequence's heads' outputs as :func:`mla_rows_into` computes them (the same per-row
+    arithmetic, so bit-identical to it). Returns ``[sum R, H * dv]`` fp32."""
+    n = len(caches)
+    for c, m in zip(caches, lengths):
+        c.reserve(m, rows)
+    used = np.array([len(c) for c in caches], np.int64)
+    pools = np.array([c.n_pools() for c in caches], np.int64)
+    offs = np.zeros(n + 1, np.int64)
+    offs[1:] = lengths
+    np.cumsum(offs, out=offs)
+    ptrs = np.array([c.kernel_ptrs() for c in caches], np.int64)
+    _append_many(np_rows(rows["latent"][0]), np_rows(rows["k"][0]), np_rows(rows["v"][0]), np_rows(rows["ik"][0]),
+                 np_rows(rows["ig"][0]), np_param(ape), offs, ptrs, used, pools)
+    for c, m in zip(caches, lengths):
+        c.extend(m)
+    q, iq, iw = query_arrays(rows)
+    out = empty_out(rows)
+    used += offs[1:] - offs[:-1]
+    _attend_many(q, iq, iw, offs, ptrs, used, used // kp, kp, k_pools, _F(scaling), _F(q_scale), _F(w_scale), out)
+    return out

@@ -262,3 +262,29 @@ def dsa_mask(dots: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, kv_
               _F(w_scale), q_pos.numpy(), kp, k_pools, mask)
     return torch.from_numpy(mask)[None]
 
+
+
+@njit(cache=True, nogil=True)
+def _top2(x, idx, gap):  # pragma: no cover - numba
+    # per row of x [R, V]: the first index of the largest value and (largest - second largest)
+    R, V = x.shape
+    for r in range(R):
+        b, s, bi = x[r, 0], -np.inf, 0
+        for v in range(1, V):
+            y = x[r, v]
+            if y > s:
+                if y > b:
+                    s, b, bi = b, y, v
+                else:
+                    s = y
+        idx[r], gap[r] = bi, b - s
+
+
+def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy targets and top-2 gaps of ``logits [R, V]`` fp32 (``V >= 2``; one pass over each row
+    where ``topk(2)`` sorts): the argmax ``[R]`` int64 (the first of equal maxima, as ``argmax``)
+    and ``top1 - top2`` ``[R]`` fp32 (0 at a tie). Reference: ``logits.topk(2, -1)``."""
+    x = np_rows(logits)
+    idx, gap = np.empty(x.shape[0], np.int64), np.empty(x.shape[0], _F)
+    _top2(x, idx, gap)
+    return torch.from_numpy(idx), torch.from_numpy(gap)

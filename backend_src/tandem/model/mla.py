@@ -99,8 +99,12 @@ class Indexer(nn.Module):
         return self.k_norm(self.wk(x)), cpu_gemm.linear(x, self.index_kpool_compress_gate)
 
     def pool_keys(self, keys: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """Compress complete pools. ``keys, gates [B, P*kp, di]`` -> ``[B, P, di]``."""
+        """Compress complete pools. ``keys, gates [B, P*kp, di]`` -> ``[B, P, di]`` (serving, one fp32
+        sequence: :func:`~tandem.model.cpu_attention.pool_keys`, the arithmetic of the pools the
+        decode kernel completes)."""
         b, n, d = keys.shape
+        if cpu_kernels.active(keys) and b == 1 and keys.dtype == gates.dtype == torch.float32:
+            return cpu_attention.pool_keys(keys, gates, self.index_kpool_compress_ape)
         p = n // self.kp
         kk = keys[:, : p * self.kp].view(b, p, self.kp, d)
         lg = gates[:, : p * self.kp].view(b, p, self.kp, d).float() + self.index_kpool_compress_ape.float()
@@ -250,20 +254,12 @@ class MLAttention(nn.Module):
         return self.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
 
     def _kernel_rows(self, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
-        """Serving path of :meth:`rows_many` before ``o_proj``: each sequence's rows appended to its
-        cache, then one :func:`~tandem.model.cpu_attention.mla_rows_into` call per sequence writing its
-        slice of the heads' outputs ``[1, sum R, H * dv]``."""
-        ix, arrays = self.indexer, cpu_attention.query_arrays(rows)
-        out, off = cpu_attention.empty_out(rows), 0
-        src = {k: cpu_kernels.np_rows(rows[k]) for k in ("latent", "k", "v", "ik", "ig")}
-        for cache, n in zip(caches, lengths):
-            pos0 = len(cache)
-            cache.append_np(src, off, n)
-            self._add_pools(cache)
-            cpu_attention.mla_rows_into(arrays, off, n, cache, pos0, ix.kp, ix.k_pools, self.scaling,
-                                        ix.d ** -0.5, ix.h ** -0.5, out)
-            off += n
-        return torch.from_numpy(out)[None]
+        """Serving path of :meth:`rows_many` before ``o_proj``: every sequence's rows appended to its
+        cache and the heads' outputs ``[1, sum R, H * dv]`` of all of them, in two kernel calls
+        (:func:`~tandem.model.cpu_attention.mla_many`)."""
+        ix = self.indexer
+        return torch.from_numpy(cpu_attention.mla_many(rows, caches, lengths, ix.index_kpool_compress_ape, ix.kp, ix.k_pools,
+                                                       self.scaling, ix.d ** -0.5, ix.h ** -0.5))[None]
 
     def _triton_rows(self, x: torch.Tensor, rows: dict[str, torch.Tensor], caches: list["MLACache"],
                      lengths: list[int]) -> torch.Tensor:

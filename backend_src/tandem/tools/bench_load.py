@@ -48,17 +48,19 @@ def run_concurrent(engine, prompts: list[list[int]], max_tokens: int, spec: str)
             "token_ids": [out[s] for s in sids]}
 
 
-def run_scaling(engine, prompts: list[list[int]], max_tokens: int, spec: str, reps: int = 3) -> dict:
+def run_scaling(engine, prompts: list[list[int]], max_tokens: int, spec: str, reps: int = 5) -> dict:
     """One session at a time over ``prompts`` vs all of them at once (same prompts, same engine),
-    ``reps`` times in turn (the machine's speed drifts: each rep's ratio is measured back to back and
+    ``reps`` times in turn (the machine's speed drifts: each rep runs half the prompts one at a time,
+    then all at once, then the other half one at a time, so a steady drift weighs on both sides alike;
     the median rep is reported): aggregate tokens/s of each, their ratio, TTFT / gap / ITL medians,
     every rep's ratio, and whether every output is identical (greedy outputs must not depend on the
     batch)."""
     run_concurrent(engine, prompts[:2], 8, spec)  # warm-up
-    runs = []
-    for _ in range(reps):
-        one = [run_concurrent(engine, [p], max_tokens, spec) for p in prompts]
+    runs, half = [], len(prompts) // 2
+    for _ in range(reps):  # the all-at-once run between the two halves of the one-at-a-time runs
+        one = [run_concurrent(engine, [p], max_tokens, spec) for p in prompts[:half]]
         many = run_concurrent(engine, prompts, max_tokens, spec)
+        one += [run_concurrent(engine, [p], max_tokens, spec) for p in prompts[half:]]
         t1 = sum(r["tokens"] for r in one) / sum(r["seconds"] for r in one)
         runs.append((many["tokens_per_s"] / t1, t1, one, many))
     ratio, t1, one, many = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
