@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from .cpu_kernels import _dot, _dsa_mask, np_param, np_rows
+from .cpu_kernels import _dot, _dsa_mask, _exp, np_param, np_rows
 
 _F = np.float32
 
@@ -48,9 +48,10 @@ def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_sc
             for a in range(n):
                 s[a] = _dot(K[h, idx[a]], q[t, h]) * scaling
                 mx = max(mx, s[a])
+            for a in range(n):  # (a loop of its own: vectorised)
+                s[a] = _exp(s[a] - mx)
             tot = np.float32(0.0)
             for a in range(n):
-                s[a] = np.exp(s[a] - mx)
                 tot += s[a]
             o = out[t, h * dv: (h + 1) * dv]
             o[:] = np.float32(0.0)

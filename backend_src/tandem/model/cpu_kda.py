@@ -61,11 +61,18 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
                 mem[i], o[i] = zero, zero
             Sp, Sh = src[h], dst[h]
             for i in range(dk):  # decay the previous state into this row's, then S'^T k
-                d, ki, prev, row = dec[i], kn[i], Sp[i], Sh[i]
-                for j in range(dk):
-                    s = prev[j] * d
-                    row[j] = s
-                    mem[j] += s * ki
+                d, ki, row = dec[i], kn[i], Sh[i]
+                if t > 0 and not keep:  # in place (src is dst): the same arithmetic on one array, which
+                    for j in range(dk):  # LLVM vectorises (it runs a loop scalar when its arrays overlap)
+                        s = row[j] * d
+                        row[j] = s
+                        mem[j] += s * ki
+                else:
+                    prev = Sp[i]
+                    for j in range(dk):
+                        s = prev[j] * d
+                        row[j] = s
+                        mem[j] += s * ki
             for j in range(dk):
                 mem[j] = (act[v0 + j] - mem[j]) * beta
             for i in range(dk):  # delta-rule update, S^T q
