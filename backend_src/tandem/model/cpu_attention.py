@@ -1,11 +1,15 @@
-"""CPU kernel for the MLA / DSA rows of decode and verify, compiled with numba (float32, no autograd).
+"""CPU kernels for the MLA / DSA rows of decode and verify, compiled with numba (float32, no autograd).
 
-One call computes, for a few query rows of one sequence over its cache, what
+:func:`mla_many` appends every sequence's rows to its cache in place (with the DSA pools they
+complete, :func:`pool_keys`' arithmetic) and then computes, for each sequence's few query rows over
+its cache, what
 :meth:`tandem.model.mla.MLAttention._heads_out` computes with torch (its reference, and the path for
 longer blocks): the DSA indexer's pool scores, the k-pool selection
 (:func:`tandem.model.cpu_kernels._dsa_mask`), then per head softmax attention over the selected
-tokens only. Each row runs the same float32 operations whatever the number of rows in the call, so
-a row's output is bit-identical alone (plain decoding) or inside a verify block.
+tokens only: two kernel calls a layer for all the sessions of a round, the caches' buffers addressed
+by pointer (:meth:`tandem.model.cache.MLACache.kernel_ptrs`). Each row runs the same float32
+operations whatever the number of rows or sequences in the call, so a row's output is bit-identical
+alone (plain decoding), inside a verify block or in a batch of sessions.
 """
 
 from __future__ import annotations

@@ -204,7 +204,8 @@ class MLAttention(nn.Module):
 
     def _heads_out(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`attend` before ``o_proj``: the heads' outputs ``[B, T, H*dv]`` and the mask (the reference
-        of :func:`~tandem.model.cpu_attention.mla_rows_into`, which serving's :meth:`rows_many` calls)."""
+        of :func:`~tandem.model.cpu_attention.mla_rows_into` and of
+        :func:`~tandem.model.cpu_attention.mla_many`, which serving's :meth:`rows_many` calls)."""
         b, t, _ = x.shape
         mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
         if _kernels(x):
