@@ -178,3 +178,41 @@ def test_batched_prime_is_invariant_and_matches_one_at_a_time(checkpoint):
                 if prefix is not None:
                     assert together.captures.get(j + 1, {}).keys() == alone.captures.get(9, {}).keys()
     model.batch_invariant = False
+
+
+@pytest.mark.parametrize("chunks", [(16,) * 9, (37, 64, 1, 41), (150,)])
+def test_invariant_prime_does_not_depend_on_its_chunks(checkpoint, chunks):
+    """Under ``batch_invariant`` (CPU, fp32) every prime row, MLA/DSA included, runs the row-wise
+    kernels, so a prompt primed in any chunks (``prefill_chunk`` of any size, a prefix-cache piece,
+    the whole prompt at once) leaves bit-identical hidden rows, KDA states, MLA caches and pools,
+    and the verify after it is bit-identical too."""
+    from tandem.model.cache import KDAState, MLACache
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(5, 8000, (1, sum(chunks)), generator=g)
+    block = torch.randint(5, 8000, (1, 4), generator=g)
+    model = load_trunk(checkpoint, torch.float32)
+    model.batch_invariant = True
+    try:
+        whole = model.new_cache()
+        h_whole = model.prime(whole, ids)
+        v_whole = model.verify(whole, block)
+        parts, i = model.new_cache(), 0
+        hs = []
+        for n in chunks:
+            hs.append(model.prime(parts, ids[:, i:i + n]))
+            i += n
+        v_parts = model.verify(parts, block)
+    finally:
+        model.batch_invariant = False
+    assert torch.equal(torch.cat(hs, 1), h_whole)
+    assert torch.equal(v_parts, v_whole)
+    for a, b in zip(parts.layers, whole.layers):
+        if isinstance(a, KDAState):
+            assert torch.equal(a.S, b.S) and torch.equal(a.tail, b.tail)
+        elif isinstance(a, MLACache):
+            n, p = len(a), a.n_pools()
+            assert (n, p) == (len(b), b.n_pools()) == (sum(chunks) + 4, (sum(chunks) + 4) // 4)  # the verify's rows too
+            for name in ("latent", "ik", "ig"):
+                assert torch.equal(getattr(a, name)[:, :n], getattr(b, name)[:, :n]), name
+            assert torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.pk[:, :p], b.pk[:, :p])

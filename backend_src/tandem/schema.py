@@ -36,8 +36,8 @@ class ServingConfig:
     turn) is closed; ``max_sessions``: open sessions at most (a new sequence beyond it waits up to
     ``admission_wait_s`` for one to close, then gets a "no free session" error); ``stage_timeout_s``:
     a stage call (BLS) that has not answered by then fails the turns waiting on it; ``prefill_chunk``:
-    prime rows per burst of a long prompt (a multiple of ``PREFIX_BLOCK``; 0: the whole prompt at
-    once), so streaming sessions keep getting bursts while it is primed; ``spec``: the default arm (the fastest measured;
+    prime rows per burst of a long prompt (0: all at once), so streams keep getting bursts while it is
+    primed (rows bit-identical for any chunk under CPU ``batch_invariant``, else multiples of ``PREFIX_BLOCK``); ``spec``: the default arm (the fastest measured;
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
     repository; ``dtype``: compute dtype of the stage models (:data:`DTYPES`; ``auto``: fp32 on the
     CPU, where it measured faster, bf16 on CUDA); ``device``: where the stage models hold their weights
@@ -74,7 +74,7 @@ class ServingConfig:
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
     max_sessions: int = 256
-    prefill_chunk: int = 64
+    prefill_chunk: int = 32
     admission_wait_s: float = 5.0
     stage_timeout_s: float = 30.0
     dtype: str = "auto"
@@ -112,8 +112,8 @@ class ServingConfig:
         for name in ("idle_timeout_s", "stage_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.prefill_chunk < 0 or self.prefill_chunk % PREFIX_BLOCK:
-            raise ValueError(f"prefill_chunk must be 0 (off) or a multiple of {PREFIX_BLOCK}, got {self.prefill_chunk}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be 0 (off) or a positive number of rows, got {self.prefill_chunk}")
         if self.admission_wait_s < 0:
             raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
         for name in ("demote_below", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope",

@@ -4,8 +4,10 @@ burst between chunks instead of waiting for the whole prompt (with nobody stream
 primed at once: chunks would only delay its first token). The first chunk goes with the admission's
 prime call (with the turn's prefix keys and the previous turn's commit); each later chunk rides in
 one batched prime call at the start of a burst, with an empty prefix list where the prefix cache is in
-use (so the trunk keeps computing in ``PREFIX_BLOCK`` pieces and capturing their states: a multiple of
-the block as the chunk keeps every row bit-identical to an unchunked prime). The chunks' outputs are
+use (so the trunk keeps cutting pieces at multiples of ``PREFIX_BLOCK`` and capturing the states there).
+Under ``batch_invariant`` on the CPU every prime row runs the row-wise kernels, so a chunk of any size
+leaves every row bit-identical to an unchunked prime (``tests/test_trunk.py``); elsewhere chunks that are
+multiples of the block keep it so. The chunks' outputs are
 joined, and the turn's first token is emitted after the last one, exactly as after one prime.
 """
 

@@ -244,7 +244,8 @@ class MLAttention(nn.Module):
         turn (``lengths``); projections and ``o_proj`` run over all rows, attention per sequence over
         its own ``caches[i]``. Returns ``[1, sum R, D]``."""
         rows, outs, off = self.project(x), [], 0
-        if cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows and x.dtype == torch.float32 and max(lengths) <= 16:
+        if (cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows and x.dtype == torch.float32
+                and (max(lengths) <= 16 or cpu_gemm.invariant())):
             return self.o_proj(self._kernel_rows(rows, caches, lengths))
         if _kernels(x) and x.shape[0] == 1:
             return self.o_proj(self._triton_rows(x, rows, caches, lengths))
@@ -300,7 +301,7 @@ class MLAttention(nn.Module):
 
     def prime(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
         """Prefill rows ``x [1, T, D]``: the full causal pass when ``cache`` is empty, else :meth:`rows`."""
-        if len(cache) > 0:
+        if len(cache) > 0 or (cpu_gemm.invariant() and cpu_kernels.active(x) and x.dtype == torch.float32):
             return self.rows(x, cache)
         y, rows = self(x)
         cache.append(rows)
