@@ -12,9 +12,10 @@ any CPU. The serving parameter ``batch_invariant`` routes the trunk's verify pas
 
 Speed, fp32, one thread, AMD EPYC (AVX-512), MKL in brackets: ``[M, 256] x [256, 2560]`` (an MoE
 layer's gate | up) M=1 32 us (48), M=8 109 (172), M=16 157 (291); the LM head ``[256, 8192]`` M=1
-102 (166), M=8 334 (888), M=64 2671 (4360). Rows go in fours with the input dimension unrolled by
-8 (one accumulator load and store per 8 fmas); the last three as four with a zero row, or the last
-two or one in one block (a weight slice is read once per block).
+102 (166), M=8 334 (888), M=64 2671 (4360) (fp32 weights, before the four-row block's input
+dimension went in steps of 4). Rows go in fours with the input dimension in steps of 4 (one
+accumulator load and store per 4 fmas, every operand in a register), the last three as four with a
+zero row, or the last two or one in one block with steps of 8 (a weight slice is read once per block).
 """
 
 from __future__ import annotations
@@ -59,28 +60,38 @@ def _x8(x, r, k):  # pragma: no cover - numba
     return x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3], x[r, k + 4], x[r, k + 5], x[r, k + 6], x[r, k + 7]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _w4(wt, k, wc, n):  # pragma: no cover - numba
+    # weight rows k .. k+3, columns wc .. wc+n
+    return wt[k, wc:wc + n], wt[k + 1, wc:wc + n], wt[k + 2, wc:wc + n], wt[k + 3, wc:wc + n]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _x4(x, r, k):  # pragma: no cover - numba
+    return x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
+
+
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
 def _rows4(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
-    # rows r .. r+3, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
+    # rows r .. r+3, columns o0 .. o0+n of out (wt's from wc): k in steps of 4 (the 16 inputs, four
+    # weight rows and four accumulators stay in registers: with steps of 8 the 32 inputs spilled and
+    # the loop ran on loads, 1.2-2x slower), then one at a time
     a0, a1, a2, a3 = out[r, o0:o0 + n], out[r + 1, o0:o0 + n], out[r + 2, o0:o0 + n], out[r + 3, o0:o0 + n]
     a0[:] = 0.0; a1[:] = 0.0; a2[:] = 0.0; a3[:] = 0.0  # noqa: E702
     D = x.shape[1]
-    for k in range(0, D - D % 8, 8):
-        w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
-        x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
-        x10, x11, x12, x13, x14, x15, x16, x17 = _x8(x, r + 1, k)
-        x20, x21, x22, x23, x24, x25, x26, x27 = _x8(x, r + 2, k)
-        x30, x31, x32, x33, x34, x35, x36, x37 = _x8(x, r + 3, k)
+    for k in range(0, D - D % 4, 4):
+        w0, w1, w2, w3 = _w4(wt, k, wc, n)
+        x00, x01, x02, x03 = _x4(x, r, k)
+        x10, x11, x12, x13 = _x4(x, r + 1, k)
+        x20, x21, x22, x23 = _x4(x, r + 2, k)
+        x30, x31, x32, x33 = _x4(x, r + 3, k)
         for j in range(n):
-            a0[j] = (a0[j] + x00 * _f32(w0[j]) + x01 * _f32(w1[j]) + x02 * _f32(w2[j]) + x03 * _f32(w3[j])
-                     + x04 * _f32(w4[j]) + x05 * _f32(w5[j]) + x06 * _f32(w6[j]) + x07 * _f32(w7[j]))
-            a1[j] = (a1[j] + x10 * _f32(w0[j]) + x11 * _f32(w1[j]) + x12 * _f32(w2[j]) + x13 * _f32(w3[j])
-                     + x14 * _f32(w4[j]) + x15 * _f32(w5[j]) + x16 * _f32(w6[j]) + x17 * _f32(w7[j]))
-            a2[j] = (a2[j] + x20 * _f32(w0[j]) + x21 * _f32(w1[j]) + x22 * _f32(w2[j]) + x23 * _f32(w3[j])
-                     + x24 * _f32(w4[j]) + x25 * _f32(w5[j]) + x26 * _f32(w6[j]) + x27 * _f32(w7[j]))
-            a3[j] = (a3[j] + x30 * _f32(w0[j]) + x31 * _f32(w1[j]) + x32 * _f32(w2[j]) + x33 * _f32(w3[j])
-                     + x34 * _f32(w4[j]) + x35 * _f32(w5[j]) + x36 * _f32(w6[j]) + x37 * _f32(w7[j]))
-    for k in range(D - D % 8, D):
+            v0, v1, v2, v3 = _f32(w0[j]), _f32(w1[j]), _f32(w2[j]), _f32(w3[j])
+            a0[j] = a0[j] + x00 * v0 + x01 * v1 + x02 * v2 + x03 * v3
+            a1[j] = a1[j] + x10 * v0 + x11 * v1 + x12 * v2 + x13 * v3
+            a2[j] = a2[j] + x20 * v0 + x21 * v1 + x22 * v2 + x23 * v3
+            a3[j] = a3[j] + x30 * v0 + x31 * v1 + x32 * v2 + x33 * v3
+    for k in range(D - D % 4, D):
         w = wt[k, wc:wc + n]
         x0, x1, x2, x3 = x[r, k], x[r + 1, k], x[r + 2, k], x[r + 3, k]
         for j in range(n):
@@ -137,7 +148,7 @@ def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
 def _mm(x, wt, c0, c1, out):  # pragma: no cover - numba
     # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1], wt [D, O] C-contiguous, by column blocks; rows in
     # fours, then the last three (padded to four), two or one in one block: every element is the same fma chain over k in order whichever
-    # block computes it (k unrolled by 8 chains the fmas in the same order: a + x0*w0 + x1*w1 ...)
+    # block computes it (k in steps of 4 or 8 chains the fmas in the same order: a + x0*w0 + x1*w1 ...)
     M = x.shape[0]
     p = 4 if M % 4 == 3 else 0  # rows of the padded block (none unless three are left)
     pad, pad_out = np.zeros((p, x.shape[1]), x.dtype), np.empty((p, _BLOCK), np.float32)
