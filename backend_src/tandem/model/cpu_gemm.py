@@ -143,7 +143,6 @@ def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
             a0[j] += x0 * _f32(w[j])
 
 
-
 @njit(cache=True, nogil=True)
 def _mm(x, wt, c0, c1, out):  # pragma: no cover - numba
     # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1], wt [D, O] C-contiguous, by column blocks; rows in

@@ -263,7 +263,6 @@ def dsa_mask(dots: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, kv_
     return torch.from_numpy(mask)[None]
 
 
-
 @njit(cache=True, nogil=True)
 def _top2(x, idx, gap):  # pragma: no cover - numba
     # per row of x [R, V]: the first index of the largest value and (largest - second largest)
