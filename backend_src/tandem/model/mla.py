@@ -244,8 +244,7 @@ class MLAttention(nn.Module):
         turn (``lengths``); projections and ``o_proj`` run over all rows, attention per sequence over
         its own ``caches[i]``. Returns ``[1, sum R, D]``."""
         rows, outs, off = self.project(x), [], 0
-        if (cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows and x.dtype == torch.float32
-                and (max(lengths) <= 16 or cpu_gemm.invariant())):
+        if "iq" in rows and self._row_kernels(x, max(lengths)):
             return self.o_proj(self._kernel_rows(rows, caches, lengths))
         if _kernels(x) and x.shape[0] == 1:
             return self.o_proj(self._triton_rows(x, rows, caches, lengths))
@@ -254,6 +253,15 @@ class MLAttention(nn.Module):
             outs.append(self._cached(x[:, off: off + n], seg, cache))
             off += n
         return self.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
+
+    @staticmethod
+    def _row_kernels(x: torch.Tensor, longest: int) -> bool:
+        """Whether rows ``x [1, T, D]`` (``longest`` rows a sequence) take the CPU row kernels of
+        :meth:`_kernel_rows`: fp32 with the serving kernels on, up to 16 rows a sequence (verify blocks),
+        any number under the row-invariant mode (:func:`~tandem.model.cpu_gemm.rows_mode`), so a prime's
+        rows do not depend on its chunks."""
+        return (cpu_kernels.active(x) and x.shape[0] == 1 and x.dtype == torch.float32
+                and (longest <= 16 or cpu_gemm.invariant()))
 
     def _kernel_rows(self, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
         """Serving path of :meth:`rows_many` before ``o_proj``: every sequence's rows appended to its
@@ -301,7 +309,7 @@ class MLAttention(nn.Module):
 
     def prime(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
         """Prefill rows ``x [1, T, D]``: the full causal pass when ``cache`` is empty, else :meth:`rows`."""
-        if len(cache) > 0 or (cpu_gemm.invariant() and cpu_kernels.active(x) and x.dtype == torch.float32):
+        if len(cache) > 0 or (cpu_gemm.invariant() and self._row_kernels(x, x.shape[1])):
             return self.rows(x, cache)
         y, rows = self(x)
         cache.append(rows)

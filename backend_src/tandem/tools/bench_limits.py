@@ -62,6 +62,7 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
     w = torch.randn(n_out, in_features, generator=g).to(dtype)
     x = torch.randn(1, in_features, generator=g).to(dtype)
     best = None
+    flush = np.zeros(_FLUSH_BYTES // 4, np.float32) if cold else None
     calls = {"MKL input-major": lambda wt=w.t().contiguous().t(): F.linear(x, wt), "MKL row-major": lambda: F.linear(x, w)}
     if dtype == torch.float32:  # bytes/s of the weight as stored, fp32 or bf16 bits (half the bytes)
         calls["tandem GEMM"] = lambda xn=x.numpy(), wt=w.t().contiguous().numpy(): cpu_gemm.mm_rows(xn, wt)
@@ -72,7 +73,6 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
         for _ in range(3):
             call()
         ts = []
-        flush = np.zeros(_FLUSH_BYTES // 4, np.float32) if cold else None
         for _ in range(reps):
             if flush is not None:
                 flush += 1.0
