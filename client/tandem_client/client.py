@@ -282,6 +282,7 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
                     if ids and on_tokens is not None:
                         on_tokens(ids)
                 if final:
+                    t_final = time.perf_counter()
                     completed = True
                     break
         finally:
@@ -291,7 +292,7 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
         raise error_from(e, url, sid) from None
     finally:
         client.close()
-    el = time.perf_counter() - t0
+    el = t_final - t0  # not the stream's teardown after it
     out["elapsed_s"] = el
     out["tokens_per_s"] = len(out["token_ids"]) / el if el > 0 else 0.0
     out["mean_acceptance_length"] = 1.0 + out["accepted"] / out["rounds"] if out["rounds"] else None

@@ -3,7 +3,9 @@ parameters, the checkpoint and dtype they name, and per-process torch threads.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from pathlib import Path
 
 from .. import schema
@@ -157,14 +159,33 @@ class Gauges:
 STAGE_GAUGES = {"stage_sequences": "sequences whose state a stage model's process holds (trunk caches, drafter states)"}
 
 
+@dataclasses.dataclass
+class CallStats:
+    """Per ``model.op``: number of calls and total seconds (the bench's figures: BLS round trips in
+    ``tandem``, time inside ``handle`` in a stage model)."""
+
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def add(self, key: str, dt: float) -> None:
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.seconds[key] = self.seconds.get(key, 0.0) + dt
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{"model.op": {"calls": n, "mean_ms": ...}}``."""
+        return {k: {"calls": n, "mean_ms": 1e3 * self.seconds[k] / n} for k, n in sorted(self.calls.items())}
+
+
 def stage_execute(pb_utils, spec: schema.ModelSpec, stage, requests, gauges: Gauges | None = None,
-                  unavailable: str | None = None, with_sequence: bool = False, on_cancelled=None) -> list:
+                  unavailable: str | None = None, with_sequence: bool = False, on_cancelled=None,
+                  stats: CallStats | None = None) -> list:
     """The ``execute`` of a stage model: each request's tensors -> ``stage.handle`` -> one response;
     a :class:`~tandem.schema.WireError` answers with its text (naming the field), anything else with
     ``internal error: ...``; ``unavailable`` (a reason) answers every request with it; ``with_sequence``
     passes each request's correlation id and flags to ``handle`` too; ``on_cancelled(arrays)`` is
     called instead of ``handle`` for a request its client cancelled (answered ``cancelled``). Afterwards
-    the ``stage_sequences`` gauge is set to ``len(stage.states)``."""
+    the ``stage_sequences`` gauge is set to ``len(stage.states)``; ``stats`` gets each request's seconds
+    inside ``handle`` as ``<model>.<OP>`` (the bench subtracts them from ``tandem``'s BLS round trips)."""
     responses = []
     for r in requests:
         try:
@@ -175,7 +196,10 @@ def stage_execute(pb_utils, spec: schema.ModelSpec, stage, requests, gauges: Gau
             if on_cancelled is not None and r.is_cancelled():
                 on_cancelled(arrays)
                 raise schema.WireError("cancelled by the client")
+            t0 = time.perf_counter()
             out = stage.handle(arrays, r.correlation_id(), r.flags()) if with_sequence else stage.handle(arrays)
+            if stats is not None:
+                stats.add(f"{spec.name}.{schema.get_op(arrays, spec)}", time.perf_counter() - t0)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
         except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
             msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"

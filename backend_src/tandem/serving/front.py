@@ -20,7 +20,7 @@ from .. import schema
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
 from .telemetry import Telemetry
-from .turns import TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
+from .turns import SendQueue, TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
 from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, HostedTransport, LocalTransport,  # noqa: F401
                       StageError, Transport, TrunkProxy, WatchedTransport)
 
@@ -82,6 +82,8 @@ class TandemFront:
         #: set once the server is shutting down (a stage answered "not ready", or :meth:`stop`)
         self.exiting = False
         self._emit_lock = threading.Lock()
+        #: every turn's responses go out on this queue's thread, in order (the worker never waits for a send)
+        self.sends = SendQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-worker", daemon=True)
         self._thread.start()
@@ -92,8 +94,9 @@ class TandemFront:
     def submit(self, req: Turn, send: Send, is_cancelled: Callable[[], bool] | None = None) -> None:
         """Queue one turn (a :func:`~tandem.serving.turns.parse_turn` result; its ``emit`` is set
         here). ``send`` is called once per burst and once with ``final=True`` (an error
-        response is always final; a turn with ``stream`` False: once, its bursts merged); it must not block for long. Exceptions from ``send`` /
-        ``is_cancelled`` are logged and never reach other sessions."""
+        response is always final; a turn with ``stream`` False: once, its bursts merged), on :attr:`sends`'
+        thread, in order. Exceptions from ``send`` / ``is_cancelled`` are logged and never reach other
+        sessions (a failed send cancels its turn at the next burst boundary)."""
         state: dict[str, Any] = {"done": False, "turn": None, "sent": False, "tail": [], "held": None}
         clock, usage = self.telemetry.turn(), Usage()
 
@@ -115,7 +118,8 @@ class TandemFront:
                         send(None, "cancelled by the client", True)  # closes the response stream
                         return
                     state["done"] = final
-                    if not state["sent"]:  # after the prime: the session's committed rows are the context
+                    first = not state["sent"]
+                    if first:  # after the prime: the session's committed rows are the context
                         state["sent"] = True
                         self.telemetry.count("prompt_tokens_total", len(req.tokens))
                         s = self.sched.sessions.get(req.sid)
@@ -129,13 +133,25 @@ class TandemFront:
                             return
                     clock.response(receipt, receipt.spec_rounds)
                     usage.add(receipt)
-                    send(receipt_outputs(receipt, usage, state["tail"], req.sid), None, final)
+                    (send_now if first else send)(receipt_outputs(receipt, usage, state["tail"], req.sid), None, final)
                     state["tail"] = (state["tail"] + receipt.tokens)[-schema.DETOKENIZE_WINDOW:]
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
-                    self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
-                    if not final:
-                        state["done"] = True
-                        self.sched.request_cancel(req.sid, state["turn"])
+                    failed(e, final)
+
+        def failed(e: Exception, final: bool) -> None:  # a send raised (on the send queue's thread)
+            self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
+            if not final:
+                state["done"] = True
+                self.sched.request_cancel(req.sid, state["turn"])
+
+        def send_now(outputs, error, final, inner=send):  # the turn's first response: its latency is the TTFT
+            try:
+                inner(outputs, error, final)
+            except Exception as e:  # noqa: BLE001
+                failed(e, final)
+
+        def send(outputs, error, final, inner=send):
+            self.sends.put(inner, (outputs, error, final), lambda e: failed(e, final))
 
         state["turn"] = dataclasses.replace(req, emit=emit)
         self.q.put(state["turn"])
@@ -306,6 +322,7 @@ class TandemFront:
         self._stop.set()
         self._thread.join(timeout=10)
         self._fail_all(SHUTTING_DOWN)
+        self.sends.stop()
 
 
 #: the ``tandem`` model's gauges (metric ``tandem_<name>``, :meth:`TandemFront.gauge_values`): the

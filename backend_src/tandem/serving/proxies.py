@@ -17,6 +17,7 @@ from .. import schema
 from ..engine import sampling
 from ..engine.protocols import Commit, DraftRequest, RoundsPlan, Rows, VerifyOut
 from ..schema import Arrays, WireError
+from .backend import CallStats
 
 
 # -- transports ---------------------------------------------------------------------------------------
@@ -76,22 +77,6 @@ class Transport(Protocol):
     """``transport(model, op, arrays) -> outputs``: one call of a stage model. Raises :class:`StageError`."""
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays: ...
-
-
-@dataclasses.dataclass
-class CallStats:
-    """Per ``model.op``: number of calls and total seconds (BLS round-trip figures for the bench)."""
-
-    calls: dict[str, int] = dataclasses.field(default_factory=dict)
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def add(self, key: str, dt: float) -> None:
-        self.calls[key] = self.calls.get(key, 0) + 1
-        self.seconds[key] = self.seconds.get(key, 0.0) + dt
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        """``{"model.op": {"calls": n, "mean_ms": ...}}``."""
-        return {k: {"calls": n, "mean_ms": 1e3 * self.seconds[k] / n} for k, n in sorted(self.calls.items())}
 
 
 class LocalTransport:

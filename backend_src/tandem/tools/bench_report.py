@@ -107,9 +107,17 @@ def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
 
 def served_calls(log: Path) -> dict:
     """The ``tandem`` model's BLS call statistics (``{"model.op": {"calls", "mean_ms"}}``, over every
-    served row: arms share the trunk calls) from the server log, logged when the model unloads."""
-    m = re.findall(r"tandem: BLS calls (\{.*\})", log.read_text(errors="replace"))
-    return ast.literal_eval(m[-1]) if m else {}
+    served row: arms share the trunk calls) from the server log, logged when the model unloads; each
+    op the ``trunk`` model logged too gets ``stage_ms``, its mean time inside the trunk's ``handle``
+    (the rest of ``mean_ms`` is the round trip through the server's processes)."""
+    text = log.read_text(errors="replace")
+    m = re.findall(r"tandem: BLS calls (\{.*\})", text)
+    calls = ast.literal_eval(m[-1]) if m else {}
+    h = re.findall(r"trunk: handled (\{.*\})", text)
+    for k, v in (ast.literal_eval(h[-1]) if h else {}).items():
+        if k in calls:
+            calls[k]["stage_ms"] = v["mean_ms"]
+    return calls
 
 
 def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: str) -> None:
@@ -142,7 +150,8 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
     calls = profile.get("served_calls")
     if calls:
         console.print(f"{'served BLS calls (all rows)':>30}: " + ", ".join(
-            f"{k} {v['mean_ms']:.1f} ms x{v['calls']}" for k, v in calls.items()))
+            f"{k} {v['mean_ms']:.1f} ms" + (f" ({v['stage_ms']:.1f} in the stage)" if "stage_ms" in v else "") + f" x{v['calls']}"
+            for k, v in calls.items()))
     pre = profile.get("prefix")
     if pre:
         console.print(f"{'prefix cache (' + pre['arm'] + ')':>30}: TTFT warm/cold {pre['ttft_ratio_same']:.2f}x (same prompt), "

@@ -19,6 +19,7 @@ class TritonPythonModel:
         backend.require_one_instance(config)
         backend.set_torch_threads(1)
         self.gauges = backend.Gauges(pb_utils, config["name"], backend.STAGE_GAUGES)
+        self.stats = backend.CallStats()
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
@@ -35,4 +36,7 @@ class TritonPythonModel:
                                  f"{sorted(getattr(self.stage, 'drafters', {})) if cfg.colocate else 'none (colocate off)'}")
 
     def execute(self, requests):
-        return backend.stage_execute(pb_utils, schema.TRUNK, self.stage, requests, self.gauges)
+        return backend.stage_execute(pb_utils, schema.TRUNK, self.stage, requests, self.gauges, stats=self.stats)
+
+    def finalize(self):
+        pb_utils.Logger.log_info(f"trunk: handled {self.stats.summary()}")
