@@ -210,45 +210,6 @@ def test_front_survives_a_broken_client(model):
         front.stop()
 
 
-def test_responses_go_out_in_order_off_the_worker(model):
-    """A turn's first response (the TTFT) is sent by the worker itself; every later one by the send
-    queue's thread, in order, while the worker goes on to the next round."""
-    tr = local(model)
-    front = fr.TandemFront(fr.TrunkProxy(tr), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(),
-                           config=schema.ServingConfig(max_ctx=64, burst_rounds=1))
-    seen, done = [], threading.Event()
-
-    def send(arrays, err, final):
-        assert err is None
-        seen.append((threading.current_thread().name, arrays["OUTPUT_IDS"].tolist(), final))
-        if final:
-            done.set()
-
-    try:
-        front.submit(fr.TurnRequest(3, [1, 2, 3], 9, "mtp"), send)
-        assert done.wait(60)
-        ref = _run(front, fr.TurnRequest(4, [1, 2, 3], 9, "mtp"))
-    finally:
-        front.stop()
-    assert [t for t, _, _ in seen] == ["tandem-worker"] + ["tandem-sender"] * (len(seen) - 1) and len(seen) >= 3
-    assert [x for _, ids, _ in seen for x in ids] == ref["ids"] and [f for _, _, f in seen] == [False] * (len(seen) - 1) + [True]
-
-
-def test_send_queue_keeps_order_and_reports_failures():
-    q, got, errors = fr.SendQueue(), [], []
-
-    def send(i):
-        if i == 3:
-            raise ConnectionError("client gone")
-        got.append(i)
-
-    for i in range(6):
-        q.put(send, (i,), errors.append)
-    assert q.flush(10) and got == [0, 1, 2, 4, 5] and [str(e) for e in errors] == ["client gone"]
-    q.stop()
-    assert not q._thread.is_alive()
-
-
 def test_incremental_decoder_keeps_multibyte_whole():
     dec = IncrementalDecoder(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
     b = "héllo €".encode()

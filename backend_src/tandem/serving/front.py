@@ -20,7 +20,7 @@ from .. import schema
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
 from .telemetry import Telemetry
-from .turns import SendQueue, TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
+from .turns import TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
 from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, HostedTransport, LocalTransport,  # noqa: F401
                       StageError, Transport, TrunkProxy, WatchedTransport)
 
@@ -32,6 +32,8 @@ Send = Callable[[Arrays | None, str | None, bool], None]
 SHUTTING_DOWN = f"server shutting down {schema.SESSION_LOST_MARKER}"
 #: seconds between probes of the stage processes while no turn runs
 PROBE_S = 2.0
+#: seconds between gauge updates while turns run (a changed gauge is an IPC to the server; idle: every loop)
+GAUGES_S = 0.25
 
 
 def server_exiting(e: BaseException) -> bool:
@@ -82,8 +84,6 @@ class TandemFront:
         #: set once the server is shutting down (a stage answered "not ready", or :meth:`stop`)
         self.exiting = False
         self._emit_lock = threading.Lock()
-        #: every turn's responses go out on this queue's thread, in order (the worker never waits for a send)
-        self.sends = SendQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-worker", daemon=True)
         self._thread.start()
@@ -94,9 +94,8 @@ class TandemFront:
     def submit(self, req: Turn, send: Send, is_cancelled: Callable[[], bool] | None = None) -> None:
         """Queue one turn (a :func:`~tandem.serving.turns.parse_turn` result; its ``emit`` is set
         here). ``send`` is called once per burst and once with ``final=True`` (an error
-        response is always final; a turn with ``stream`` False: once, its bursts merged), on :attr:`sends`'
-        thread, in order. Exceptions from ``send`` / ``is_cancelled`` are logged and never reach other
-        sessions (a failed send cancels its turn at the next burst boundary)."""
+        response is always final; a turn with ``stream`` False: once, its bursts merged); it must not block for long. Exceptions from ``send`` /
+        ``is_cancelled`` are logged and never reach other sessions."""
         state: dict[str, Any] = {"done": False, "turn": None, "sent": False, "tail": [], "held": None}
         clock, usage = self.telemetry.turn(), Usage()
 
@@ -118,8 +117,7 @@ class TandemFront:
                         send(None, "cancelled by the client", True)  # closes the response stream
                         return
                     state["done"] = final
-                    first = not state["sent"]
-                    if first:  # after the prime: the session's committed rows are the context
+                    if not state["sent"]:  # after the prime: the session's committed rows are the context
                         state["sent"] = True
                         self.telemetry.count("prompt_tokens_total", len(req.tokens))
                         s = self.sched.sessions.get(req.sid)
@@ -133,25 +131,13 @@ class TandemFront:
                             return
                     clock.response(receipt, receipt.spec_rounds)
                     usage.add(receipt)
-                    (send_now if first else send)(receipt_outputs(receipt, usage, state["tail"], req.sid), None, final)
+                    send(receipt_outputs(receipt, usage, state["tail"], req.sid), None, final)
                     state["tail"] = (state["tail"] + receipt.tokens)[-schema.DETOKENIZE_WINDOW:]
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
-                    failed(e, final)
-
-        def failed(e: Exception, final: bool) -> None:  # a send raised (on the send queue's thread)
-            self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
-            if not final:
-                state["done"] = True
-                self.sched.request_cancel(req.sid, state["turn"])
-
-        def send_now(outputs, error, final, inner=send):  # the turn's first response: its latency is the TTFT
-            try:
-                inner(outputs, error, final)
-            except Exception as e:  # noqa: BLE001
-                failed(e, final)
-
-        def send(outputs, error, final, inner=send):
-            self.sends.put(inner, (outputs, error, final), lambda e: failed(e, final))
+                    self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
+                    if not final:
+                        state["done"] = True
+                        self.sched.request_cancel(req.sid, state["turn"])
 
         state["turn"] = dataclasses.replace(req, emit=emit)
         self.q.put(state["turn"])
@@ -192,7 +178,7 @@ class TandemFront:
         return out
 
     def _loop(self) -> None:
-        last_expire = last_probe = time.monotonic()
+        last_expire = last_probe = last_gauges = time.monotonic()
         while not self._stop.is_set():
             sched = self.sched
             new = self._drain(block=not sched.busy())  # waiting turns retry every poll_s
@@ -215,7 +201,8 @@ class TandemFront:
                 self.log(f"worker: {type(e).__name__}: {e}")
                 self._failed(e)
             self._count_stats()
-            if self.on_gauges is not None:
+            if self.on_gauges is not None and (not sched.busy() or time.monotonic() - last_gauges >= GAUGES_S):
+                last_gauges = time.monotonic()
                 try:
                     self.on_gauges(self.gauge_values())
                 except Exception as e:  # noqa: BLE001 - metrics must not stop sessions
@@ -322,7 +309,6 @@ class TandemFront:
         self._stop.set()
         self._thread.join(timeout=10)
         self._fail_all(SHUTTING_DOWN)
-        self.sends.stop()
 
 
 #: the ``tandem`` model's gauges (metric ``tandem_<name>``, :meth:`TandemFront.gauge_values`): the

@@ -1,14 +1,11 @@
 """Requests in, responses out, for the ``tandem`` model: a request's tensors, correlation id and flags
-decoded into a :class:`TurnRequest` (:func:`parse_turn`), a burst's receipt with the turn's
-:class:`Usage` packed into one streamed response (:func:`receipt_outputs`), and the thread that sends
-them (:class:`SendQueue`). numpy only."""
+decoded into a :class:`TurnRequest` (:func:`parse_turn`), and a burst's receipt with the turn's
+:class:`Usage` packed into one streamed response (:func:`receipt_outputs`). numpy only."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import queue
-import threading
 
 import numpy as np
 
@@ -122,42 +119,3 @@ def receipt_outputs(receipt, usage: Usage | None = None, preceding: list[int] = 
            schema.MEAN_ACCEPTANCE_LENGTH: np.array([usage.tau], dtype=np.float32)}
     assert tuple(out) == schema.TANDEM.output_names
     return out
-
-
-# -- responses out, off the worker's thread -----------------------------------------------------------
-class SendQueue:
-    """Sends streamed responses on a thread of its own, in the order they were queued, so the worker
-    issues its next stage call while a burst's response goes out (a response send is an IPC to the
-    server, ~0.5 ms, and a round of the trunk waits for nothing but the worker).
-
-    :meth:`put` ``(send, args, on_error)`` queues ``send(*args)``; an exception it raises is passed to
-    ``on_error`` (on this queue's thread). :meth:`flush` waits until everything queued so far was
-    sent (``timeout_s`` seconds at most; returns whether it was); :meth:`stop` flushes and ends the thread.
-    """
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="tandem-sender", daemon=True)
-        self._thread.start()
-
-    def put(self, send, args: tuple, on_error) -> None:
-        self._q.put((send, args, on_error))
-
-    def flush(self, timeout_s: float = 10.0) -> bool:
-        done = threading.Event()
-        self._q.put((lambda: done.set(), (), None))
-        return done.wait(timeout_s)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.flush(timeout_s)
-        self._q.put(None)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            send, args, on_error = item
-            try:
-                send(*args)
-            except Exception as e:  # noqa: BLE001 - one broken stream must not stop the others
-                if on_error is not None:
-                    on_error(e)
