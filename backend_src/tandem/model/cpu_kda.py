@@ -168,19 +168,34 @@ def kda_rows_fused(mixed: torch.Tensor, starts: list, conv_w: torch.Tensor, fgat
     H, dk, dk])`` after its last row instead."""
     N, C3 = mixed.shape[1], mixed.shape[2]
     C, K = C3 // 3, conv_w.shape[-1]
-    dk, n = C // heads, len(lengths)
-    offs = np.array([0, *itertools.accumulate(lengths)], np.int64)
-    full = np.empty((C3, N + n * (K - 1)), _F)
-    states = np.empty((N if keep_states else n, heads, dk, dk), _F)
+    dk = C // heads
+    offs, full, states, (tl, t_col, S0, s_idx) = kda_buffers(starts, lengths, C3, K, heads, keep_states)
     y = np.empty((N, C), _F)
-    tl, t_col, S0, s_idx = _starts(starts)  # read only: every row's state is written to ``states``
     _kda_many(np_rows(mixed[0]), tl, t_col, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
               np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S0,
               s_idx, _F(dk ** -0.5), heads, dk, offs, full, states, keep_states, y)
-    o = offs.tolist()
+    return torch.from_numpy(y)[None], kda_results(offs, full, states, K, keep_states)
+
+
+def kda_buffers(starts: list, lengths: list[int], C3: int, K: int, heads: int, keep_states: bool) -> tuple:
+    """What :func:`_kda_many` needs beside the rows, for sequences of ``lengths`` rows starting from
+    ``starts`` (see :func:`kda_rows_fused`; ``C3 = 3 * heads * dk`` channels, conv width ``K``):
+    ``(offs [n+1], full [C3, sum T + n (K-1)], states [sum T or n, H, dk, dk], (tails, columns, S0,
+    indices))``, the last from :func:`_starts` (read only)."""
+    N, n, dk = sum(lengths), len(lengths), C3 // 3 // heads
+    offs = np.array([0, *itertools.accumulate(lengths)], np.int64)
+    full = np.empty((C3, N + n * (K - 1)), _F)
+    states = np.empty((N if keep_states else n, heads, dk, dk), _F)
+    return offs, full, states, _starts(starts)
+
+
+def kda_results(offs: np.ndarray, full: np.ndarray, states: np.ndarray, K: int, keep_states: bool) -> list:
+    """Per sequence what :func:`kda_rows_fused` returns beside the output, from :func:`kda_buffers`'
+    arrays after :func:`_kda_many` filled them."""
+    o, n = offs.tolist(), offs.shape[0] - 1
     if not keep_states:
         ends = [o[j + 1] + (j + 1) * (K - 1) for j in range(n)]  # one past sequence j's last full column
-        return torch.from_numpy(y)[None], [(torch.from_numpy(full[None, :, e - (K - 1): e].copy()), torch.from_numpy(states[j: j + 1]))
-                                          for j, e in enumerate(ends)]
+        return [(torch.from_numpy(full[None, :, e - (K - 1): e].copy()), torch.from_numpy(states[j: j + 1]))
+                for j, e in enumerate(ends)]
     ft, st = torch.from_numpy(full)[None], torch.from_numpy(states)[None]
-    return torch.from_numpy(y)[None], [KDARows(ft, st, K - 1, o[j] + j * (K - 1), o[j]) for j in range(n)]
+    return [KDARows(ft, st, K - 1, o[j] + j * (K - 1), o[j]) for j in range(n)]

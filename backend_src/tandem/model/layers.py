@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_gemm, cpu_kernels, cpu_moe
+from . import cpu_block, cpu_gemm, cpu_kernels, cpu_moe
 from .config import TrunkConfig
 
 
@@ -41,6 +41,7 @@ def input_major_linears(module: nn.Module) -> nn.Module:
             setattr(m, attr, (w.t(), outs))
         if hasattr(m, "serving_layout"):
             m.serving_layout()
+    cpu_block.relayout()
     return module
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_gemm, cpu_kernels
+from . import cpu_block, cpu_gemm, cpu_kernels
 from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -81,13 +81,17 @@ class Trunk(nn.Module):
     def _final(self, streams: torch.Tensor) -> torch.Tensor:
         return self.norm(streams.mean(2))
 
-    def _layers(self, s: torch.Tensor, attn_fn, features: tuple[int, ...]):
+    def _layers(self, s: torch.Tensor, attn_fn, features: tuple[int, ...], block_fn=None):
         """Run the trunk layers on streams ``s [B, T, N, D]`` with ``attn_fn(i, layer)`` giving each
-        layer's attention function. Returns the final hidden ``[B, T, D]``, or with ``features`` the
-        pair (hidden, the mean of the streams after each listed layer, concatenated ``[B, T, n*D]``)."""
+        layer's attention function, or ``block_fn(i, layer)`` (when given and not None) the whole
+        block's ``[B, T, N, D] -> [B, T, N, D]``. Returns the final hidden ``[B, T, D]``, or with
+        ``features`` the pair (hidden, the mean of the streams after each listed layer, concatenated
+        ``[B, T, n*D]``)."""
         feats = []
+        cpu_block.new_pass()
         for i, layer in enumerate(self.layers[: self.cfg.num_hidden_layers]):
-            s = layer.run(s, attn_fn(i, layer))
+            run = block_fn(i, layer) if block_fn is not None else None
+            s = run(s) if run is not None else layer.run(s, attn_fn(i, layer))
             if i in features:
                 feats.append(s.mean(2))
         h = self._final(s)
@@ -122,6 +126,29 @@ class Trunk(nn.Module):
         """
         return self.prime_many([cache], [ids], features)[0]
 
+    def _kda_blocks(self, on: bool, caches: list[TrunkCache], lengths: list[int], attn_fn, keep_states: bool, keep):
+        """``block_fn`` of :meth:`_layers` for a pass over ``caches``' rows (``lengths``): when ``on``
+        (:meth:`_invariant_rows`), each KDA block that fits runs in one
+        :func:`~tandem.model.cpu_block.kda_block` call, bit-identical to the block run kernel by kernel,
+        and ``keep(i, per_sequence)`` takes layer ``i``'s KDA rows (``keep_states``) or final states."""
+        def block_fn(i, layer):
+            if not (on and cpu_block.kda_fits(layer)):
+                return None
+
+            def run(s):
+                if s.shape[0] != 1:
+                    return layer.run(s, attn_fn(i, layer))
+                s, per = cpu_block.kda_block(layer, s, self._kda_starts(caches, i, layer), lengths, keep_states)
+                keep(i, per)
+                return s
+            return run
+        return block_fn
+
+    def _kda_starts(self, caches: list[TrunkCache], i: int, layer, batch: int = 1) -> list:
+        """Each sequence's state of KDA layer ``i`` before its rows (a zero state of ``batch`` rows
+        before its first)."""
+        return [st if (st := c.layers[i]) is not None else layer.self_attn.init_state(batch, self.device) for c in caches]
+
     def _invariant_rows(self) -> bool:
         """The row-invariant kernels apply (:attr:`batch_invariant` on the CPU in fp32)."""
         w = self.embed_tokens.weight
@@ -140,6 +167,10 @@ class Trunk(nn.Module):
         """
         lengths = [_check_rows(c, x, "prime") for c, x in zip(caches, ids)]
 
+        def keep(i, finals):  # each sequence's KDA state after its rows
+            for c, (tail, S) in zip(caches, finals):
+                c.layers[i] = KDAState(tail, S)
+
         def attn_fn(i, layer):
             attn = layer.self_attn
 
@@ -147,10 +178,8 @@ class Trunk(nn.Module):
                 if layer.layer_type == "linear_attention" and cpu_kernels.active(x) and x.shape[0] == 1:
                     # the recurrence row by row, every sequence in one kernel call (faster here than
                     # the chunked form up to 256 rows, and the same whatever the chunking)
-                    sts = [st if (st := c.layers[i]) is not None else attn.init_state(1, x.device) for c in caches]
-                    y, finals = attn.forward_rows_many(x, sts, lengths, keep_states=False)
-                    for c, (tail, S) in zip(caches, finals):
-                        c.layers[i] = KDAState(tail, S)
+                    y, finals = attn.forward_rows_many(x, self._kda_starts(caches, i, layer), lengths, keep_states=False)
+                    keep(i, finals)
                     return y
                 ys = []
                 for c, xs in zip(caches, x.split(lengths, 1)):
@@ -164,8 +193,10 @@ class Trunk(nn.Module):
                 return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
             return fn
 
-        with cpu_gemm.rows_mode(self._invariant_rows()):
-            out = self._layers(self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]), attn_fn, tuple(features))
+        fused = self._invariant_rows()
+        with cpu_gemm.rows_mode(fused):
+            out = self._layers(self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]), attn_fn, tuple(features),
+                               self._kda_blocks(fused, caches, lengths, attn_fn, False, keep))
         for c, n in zip(caches, lengths):
             c.pos += n
         parts = [o.split(lengths, 1) for o in (out if features else (out,))]
@@ -197,14 +228,18 @@ class Trunk(nn.Module):
         kernel = self._invariant_rows()
         pad = self.batch_invariant and not kernel
         rows = [x.repeat(1, 2) if pad and n == 1 else x for x, n in zip(ids, lengths)]
-        comp, x0 = [x.shape[1] for x in rows], ids[0]
+        comp = [x.shape[1] for x in rows]
         pending: list[dict[int, KDARows]] = [{} for _ in caches]
+
+        def keep(i, per):  # each sequence's KDA rows, until its commit
+            for p, pr in zip(pending, per):
+                p[i] = pr
 
         def attn_fn(i, layer):
             attn = layer.self_attn
             if layer.layer_type != "linear_attention":
                 return lambda x: attn.rows_many(x, [c.layers[i] for c in caches], comp)
-            sts = [st if (st := c.layers[i]) is not None else attn.init_state(x0.shape[0], x0.device) for c in caches]
+            sts = self._kda_starts(caches, i, layer, ids[0].shape[0])
 
             def fn(x):
                 if cpu_kernels.active(x) and x.shape[0] == 1:
@@ -214,13 +249,13 @@ class Trunk(nn.Module):
                            for xs, st in zip(x.split(comp, 1), sts)]
                     y = torch.cat([r[0] for r in res], 1)
                     per = [KDARows(full, states, full.shape[-1] - states.shape[1]) for _, full, states in res]
-                for p, pr in zip(pending, per):
-                    p[i] = pr
+                keep(i, per)
                 return y
             return fn
 
         with cpu_gemm.rows_mode(kernel):
-            out = self._layers(self._streams(torch.cat(rows, 1)), attn_fn, tuple(features))
+            out = self._layers(self._streams(torch.cat(rows, 1)), attn_fn, tuple(features),
+                               self._kda_blocks(kernel, caches, comp, attn_fn, True, keep))
         for c, p, n in zip(caches, pending, lengths):
             c.pending, c.pending_rows = p, n
         parts = [o.split(comp, 1) for o in (out if features else (out,))]

@@ -1,0 +1,247 @@
+"""A decoder block in one numba call on the CPU serving path (row-invariant mode, fp32).
+
+Between the kernels of :mod:`~tandem.model.cpu_kernels`, :mod:`~tandem.model.cpu_kda`,
+:mod:`~tandem.model.cpu_moe` and :mod:`~tandem.model.cpu_gemm` a block of the tiny trunk spent more
+time in Python (torch views, numpy conversions, weight lookups, one dispatch per kernel) than in the
+kernels: a KDA + MoE block of one decode row cost ~330 us through :meth:`DecoderLayer.run
+<tandem.model.block.DecoderLayer.run>` and ~95 us in its kernels. Here the same kernels run in the
+same order on the same arrays, called from one compiled function: the mHC weights and block norm,
+the fused input GEMM, the forget-gate and output-gate GEMMs, the KDA rows, ``o_proj``, the mHC merge,
+then the FFN half (mHC weights and norm, the router GEMM, routing, the sparse experts, the merge).
+A row's output, its KDA rows and states are bit-identical to the unfused path's
+(``tests/test_cpu_block.py``), so every exactness property of that path holds here.
+
+Blocks with MLA/DSA attention run the attention as before and their FFN half here
+(:func:`ffn_block`); the dense-MLP block and the MTP layer are unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from numba import njit
+
+from .cpu_gemm import _mm, kernel_weight
+from .cpu_kda import _kda_many, kda_buffers, kda_results
+from .cpu_kernels import _F, _hc_merge, _hc_weights, np_param, np_rows
+from .cpu_moe import _moe_route, _moe_sparse
+
+#: whether the fused blocks apply: the last entry (tests and A/B benches turn them off with :func:`off`)
+_ON = [True]
+
+#: calls so far of the whole block, a KDA attention half and a MoE FFN half (tests, benches)
+CALLS = {"block": 0, "attn": 0, "ffn": 0}
+
+
+@contextlib.contextmanager
+def off():
+    """Within this block every decoder block runs unfused (:meth:`DecoderLayer.run`); nests."""
+    _ON.append(False)
+    try:
+        yield
+    finally:
+        _ON.pop()
+
+
+@njit(cache=True, nogil=True)
+def _hc_in(s, hc):  # pragma: no cover - numba
+    # s [N, n, D] streams -> mHC post [N, n], comb [N, n, n] and the normed block input [N, D]
+    fn, base, scale, iters, eps, norm_eps, nw, nw_eps = hc
+    N, n, D = s.shape
+    post, comb, col = np.empty((N, n), _F), np.empty((N, n, n), _F), np.empty((N, D), _F)
+    _hc_weights(s.reshape(N, n * D), fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, col)
+    return post, comb, col
+
+
+@njit(cache=True, nogil=True)
+def _gemm(x, w):  # pragma: no cover - numba
+    out = np.empty((x.shape[0], w.shape[1]), _F)
+    _mm(np.ascontiguousarray(x), w, 0, w.shape[1], out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _ffn(s, hc, moe):  # pragma: no cover - numba
+    # the FFN half of a block with a MoE: s [N, n, D] -> [N, n, D]
+    w_r, r_bias, top_k, norm, mscale, w_up, w_down, limit = moe
+    N, n, D = s.shape
+    post, comb, x = _hc_in(s, hc)
+    w = np.empty((N, w_down.shape[0]), _F)
+    _moe_route(_gemm(x, w_r), r_bias, top_k, norm, mscale, w)
+    mo = np.zeros((N, D), _F)
+    _moe_sparse(x, w, w_up, w_down, limit, mo)
+    out = np.empty((N, n, D), _F)
+    _hc_merge(post, comb, mo, s, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _kda_attn(s, hc, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  # pragma: no cover - numba
+    # the attention half of a KDA block: s [N, n, D] -> [N, n, D]; full / states filled as _kda_many fills them
+    w_x, w_fb, w_gb, w_o, convw, a_log, dt_bias, lower, onw, o_eps, qscale, H, dk = kda
+    N, n, D = s.shape
+    C = H * dk
+    post, comb, x = _hc_in(s, hc)
+    ox = _gemm(x, w_x)  # q | k | v | f_a | b | g_a
+    mixed = np.ascontiguousarray(ox[:, :3 * C])
+    blog = np.ascontiguousarray(ox[:, 3 * C + dk: 3 * C + dk + H])
+    fb, gb = _gemm(ox[:, 3 * C: 3 * C + dk], w_fb), _gemm(ox[:, 3 * C + dk + H: 3 * C + 2 * dk + H], w_gb)
+    y = np.empty((N, C), _F)
+    _kda_many(mixed, tails, t_col, convw, fb, a_log, dt_bias, lower, blog, gb, onw, o_eps, S0, s_idx, qscale, H,
+              dk, offs, full, states, keep, y)
+    out = np.empty((N, n, D), _F)
+    _hc_merge(post, comb, _gemm(y, w_o), s, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _kda_block(s, hc_a, hc_f, moe, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  # pragma: no cover - numba
+    # a KDA + MoE block: s [N, n, D] -> [N, n, D]
+    return _ffn(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep), hc_f, moe)
+
+
+class _Plan:
+    """A layer's weight arguments for the kernels, with the tensors they come from."""
+    __slots__ = ("layer", "sources", "key", "fits", "args", "epoch")
+
+
+_PLANS: dict[tuple[int, str], _Plan] = {}
+_EPOCH = [0]
+
+
+def new_pass() -> None:
+    """A model forward begins: each plan checks its tensors again once in it (:func:`_plan`)."""
+    _EPOCH[0] += 1
+
+
+def _plan(layer, what: str, sources, fits, make) -> _Plan:
+    """The plan ``what`` of ``layer``: ``fits()`` and ``make()``'s arguments, made again only when a
+    tensor of ``sources()`` is replaced or changed in place (its data pointer, version or dtype;
+    checked once a model forward, :func:`new_pass`); the tensors themselves are looked up again when
+    the layer's serving layout is redone (:func:`relayout`) or a cast changes whether it fits."""
+    p = _PLANS.get((id(layer), what))
+    if p is not None and p.epoch == _EPOCH[0] and p.layer is layer:
+        return p
+    if p is None or p.layer is not layer:
+        p = _PLANS[(id(layer), what)] = _Plan()
+        p.layer, p.sources, p.key = layer, None, None
+    p.epoch = _EPOCH[0]
+    if p.sources is None:
+        p.fits = fits()
+        p.sources = sources() if p.fits else list(layer.parameters())[:1]
+    key = tuple((t.data_ptr(), t._version, t.dtype) for t in p.sources)
+    if key != p.key:
+        fit = fits()
+        if fit != p.fits:  # a cast: look the sources up again
+            p.fits, p.sources = fit, sources() if fit else list(layer.parameters())[:1]
+            key = tuple((t.data_ptr(), t._version, t.dtype) for t in p.sources)
+        p.args, p.key = (make() if p.fits else None), key
+    return p
+
+
+def relayout() -> None:
+    """Forget every plan (:func:`~tandem.model.layers.input_major_linears` calls it: it rebinds the
+    fused weights)."""
+    _PLANS.clear()
+
+
+def _hc_args(hc, norm) -> tuple:
+    return (np_param(hc.fn), np_param(hc.base), np_param(hc.scale), hc.iters, _F(hc.eps), _F(hc.norm_eps),
+            np_param(norm.weight), _F(norm.variance_epsilon))
+
+
+def _moe_args(mo) -> tuple:
+    g = mo.gate
+    return (kernel_weight(g.weight), np_param(g.e_score_correction_bias), g.top_k, g.norm_topk_prob, _F(g.scale),
+            kernel_weight(mo._w_up), kernel_weight(mo._w_down, transpose=False), _F(mo.experts.limit))
+
+
+def _f32(*ts) -> bool:
+    return all(t is not None and t.dtype == torch.float32 for t in ts)
+
+
+def _ffn_fits(layer) -> bool:
+    mo = layer.mlp
+    return getattr(mo, "_w_up", None) is not None and _f32(mo._w_up, mo._w_down, mo.gate.weight, layer.ffn_hc.fn)
+
+
+def _kda_fits(layer) -> bool:
+    a = layer.self_attn
+    return (layer.layer_type == "linear_attention"
+            and _f32(getattr(a, "_fused_x", (None,))[0], a.o_proj.weight, a.g_b_proj.weight, layer.attn_hc.fn))
+
+
+def _ffn_sources(layer) -> list[torch.Tensor]:
+    mo, hc = layer.mlp, layer.ffn_hc
+    return [mo._w_up, mo._w_down, mo.gate.weight, mo.gate.e_score_correction_bias, hc.fn, hc.base, hc.scale,
+            layer.post_attention_layernorm.weight]
+
+
+def _kda_sources(layer) -> list[torch.Tensor]:
+    a, hc = layer.self_attn, layer.attn_hc
+    return [hc.fn, hc.base, hc.scale, layer.input_layernorm.weight, a._fused_x[0], a.forget_gate.f_b_proj.weight,
+            a.g_b_proj.weight, a.o_proj.weight, a.conv1d.weight, a.forget_gate.A_log, a.forget_gate.dt_bias, a.o_norm.weight]
+
+
+def _ffn_plan(layer) -> _Plan:
+    return _plan(layer, "ffn", lambda: _ffn_sources(layer), lambda: _ffn_fits(layer),
+                 lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp)))
+
+
+def _kda_plan(layer) -> _Plan:
+    def make():
+        a = layer.self_attn
+        g = a.forget_gate
+        kda = (kernel_weight(a._fused_x[0]), kernel_weight(g.f_b_proj.weight), kernel_weight(a.g_b_proj.weight),
+               kernel_weight(a.o_proj.weight), np_param(a.conv1d.weight).reshape(3 * a.qkv, a.kernel), np_param(g.A_log),
+               np_param(g.dt_bias), _F(g.lower), np_param(a.o_norm.weight), _F(a.o_norm.variance_epsilon),
+               _F(a.dk ** -0.5), a.h, a.dk)
+        return _hc_args(layer.attn_hc, layer.input_layernorm), kda
+    return _plan(layer, "kda", lambda: _kda_sources(layer), lambda: _kda_fits(layer), make)
+
+
+def ffn_fits(layer) -> bool:
+    """Whether ``layer``'s FFN half runs here (:func:`ffn_block`): a MoE in the serving layout, fp32."""
+    return _ON[-1] and _ffn_plan(layer).fits
+
+
+def kda_fits(layer) -> bool:
+    """Whether ``layer``'s attention half runs here (:func:`kda_block`): KDA attention with its fused
+    input projections, fp32."""
+    return _ON[-1] and _kda_plan(layer).fits
+
+
+def ffn_block(layer, streams: torch.Tensor) -> torch.Tensor:
+    """The FFN half of ``layer`` (mHC weights and the post-attention norm, the MoE, the mHC merge) on
+    streams ``[1, T, n, D]`` fp32 in the row-invariant mode; :func:`ffn_fits` must hold. Returns
+    ``[1, T, n, D]``, bit-identical to :meth:`~tandem.model.block.DecoderLayer.run`'s second half."""
+    hc, moe = _ffn_plan(layer).args
+    CALLS["ffn"] += 1
+    return torch.from_numpy(_ffn(np_rows(streams[0]), hc, moe))[None]
+
+
+def kda_block(layer, streams: torch.Tensor, starts: list, lengths: list[int], keep_states: bool = True
+              ) -> tuple[torch.Tensor, list]:
+    """``layer`` (KDA attention; :func:`kda_fits` must hold) on several sequences' rows: streams ``[1,
+    sum T, n, D]`` fp32, sequence ``j``'s ``lengths[j]`` rows in turn, starting from ``starts[j]`` (as
+    :func:`~tandem.model.cpu_kda.kda_rows_fused` takes them, read only), in the row-invariant mode:
+    the whole block in one call when its FFN half fits too (:func:`ffn_fits`), else the attention
+    half here and the FFN half as :meth:`~tandem.model.block.DecoderLayer.run` runs it. Returns the
+    streams out ``[1, sum T, n, D]`` and per sequence what
+    :meth:`~tandem.model.kda.LinearAttention.forward_rows_many` returns (``keep_states``: every row's
+    state, for a verify; else the state after the last row, for a prime), all bit-identical to
+    :meth:`~tandem.model.block.DecoderLayer.run` around it."""
+    a = layer.self_attn
+    hc_a, kda = _kda_plan(layer).args
+    K = a.kernel
+    offs, full, states, (tails, t_col, S0, s_idx) = kda_buffers(starts, lengths, 3 * a.qkv, K, a.h, keep_states)
+    s = np_rows(streams[0])
+    ffn = _ffn_plan(layer)
+    CALLS["block" if ffn.fits else "attn"] += 1
+    if ffn.fits:
+        out = torch.from_numpy(_kda_block(s, hc_a, *ffn.args, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states))[None]
+    else:
+        out = layer.ffn(torch.from_numpy(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states))[None])
+    return out, kda_results(offs, full, states, K, keep_states)

@@ -1,0 +1,110 @@
+"""A decoder block in one numba call (``tandem.model.cpu_block``) against the same block run kernel by
+kernel (``DecoderLayer.run``): bit-identical hidden rows, features, KDA rows / states and caches, for
+a verify of several sequences, a prime and the plain decode that follows, on odd shapes (3 streams,
+5 experts, heads of 12), and the weight arguments made again after an in-place change."""
+
+import pytest
+import torch
+
+from tandem.model import cpu_block
+from tandem.model.cache import KDAState, MLACache
+from tandem.model.checkpoint import cast_trunk, init_weights
+from tandem.model.config import TrunkConfig
+from tandem.model.layers import input_major_linears
+from tandem.model.trunk import Trunk
+
+
+@pytest.fixture()
+def odd():
+    cfg = TrunkConfig(vocab_size=97, hidden_size=40, intermediate_size=56, moe_intermediate_size=24,
+                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=20,
+                      qk_nope_head_dim=16, v_head_dim=16, index_head_dim=8, index_n_heads=3, index_topk=8,
+                      linear_head_dim=12, linear_num_heads=3, n_routed_experts=5, num_experts_per_tok=2,
+                      hc_mult=3, num_hidden_layers=4,
+                      layer_types=["linear_attention", "linear_attention", "indexed_attention", "linear_attention"],
+                      mlp_layer_types=["dense", "sparse", "sparse", "sparse"], indexer_types=["full"] * 4,
+                      max_position_embeddings=128)
+    model = cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=5), torch.float32)
+    model = input_major_linears(model)
+    model.batch_invariant = True
+    return model
+
+
+def _ids(n, seed):
+    return torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _counting(monkeypatch):
+    calls = {"block": 0, "attn": 0, "ffn": 0}
+    monkeypatch.setattr(cpu_block, "CALLS", calls)
+    return calls
+
+
+def _session(model, fused: bool, prompts, blocks):
+    """Prime each prompt (one prime_many), verify ``blocks`` (one verify_many, features of layers 1
+    and 3), commit 2 rows each, then one plain row each; every output and the caches."""
+    caches = [model.new_cache() for _ in prompts]
+    ctx = cpu_block.off() if not fused else torch.no_grad()
+    with ctx:
+        primed = model.prime_many(caches, prompts)
+        verified = model.verify_many(caches, blocks, features=(1, 3))
+        pend = [{i: (r.full.clone(), r.states.clone(), r.col, r.row) for i, r in c.pending.items()} for c in caches]
+        for c in caches:
+            c.commit(2)
+        decoded = model.verify_many(caches, [b[:, 2:3] for b in blocks])
+        for c in caches:
+            c.commit(1)
+    return primed, verified, pend, decoded, caches
+
+
+def test_fused_blocks_are_bit_identical_to_the_kernel_by_kernel_path(odd, monkeypatch):
+    assert [cpu_block.kda_fits(l) for l in odd.layers] == [True, True, False, True]
+    assert [cpu_block.ffn_fits(l) for l in odd.layers] == [False, True, True, True]
+    prompts, blocks = [_ids(7, 1), _ids(1, 2), _ids(20, 3)], [_ids(4, 4), _ids(3, 5), _ids(6, 6)]
+    ref = _session(odd, False, prompts, blocks)
+    calls = _counting(monkeypatch)
+    got = _session(odd, True, prompts, blocks)
+    # per pass: layers 1 and 3 whole, layer 0's attention half, layer 2's FFN half; three passes
+    assert calls == {"block": 6, "attn": 3, "ffn": 3}
+    for a, b in zip(got[0], ref[0]):
+        assert torch.equal(a, b)
+    for (h, f), (rh, rf) in zip(got[1], ref[1]):
+        assert h.shape[-1] == 40 and f.shape[-1] == 80 and torch.equal(h, rh) and torch.equal(f, rf)
+    for p, rp in zip(got[2], ref[2]):
+        assert p.keys() == rp.keys() == {0, 1, 3}
+        for i in p:
+            assert torch.equal(p[i][0], rp[i][0]) and torch.equal(p[i][1], rp[i][1]) and p[i][2:] == rp[i][2:]
+    for a, b in zip(got[3], ref[3]):
+        assert torch.equal(a, b)
+    for c, rc in zip(got[4], ref[4]):
+        assert c.pos == rc.pos
+        for a, b in zip(c.layers, rc.layers):
+            if isinstance(a, KDAState):
+                assert torch.equal(a.S, b.S) and torch.equal(a.tail, b.tail)
+            else:
+                assert isinstance(a, MLACache) and torch.equal(a.latent[:, :len(a)], b.latent[:, :len(b)])
+
+
+def test_fused_block_sees_an_in_place_weight_change(odd):
+    prompt, block = _ids(5, 7), _ids(3, 8)
+
+    def run(fused):
+        c = odd.new_cache()
+        with (torch.no_grad() if fused else cpu_block.off()):
+            odd.prime(c, prompt)
+            return odd.verify(c, block)
+
+    before = run(True)
+    with torch.no_grad():
+        odd.layers[1].mlp._w_up.mul_(1.5)  # the experts' gate | up (the parameters are views of it)
+        odd.layers[3].self_attn.o_proj.weight.mul_(-1.0)
+    after, ref = run(True), run(False)
+    assert not torch.equal(after, before) and torch.equal(after, ref)
+
+
+def test_outside_the_row_invariant_mode_blocks_run_unfused(odd, monkeypatch):
+    odd.batch_invariant = False
+    calls = _counting(monkeypatch)
+    with torch.no_grad():
+        odd.verify(odd.new_cache(), _ids(3, 9))
+    assert calls == {"block": 0, "attn": 0, "ffn": 0}
