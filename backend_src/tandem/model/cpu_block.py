@@ -12,7 +12,11 @@ A row's output, its KDA rows and states are bit-identical to the unfused path's
 (``tests/test_cpu_block.py``), so every exactness property of that path holds here.
 
 Blocks with MLA/DSA attention run the attention as before and their FFN half here
-(:func:`ffn_block`); the dense-MLP block and the MTP layer are unchanged.
+(:func:`ffn_block`); a KDA block with a dense MLP its attention half; the MTP layer is unchanged.
+
+numba's on-disk cache keys these functions on this file alone, but their compiled code holds the
+kernels they call: after editing a kernel in another ``cpu_*.py`` file, clear this folder's
+``__pycache__`` (a fresh clone has none; ``make setup`` compiles them, :mod:`tandem.model.warm`).
 """
 
 from __future__ import annotations

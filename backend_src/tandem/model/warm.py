@@ -8,36 +8,52 @@ import time
 
 import torch
 
-from .checkpoint import cast_trunk, init_weights
+from . import cpu_kernels
+from .checkpoint import cast_trunk, init_weights, is_fp32_param
 from .config import TrunkConfig
+from .layers import input_major_linears
 from .trunk import Trunk
 
 
 def compile_kernels() -> float:
     """Compile every kernel for the argument types serving passes (numba caches them on disk beside
-    cpu_kernels.py, cpu_kda.py, cpu_moe.py and cpu_gemm.py, so only the first call on a machine pays,
-    ~10 s on 2 cores) by running a tiny random trunk through prime and a two-sequence verify. Returns the seconds it took."""
+    cpu_kernels.py, cpu_kda.py, cpu_moe.py, cpu_gemm.py and cpu_block.py, so only the first call on a
+    machine pays: ~100 s on 2 cores) by running tiny random trunks through primes and two-sequence
+    verifies: the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
+    with bf16-exact weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each
+    a set of argument types of the fused blocks). Returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = TrunkConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=2,
                       num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
                       index_head_dim=8, index_n_heads=2, index_topk=8, linear_head_dim=16, linear_num_heads=2,
-                      num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                      mlp_layer_types=["sparse", "sparse"], indexer_types=["full", "full"], max_position_embeddings=64)
-    model = cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=0), torch.float32)
-    with torch.no_grad():
+                      num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "indexed_attention"],
+                      mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full"] * 3, max_position_embeddings=64)
+
+    def trunk(weights: str) -> Trunk:  # random fp32 weights; "shipped": bf16-exact but the fp32-kept ones; "bf16": all
+        m = cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=0), torch.float32)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if weights == "bf16" or (weights == "shipped" and not is_fp32_param(name)):
+                    p.copy_(p.to(torch.bfloat16).float())
+                elif is_fp32_param(name):
+                    p.add_(1e-3 / 3)  # not bf16-exact (the router's init, zeros, was)
+        return m
+
+    def run(model: Trunk) -> None:  # two primes, then two two-sequence verifies (one row, three rows)
         caches = [model.new_cache(64), model.new_cache(64)]
         for c in caches:
             model.prime(c, torch.arange(1, 21)[None])
-        model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])
-        for c in caches:
-            c.commit(1)
-        model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py)
-        model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1])
-        for c in caches:
-            c.commit(1)
-        for p in model.parameters():  # bf16-exact weights, as shipped: the kernels' bf16-bits variants
-            p.copy_(p.to(torch.bfloat16).float())
-        model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1])
+        for _ in range(2):
+            cpu_kernels.top2(model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0]))
+            for c in caches:
+                c.commit(1)
+
+    with torch.no_grad():
+        run(trunk("fp32"))  # the plain layout, BLAS GEMMs
+        for weights in ("fp32", "shipped", "bf16"):  # the serving layout (fused linears and experts: cpu_block.py)
+            model = input_major_linears(trunk(weights))
+            model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py), the fused blocks
+            run(model)
     return time.perf_counter() - t0
 
 
