@@ -3,6 +3,9 @@ kernel (``DecoderLayer.run``): bit-identical hidden rows, features, KDA rows / s
 a verify of several sequences, a prime and the plain decode that follows, on odd shapes (3 streams,
 5 experts, heads of 12), and the weight arguments made again after an in-place change."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -14,8 +17,7 @@ from tandem.model.layers import input_major_linears
 from tandem.model.trunk import Trunk
 
 
-@pytest.fixture()
-def odd():
+def _odd_model():
     cfg = TrunkConfig(vocab_size=97, hidden_size=40, intermediate_size=56, moe_intermediate_size=24,
                       num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=20,
                       qk_nope_head_dim=16, v_head_dim=16, index_head_dim=8, index_n_heads=3, index_topk=8,
@@ -28,6 +30,11 @@ def odd():
     model = input_major_linears(model)
     model.batch_invariant = True
     return model
+
+
+@pytest.fixture()
+def odd():
+    return _odd_model()
 
 
 def _ids(n, seed):
@@ -108,3 +115,15 @@ def test_outside_the_row_invariant_mode_blocks_run_unfused(odd, monkeypatch):
     with torch.no_grad():
         odd.verify(odd.new_cache(), _ids(3, 9))
     assert calls == {"block": 0, "attn": 0, "ffn": 0}
+
+
+def test_a_layers_plans_go_with_it():
+    model = _odd_model()
+    with torch.no_grad():
+        model.verify(model.new_cache(), _ids(2, 10))
+    layer = model.layers[1]
+    assert set(cpu_block._PLANS[layer]) == {"kda", "ffn"} and cpu_block._PLANS[layer]["kda"].fits
+    n, ref = len(cpu_block._PLANS), weakref.ref(layer)
+    del layer, model
+    gc.collect()
+    assert ref() is None and len(cpu_block._PLANS) <= n - 4  # the model's four layers, freed

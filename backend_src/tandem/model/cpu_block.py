@@ -22,6 +22,7 @@ kernels they call: after editing a kernel in another ``cpu_*.py`` file, clear th
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import numpy as np
 import torch
@@ -108,10 +109,11 @@ def _kda_block(s, hc_a, hc_f, moe, kda, tails, t_col, S0, s_idx, offs, full, sta
 
 class _Plan:
     """A layer's weight arguments for the kernels, with the tensors they come from."""
-    __slots__ = ("layer", "sources", "key", "fits", "args", "epoch")
+    __slots__ = ("sources", "key", "fits", "args", "epoch")
 
 
-_PLANS: dict[tuple[int, str], _Plan] = {}
+#: layer -> {what: plan}; an entry goes with its layer (a plan holds no reference to it)
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, _Plan]]" = weakref.WeakKeyDictionary()
 _EPOCH = [0]
 
 
@@ -125,12 +127,15 @@ def _plan(layer, what: str, sources, fits, make) -> _Plan:
     tensor of ``sources()`` is replaced or changed in place (its data pointer, version or dtype;
     checked once a model forward, :func:`new_pass`); the tensors themselves are looked up again when
     the layer's serving layout is redone (:func:`relayout`) or a cast changes whether it fits."""
-    p = _PLANS.get((id(layer), what))
-    if p is not None and p.epoch == _EPOCH[0] and p.layer is layer:
+    plans = _PLANS.get(layer)
+    if plans is None:
+        plans = _PLANS[layer] = {}
+    p = plans.get(what)
+    if p is not None and p.epoch == _EPOCH[0]:
         return p
-    if p is None or p.layer is not layer:
-        p = _PLANS[(id(layer), what)] = _Plan()
-        p.layer, p.sources, p.key = layer, None, None
+    if p is None:
+        p = plans[what] = _Plan()
+        p.sources, p.key = None, None
     p.epoch = _EPOCH[0]
     if p.sources is None:
         p.fits = fits()

@@ -61,6 +61,8 @@ def np_param(p: torch.Tensor) -> np.ndarray:
     if hit is not None and hit[2] is p and hit[0] == p.data_ptr():
         return hit[1]
     a = p.detach().float().contiguous().numpy()
+    if len(_PARAMS) > 4096:  # not a cache of every model a process ever loaded
+        _PARAMS.clear()
     _PARAMS[id(p)] = (p.data_ptr(), a, p)
     return a
 
