@@ -135,15 +135,12 @@ def _plan(layer, what: str, sources, fits, make) -> _Plan:
         return p
     if p is None:
         p = plans[what] = _Plan()
-        p.sources, p.key = None, None
+        p.sources = p.key = p.fits = None
     p.epoch = _EPOCH[0]
-    if p.sources is None:
-        p.fits = fits()
-        p.sources = sources() if p.fits else list(layer.parameters())[:1]
-    key = tuple((t.data_ptr(), t._version, t.dtype) for t in p.sources)
-    if key != p.key:
+    key = p.sources and tuple((t.data_ptr(), t._version, t.dtype) for t in p.sources)
+    if key is None or key != p.key:
         fit = fits()
-        if fit != p.fits:  # a cast: look the sources up again
+        if p.sources is None or fit != p.fits:  # the first look, or a cast: look the sources up
             p.fits, p.sources = fit, sources() if fit else list(layer.parameters())[:1]
             key = tuple((t.data_ptr(), t._version, t.dtype) for t in p.sources)
         p.args, p.key = (make() if p.fits else None), key

@@ -1,6 +1,6 @@
 """Compile the numba serving kernels (:mod:`tandem.model.cpu_kernels`) ahead of the first request:
 ``python -m tandem.model.warm`` (``make setup`` runs it), and the ``trunk`` and ``drafter_mtp``
-models at load (a disk-cache hit then, ~0.4 s)."""
+models at load (a disk-cache hit then, ~1 s)."""
 
 from __future__ import annotations
 
