@@ -1,0 +1,212 @@
+"""Register-tiled micro-kernels, written as LLVM IR through numba intrinsics: the tiles of the
+row-invariant GEMM (:mod:`tandem.model.cpu_gemm`) and the KDA state passes
+(:mod:`tandem.model.cpu_kda`).
+
+:func:`~tandem.model.cpu_gemm._mm_blocked`'s loops keep four rows' accumulators in memory: every
+step of four input elements loads and stores each accumulator once. Here a tile of ``R`` rows x 64
+columns keeps its ``R x 4`` accumulators (vectors of 16 float32) in registers across the whole
+input dimension: per input element it loads four weight vectors and ``R`` inputs and issues ``4R``
+fused multiply-adds (near this AMD EPYC core's 16 fp32 FMAs a cycle at R = 4). Each output element
+is still the one chain of float32 FMAs over the input dimension in order, ``fma(x[r, D-1], w[D-1,
+j], ... fma(x[r, 0], w[0, j], 0))`` (``llvm.fma`` is the exactly rounded fused multiply-add, as the
+contracted scalar code's), so a tile's results are bit-identical to the blocked kernels' and to
+themselves for any number of rows (``tests/test_cpu_tile.py``). One row stays with the blocked
+kernel: a 64-column tile walks the weights in short runs, ~1.5x slower for the LM head.
+
+The KDA state passes (decay + ``S'^T k``; delta-rule update + ``S^T q``) keep a head's ``dk``
+accumulators in registers the same way, with the loops' arithmetic in the loops' order.
+
+Weights are float32 or the uint16 bits of bfloat16 (``bits << 16``, exact), as
+:func:`~tandem.model.cpu_gemm.kernel_weight` makes them. Indices are not checked: the callers keep
+them in range. numba's cache does not see edits here from the files that call these: clear
+``backend_src/tandem/model/__pycache__`` after changing them.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: columns of a tile: four vectors of 16 float32
+TILE = 64
+_LANES, _VECS = 16, 4
+
+
+def _ptr(context, builder, ary, aryty, i, j):
+    return cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape, 2),
+                                     cgutils.unpack_tuple(builder, ary.strides, 2), aryty.layout, [i, j])
+
+
+def _tile(R: int):
+    """The intrinsic ``tile(x, wt, r, c, out, o)``: ``out[r:r+R, o:o+64] = x[r:r+R, :] @ wt[:, c:c+64]``
+    (``x [M, D]`` float32, ``wt [D, O]`` float32 or uint16 bfloat16 bits, ``out`` float32; indices
+    int64, unchecked: the caller keeps them in range)."""
+
+    @intrinsic
+    def tile(typingctx, x, wt, r, c, out, o):
+        if not (isinstance(x, types.Array) and x.ndim == 2 and x.dtype == types.float32
+                and isinstance(wt, types.Array) and wt.ndim == 2 and wt.dtype in (types.float32, types.uint16)
+                and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
+            return None
+        sig = types.void(x, wt, types.int64, types.int64, out, types.int64)
+        bf16 = wt.dtype == types.uint16
+
+        def codegen(context, builder, sig, args):
+            xt, wtt, _, _, ot, _ = sig.args
+            xv, wv, r0, c0, ov, o0 = args
+            xa = context.make_array(xt)(context, builder, xv)
+            wa = context.make_array(wtt)(context, builder, wv)
+            oa = context.make_array(ot)(context, builder, ov)
+            f32, i64 = ir.FloatType(), ir.IntType(64)
+            vty = ir.VectorType(f32, _LANES)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.v{_LANES}f32")
+            zero = ir.Constant(vty, [0.0] * _LANES)
+            splat = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+            D = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+            entry = builder.block
+            loop = builder.append_basic_block("tile.k")
+            done = builder.append_basic_block("tile.done")
+            builder.cbranch(builder.icmp_signed(">", D, ir.Constant(i64, 0)), loop, done)
+
+            builder.position_at_end(loop)
+            k = builder.phi(i64)
+            k.add_incoming(ir.Constant(i64, 0), entry)
+            acc = [[builder.phi(vty) for _ in range(_VECS)] for _ in range(R)]
+            for row in acc:
+                for a in row:
+                    a.add_incoming(zero, entry)
+            ws = []
+            for v in range(_VECS):
+                p = _ptr(context, builder, wa, wtt, k, builder.add(c0, ir.Constant(i64, v * _LANES)))
+                if bf16:
+                    bits = builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
+                    bits = builder.shl(builder.zext(bits, ir.VectorType(ir.IntType(32), _LANES)),
+                                       ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [16] * _LANES))
+                    ws.append(builder.bitcast(bits, vty))
+                else:
+                    ws.append(builder.load(builder.bitcast(p, vty.as_pointer()), align=4))
+            new = []
+            for i, row in enumerate(acc):
+                xs = builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k))
+                xb = builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), xs, ir.Constant(ir.IntType(32), 0)),
+                                            ir.Constant(vty, ir.Undefined), splat)
+                new.append([builder.call(fma, [xb, ws[v], row[v]]) for v in range(_VECS)])
+            k1 = builder.add(k, ir.Constant(i64, 1))
+            k.add_incoming(k1, loop)
+            for row, nrow in zip(acc, new):
+                for a, n in zip(row, nrow):
+                    a.add_incoming(n, loop)
+            builder.cbranch(builder.icmp_signed("<", k1, D), loop, done)
+
+            builder.position_at_end(done)
+            res = [[builder.phi(vty) for _ in nrow] for nrow in new]  # every phi first
+            for rrow, nrow in zip(res, new):
+                for a, n in zip(rrow, nrow):
+                    a.add_incoming(zero, entry)
+                    a.add_incoming(n, loop)
+            for i, rrow in enumerate(res):
+                for v, a in enumerate(rrow):
+                    p = _ptr(context, builder, oa, ot, builder.add(r0, ir.Constant(i64, i)),
+                             builder.add(o0, ir.Constant(i64, v * _LANES)))
+                    builder.store(a, builder.bitcast(p, vty.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+tile1, tile2, tile3, tile4 = (_tile(R) for R in (1, 2, 3, 4))
+
+
+# -- the KDA state passes ---------------------------------------------------------------------------
+def _vec_ptr(context, builder, ary, aryty, i, j):
+    vty = ir.VectorType(ir.FloatType(), _LANES)
+    return builder.bitcast(_ptr(context, builder, ary, aryty, i, j), vty.as_pointer())
+
+
+def _state_pass(V: int, update: bool):
+    """The intrinsic of one KDA state pass over a head's ``[dk, dk]`` state, ``dk = 16 V``, with the
+    ``dk`` accumulators in registers (:func:`~tandem.model.cpu_kda._kda_rows` runs the same
+    arithmetic as loops over arrays).
+
+    ``update=False``: ``decay(src, dst, dec, kn, mem)``: ``dst[i] = src[i] * dec[i]`` and ``mem =
+    sum_i dst[i] * kn[i]`` (``fma`` in ``i`` order from 0); ``src`` may be ``dst``.
+    ``update=True``: ``update(dst, kn, qn, mem, o)``: ``dst[i] = fma(kn[i], mem, dst[i])`` and ``o = sum_i
+    dst[i] * qn[i]`` (``fma`` in ``i`` order from 0). States ``[dk, dk]`` float32 (rows contiguous),
+    vectors ``[dk]`` float32 C-contiguous; sizes unchecked."""
+
+    @intrinsic
+    def state_pass(typingctx, a, b, c, d, e):
+        if not all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (a, b, c, d, e)):
+            return None
+        sig = types.void(a, b, c, d, e)
+
+        def codegen(context, builder, sig, args):
+            arrs = [context.make_array(t)(context, builder, v) for t, v in zip(sig.args, args)]
+            tys = sig.args
+            f32, i64 = ir.FloatType(), ir.IntType(64)
+            vty = ir.VectorType(f32, _LANES)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.v{_LANES}f32")
+            zero = ir.Constant(vty, [0.0] * _LANES)
+            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+
+            def vec(k):  # [dk] array k's vector v, as a pointer
+                return lambda v: builder.bitcast(builder.gep(arrs[k].data, [ir.Constant(i64, v * _LANES)]), vty.as_pointer())
+
+            def splat(k, i):
+                x = builder.load(builder.gep(arrs[k].data, [i]))
+                return builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(ir.IntType(32), 0)),
+                                              ir.Constant(vty, ir.Undefined), splat_mask)
+
+            if update:  # dst, kn, qn, mem, o
+                st, acc_out = 0, 4
+                mem = [builder.load(vec(3)(v), align=4) for v in range(V)]
+            else:  # src, dst, dec, kn, mem
+                st, acc_out = 1, 4
+            n = ir.Constant(i64, V * _LANES)
+            entry = builder.block
+            loop = builder.append_basic_block("state.i")
+            done = builder.append_basic_block("state.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            i = builder.phi(i64)
+            i.add_incoming(ir.Constant(i64, 0), entry)
+            acc = [builder.phi(vty) for _ in range(V)]
+            for x in acc:
+                x.add_incoming(zero, entry)
+            new = []
+            if update:
+                ki, qi = splat(1, i), splat(2, i)
+                for v in range(V):
+                    p = _vec_ptr(context, builder, arrs[0], tys[0], i, ir.Constant(i64, v * _LANES))
+                    s = builder.call(fma, [ki, mem[v], builder.load(p, align=4)])
+                    builder.store(s, p, align=4)
+                    new.append(builder.call(fma, [s, qi, acc[v]]))
+            else:
+                di, ki = splat(2, i), splat(3, i)
+                rows = [builder.load(_vec_ptr(context, builder, arrs[0], tys[0], i, ir.Constant(i64, v * _LANES)), align=4)
+                        for v in range(V)]  # every load of the row before its stores (src may be dst)
+                for v in range(V):
+                    s = builder.fmul(rows[v], di)
+                    builder.store(s, _vec_ptr(context, builder, arrs[st], tys[st], i, ir.Constant(i64, v * _LANES)), align=4)
+                    new.append(builder.call(fma, [s, ki, acc[v]]))
+            i1 = builder.add(i, ir.Constant(i64, 1))
+            i.add_incoming(i1, loop)
+            for x, y in zip(acc, new):
+                x.add_incoming(y, loop)
+            builder.cbranch(builder.icmp_signed("<", i1, n), loop, done)
+            builder.position_at_end(done)
+            for v, y in enumerate(new):
+                builder.store(y, vec(acc_out)(v), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return state_pass
+
+
+#: the decay and update passes for dk = 16, 32, 48, 64, 128
+decay1, decay2, decay3, decay4, decay8 = (_state_pass(V, False) for V in (1, 2, 3, 4, 8))
+update1, update2, update3, update4, update8 = (_state_pass(V, True) for V in (1, 2, 3, 4, 8))
