@@ -174,7 +174,8 @@ def test_idle_clock_counts_from_the_end_of_the_turn(srv):
     """Case 7: a turn that streams longer than the idle timeout (3 s) is followed at once by the next
     turn of the same session; after idling past it, the session is gone."""
     sid = new_sequence_id()
-    a = generate(PROMPT, max_tokens=600, url=srv.grpc_url, sequence_id=sid, spec="off", sequence_end=False)
+    # 1,000 plain tokens: ~7 s served here (600 took ~4 s after the register tiles, close to the 3 s it must outlast)
+    a = generate(PROMPT, max_tokens=1000, url=srv.grpc_url, sequence_id=sid, spec="off", sequence_end=False)
     assert a["elapsed_s"] > 3.0, "the first turn must outlast idle_timeout_s for the test to mean something"
     b = generate([5, 6], max_tokens=4, url=srv.grpc_url, sequence_id=sid, sequence_start=False, sequence_end=False)
     assert len(b["token_ids"]) == 4
