@@ -1,7 +1,7 @@
 """Integration (issue 10): session lifecycle against a real tritonserver, watched through the metrics
 port (each stage's ``tandem_stage_sequences``, tandem's session gauges) and the processes' memory.
 
-One server with short limits (idle 3 s, stage deadline 1 s, 16 sessions, 1 s admission wait):
+One server with short limits (idle 3 s, stage deadline 1.5 s, 16 sessions, 1 s admission wait):
 cancellation frees state within 1 s; the idle clock counts from the end of a turn; a full server
 answers "no free session"; 1,000 short sessions leak nothing; a stage call past its deadline and a
 dead (SIGKILL) or stopped (SIGSTOP) stage process fail their turns with an error naming the stage, show in ``tandem health``, and the next
@@ -29,9 +29,12 @@ from tandem_client.client import TandemClientError, generate, new_sequence_id, s
 from conftest import CHECKPOINT  # noqa: E402
 
 pytestmark = pytest.mark.integration
-#: the stage deadline: well under a 4,000-token prime (~2.2 s in-process here, ~3 s before the register
-#: tiles), so the case of a call past it has time to look around before the late answer
-STAGE_TIMEOUT_S = 1.0
+#: the stage deadline: above the ~1 s a dead stub takes to be noticed (the dead-stage case must see
+#: "not healthy", not a timeout)
+STAGE_TIMEOUT_S = 1.5
+#: the past-deadline case's own server: well under a 4,000-token prime (~2.2 s in-process here, ~3 s
+#: before the register tiles), so it has time to look around before the late answer
+SHORT_TIMEOUT_S = 0.75
 # prefill_chunk 0: a long prompt is one trunk call, the stage call that outlives the deadline below
 LIMITS = {"TANDEM_IDLE_TIMEOUT_S": "3", "TANDEM_STAGE_TIMEOUT_S": str(STAGE_TIMEOUT_S), "TANDEM_MAX_SESSIONS": "16",
           "TANDEM_ADMISSION_WAIT_S": "1", "TANDEM_PREFILL_CHUNK": "0"}
@@ -46,6 +49,16 @@ def srv():
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors")
     with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **LIMITS}, ready_timeout_s=240) as s:
+        yield s
+
+
+@pytest.fixture()
+def srv_short():
+    """A server like ``srv`` but with the stage deadline ``SHORT_TIMEOUT_S`` (for one test)."""
+    from tandem.serving.serve import running_server
+
+    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **LIMITS, "TANDEM_STAGE_TIMEOUT_S": str(SHORT_TIMEOUT_S)}
+    with running_server(env=env, ready_timeout_s=240) as s:
         yield s
 
 
@@ -279,11 +292,12 @@ def test_a_thousand_sessions_leak_nothing(srv):
     assert all(g < 0.05 or after[k] - before[k] < 8 * 2**20 for k, g in growth.items()), growth
 
 
-def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv):
-    """Case 2: a trunk call runs past stage_timeout_s (1 s here; a 4,000-token prime takes ~2-3 s):
+def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv_short):
+    """Case 2: a trunk call runs past stage_timeout_s (0.75 s here; a 4,000-token prime takes ~2-3 s):
     the turn being admitted and the one streaming beside it each end with one error naming the trunk
     within the deadline + 1 s; a request arriving meanwhile is refused at once; health says the
     trunk is not answering; once the call returns, requests work and nothing is left behind."""
+    srv = srv_short
     s = Stream(srv.grpc_url, new_sequence_id(), 3000, "off")
     s.first()
     big = Stream(srv.grpc_url, new_sequence_id(), 8, "off", tokens=[(7 * i) % 8000 + 3 for i in range(4000)])
@@ -291,7 +305,7 @@ def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv):
     try:
         n, err = s.outcome(timeout_s=10)
         took = time.monotonic() - t0
-        assert err == f"trunk.prime: did not answer within {STAGE_TIMEOUT_S:g} s (stage_timeout_s)" and took < STAGE_TIMEOUT_S + 1.0, (err, took)
+        assert err == f"trunk.prime: did not answer within {SHORT_TIMEOUT_S:g} s (stage_timeout_s)" and took < SHORT_TIMEOUT_S + 1.0, (err, took)
         assert big.outcome(timeout_s=5)[1] == err
         with pytest.raises(TandemClientError, match="trunk is not answering"):
             generate(PROMPT, max_tokens=2, url=srv.grpc_url)
