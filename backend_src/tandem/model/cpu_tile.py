@@ -33,9 +33,29 @@ TILE = 64
 _LANES, _VECS = 16, 4
 
 
+_I64 = ir.IntType(64)
+_VTY = ir.VectorType(ir.FloatType(), _LANES)
+_ZERO = ir.Constant(_VTY, [0.0] * _LANES)
+
+
 def _ptr(context, builder, ary, aryty, i, j):
     return cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape, 2),
                                      cgutils.unpack_tuple(builder, ary.strides, 2), aryty.layout, [i, j])
+
+
+def _vec_ptr(context, builder, ary, aryty, i, j):
+    """A pointer to the 16 floats of row ``i`` from column ``j`` of a 2-D array."""
+    return builder.bitcast(_ptr(context, builder, ary, aryty, i, j), _VTY.as_pointer())
+
+
+def _fma(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VTY, [_VTY] * 3), f"llvm.fma.v{_LANES}f32")
+
+
+def _splat(builder, x):
+    """A float broadcast to every lane."""
+    one = builder.insert_element(ir.Constant(_VTY, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(_VTY, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
 
 
 def _tile(R: int):
@@ -58,11 +78,7 @@ def _tile(R: int):
             xa = context.make_array(xt)(context, builder, xv)
             wa = context.make_array(wtt)(context, builder, wv)
             oa = context.make_array(ot)(context, builder, ov)
-            f32, i64 = ir.FloatType(), ir.IntType(64)
-            vty = ir.VectorType(f32, _LANES)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.v{_LANES}f32")
-            zero = ir.Constant(vty, [0.0] * _LANES)
-            splat = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+            i64, vty, zero, fma = _I64, _VTY, _ZERO, _fma(builder)
             D = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
             entry = builder.block
             loop = builder.append_basic_block("tile.k")
@@ -88,9 +104,7 @@ def _tile(R: int):
                     ws.append(builder.load(builder.bitcast(p, vty.as_pointer()), align=4))
             new = []
             for i, row in enumerate(acc):
-                xs = builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k))
-                xb = builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), xs, ir.Constant(ir.IntType(32), 0)),
-                                            ir.Constant(vty, ir.Undefined), splat)
+                xb = _splat(builder, builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k)))
                 new.append([builder.call(fma, [xb, ws[v], row[v]]) for v in range(_VECS)])
             k1 = builder.add(k, ir.Constant(i64, 1))
             k.add_incoming(k1, loop)
@@ -107,9 +121,9 @@ def _tile(R: int):
                     a.add_incoming(n, loop)
             for i, rrow in enumerate(res):
                 for v, a in enumerate(rrow):
-                    p = _ptr(context, builder, oa, ot, builder.add(r0, ir.Constant(i64, i)),
-                             builder.add(o0, ir.Constant(i64, v * _LANES)))
-                    builder.store(a, builder.bitcast(p, vty.as_pointer()), align=4)
+                    p = _vec_ptr(context, builder, oa, ot, builder.add(r0, ir.Constant(i64, i)),
+                                 builder.add(o0, ir.Constant(i64, v * _LANES)))
+                    builder.store(a, p, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -121,11 +135,6 @@ tile1, tile2, tile3, tile4 = (_tile(R) for R in (1, 2, 3, 4))
 
 
 # -- the KDA state passes ---------------------------------------------------------------------------
-def _vec_ptr(context, builder, ary, aryty, i, j):
-    vty = ir.VectorType(ir.FloatType(), _LANES)
-    return builder.bitcast(_ptr(context, builder, ary, aryty, i, j), vty.as_pointer())
-
-
 def _state_pass(V: int, update: bool):
     """The intrinsic of one KDA state pass over a head's ``[dk, dk]`` state, ``dk = 16 V``, with the
     ``dk`` accumulators in registers (:func:`~tandem.model.cpu_kda._kda_rows` runs the same
@@ -146,25 +155,16 @@ def _state_pass(V: int, update: bool):
         def codegen(context, builder, sig, args):
             arrs = [context.make_array(t)(context, builder, v) for t, v in zip(sig.args, args)]
             tys = sig.args
-            f32, i64 = ir.FloatType(), ir.IntType(64)
-            vty = ir.VectorType(f32, _LANES)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty] * 3), f"llvm.fma.v{_LANES}f32")
-            zero = ir.Constant(vty, [0.0] * _LANES)
-            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+            i64, vty, zero, fma = _I64, _VTY, _ZERO, _fma(builder)
 
-            def vec(k):  # [dk] array k's vector v, as a pointer
-                return lambda v: builder.bitcast(builder.gep(arrs[k].data, [ir.Constant(i64, v * _LANES)]), vty.as_pointer())
+            def vec(k, v):  # vector v of the [dk] array k, as a pointer
+                return builder.bitcast(builder.gep(arrs[k].data, [ir.Constant(i64, v * _LANES)]), vty.as_pointer())
 
-            def splat(k, i):
-                x = builder.load(builder.gep(arrs[k].data, [i]))
-                return builder.shuffle_vector(builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(ir.IntType(32), 0)),
-                                              ir.Constant(vty, ir.Undefined), splat_mask)
+            def splat(k, i):  # element i of the [dk] array k in every lane
+                return _splat(builder, builder.load(builder.gep(arrs[k].data, [i])))
 
-            if update:  # dst, kn, qn, mem, o
-                st, acc_out = 0, 4
-                mem = [builder.load(vec(3)(v), align=4) for v in range(V)]
-            else:  # src, dst, dec, kn, mem
-                st, acc_out = 1, 4
+            if update:  # dst, kn, qn, mem, o; mem stays in registers
+                mem = [builder.load(vec(3, v), align=4) for v in range(V)]
             n = ir.Constant(i64, V * _LANES)
             entry = builder.block
             loop = builder.append_basic_block("state.i")
@@ -190,7 +190,7 @@ def _state_pass(V: int, update: bool):
                         for v in range(V)]  # every load of the row before its stores (src may be dst)
                 for v in range(V):
                     s = builder.fmul(rows[v], di)
-                    builder.store(s, _vec_ptr(context, builder, arrs[st], tys[st], i, ir.Constant(i64, v * _LANES)), align=4)
+                    builder.store(s, _vec_ptr(context, builder, arrs[1], tys[1], i, ir.Constant(i64, v * _LANES)), align=4)
                     new.append(builder.call(fma, [s, ki, acc[v]]))
             i1 = builder.add(i, ir.Constant(i64, 1))
             i.add_incoming(i1, loop)
@@ -198,8 +198,8 @@ def _state_pass(V: int, update: bool):
                 x.add_incoming(y, loop)
             builder.cbranch(builder.icmp_signed("<", i1, n), loop, done)
             builder.position_at_end(done)
-            for v, y in enumerate(new):
-                builder.store(y, vec(acc_out)(v), align=4)
+            for v, y in enumerate(new):  # mem (decay) or o (update): the last argument either way
+                builder.store(y, vec(4, v), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
