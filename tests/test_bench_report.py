@@ -3,7 +3,7 @@ are not acceptance), tokens a round over all rounds (what the ceiling uses), ser
 
 import pytest
 
-from tandem.tools.bench_report import served_calls, summarize
+from tandem.tools.bench_report import served_calls, speedup_ratios, summarize
 
 
 def _run(prompt, rounds, spec_rounds, accepted, accepted_at):
@@ -37,3 +37,15 @@ def test_served_calls_pair_round_trips_with_time_in_the_trunk(tmp_path):
                      "drafter_mtp.close": {"calls": 2, "mean_ms": 1.0}}
     log.write_text("no statistics: the server died\n")
     assert served_calls(log) == {}
+
+
+def test_served_vs_in_process_gives_the_aggregate_and_the_paired_median():
+    """Served / in-process per served row: all tokens over all seconds, and the median over prompts of
+    each prompt's served / in-process speed (the pairs ran back to back)."""
+    tps = {"plain (in-process)": [100, 100, 100], "plain (served)": [90, 50, 95]}
+    raw = {n: [{"prompt": i, "tokens_per_s": float(v), "token_ids": [1] * 100} for i, v in enumerate(vs)]
+           for n, vs in tps.items()}
+    by = {n: {"tokens_per_s_aggregate": 300 / sum(100 / v for v in vs)} for n, vs in tps.items()}
+    out = speedup_ratios(by, raw, [], ["plain"], False)
+    assert out["served_vs_inprocess plain"] == pytest.approx((300 / (100 / 90 + 100 / 50 + 100 / 95)) / 100)
+    assert out["served_vs_inprocess_median_prompt plain"] == pytest.approx(0.90)

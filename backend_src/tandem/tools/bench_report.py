@@ -67,7 +67,8 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
 
 def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf: bool) -> dict:
     """The ratios: best in-process arm / plain (all tokens over all seconds, and the median of the
-    per-prompt ratios), served / in-process per served row, tandem plain / transformers."""
+    per-prompt ratios), served / in-process per served row (the same two: the per-prompt pairs ran
+    back to back, so their median is the steadier figure on a noisy machine), tandem plain / transformers."""
     agg = {n: r["tokens_per_s_aggregate"] for n, r in by.items()}
     plain = agg["plain (in-process)"]
     out: dict = {}
@@ -81,6 +82,11 @@ def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf
         ip = agg.get(f"{label} (in-process)")
         if ip:
             out[f"served_vs_inprocess {label}"] = agg[f"{label} (served)"] / ip
+            inproc = {r["prompt"]: r["tokens_per_s"] for r in raw[f"{label} (in-process)"]}
+            pairs = [r["tokens_per_s"] / inproc[r["prompt"]] for r in raw[f"{label} (served)"]
+                     if inproc.get(r["prompt"]) and r["tokens_per_s"]]
+            if pairs:
+                out[f"served_vs_inprocess_median_prompt {label}"] = statistics.median(pairs)
     if hf:
         out["plain_vs_transformers"] = plain / agg["transformers generate"]
     return out
