@@ -100,6 +100,28 @@ def test_refused_final_request_ends_the_sequence(engine):
     assert 89 not in sched.sessions and 89 not in engine.trunk.caches
 
 
+def test_a_cancel_without_a_running_turn_touches_no_later_turn(engine):
+    """A client's cancel (a CANCEL request) for a sequence with no turn running does nothing: it is not
+    counted, and neither the sequence's next turn nor a new sequence of that id is cancelled by it;
+    a cancel while a turn runs ends that turn alone at the next burst boundary."""
+    sched, tok = engine.sched, engine.tokenizer
+    before = sched.stats["cancelled"]
+    assert sched.request_cancel(777) is False  # no such sequence
+    _turn(sched, 90, tok.chat_prompt("Hello"), 4, True)
+    assert sched.request_cancel(90) is False  # open, idle between turns
+    got = _turn(sched, 90, tok.chat_prompt("More"), 6, False)
+    assert got[-1][1] is None and got[-1][2] and sum(len(r.tokens) for r, _, _ in got) == 6
+    got = _turn(sched, 777, tok.chat_prompt("Hi"), 6, True, end=True)
+    assert got[-1][1] is None and sum(len(r.tokens) for r, _, _ in got) == 6
+    assert sched.stats["cancelled"] == before
+    running = []
+    sched.admit([Turn(90, tok.chat_prompt("Go on"), 64, lambda r, e, f: running.append((e, f)), start=False)])
+    assert sched.request_cancel(90) is True
+    sched.burst()
+    assert running[-1] == ("cancelled by the client", True) and 90 not in sched.turns and 90 not in sched.sessions
+    assert sched.stats["cancelled"] == before + 1
+
+
 def _serve(*args, log=subprocess.PIPE, ignore_sigint=False):
     return subprocess.Popen([sys.executable, "-m", "tandem.serving.serve", "serve", *args], cwd=REPO_ROOT,
                             stdout=log, stderr=subprocess.STDOUT if log is not subprocess.PIPE else subprocess.PIPE,

@@ -185,26 +185,60 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
     assert ctx2 > ctx1 + 64 and t2
 
 
-def test_a_client_that_leaves_the_ensemble_is_cancelled(server):
-    """A curl stream killed mid-turn: Triton marks only the ensemble's later step requests cancelled
-    (not the running tandem step), so postprocessing sends tandem a CANCEL for the session; the turn
-    stops within seconds (counted as cancelled) instead of running to its max_tokens."""
-    import subprocess
+def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flight(tmp_path):
+    """A curl stream killed mid-turn, then a gRPC ensemble stream cancelled mid-turn: Triton marks only
+    the ensemble's later step requests cancelled (not the running tandem step), so postprocessing
+    sends tandem a CANCEL for the session; each turn stops within seconds (counted as cancelled)
+    instead of running to its max_tokens. Postprocessing still answers its cancelled step request as
+    usual (answered with an error, the ensemble request stayed in flight in Triton for good), so the
+    server then exits at once with nothing in flight. A server of its own: its exit is the check."""
+    import re
     import time
 
-    before = tandem_metrics(server.metrics_port)["tandem"]["cancelled"]
-    body = json.dumps({"text_input": PROMPT, "max_tokens": 3000, "stream": True})
-    p = subprocess.Popen([shutil.which("curl"), "-sN", "-d", body,
-                          f"127.0.0.1:{server.http_port}/v2/models/ensemble/generate_stream"], stdout=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while tandem_metrics(server.metrics_port)["tandem"]["turns_running"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    time.sleep(1.0)
-    p.kill()
-    p.wait()
-    t0 = time.monotonic()
-    while (m := tandem_metrics(server.metrics_port)["tandem"])["turns_running"] != 0 and time.monotonic() - t0 < 10:
-        time.sleep(0.2)
-    assert m["turns_running"] == 0 and m["cancelled"] == before + 1 and m["sessions_open"] == 0, m
-    assert time.monotonic() - t0 < 5  # 3,000 tokens would take well over 10 s here
+    import tritonclient.grpc as grpcclient
+
+    from tandem.serving.serve import running_server
+    from conftest import CHECKPOINT
+
+    log = tmp_path / "server.log"
+    with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240, log_path=log) as srv:
+        def running(n):
+            deadline = time.monotonic() + 30
+            while tandem_metrics(srv.metrics_port)["tandem"]["turns_running"] < n:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(1.0)
+
+        def stopped(before):
+            t0 = time.monotonic()
+            while (m := tandem_metrics(srv.metrics_port)["tandem"])["turns_running"] != 0 and time.monotonic() - t0 < 10:
+                time.sleep(0.2)
+            assert m["turns_running"] == 0 and m["cancelled"] == before + 1 and m["sessions_open"] == 0, m
+            assert time.monotonic() - t0 < 5  # 3,000 tokens would take well over 10 s here
+
+        before = tandem_metrics(srv.metrics_port)["tandem"]["cancelled"]
+        body = json.dumps({"text_input": PROMPT, "max_tokens": 3000, "stream": True})
+        p = subprocess.Popen([shutil.which("curl"), "-sN", "-d", body,
+                              f"127.0.0.1:{srv.http_port}/v2/models/ensemble/generate_stream"], stdout=subprocess.PIPE)
+        running(1)
+        p.kill()
+        p.wait()
+        stopped(before)
+        c = grpcclient.InferenceServerClient(srv.grpc_url)
+        c.start_stream(callback=lambda result, error: None)
+        ins = []
+        for name, arr, dt in [(schema_text.TEXT_INPUT, np.array([PROMPT.encode()], object), "BYTES"),
+                              (schema_text.MAX_TOKENS_IN, np.array([3000], np.int32), "INT32"),
+                              (schema_text.STREAM_IN, np.array([True]), "BOOL")]:
+            x = grpcclient.InferInput(name, [1], dt)
+            x.set_data_from_numpy(arr)
+            ins.append(x)
+        c.async_stream_infer("ensemble", ins)
+        running(1)
+        c.stop_stream(cancel_requests=True)
+        c.close()
+        stopped(before + 1)
+        t0 = time.monotonic()
+    text = log.read_text(errors="replace")
+    assert time.monotonic() - t0 < 8, "the server took its whole exit timeout"
+    assert not re.search(r"has [1-9]\d* in-flight inferences", text) and "Exit timeout expired" not in text

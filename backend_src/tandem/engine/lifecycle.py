@@ -154,17 +154,21 @@ class Lifecycle:
         if t is not None:
             t.emit(None, reason, True)
 
-    def request_cancel(self, sid: int, turn: Turn | None = None, reason: str | None = None) -> None:
-        """Thread-safe: cancel ``sid``'s turn at the next burst boundary (only ``turn``, when given,
-        not a later turn of the same sequence). ``reason``: None for a client's cancel (counted in
-        ``stats["cancelled"]``), else the failure that already answered the turn."""
+    def request_cancel(self, sid: int, turn: Turn | None = None, reason: str | None = None) -> bool:
+        """Thread-safe: cancel ``sid``'s turn at the next burst boundary: ``turn``, or (None) the turn
+        running now, never a later turn of the same sequence. ``reason``: None for a client's cancel
+        (counted in ``stats["cancelled"]``), else the failure that already answered the turn. Returns
+        False (nothing to do) when ``turn`` is None and the sequence has no turn running."""
+        if turn is None and (turn := self.turns.get(sid)) is None:
+            return False
         with self._cancel_lock:
             self._to_cancel[sid] = (turn, reason)
+        return True
 
     def _apply_cancels(self) -> None:
         with self._cancel_lock:
             gone, self._to_cancel = self._to_cancel, {}
         for sid, (turn, reason) in gone.items():
-            if sid in self.turns and (turn is None or self.turns[sid] is turn):
+            if self.turns.get(sid) is turn:
                 self.cancel(sid, reason or "cancelled by the client")
                 self.stats["cancelled"] += reason is None

@@ -144,9 +144,10 @@ class TandemFront:
 
     def cancel_session(self, sid: int, send: Send) -> None:
         """A ``CANCEL`` request: the running turn of ``sid`` ends at the next burst boundary (counted
-        as a client's cancel); answered at once with an empty final response."""
-        self.sched.request_cancel(sid)
-        self.info(f"sequence {sid}: turn cancelled (CANCEL request: its client left the ensemble)")
+        as a client's cancel; a sequence with no turn running: nothing happens, and no later turn is
+        touched); answered at once with an empty final response."""
+        if self.sched.request_cancel(sid):
+            self.info(f"sequence {sid}: turn cancelled (CANCEL request: its client left the ensemble)")
         try:
             send({}, None, True)
         except Exception as e:  # noqa: BLE001
