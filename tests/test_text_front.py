@@ -34,6 +34,20 @@ def _events(sse: str) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in sse.splitlines() if line.startswith("data: ")]
 
 
+def _stream_inputs(text: str, max_tokens: int) -> list:
+    """The gRPC inputs of a streamed ensemble turn: ``text_input``, ``max_tokens``, ``stream`` true."""
+    import tritonclient.grpc as grpcclient
+
+    ins = []
+    for name, arr, dt in [(schema_text.TEXT_INPUT, np.array([text.encode()], dtype=np.object_), "BYTES"),
+                          (schema_text.MAX_TOKENS_IN, np.array([max_tokens], np.int32), "INT32"),
+                          (schema_text.STREAM_IN, np.array([True]), "BOOL")]:
+        x = grpcclient.InferInput(name, [1], dt)
+        x.set_data_from_numpy(arr)
+        ins.append(x)
+    return ins
+
+
 @pytest.fixture(scope="module")
 def cli_reply(server):
     """`tandem generate --json` for PROMPT (the server's default arm, greedy)."""
@@ -145,14 +159,7 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
     c.start_stream(callback=lambda result, error: q.put((result, error)))
 
     def turn(text, start, end):
-        ins = []
-        for name, arr, dt in [(schema_text.TEXT_INPUT, np.array([text.encode()], dtype=np.object_), "BYTES"),
-                              (schema_text.MAX_TOKENS_IN, np.array([64], np.int32), "INT32"),
-                              (schema_text.STREAM_IN, np.array([True]), "BOOL")]:
-            x = grpcclient.InferInput(name, [1], dt)
-            x.set_data_from_numpy(arr)
-            ins.append(x)
-        c.async_stream_infer("ensemble", ins, sequence_id=4242, sequence_start=start, sequence_end=end,
+        c.async_stream_infer("ensemble", _stream_inputs(text, 64), sequence_id=4242, sequence_start=start, sequence_end=end,
                              enable_empty_final_response=True)
         parts, last = [], None
         while True:
@@ -202,9 +209,9 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
 
     log = tmp_path / "server.log"
     with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240, log_path=log) as srv:
-        def running(n):
+        def running():  # a turn streams (for a second)
             deadline = time.monotonic() + 30
-            while tandem_metrics(srv.metrics_port)["tandem"]["turns_running"] < n:
+            while tandem_metrics(srv.metrics_port)["tandem"]["turns_running"] < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             time.sleep(1.0)
@@ -220,21 +227,14 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
         body = json.dumps({"text_input": PROMPT, "max_tokens": 3000, "stream": True})
         p = subprocess.Popen([shutil.which("curl"), "-sN", "-d", body,
                               f"127.0.0.1:{srv.http_port}/v2/models/ensemble/generate_stream"], stdout=subprocess.PIPE)
-        running(1)
+        running()
         p.kill()
         p.wait()
         stopped(before)
         c = grpcclient.InferenceServerClient(srv.grpc_url)
         c.start_stream(callback=lambda result, error: None)
-        ins = []
-        for name, arr, dt in [(schema_text.TEXT_INPUT, np.array([PROMPT.encode()], object), "BYTES"),
-                              (schema_text.MAX_TOKENS_IN, np.array([3000], np.int32), "INT32"),
-                              (schema_text.STREAM_IN, np.array([True]), "BOOL")]:
-            x = grpcclient.InferInput(name, [1], dt)
-            x.set_data_from_numpy(arr)
-            ins.append(x)
-        c.async_stream_infer("ensemble", ins)
-        running(1)
+        c.async_stream_infer("ensemble", _stream_inputs(PROMPT, 3000))
+        running()
         c.stop_stream(cancel_requests=True)
         c.close()
         stopped(before + 1)

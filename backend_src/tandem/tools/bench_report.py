@@ -65,6 +65,13 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
             "new_tokens": sum(len(r["token_ids"]) for r in runs)}
 
 
+def _median_prompt_ratio(raw: dict, row: str, ref: str) -> float | None:
+    """The median over prompts of ``row``'s tokens/s over ``ref``'s on the same prompt (None: no pair)."""
+    base = {r["prompt"]: r["tokens_per_s"] for r in raw[ref]}
+    pairs = [r["tokens_per_s"] / base[r["prompt"]] for r in raw[row] if base.get(r["prompt"]) and r["tokens_per_s"]]
+    return statistics.median(pairs) if pairs else None
+
+
 def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf: bool) -> dict:
     """The ratios: best in-process arm / plain (all tokens over all seconds, and the median of the
     per-prompt ratios), served / in-process per served row (the same two: the per-prompt pairs ran
@@ -74,19 +81,14 @@ def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf
     out: dict = {}
     if labels:
         best = max(labels, key=lambda x: agg[f"{x} (in-process)"])
-        per_prompt = {r["prompt"]: r["tokens_per_s"] for r in raw["plain (in-process)"]}
         out.update(best_arm=best, best_arm_vs_plain=agg[f"{best} (in-process)"] / plain,
-                   best_arm_vs_plain_median_prompt=statistics.median(
-                       r["tokens_per_s"] / per_prompt[r["prompt"]] for r in raw[f"{best} (in-process)"]))
+                   best_arm_vs_plain_median_prompt=_median_prompt_ratio(raw, f"{best} (in-process)", "plain (in-process)"))
     for label in served:
         ip = agg.get(f"{label} (in-process)")
         if ip:
             out[f"served_vs_inprocess {label}"] = agg[f"{label} (served)"] / ip
-            inproc = {r["prompt"]: r["tokens_per_s"] for r in raw[f"{label} (in-process)"]}
-            pairs = [r["tokens_per_s"] / inproc[r["prompt"]] for r in raw[f"{label} (served)"]
-                     if inproc.get(r["prompt"]) and r["tokens_per_s"]]
-            if pairs:
-                out[f"served_vs_inprocess_median_prompt {label}"] = statistics.median(pairs)
+            out[f"served_vs_inprocess_median_prompt {label}"] = _median_prompt_ratio(
+                raw, f"{label} (served)", f"{label} (in-process)")
     if hf:
         out["plain_vs_transformers"] = plain / agg["transformers generate"]
     return out
