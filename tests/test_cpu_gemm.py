@@ -91,21 +91,45 @@ def test_moe_invariant_path_matches_reference_and_is_row_invariant(N):
 def test_kernel_weight_streams_bf16_bits_with_the_same_products():
     """Weights that are exactly bfloat16 (the shipped checkpoint, upcast) are read as their uint16
     bits: half the bytes, the products bit-identical to the fp32 weights; others stay fp32; an
-    in-place change of the weight is seen."""
+    in-place change of the weight is seen; the arrays are strip-packed (64 columns a run)."""
     w = _randn(517, 40, seed=5).to(torch.bfloat16).float().t().contiguous().t()  # input-major, bf16 values
     x = _randn(9, 40, seed=6).numpy()
     wt = cpu_gemm.kernel_weight(w)
-    assert wt.dtype == np.uint16 and wt.shape == (40, 517) and wt.nbytes == w.numel() * 2
+    strips, tail = wt
+    assert strips.dtype == tail.dtype == np.uint16 and strips.shape == (8, 40, 64) and tail.shape == (40, 5)
+    assert strips.nbytes + tail.nbytes == w.numel() * 2 and cpu_gemm.cols(wt) == 517
     assert cpu_gemm.kernel_weight(w) is wt  # made once
     fp32 = w.t().numpy().copy()
     assert np.array_equal(cpu_gemm.mm_rows(x, wt), cpu_gemm.mm_rows(x, fp32))
-    assert np.array_equal(cpu_gemm.mm_rows(x, wt, 100, 333), cpu_gemm.mm_rows(x, fp32)[:, 100:333])
+    assert np.array_equal(cpu_gemm.mm_rows(x, wt, 128, 320), cpu_gemm.mm_rows(x, fp32)[:, 128:320])
+    assert np.array_equal(cpu_gemm.mm_rows(x, wt, 448, 517), cpu_gemm.mm_rows(x, fp32)[:, 448:517])
+    with pytest.raises(ValueError, match="strips of 64: got 100..333 of 517"):
+        cpu_gemm.mm_rows(x, wt, 100, 333)
     odd = _randn(30, 40, seed=7)  # not bfloat16 values
-    assert cpu_gemm.kernel_weight(odd).dtype == np.float32
+    assert not cpu_gemm.is_bf16(cpu_gemm.kernel_weight(odd)) and cpu_gemm.kernel_weight(odd)[1].dtype == np.float32
     with torch.no_grad():
         w.mul_(2.0)  # still bfloat16 values
     again = cpu_gemm.kernel_weight(w)
     assert again is not wt and np.array_equal(cpu_gemm.mm_rows(x, again), 2 * cpu_gemm.mm_rows(x, fp32))
-    down = _randn(3, 24, 40, seed=8).to(torch.bfloat16).float()
-    assert np.array_equal(cpu_gemm.kernel_weight(down, transpose=False).view(np.int16),
-                          down.to(torch.bfloat16).view(torch.int16).numpy())
+    down = _randn(3, 24, 130, seed=8).to(torch.bfloat16).float()  # [E, I, D], not transposed
+    ds, dt = cpu_gemm.kernel_weight(down, transpose=False)
+    bits = down.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert ds.shape == (3, 2, 24, 64) and np.array_equal(ds[1, 1], bits[1, :, 64:128]) and np.array_equal(dt, bits[:, :, 128:])
+    up = _randn(3 * 48, 40, seed=9).to(torch.bfloat16).float()  # [E * 2I, D]: each expert's rows in turn
+    us, ut = cpu_gemm.kernel_weight(up, experts=3)
+    assert us.shape == (3, 0, 40, 64) and ut.shape == (3, 40, 48)
+    assert np.array_equal(cpu_gemm.mm_rows(x, (us[2], ut[2])), cpu_gemm.mm_rows(x, up[96:].t().contiguous().numpy()))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("D,O", [(1, 64), (7, 65), (37, 130), (256, 517), (5, 3)])
+def test_packed_weights_give_the_unpacked_bits(bf16, D, O):
+    """A strip-packed weight's products equal the unpacked kernel's bit for bit for any number of rows
+    (one row takes the tiles here, the blocked kernel there) and any strip-aligned column range."""
+    w = np.random.default_rng(D + O).standard_normal((D, O)).astype(np.float32)
+    wt = (w.view(np.uint32) >> 16).astype(np.uint16) if bf16 else w
+    pw = cpu_gemm.pack_strips(wt)
+    x = np.random.default_rng(D).standard_normal((9, D)).astype(np.float32)
+    for M in range(1, 10):
+        for c0, c1 in {(0, O), (0, O - O % 64), (64 * (O // 128), O)}:
+            assert np.array_equal(cpu_gemm.mm_rows(x[:M], pw, c0, c1), cpu_gemm.mm_rows(x[:M], wt, c0, c1)), (M, c0, c1)

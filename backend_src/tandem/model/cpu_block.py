@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cpu_gemm import _mm, kernel_weight
+from .cpu_gemm import _mmp, cols, kernel_weight
 from .cpu_kda import _kda_many, kda_buffers, kda_results
 from .cpu_kernels import _F, _hc_merge, _hc_weights, np_param, np_rows
 from .cpu_moe import _moe_route, _moe_sparse
@@ -62,8 +62,9 @@ def _hc_in(s, hc):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True)
 def _gemm(x, w):  # pragma: no cover - numba
-    out = np.empty((x.shape[0], w.shape[1]), _F)
-    _mm(np.ascontiguousarray(x), w, 0, w.shape[1], out)
+    # x [N, D] @ the strip-packed weight w (kernel_weight) -> [N, O]
+    out = np.empty((x.shape[0], cols(w)), _F)
+    _mmp(np.ascontiguousarray(x), w, 0, cols(w), out)
     return out
 
 
@@ -73,7 +74,7 @@ def _ffn(s, hc, moe):  # pragma: no cover - numba
     w_r, r_bias, top_k, norm, mscale, w_up, w_down, limit = moe
     N, n, D = s.shape
     post, comb, x = _hc_in(s, hc)
-    w = np.empty((N, w_down.shape[0]), _F)
+    w = np.empty((N, w_down[0].shape[0]), _F)
     _moe_route(_gemm(x, w_r), r_bias, top_k, norm, mscale, w)
     mo = np.zeros((N, D), _F)
     _moe_sparse(x, w, w_up, w_down, limit, mo)
@@ -161,7 +162,7 @@ def _hc_args(hc, norm) -> tuple:
 def _moe_args(mo) -> tuple:
     g = mo.gate
     return (kernel_weight(g.weight), np_param(g.e_score_correction_bias), g.top_k, g.norm_topk_prob, _F(g.scale),
-            kernel_weight(mo._w_up), kernel_weight(mo._w_down, transpose=False), _F(mo.experts.limit))
+            kernel_weight(mo._w_up, experts=mo._w_down.shape[0]), kernel_weight(mo._w_down, transpose=False), _F(mo.experts.limit))
 
 
 def _f32(*ts) -> bool:

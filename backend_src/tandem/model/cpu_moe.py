@@ -10,7 +10,7 @@ import torch
 from numba import njit
 
 from . import cpu_gemm
-from .cpu_gemm import _mm
+from .cpu_gemm import _mmp
 from .cpu_kernels import _F, _exp, np_param
 
 
@@ -71,9 +71,10 @@ def _moe_combine(h, w, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True, error_model="numpy")
 def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
     # each expert e on the rows that selected it (w[r, e] != 0), in expert order: gate | up GEMM,
-    # clamped SwiGLU, down GEMM (row-invariant _mm), out[r] += w[r, e] * h; out [N, D] zeros
+    # clamped SwiGLU, down GEMM (row-invariant _mmp), out[r] += w[r, e] * h; out [N, D] zeros; up and
+    # down strip-packed per expert (kernel_weight: [E+1, D, 2I] and [E+1, I, D])
     N, D = x.shape
-    E1, I, _ = down.shape
+    E1, I = down[0].shape[0], down[0].shape[2]
     rows = np.empty(N, np.int64)
     xs, gu = np.empty((N, D), _F), np.empty((N, 2 * I), _F)
     act, h = np.empty((N, I), _F), np.empty((N, D), _F)
@@ -87,13 +88,13 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
                 n += 1
         if n == 0:
             continue
-        _mm(xs[:n], up, e * 2 * I, (e + 1) * 2 * I, gu[:n])
+        _mmp(xs[:n], (up[0][e], up[1][e]), 0, 2 * I, gu[:n])
         for j in range(n):
             for i in range(I):
                 g = min(gu[j, i], limit)
                 u = min(max(gu[j, I + i], -limit), limit)
                 act[j, i] = g / (one + _exp(-g)) * u
-        _mm(act[:n], down[e], 0, D, h[:n])
+        _mmp(act[:n], (down[0][e], down[1][e]), 0, D, h[:n])
         for j in range(n):
             r = rows[j]
             for d in range(D):
@@ -135,7 +136,8 @@ def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k:
     _moe_route(logits, np_param(bias), top_k, norm, _F(scale), w)
     out = np.zeros((N, D), _F)
     if invariant:
-        _moe_sparse(xn, w, cpu_gemm.kernel_weight(w_up), cpu_gemm.kernel_weight(w_down, transpose=False), _F(limit), out)
+        _moe_sparse(xn, w, cpu_gemm.kernel_weight(w_up, experts=E1), cpu_gemm.kernel_weight(w_down, transpose=False),
+                    _F(limit), out)
         return torch.from_numpy(out)
     up = w_up.t()  # [D, (E+1) * 2I], contiguous
     for a, b in _runs(w.any(0).tolist()):

@@ -10,8 +10,10 @@ fused multiply-adds (near this AMD EPYC core's 16 fp32 FMAs a cycle at R = 4). E
 is still the one chain of float32 FMAs over the input dimension in order, ``fma(x[r, D-1], w[D-1,
 j], ... fma(x[r, 0], w[0, j], 0))`` (``llvm.fma`` is the exactly rounded fused multiply-add, as the
 contracted scalar code's), so a tile's results are bit-identical to the blocked kernels' and to
-themselves for any number of rows (``tests/test_cpu_tile.py``). One row stays with the blocked
-kernel: a 64-column tile walks the weights in short runs, ~1.5x slower for the LM head.
+themselves for any number of rows (``tests/test_cpu_tile.py``). Serving's weights are strip-packed
+(:func:`~tandem.model.cpu_gemm.pack_strips`): a tile's ``D x 64`` weights are one contiguous run, which
+the hardware prefetchers stream, so every row count, one row included, takes the tiles (on the
+unpacked layout one row stays with the blocked kernel: there a tile walks the weights in short runs).
 
 The KDA state passes (decay + ``S'^T k``; delta-rule update + ``S^T q``) keep a head's ``dk``
 accumulators in registers the same way, with the loops' arithmetic in the loops' order.

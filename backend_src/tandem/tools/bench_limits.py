@@ -21,7 +21,7 @@ def weight_bytes_per_token(model) -> dict:
     ``{"total": bytes, "lm_head": .., "experts": .., "other": ..}``."""
     from ..model import cpu_gemm
 
-    bf16 = {e[0].untyped_storage().data_ptr() for e in cpu_gemm._W.values() if e[2].dtype == np.uint16}
+    bf16 = {e[0].untyped_storage().data_ptr() for e in cpu_gemm._W.values() if cpu_gemm.is_bf16(e[2])}
     cfg = model.cfg
     n = cfg.num_hidden_layers
     share = cfg.num_experts_per_tok / cfg.n_routed_experts
@@ -50,7 +50,8 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
                      cold: bool = False) -> dict:
     """Bytes/s of one-row matrix-vector products over a weight of ``nbytes`` (``[in_features, N]``),
     the fastest of MKL on the input-major layout serving uses, MKL on the row-major one, and (fp32)
-    tandem's own row-invariant GEMM that serving runs, on fp32 and on bf16 weights (the strictest limit). Median of ``reps``
+    tandem's own row-invariant GEMM, on fp32 and on bf16 weights, unpacked and strip-packed as serving
+    runs it (the strictest limit). Median of ``reps``
     timed calls after warm-up; the weight stays in the last-level cache between calls when it fits
     (the shipped miniature's 19 MiB a token does, in a 32 MiB L3), unless ``cold``: then
     ``_FLUSH_BYTES`` are written before each timed call, so the weight streams from memory as a model
@@ -69,6 +70,7 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
         n_bf16 = max(1, int(nbytes // (in_features * 2)))  # the same bytes: twice the rows
         wb = torch.randn(n_bf16, in_features, generator=g).to(torch.bfloat16).t().contiguous().view(torch.int16).numpy().view(np.uint16)
         calls["tandem GEMM, bf16 weights"] = lambda xn=x.numpy(), wt=wb: cpu_gemm.mm_rows(xn, wt)
+        calls["tandem GEMM, packed bf16 weights"] = lambda xn=x.numpy(), wt=cpu_gemm.pack_strips(wb): cpu_gemm.mm_rows(xn, wt)
     for layout, call in calls.items():
         for _ in range(3):
             call()
