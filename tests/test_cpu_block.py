@@ -1,5 +1,6 @@
-"""A decoder block in one numba call (``tandem.model.cpu_block``) against the same block run kernel by
-kernel (``DecoderLayer.run``): bit-identical hidden rows, features, KDA rows / states and caches, for
+"""A decoder block in one numba call (``tandem.model.cpu_block``, ``cpu_mla_block``) against the same block
+run kernel by kernel (``DecoderLayer.run``): bit-identical hidden rows, features, KDA rows / states and
+MLA caches (rows and pools), for
 a verify of several sequences, a prime and the plain decode that follows, on odd shapes (3 streams,
 5 experts, heads of 12), and the weight arguments made again after an in-place change."""
 
@@ -9,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from tandem.model import cpu_block
+from tandem.model import cpu_block, cpu_mla_block
 from tandem.model.cache import KDAState, MLACache
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
@@ -42,7 +43,7 @@ def _ids(n, seed):
 
 
 def _counting(monkeypatch):
-    calls = {"block": 0, "attn": 0, "ffn": 0}
+    calls = {"block": 0, "attn": 0, "ffn": 0, "mla_block": 0, "mla_attn": 0}
     monkeypatch.setattr(cpu_block, "CALLS", calls)
     return calls
 
@@ -66,13 +67,14 @@ def _session(model, fused: bool, prompts, blocks):
 
 def test_fused_blocks_are_bit_identical_to_the_kernel_by_kernel_path(odd, monkeypatch):
     assert [cpu_block.kda_fits(l) for l in odd.layers] == [True, True, False, True]
-    assert [cpu_block.ffn_fits(l) for l in odd.layers] == [False, True, True, True]
+    assert [cpu_block.ffn_fits(l) for l in odd.layers] == [True, True, True, True]  # layer 0's dense MLP too
+    assert [cpu_mla_block.fits(l) for l in odd.layers] == [False, False, True, False]
     prompts, blocks = [_ids(7, 1), _ids(1, 2), _ids(20, 3)], [_ids(4, 4), _ids(3, 5), _ids(6, 6)]
     ref = _session(odd, False, prompts, blocks)
     calls = _counting(monkeypatch)
     got = _session(odd, True, prompts, blocks)
-    # per pass: layers 1 and 3 whole, layer 0's attention half, layer 2's FFN half; three passes
-    assert calls == {"block": 6, "attn": 3, "ffn": 3}
+    # per pass: every block whole (the KDA ones, layer 0's with its dense MLP; the MLA one); three passes
+    assert calls == {"block": 9, "attn": 0, "ffn": 0, "mla_block": 3, "mla_attn": 0}
     for a, b in zip(got[0], ref[0]):
         assert torch.equal(a, b)
     for (h, f), (rh, rf) in zip(got[1], ref[1]):
@@ -89,7 +91,9 @@ def test_fused_blocks_are_bit_identical_to_the_kernel_by_kernel_path(odd, monkey
             if isinstance(a, KDAState):
                 assert torch.equal(a.S, b.S) and torch.equal(a.tail, b.tail)
             else:
-                assert isinstance(a, MLACache) and torch.equal(a.latent[:, :len(a)], b.latent[:, :len(b)])
+                assert isinstance(a, MLACache) and len(a) == len(b) and a.n_pools() == b.n_pools() > 0
+                for name in ("latent", "k", "v", "ik", "ig", "pk"):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_fused_block_sees_an_in_place_weight_change(odd):
@@ -114,7 +118,7 @@ def test_outside_the_row_invariant_mode_blocks_run_unfused(odd, monkeypatch):
     calls = _counting(monkeypatch)
     with torch.no_grad():
         odd.verify(odd.new_cache(), _ids(3, 9))
-    assert calls == {"block": 0, "attn": 0, "ffn": 0}
+    assert not any(calls.values())
 
 
 def test_a_layers_plans_go_with_it():

@@ -240,3 +240,28 @@ def test_mla_many_equals_one_sequence_at_a_time_and_appends_like_torch(odd):
                 assert len(a) == len(b) and a.n_pools() == b.n_pools() == len(b) // ix.kp
                 for name in ("latent", "k", "v", "ik", "ig", "pk"):
                     assert torch.equal(getattr(a, name), getattr(b, name)), (step, name)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 64), (3, 2, 33)])
+def test_norms_and_swiglu_match_torch_row_by_row(shape):
+    """RMSNorm, LayerNorm and the clamped SwiGLU kernels against torch (odd widths, column-slice inputs),
+    and each row bit-identical computed alone."""
+    from tandem.model.layers import clamped_swiglu
+
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape[:-1], shape[-1] + 3, generator=g)[..., 3:] * 4  # a strided view, as a split gives
+    w, b = torch.randn(shape[-1], generator=g), torch.randn(shape[-1], generator=g)
+    u = torch.randn(*shape, generator=g) * 12
+    got = {"rms": cpu_kernels.rms_norm(x, w, 1e-5), "ln": cpu_kernels.layer_norm(x, w, b, 1e-6),
+           "swiglu": cpu_kernels.swiglu(x * 3, u, 10.0)}
+    ref = {"rms": torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5),
+           "ln": torch.nn.functional.layer_norm(x, (shape[-1],), w, b, 1e-6), "swiglu": clamped_swiglu(x * 3, u, 10.0)}
+    for k in got:
+        assert got[k].shape == x.shape and got[k].dtype == torch.float32
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5)
+    rows, urows = x.reshape(-1, shape[-1]), u.reshape(-1, shape[-1])
+    for i in range(rows.shape[0]):
+        assert torch.equal(cpu_kernels.rms_norm(rows[i:i + 1], w, 1e-5)[0], got["rms"].reshape(-1, shape[-1])[i])
+        assert torch.equal(cpu_kernels.layer_norm(rows[i:i + 1], w, b, 1e-6)[0], got["ln"].reshape(-1, shape[-1])[i])
+        assert torch.equal(cpu_kernels.swiglu(rows[i:i + 1] * 3, urows[i:i + 1], 10.0)[0],
+                           got["swiglu"].reshape(-1, shape[-1])[i])

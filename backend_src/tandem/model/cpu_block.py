@@ -12,7 +12,9 @@ A row's output, its KDA rows and states are bit-identical to the unfused path's
 (``tests/test_cpu_block.py``), so every exactness property of that path holds here.
 
 Blocks with MLA/DSA attention run the attention as before and their FFN half here
-(:func:`ffn_block`); a KDA block with a dense MLP its attention half; the MTP layer is unchanged.
+(:func:`ffn_block`); a KDA block with a dense MLP in one call too (:func:`_dense_ffn`, the clamped SwiGLU
+of :func:`~tandem.model.cpu_kernels.swiglu`, as the MLP runs it op by op); MLA blocks in
+:mod:`~tandem.model.cpu_mla_block`; the MTP layer is unchanged.
 
 numba's on-disk cache keys these functions on this file alone, but their compiled code holds the
 kernels they call: after editing a kernel in another ``cpu_*.py`` file, clear this folder's
@@ -30,14 +32,15 @@ from numba import njit
 
 from .cpu_gemm import _mmp, cols, kernel_weight
 from .cpu_kda import _kda_many, kda_buffers, kda_results
-from .cpu_kernels import _F, _hc_merge, _hc_weights, np_param, np_rows
+from .cpu_kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_rows
 from .cpu_moe import _moe_route, _moe_sparse
 
 #: whether the fused blocks apply: the last entry (tests and A/B benches turn them off with :func:`off`)
 _ON = [True]
 
-#: calls so far of the whole block, a KDA attention half and a MoE FFN half (tests, benches)
-CALLS = {"block": 0, "attn": 0, "ffn": 0}
+#: calls so far of the whole block, a KDA attention half and a MoE FFN half; an MLA block and an MLA
+#: attention half (:mod:`~tandem.model.cpu_mla_block`) (tests, benches)
+CALLS = {"block": 0, "attn": 0, "ffn": 0, "mla_block": 0, "mla_attn": 0}
 
 
 @contextlib.contextmanager
@@ -84,6 +87,19 @@ def _ffn(s, hc, moe):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
+def _dense_ffn(s, hc, dense):  # pragma: no cover - numba
+    # the FFN half of a block with a dense MLP: s [N, n, D] -> [N, n, D] (the clamped SwiGLU as the experts')
+    w_g, w_u, w_d, limit = dense
+    N, n, D = s.shape
+    post, comb, x = _hc_in(s, hc)
+    g = _gemm(x, w_g)
+    _swiglu(g, _gemm(x, w_u), limit, g)
+    out = np.empty((N, n, D), _F)
+    _hc_merge(post, comb, _gemm(g, w_d), s, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
 def _kda_attn(s, hc, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  # pragma: no cover - numba
     # the attention half of a KDA block: s [N, n, D] -> [N, n, D]; full / states filled as _kda_many fills them
     w_x, w_fb, w_gb, w_o, convw, a_log, dt_bias, lower, onw, o_eps, qscale, H, dk = kda
@@ -106,6 +122,12 @@ def _kda_attn(s, hc, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  #
 def _kda_block(s, hc_a, hc_f, moe, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  # pragma: no cover - numba
     # a KDA + MoE block: s [N, n, D] -> [N, n, D]
     return _ffn(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep), hc_f, moe)
+
+
+@njit(cache=True, nogil=True)
+def _kda_dense_block(s, hc_a, hc_f, dense, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  # pragma: no cover - numba
+    # a KDA + dense MLP block: s [N, n, D] -> [N, n, D]
+    return _dense_ffn(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep), hc_f, dense)
 
 
 class _Plan:
@@ -192,6 +214,20 @@ def _kda_sources(layer) -> list[torch.Tensor]:
             a.g_b_proj.weight, a.o_proj.weight, a.conv1d.weight, a.forget_gate.A_log, a.forget_gate.dt_bias, a.o_norm.weight]
 
 
+def _dense_fits(layer) -> bool:
+    mo = layer.mlp
+    return hasattr(mo, "gate_proj") and _f32(mo.gate_proj.weight, mo.up_proj.weight, mo.down_proj.weight, layer.ffn_hc.fn)
+
+
+def _dense_plan(layer) -> _Plan:
+    mo, hc = layer.mlp, layer.ffn_hc
+    return _plan(layer, "dense", lambda: [mo.gate_proj.weight, mo.up_proj.weight, mo.down_proj.weight, hc.fn, hc.base,
+                                          hc.scale, layer.post_attention_layernorm.weight],
+                 lambda: _dense_fits(layer),
+                 lambda: (_hc_args(hc, layer.post_attention_layernorm), (kernel_weight(mo.gate_proj.weight),
+                          kernel_weight(mo.up_proj.weight), kernel_weight(mo.down_proj.weight), _F(mo.limit))))
+
+
 def _ffn_plan(layer) -> _Plan:
     return _plan(layer, "ffn", lambda: _ffn_sources(layer), lambda: _ffn_fits(layer),
                  lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp)))
@@ -210,8 +246,9 @@ def _kda_plan(layer) -> _Plan:
 
 
 def ffn_fits(layer) -> bool:
-    """Whether ``layer``'s FFN half runs here (:func:`ffn_block`): a MoE in the serving layout, fp32."""
-    return _ON[-1] and _ffn_plan(layer).fits
+    """Whether ``layer``'s FFN half runs here (:func:`ffn_block`): a MoE in the serving layout or a dense
+    MLP, fp32."""
+    return _ON[-1] and (_ffn_plan(layer).fits or _dense_plan(layer).fits)
 
 
 def kda_fits(layer) -> bool:
@@ -224,9 +261,11 @@ def ffn_block(layer, streams: torch.Tensor) -> torch.Tensor:
     """The FFN half of ``layer`` (mHC weights and the post-attention norm, the MoE, the mHC merge) on
     streams ``[1, T, n, D]`` fp32 in the row-invariant mode; :func:`ffn_fits` must hold. Returns
     ``[1, T, n, D]``, bit-identical to :meth:`~tandem.model.block.DecoderLayer.run`'s second half."""
-    hc, moe = _ffn_plan(layer).args
     CALLS["ffn"] += 1
-    return torch.from_numpy(_ffn(np_rows(streams[0]), hc, moe))[None]
+    p = _ffn_plan(layer)
+    if p.fits:
+        return torch.from_numpy(_ffn(np_rows(streams[0]), *p.args))[None]
+    return torch.from_numpy(_dense_ffn(np_rows(streams[0]), *_dense_plan(layer).args))[None]
 
 
 def kda_block(layer, streams: torch.Tensor, starts: list, lengths: list[int], keep_states: bool = True
@@ -246,9 +285,13 @@ def kda_block(layer, streams: torch.Tensor, starts: list, lengths: list[int], ke
     offs, full, states, (tails, t_col, S0, s_idx) = kda_buffers(starts, lengths, 3 * a.qkv, K, a.h, keep_states)
     s = np_rows(streams[0])
     ffn = _ffn_plan(layer)
-    CALLS["block" if ffn.fits else "attn"] += 1
+    dense = ffn if ffn.fits else _dense_plan(layer)
+    CALLS["block" if dense.fits else "attn"] += 1
     if ffn.fits:
         out = torch.from_numpy(_kda_block(s, hc_a, *ffn.args, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states))[None]
+    elif dense.fits:
+        out = torch.from_numpy(_kda_dense_block(s, hc_a, *dense.args, kda, tails, t_col, S0, s_idx, offs, full, states,
+                                                keep_states))[None]
     else:
         out = layer.ffn(torch.from_numpy(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states))[None])
     return out, kda_results(offs, full, states, K, keep_states)

@@ -74,8 +74,8 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.active(x) and x.dtype == torch.float32 == self.weight.dtype:  # one op
-            return F.rms_norm(x, self.weight.shape, self.weight, self.variance_epsilon)
+        if cpu_kernels.active(x) and x.dtype == torch.float32 == self.weight.dtype:  # one kernel call
+            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
         dt = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -115,7 +115,10 @@ class MLP(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if cpu_kernels.active(x) and g.dtype == torch.float32:  # the experts' arithmetic (cpu_block's dense FFN)
+            return self.down_proj(cpu_kernels.swiglu(g, u, self.limit))
+        return self.down_proj(clamped_swiglu(g, u, self.limit))
 
 
 class Experts(nn.Module):

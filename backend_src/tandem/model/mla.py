@@ -96,7 +96,15 @@ class Indexer(nn.Module):
 
     def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token indexer key and pool gate logits, both ``[B, T, di]``."""
-        return self.k_norm(self.wk(x)), cpu_gemm.linear(x, self.index_kpool_compress_gate)
+        return self.key_norm(self.wk(x)), cpu_gemm.linear(x, self.index_kpool_compress_gate)
+
+    def key_norm(self, k: torch.Tensor) -> torch.Tensor:
+        """``k_norm`` (LayerNorm) of keys ``[..., di]``; fp32 with the serving kernels on, one kernel call
+        (:func:`~tandem.model.cpu_kernels.layer_norm`)."""
+        n = self.k_norm
+        if cpu_kernels.active(k) and k.dtype == torch.float32 == n.weight.dtype:
+            return cpu_kernels.layer_norm(k, n.weight, n.bias, n.eps)
+        return n(k)
 
     def pool_keys(self, keys: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Compress complete pools. ``keys, gates [B, P*kp, di]`` -> ``[B, P, di]`` (serving, one fp32
@@ -184,7 +192,7 @@ class MLAttention(nn.Module):
             qa, kva, ikr, rows["iw"], ig = fx.split(self._fused_x[1], -1)
             q_resid = self.q_a_layernorm(qa)
             q, rows["iq"] = cpu_gemm.linear(q_resid, fq[0]).split(fq[1], -1)
-            ik = self.indexer.k_norm(ikr)
+            ik = self.indexer.key_norm(ikr)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q, kva = self.q_b_proj(q_resid), self.kv_a_proj_with_mqa(x)

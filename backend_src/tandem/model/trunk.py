@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_block, cpu_gemm, cpu_kernels
+from . import cpu_block, cpu_gemm, cpu_kernels, cpu_mla_block
 from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -130,10 +130,17 @@ class Trunk(nn.Module):
         """``block_fn`` of :meth:`_layers` for a pass over ``caches``' rows (``lengths``): when ``on``
         (:meth:`_invariant_rows`), each KDA block that fits runs in one
         :func:`~tandem.model.cpu_block.kda_block` call, bit-identical to the block run kernel by kernel,
-        and ``keep(i, per_sequence)`` takes layer ``i``'s KDA rows (``keep_states``) or final states."""
+        and ``keep(i, per_sequence)`` takes layer ``i``'s KDA rows (``keep_states``) or final states;
+        each MLA block that fits in one :func:`~tandem.model.cpu_mla_block.mla_block` call (the rows
+        appended to the caches, as the unfused path appends them)."""
         def block_fn(i, layer):
-            if not (on and cpu_block.kda_fits(layer)):
+            if not on:
                 return None
+            if not cpu_block.kda_fits(layer):
+                if not cpu_mla_block.fits(layer):
+                    return None
+                return lambda s: (layer.run(s, attn_fn(i, layer)) if s.shape[0] != 1 else
+                                  cpu_mla_block.mla_block(layer, s, [c.layers[i] for c in caches], lengths))
 
             def run(s):
                 if s.shape[0] != 1:

@@ -17,7 +17,7 @@ from .trunk import Trunk
 
 def compile_kernels() -> float:
     """Compile every kernel for the argument types serving passes (numba caches them on disk beside
-    cpu_kernels.py, cpu_kda.py, cpu_moe.py, cpu_gemm.py and cpu_block.py, so only the first call on a
+    cpu_kernels.py, cpu_kda.py, cpu_moe.py, cpu_gemm.py, cpu_block.py and cpu_mla_block.py, so only the first call on a
     machine pays: ~100 s on 2 cores) by running tiny random trunks through primes and two-sequence
     verifies: the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
     with bf16-exact weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each
