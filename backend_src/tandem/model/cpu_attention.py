@@ -177,6 +177,19 @@ def mla_rows_into(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], off: int, n
               _F(w_scale), out[off: off + n])
 
 
+def cache_args(caches: list, lengths: list[int], like: dict[str, torch.Tensor]) -> tuple[np.ndarray, ...]:
+    """What the in-place kernels take for appending ``lengths[j]`` rows to each :class:`~tandem.model.cache.MLACache`
+    ``caches[j]`` (room reserved first, new buffers shaped like ``like``'s rows): ``(offs [n+1], ptrs [n, 10]
+    (:meth:`~tandem.model.cache.MLACache.kernel_ptrs`), used [n] rows, pools [n])``, int64; call each
+    cache's ``extend`` after the kernel wrote the rows."""
+    for c, m in zip(caches, lengths):
+        c.reserve(m, like)
+    offs = np.zeros(len(caches) + 1, np.int64)
+    np.cumsum(lengths, out=offs[1:])
+    return (offs, np.array([c.kernel_ptrs() for c in caches], np.int64), np.array([len(c) for c in caches], np.int64),
+            np.array([c.n_pools() for c in caches], np.int64))
+
+
 def mla_many(rows: dict[str, torch.Tensor], caches: list, lengths: list[int], ape: torch.Tensor, kp: int, k_pools: int,
              scaling: float, q_scale: float, w_scale: float) -> np.ndarray:
     """The serving path of several sequences' MLA rows in two kernel calls: every sequence's rows of
@@ -185,15 +198,7 @@ def mla_many(rows: dict[str, torch.Tensor], caches: list, lengths: list[int], ap
     (``caches``) with the pools they complete (:func:`pool_keys`' arithmetic; ``ape [kp, di]``), then
     each sequence's heads' outputs as :func:`mla_rows_into` computes them (the same per-row
     arithmetic, so bit-identical to it). Returns ``[sum R, H * dv]`` fp32."""
-    n = len(caches)
-    for c, m in zip(caches, lengths):
-        c.reserve(m, rows)
-    used = np.array([len(c) for c in caches], np.int64)
-    pools = np.array([c.n_pools() for c in caches], np.int64)
-    offs = np.zeros(n + 1, np.int64)
-    offs[1:] = lengths
-    np.cumsum(offs, out=offs)
-    ptrs = np.array([c.kernel_ptrs() for c in caches], np.int64)
+    offs, ptrs, used, pools = cache_args(caches, lengths, rows)
     _append_many(np_rows(rows["latent"][0]), np_rows(rows["k"][0]), np_rows(rows["v"][0]), np_rows(rows["ik"][0]),
                  np_rows(rows["ig"][0]), np_param(ape), offs, ptrs, used, pools)
     for c, m in zip(caches, lengths):

@@ -255,9 +255,9 @@ def _layer_norm(x, w, b, eps, out):  # pragma: no cover - numba
             out[r, j] = (x[r, j] - m) * inv * w[j] + b[j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu(g, u, limit, out):  # pragma: no cover - numba
-    # out [N, I] = silu(min(g, L)) * clamp(u, -L, L), the experts' arithmetic (cpu_moe); out may be g
+    # out [N, I] = silu(min(g, L)) * clamp(u, -L, L) (the experts' and the dense MLP's); out may be g
     one = np.float32(1.0)
     for r in range(g.shape[0]):
         for i in range(g.shape[1]):

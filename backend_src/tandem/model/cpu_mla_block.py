@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cpu_attention import _append_many, _attend_many
+from .cpu_attention import _append_many, _attend_many, cache_args
 from . import cpu_block
 from .cpu_block import _ON, _f32, _ffn, _ffn_plan, _gemm, _hc_args, _hc_in, _plan
 from .cpu_gemm import kernel_weight
@@ -119,13 +119,7 @@ def mla_block(layer, streams: torch.Tensor, caches: list, lengths: list[int]) ->
     fits (:func:`~tandem.model.cpu_block.ffn_fits`), else the attention half here and the FFN half as
     :meth:`~tandem.model.block.DecoderLayer.ffn` runs it. Returns the streams out ``[1, sum T, n, D]``."""
     hc_a, mla, like = _mla_plan(layer).args
-    for c, m in zip(caches, lengths):
-        c.reserve(m, like)
-    used = np.array([len(c) for c in caches], np.int64)
-    pools = np.array([c.n_pools() for c in caches], np.int64)
-    offs = np.zeros(len(caches) + 1, np.int64)
-    np.cumsum(lengths, out=offs[1:])
-    ptrs = np.array([c.kernel_ptrs() for c in caches], np.int64)
+    offs, ptrs, used, pools = cache_args(caches, lengths, like)
     s = np_rows(streams[0])
     ffn = _ffn_plan(layer)
     cpu_block.CALLS["mla_block" if ffn.fits else "mla_attn"] += 1

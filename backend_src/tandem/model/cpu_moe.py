@@ -11,7 +11,7 @@ from numba import njit
 
 from . import cpu_gemm
 from .cpu_gemm import _mmp
-from .cpu_kernels import _F, _exp, np_param
+from .cpu_kernels import _F, _swiglu, np_param
 
 
 @njit(cache=True, nogil=True)
@@ -78,7 +78,6 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
     rows = np.empty(N, np.int64)
     xs, gu = np.empty((N, D), _F), np.empty((N, 2 * I), _F)
     act, h = np.empty((N, I), _F), np.empty((N, D), _F)
-    one = np.float32(1.0)
     for e in range(E1):
         n = 0
         for r in range(N):
@@ -89,11 +88,7 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
         if n == 0:
             continue
         _mmp(xs[:n], (up[0][e], up[1][e]), 0, 2 * I, gu[:n])
-        for j in range(n):
-            for i in range(I):
-                g = min(gu[j, i], limit)
-                u = min(max(gu[j, I + i], -limit), limit)
-                act[j, i] = g / (one + _exp(-g)) * u
+        _swiglu(gu[:n, :I], gu[:n, I:], limit, act[:n])
         _mmp(act[:n], (down[0][e], down[1][e]), 0, D, h[:n])
         for j in range(n):
             r = rows[j]
