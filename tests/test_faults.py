@@ -33,6 +33,7 @@ class Faulty:
         self.inner = fr.LocalTransport(self.stages)
         self.hang: set[tuple[str, str]] = set()
         self.dead: set[str] = set()
+        self.dying: set[str] = set()  # dead once a hung call is released
         self.release = threading.Event()
 
     def __call__(self, model, op, arrays):
@@ -41,6 +42,9 @@ class Faulty:
             raise fr.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
         if (model.name, op) in self.hang:
             self.release.wait(30)
+            if model.name in self.dying:  # died while the call hung: the backend says so at last
+                self.dead.add(model.name)
+                raise fr.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
         return self.inner(model, op, arrays)
 
 
@@ -146,6 +150,45 @@ def test_dead_trunk_fails_every_turn_and_is_restarted(model):
         assert ok.done.wait(30) and ok.err is None and len(ok.tokens) == 6
         assert front.gauge_values()["stage_restarts"] == 1
     finally:
+        front.stop()
+
+
+def test_dead_trunk_noticed_after_the_deadline_is_restarted_and_the_watchdog_survives(model, monkeypatch):
+    """The served flake's kind: the backend notices a dead stub later than the stage deadline, so the
+    watchdog's error reaches the client first; when the hung call then answers "not healthy" the trunk
+    is restarted all the same. A watchdog look that raises is logged and the next one still answers."""
+    tr, restarts, logged = Faulty(model), [], []
+    front = _front(tr, restarts, stage_timeout_s=0.3)
+    front.log = logged.append
+    real, fails = front.watch.overdue, [1]
+
+    def flaky_overdue(now=None):
+        if fails:
+            fails.pop()
+            raise RuntimeError("one bad look")
+        return real(now)
+
+    monkeypatch.setattr(front.watch, "overdue", flaky_overdue)
+    try:
+        a = _turn(front, 1, max_tokens=200, spec="off")
+        assert a.first.wait(30)
+        tr.hang.add(("trunk", "verify"))
+        tr.dying.add("trunk")
+        assert a.done.wait(3) and a.finals == 1
+        assert a.err == "trunk.verify: did not answer within 0.3 s (stage_timeout_s)"
+        assert "watchdog: RuntimeError: one bad look" in logged
+        tr.release.set()  # the hung call answers "not healthy": restart
+        deadline = time.monotonic() + 5
+        while (not restarts or "trunk" in front.sched.unavailable) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert restarts == ["trunk"] and not front.sched.unavailable and not front.sched.sessions
+        tr.hang.clear()
+        tr.dying.clear()
+        ok = _turn(front, 2, max_tokens=6)
+        assert ok.done.wait(30) and ok.err is None and len(ok.tokens) == 6
+        assert front.gauge_values()["stage_restarts"] == 1
+    finally:
+        tr.release.set()
         front.stop()
 
 

@@ -328,16 +328,24 @@ def _works(srv) -> bool:
 
 def test_dead_stage_fails_turns_at_once_is_reported_and_restarted(srv):
     """Case 2: the trunk process dies mid-stream (SIGKILL): the stream ends with one error naming the
-    trunk within ~1 s (the backend notices a dead stub after a second); tandem restarts the model;
-    health reports it until it is back; then requests work and no state is left."""
+    trunk within ~1 s (the backend notices a dead stub after a second; on a loaded machine that can
+    take longer than the stage deadline, and then the watchdog's error comes first); tandem restarts
+    the model either way; health reports it until it is back; then requests work and no state is left."""
     s = Stream(srv.grpc_url, new_sequence_id(), 2000, "mtp")
     s.first()
     os.kill(stub_pid(srv.proc.pid, "trunk"), signal.SIGKILL)
     t0 = time.monotonic()
-    n, err = s.outcome(timeout_s=10)
-    assert time.monotonic() - t0 < 2.5
-    assert err is not None and err.startswith("trunk.") and "not healthy" in err and "restarting trunk" in err, err
+    try:
+        n, err = s.outcome(timeout_s=10)
+    except queue.Empty:
+        raise AssertionError(f"no final response within 10 s of the SIGKILL; server log:\n{srv.log()[-4000:]}") from None
+    assert time.monotonic() - t0 < STAGE_TIMEOUT_S + 1.0, srv.log()[-3000:]
+    dead = err is not None and "not healthy" in err and "restarting trunk" in err
+    late = err == f"trunk.draft_verify: did not answer within {STAGE_TIMEOUT_S:g} s (stage_timeout_s)"
+    assert err is not None and err.startswith("trunk.") and (dead or late), err
     s.close()
+    if late:  # the hung call returns "not healthy" a little later: the restart starts then
+        wait_for(lambda: "trunk's process died" in srv.log(), 10, poll_s=0.1)
     # dead, or being reloaded; READY only when the reload finished already (< 1 s on a fast machine)
     assert stage_health(srv.grpc_url)["trunk"] != "READY" or "trunk is back" in srv.log(), srv.log()[-2000:]
     wait_for(lambda: stage_health(srv.grpc_url)["trunk"] == "READY", 60, poll_s=0.5)

@@ -277,23 +277,30 @@ class TandemFront:
         stage, and every turn arriving until it returns is refused with the same (the worker is stuck)."""
         assert self.watch is not None
         while not self._stop.wait(min(0.1, self.sched.config.stage_timeout_s / 4)):
-            err = self.watch.overdue()
-            if err is not None:
-                self.log(f"watchdog: {err}")
-                sched = self.sched
-                for _ in range(3):  # the worker may wake up meanwhile and change the dicts
-                    try:
-                        turns = list(sched.turns.values()) + list(sched.admitting) + [t for _, t in list(sched._waiting)]
-                        break
-                    except RuntimeError:
-                        turns = []
-                for t in turns:
-                    t.emit(None, str(err), True)
-                    sched.request_cancel(t.sid, t, str(err))  # closed once the worker is back
-            if self.watch.stalled is not None:
-                for t in self._drain(block=False):
-                    t.emit(None, f"{self.watch.stalled} is not answering (a call has run past "
-                                 f"{self.watch.timeout_s:g} s, stage_timeout_s); retry later", True)
+            try:
+                self._watch_once()
+            except Exception as e:  # noqa: BLE001 - the watchdog must outlive any one failure
+                self.log(f"watchdog: {type(e).__name__}: {e}")
+
+    def _watch_once(self) -> None:
+        """One look of :meth:`_watch_loop`."""
+        err = self.watch.overdue()
+        if err is not None:
+            self.log(f"watchdog: {err}")
+            sched = self.sched
+            for _ in range(3):  # the worker may wake up meanwhile and change the dicts
+                try:
+                    turns = list(sched.turns.values()) + list(sched.admitting) + [t for _, t in list(sched._waiting)]
+                    break
+                except RuntimeError:
+                    turns = []
+            for t in turns:
+                t.emit(None, str(err), True)
+                sched.request_cancel(t.sid, t, str(err))  # closed once the worker is back
+        if self.watch.stalled is not None:
+            for t in self._drain(block=False):
+                t.emit(None, f"{self.watch.stalled} is not answering (a call has run past "
+                             f"{self.watch.timeout_s:g} s, stage_timeout_s); retry later", True)
 
     def _fail_all(self, reason: str) -> None:
         """Every turn in flight or queued gets one final ``reason``; sessions are forgotten without
