@@ -1,5 +1,6 @@
 """Triton adapter for the decoupled `tandem` model: pb_utils requests -> tandem.serving.front (parse,
-worker thread over BLS stage proxies) -> one streamed response per burst."""
+worker thread over BLS stage proxies) -> one streamed response per burst, sent by the thread of
+tandem.serving.backend.SendQueue."""
 
 import dataclasses
 import json
@@ -13,6 +14,12 @@ from tandem.model.tokenizer import ChatTokenizer
 from tandem.serving import backend, front
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _response(arrays, error):
+    if error is not None:
+        return pb_utils.InferenceResponse([], error=pb_utils.TritonError(error))
+    return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in arrays.items()])
 
 
 class TritonPythonModel:
@@ -42,19 +49,12 @@ class TritonPythonModel:
                                        restart=lambda m: backend.reload_model(pb_utils, m), gauges=gauges.set,
                                        standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else ())
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
+        self.sends = backend.SendQueue(_response, FINAL, log)  # responses leave off the worker's path
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
-
-            def send(arrays, error, final, sender=sender):
-                if error is not None:
-                    resp = pb_utils.InferenceResponse([], error=pb_utils.TritonError(error))
-                else:
-                    resp = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in arrays.items()])
-                sender.send(resp, flags=FINAL if final else 0)
-
+            send, is_cancelled = self.sends.stream(request.get_response_sender())
             arrays = {n: t.as_numpy() for n in schema.TANDEM.input_names
                       if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
             if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
@@ -65,10 +65,11 @@ class TritonPythonModel:
             except schema.WireError as e:
                 self.front.reject(send, str(e))
                 continue
-            self.front.submit(turn, send, sender.is_cancelled)
+            self.front.submit(turn, send, is_cancelled)
         return None
 
     def finalize(self):
         self.front.stop()
+        self.sends.close()
         self.metrics.stop()
         pb_utils.Logger.log_info(f"tandem: BLS calls {self.bls.stats.summary()}")

@@ -1,0 +1,49 @@
+"""``backend.SendQueue``: a decoupled model's responses leave on a thread of their own, in order, the
+final flag on the last; ``is_cancelled`` follows the client after each send; a failing send marks its
+stream cancelled and leaves the other streams alone; ``close`` sends what is queued first."""
+
+import threading
+
+from tandem.serving import backend
+
+FINAL = 1
+
+
+class FakeSender:
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.sent, self.cancelled, self.fail_at, self.calls = [], False, fail_at, 0
+        self.threads = set()
+
+    def send(self, response, flags=0):
+        self.threads.add(threading.get_ident())
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError("the client went away")
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+def test_responses_leave_in_order_on_their_own_thread_and_cancels_follow():
+    logs = []
+    q = backend.SendQueue(lambda arrays, error: ("error", error) if error else ("ok", arrays), FINAL, logs.append)
+    a, b, broken = FakeSender(), FakeSender(), FakeSender(fail_at=1)
+    send_a, cancelled_a = q.stream(a)
+    send_b, cancelled_b = q.stream(b)
+    send_x, cancelled_x = q.stream(broken)
+    for i in range(50):
+        send_a({"i": i}, None, False)
+        send_b({"i": i}, None, i == 49)
+        if i < 3:
+            send_x({"i": i}, None, False)
+    a.cancelled = True  # the client cancels: seen after the next non-final send
+    send_a({"i": 50}, None, False)
+    send_a(None, "cancelled by the client", True)
+    q.close()
+    assert [r for r, _ in a.sent] == [("ok", {"i": i}) for i in range(51)] + [("error", "cancelled by the client")]
+    assert [f for _, f in a.sent] == [0] * 51 + [FINAL] and [f for _, f in b.sent] == [0] * 49 + [FINAL]
+    assert cancelled_a() and not cancelled_b()
+    assert cancelled_x() and [r for r, _ in broken.sent] == [("ok", {"i": 0}), ("ok", {"i": 2})]
+    assert len(logs) == 1 and "the client went away" in logs[0]
+    assert a.threads == b.threads and threading.get_ident() not in a.threads
