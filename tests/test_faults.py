@@ -35,8 +35,10 @@ class Faulty:
         self.dead: set[str] = set()
         self.dying: set[str] = set()  # dead once a hung call is released
         self.release = threading.Event()
+        self.calls: list[tuple[str, str, int]] = []  # (model, op, sequences)
 
     def __call__(self, model, op, arrays):
+        self.calls.append((model.name, op, len(arrays.get("SIDS", ()))))
         if model.name in self.dead:
             time.sleep(0.05)
             raise fr.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
@@ -189,6 +191,27 @@ def test_dead_trunk_noticed_after_the_deadline_is_restarted_and_the_watchdog_sur
         assert front.gauge_values()["stage_restarts"] == 1
     finally:
         tr.release.set()
+        front.stop()
+
+
+def test_stages_are_probed_only_once_the_worker_idles(model, monkeypatch):
+    """The idle probe (a no-op call per stage model, to find dead processes) never runs between
+    back-to-back turns, where a request arriving would wait on it; it runs once no turn has run for
+    PROBE_IDLE_S."""
+    monkeypatch.setattr(fr, "PROBE_S", 0.0)
+    monkeypatch.setattr(fr, "PROBE_IDLE_S", 0.4)
+    tr = Faulty(model)
+    front = _front(tr)
+    try:
+        time.sleep(0.6)
+        n0 = len(tr.calls)
+        for sid in range(10, 16):  # back to back: each turn sent once the previous one ended
+            assert _turn(front, sid, max_tokens=4, spec="off").done.wait(30)
+        probes = lambda calls: [c for c in calls if c[1] == "close" and c[2] == 0]  # noqa: E731
+        assert not probes(tr.calls[n0:]), tr.calls[n0:]
+        time.sleep(0.7)
+        assert probes(tr.calls[n0:])
+    finally:
         front.stop()
 
 

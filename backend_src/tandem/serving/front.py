@@ -32,6 +32,9 @@ Send = Callable[[Arrays | None, str | None, bool], None]
 SHUTTING_DOWN = f"server shutting down {schema.SESSION_LOST_MARKER}"
 #: seconds between probes of the stage processes while no turn runs
 PROBE_S = 2.0
+#: seconds without a turn before a probe (a probe round is a BLS call per stage model, ~1 ms each:
+#: a request arriving meanwhile waits, so back-to-back turns are never probed between)
+PROBE_IDLE_S = 0.5
 #: seconds between gauge updates while turns run (a changed gauge is an IPC to the server; idle: every loop)
 GAUGES_S = 0.25
 
@@ -179,10 +182,14 @@ class TandemFront:
         return out
 
     def _loop(self) -> None:
-        last_expire = last_probe = last_gauges = time.monotonic()
+        last_expire = last_probe = last_gauges = last_busy = time.monotonic()
         while not self._stop.is_set():
             sched = self.sched
+            if sched.turns:
+                last_busy = time.monotonic()
             new = self._drain(block=not sched.busy())  # waiting turns retry every poll_s
+            if new:
+                last_busy = time.monotonic()
             if self.exiting:  # the server is shutting down: refuse, call no stage
                 for t in new:
                     t.emit(None, SHUTTING_DOWN, True)
@@ -195,7 +202,8 @@ class TandemFront:
                 if time.monotonic() - last_expire > 1.0:
                     sched.expire_idle()
                     last_expire = time.monotonic()
-                if not sched.turns and time.monotonic() - last_probe > PROBE_S:
+                now = time.monotonic()
+                if not sched.turns and now - last_probe > PROBE_S and now - last_busy > PROBE_IDLE_S:
                     last_probe = time.monotonic()
                     self._probe()
             except Exception as e:  # noqa: BLE001 - fail the in-flight turns, keep serving
