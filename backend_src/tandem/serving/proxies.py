@@ -17,7 +17,7 @@ from .. import schema
 from ..engine import sampling
 from ..engine.protocols import Commit, DraftRequest, RoundsPlan, Rows, VerifyOut
 from ..schema import Arrays, WireError
-from .backend import CallStats
+from .backend import CallStats, tensors_by_name
 
 
 # -- transports ---------------------------------------------------------------------------------------
@@ -119,13 +119,11 @@ class BLSTransport:
         self.stats.add(f"{model.name}.{op}", time.perf_counter() - t0)
         if resp.has_error():
             raise StageError(model.name, op, resp.error().message())
-        out = {}
-        for name in model.output_names:
-            t = pb.get_output_tensor_by_name(resp, name)
-            if t is None:
-                raise StageError(model.name, op, f"response lacks output {name}")
-            out[name] = np.array(t.as_numpy(), copy=True)  # own the bytes: the response's buffer dies with it
-        return out
+        got = tensors_by_name(resp.output_tensors(), model.output_names)
+        if len(got) < len(model.output_names):
+            missing = [n for n in model.output_names if n not in got]
+            raise StageError(model.name, op, f"response lacks output {missing[0]}")
+        return {k: np.array(v, copy=True) for k, v in got.items()}  # own the bytes: the response's buffer dies with it
 
 
 # -- stage proxies ------------------------------------------------------------------------------------

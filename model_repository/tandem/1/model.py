@@ -55,8 +55,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             send, is_cancelled = self.sends.stream(request.get_response_sender())
-            arrays = {n: t.as_numpy() for n in schema.TANDEM.input_names
-                      if (t := pb_utils.get_input_tensor_by_name(request, n)) is not None}
+            arrays = backend.tensors_by_name(request.inputs(), schema.TANDEM.input_names)
             if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
                 self.front.cancel_session(int(request.correlation_id()), send)
                 continue

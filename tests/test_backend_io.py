@@ -1,8 +1,11 @@
-"""``backend.SendQueue``: a decoupled model's responses leave on a thread of their own, in order, the
-final flag on the last; ``is_cancelled`` follows the client after each send; a failing send marks its
-stream cancelled and leaves the other streams alone; ``close`` sends what is queued first."""
+"""``tandem.serving.backend``'s I/O helpers. ``SendQueue``: a decoupled model's responses leave on a
+thread of their own, in order, the final flag on the last; ``is_cancelled`` follows the client after
+each send; a failing send marks its stream cancelled and leaves the other streams alone; ``close``
+sends what is queued first. ``tensors_by_name``: one pass over a request's or response's tensors."""
 
 import threading
+
+import numpy as np
 
 from tandem.serving import backend
 
@@ -47,3 +50,22 @@ def test_responses_leave_in_order_on_their_own_thread_and_cancels_follow():
     assert cancelled_x() and [r for r, _ in broken.sent] == [("ok", {"i": 0}), ("ok", {"i": 2})]
     assert len(logs) == 1 and "the client went away" in logs[0]
     assert a.threads == b.threads and threading.get_ident() not in a.threads
+
+
+class _T:
+    def __init__(self, name, value):
+        self._name, self.value, self.reads = name, value, 0
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        self.reads += 1
+        return self.value
+
+
+def test_tensors_by_name_reads_each_named_tensor_once_in_the_names_order():
+    ts = [_T("B", np.array([2])), _T("X", np.array([9])), _T("A", np.array([1]))]
+    got = backend.tensors_by_name(ts, ("A", "B", "C"))
+    assert list(got) == ["A", "B"] and got["A"].tolist() == [1] and got["B"].tolist() == [2]
+    assert [t.reads for t in ts] == [1, 0, 1]  # X is not asked for; C is absent
