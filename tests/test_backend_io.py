@@ -69,3 +69,22 @@ def test_tensors_by_name_reads_each_named_tensor_once_in_the_names_order():
     got = backend.tensors_by_name(ts, ("A", "B", "C"))
     assert list(got) == ["A", "B"] and got["A"].tolist() == [1] and got["B"].tolist() == [2]
     assert [t.reads for t in ts] == [1, 0, 1]  # X is not asked for; C is absent
+
+
+def test_flush_returns_once_everything_queued_before_it_was_sent():
+    gate = threading.Event()
+
+    class Slow(FakeSender):
+        def send(self, response, flags=0):
+            gate.wait(5)
+            super().send(response, flags)
+
+    q = backend.SendQueue(lambda arrays, error: (arrays, error), FINAL, log=lambda m: None)
+    a = Slow()
+    send, _ = q.stream(a)
+    send({"x": 1}, None, False)
+    send(None, "boom", True)
+    assert not q.flush(timeout_s=0.2)  # the first send is still blocked
+    gate.set()
+    assert q.flush(timeout_s=5) and a.calls == 2
+    q.close()

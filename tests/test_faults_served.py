@@ -16,7 +16,6 @@ import random
 import signal
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -36,8 +35,6 @@ STAGE_TIMEOUT_S = 1.5
 #: the past-deadline case's own server: well under a 4,000-token prime (~2.2 s in-process here, ~3 s
 #: before the register tiles), so it has time to look around before the late answer
 SHORT_TIMEOUT_S = 0.75
-#: the most a SIGKILLed stage may take to fail its turn (the backend's notice: ~1 s, seen ~10 s)
-SLOW_NOTICE_S = 20
 # prefill_chunk 0: a long prompt is one trunk call, the stage call that outlives the deadline below
 LIMITS = {"TANDEM_IDLE_TIMEOUT_S": "3", "TANDEM_STAGE_TIMEOUT_S": str(STAGE_TIMEOUT_S), "TANDEM_MAX_SESSIONS": "16",
           "TANDEM_ADMISSION_WAIT_S": "1", "TANDEM_PREFILL_CHUNK": "0"}
@@ -330,21 +327,19 @@ def _works(srv) -> bool:
 
 
 def test_dead_stage_fails_turns_at_once_is_reported_and_restarted(srv):
-    """Case 2: the trunk dies mid-stream (SIGKILL): one error naming the trunk, usually within ~1 s (the
-    backend's notice; when slower than the deadline the watchdog's error comes first; in ~1 full run
-    in 8 it took ~10 s with ``tandem`` silent meanwhile, hence SLOW_NOTICE_S and a warning); tandem
-    restarts the model; health says so until it is back; then requests work and no state is left."""
+    """Case 2: the trunk dies mid-stream (SIGKILL): one error naming the trunk within ~1 s (the backend's
+    notice; when slower than the deadline the watchdog's error comes first); tandem restarts the model;
+    health says so until it is back; then requests work and no state is left. (The restart's
+    ``load_model`` holds the GIL for seconds: the error used to wait behind it in ~1 run in 6.)"""
     s = Stream(srv.grpc_url, new_sequence_id(), 2000, "mtp")
     s.first()
     os.kill(stub_pid(srv.proc.pid, "trunk"), signal.SIGKILL)
     t0 = time.monotonic()
     try:
-        n, err = s.outcome(timeout_s=SLOW_NOTICE_S)
+        n, err = s.outcome(timeout_s=10)
     except queue.Empty:
-        raise AssertionError(f"no final response in {SLOW_NOTICE_S} s; server log:\n{srv.log()[-4000:]}") from None
-    took = time.monotonic() - t0
-    if took > STAGE_TIMEOUT_S + 1.0:
-        warnings.warn(f"the dead trunk's turn ended {took:.1f} s after the SIGKILL; server log:\n{srv.log()[-2500:]}")
+        raise AssertionError(f"no final response in 10 s; server log:\n{srv.log()[-4000:]}") from None
+    assert time.monotonic() - t0 < STAGE_TIMEOUT_S + 1.0, srv.log()[-3000:]
     dead = err is not None and "not healthy" in err and "restarting trunk" in err
     late = err == f"trunk.draft_verify: did not answer within {STAGE_TIMEOUT_S:g} s (stage_timeout_s)"
     assert err is not None and err.startswith("trunk.") and (dead or late), err

@@ -307,8 +307,19 @@ class SendQueue:
 
         return send, lambda: state["cancelled"]
 
+    def flush(self, timeout_s: float = 2.0) -> bool:
+        """Wait until everything queued so far has been sent (at most ``timeout_s`` seconds); returns
+        whether it was. (A stage restart calls it first: ``pb_utils.load_model`` holds the GIL until
+        the model is loaded, seconds in which no thread of this process runs, this one included.)"""
+        done = threading.Event()
+        self._q.put(done)
+        return done.wait(timeout_s)
+
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
+            if isinstance(item, threading.Event):  # a flush mark
+                item.set()
+                continue
             sender, arrays, error, final, state = item
             try:
                 sender.send(self.make(arrays, error), flags=self.final_flag if final else 0)

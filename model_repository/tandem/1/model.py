@@ -46,11 +46,16 @@ class TritonPythonModel:
         self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log, hosted=cfg.colocate), drafters,
                                        tok.stop_ids, cfg, log=log, decode=tok.decode,
                                        info=pb_utils.Logger.log_info, watch=transport,
-                                       restart=lambda m: backend.reload_model(pb_utils, m), gauges=gauges.set,
+                                       restart=self._restart, gauges=gauges.set,
                                        standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else ())
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
         self.sends = backend.SendQueue(_response, FINAL, log)  # responses leave off the worker's path
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
+
+    def _restart(self, model):
+        # pb_utils.load_model holds the GIL until the model is loaded (seconds): the turns' errors first
+        self.sends.flush()
+        backend.reload_model(pb_utils, model)
 
     def execute(self, requests):
         for request in requests:
