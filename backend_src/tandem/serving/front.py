@@ -204,7 +204,7 @@ class TandemFront:
                     last_expire = time.monotonic()
                 now = time.monotonic()
                 if not sched.turns and now - last_probe > PROBE_S and now - last_busy > PROBE_IDLE_S:
-                    last_probe = time.monotonic()
+                    last_probe = now
                     self._probe()
             except Exception as e:  # noqa: BLE001 - fail the in-flight turns, keep serving
                 self.log(f"worker: {type(e).__name__}: {e}")

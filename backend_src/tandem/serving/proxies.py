@@ -120,9 +120,8 @@ class BLSTransport:
         if resp.has_error():
             raise StageError(model.name, op, resp.error().message())
         got = tensors_by_name(resp.output_tensors(), model.output_names)
-        if len(got) < len(model.output_names):
-            missing = [n for n in model.output_names if n not in got]
-            raise StageError(model.name, op, f"response lacks output {missing[0]}")
+        if (missing := next((n for n in model.output_names if n not in got), None)) is not None:
+            raise StageError(model.name, op, f"response lacks output {missing}")
         return {k: np.array(v, copy=True) for k, v in got.items()}  # own the bytes: the response's buffer dies with it
 
 
