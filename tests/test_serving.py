@@ -57,6 +57,18 @@ def test_models_ready(server):
         c.close()
 
 
+def test_stub_stacks_dump_to_the_log_and_the_models_stay_ready(server):
+    """A server that does not become ready has its model processes' stacks in the ServerError's log."""
+    from tandem.serving.serve import dump_stub_stacks
+
+    before = server.log().count("most recent call first")
+    assert dump_stub_stacks(server.proc.pid) == len(MODELS) - 1  # every Python model (not the ensemble)
+    dumped = server.log().split("most recent call first")[before + 1:]  # one section a thread
+    assert len(dumped) >= len(MODELS) - 1
+    assert "tandem/serving/front.py" in "".join(dumped)  # the tandem worker's thread, waiting for turns
+    assert all(model_states(server.http_port).get(m) == "READY" for m in MODELS)
+
+
 @pytest.mark.parametrize("spec", ["mtp", "off", "dflash", "dflash2"])
 def test_stream_equals_engine(server, engine, spec):
     if spec in schema.DFLASH_ARMS and spec not in engine.drafters:

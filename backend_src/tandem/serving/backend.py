@@ -104,6 +104,20 @@ def drafter_dirs(config: schema.ServingConfig, model_dir: str | Path, checkpoint
     return dirs(checkpoint, given)
 
 
+#: the signal on which a stage process writes every thread's Python stack to the server log
+STACK_DUMP_SIGNAL = "SIGUSR1"
+
+
+def dump_stacks_on_signal() -> None:
+    """Make this model process write every thread's Python stack to its stderr (the server log) on
+    :data:`STACK_DUMP_SIGNAL` (``faulthandler``): ``running_server`` sends it to the stub processes
+    when a server does not become ready in time, so the log shows where a model's start-up waits."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(getattr(signal, STACK_DUMP_SIGNAL), all_threads=True)
+
+
 def set_torch_threads(n: int = 1) -> None:
     """One intra-op (and, if still possible, inter-op) thread per model process: the models share
     a 2-core machine."""

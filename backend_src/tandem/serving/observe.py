@@ -67,16 +67,27 @@ def process_rss(root_pid: int) -> dict[str, int]:
     return out
 
 
-def stub_pid(root_pid: int, model: str) -> int:
-    """The pid of ``model``'s Python-backend stub process under ``root_pid``. Raises ``LookupError``."""
-    todo = [root_pid]
+def _descendants(root_pid: int):
+    """Yield ``(pid, argv as bytes)`` of every live process under ``root_pid`` (not itself)."""
+    todo = _children(root_pid)
     while todo:
         pid = todo.pop()
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
+        yield pid, cmd
+        todo += _children(pid)
+
+
+def stub_pids(root_pid: int) -> list[int]:
+    """The pids of every Python-backend stub process under ``root_pid`` (``triton_python_backend_stub``)."""
+    return [pid for pid, cmd in _descendants(root_pid) if cmd[0].endswith(b"triton_python_backend_stub")]
+
+
+def stub_pid(root_pid: int, model: str) -> int:
+    """The pid of ``model``'s Python-backend stub process under ``root_pid``. Raises ``LookupError``."""
+    for pid, cmd in _descendants(root_pid):
         if any(re.fullmatch(rf"{model}_\d+_\d+".encode(), a) for a in cmd):
             return pid
-        todo += _children(pid)
     raise LookupError(f"no stub process of model {model!r} under pid {root_pid}")

@@ -171,9 +171,26 @@ def wait_ready(proc: subprocess.Popen, http_port: int, models: tuple[str, ...], 
             if all(st.get(m) == "READY" for m in models):
                 return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
-            raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s (models: {model_states(http_port)})\n"
-                              f"{_log_tail(log_path)}")
+            dumped = dump_stub_stacks(proc.pid)
+            raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s (models: {model_states(http_port)}; "
+                              f"Python stacks of {dumped} model processes in the log)\n{_log_tail(log_path)}")
         time.sleep(0.25)
+
+
+def dump_stub_stacks(root_pid: int, settle_s: float = 1.0) -> int:
+    """Send :data:`tandem.serving.backend.STACK_DUMP_SIGNAL` to every Python-backend stub process under
+    ``root_pid`` (each writes its threads' stacks to the server log), wait ``settle_s`` seconds for the
+    writes; ``tritonserver`` itself is never signalled. Returns how many processes were signalled."""
+    from .backend import STACK_DUMP_SIGNAL
+    from .observe import stub_pids
+
+    pids = stub_pids(root_pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, getattr(signal, STACK_DUMP_SIGNAL))
+    if pids:
+        time.sleep(settle_s)
+    return len(pids)
 
 
 def _log_tail(path: Path | None, n: int = 12000) -> str:

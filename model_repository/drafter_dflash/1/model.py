@@ -16,6 +16,7 @@ from tandem.serving import backend
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
+        backend.dump_stacks_on_signal()
         backend.require_one_instance(config)
         backend.set_torch_threads(1)
         self.gauges = backend.Gauges(pb_utils, config["name"], backend.STAGE_GAUGES)

@@ -13,6 +13,7 @@ from tandem.serving import backend, text
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
+        backend.dump_stacks_on_signal()
         backend.require_one_instance(config, backend.IN_ORDER)
         ckpt = backend.resolve_checkpoint(backend.serving_config(config), args["model_repository"], require_weights=False)
         self.step = text.Postprocessor(ChatTokenizer(ckpt / "tokenizer.json"), cancel=self._cancel)

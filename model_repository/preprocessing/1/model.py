@@ -13,6 +13,7 @@ from tandem.serving import backend, text
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
+        backend.dump_stacks_on_signal()
         ckpt = backend.resolve_checkpoint(backend.serving_config(config), args["model_repository"], require_weights=False)
         self.step = text.Preprocessor(ChatTokenizer(ckpt / "tokenizer.json"))
 

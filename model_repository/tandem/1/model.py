@@ -25,6 +25,7 @@ def _response(arrays, error):
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
+        backend.dump_stacks_on_signal()
         backend.require_one_instance(config)
         if "sequence_batching" in config:  # Triton would hold each sequence in a slot of its own
             raise ValueError("model 'tandem': remove sequence_batching from config.pbtxt (the worker owns every "
