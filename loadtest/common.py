@@ -4,6 +4,7 @@ and what the served model's metadata / config say (sampling input, context limit
 from __future__ import annotations
 
 import ipaddress
+import sys
 
 from tandem import schema
 
@@ -89,3 +90,30 @@ def model_max_ctx(config: dict, default: int = schema.DEFAULTS.max_ctx) -> int:
         return int(cfg["parameters"]["max_ctx"]["string_value"])
     except (KeyError, TypeError, ValueError):
         return default
+
+
+#: seconds Locust may take to exit after its ``quit`` event (stats, CSVs and reports are written by then)
+EXIT_GRACE_S = 15.0
+
+
+def exit_after(seconds: float, code: int) -> None:
+    """Exit the process with Locust's own exit ``code`` if it is still alive ``seconds`` from now: an
+    OS thread (not a greenlet), so it runs while the interpreter's shutdown waits. Seen once in a full
+    test run: Locust logged "Shutting down (exit code 0)", printed its stats, and the process never
+    exited (the interpreter's shutdown stuck, presumably on gRPC's threads under gevent)."""
+    import os
+
+    from gevent import monkey
+
+    sleep = monkey.get_original("time", "sleep")
+
+    def watch() -> None:
+        sleep(seconds)
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - exiting regardless
+                pass
+        os._exit(code)
+
+    monkey.get_original("_thread", "start_new_thread")(watch, ())

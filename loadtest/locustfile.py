@@ -44,7 +44,7 @@ from locust import LoadTestShape, User, constant, events, task  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loadtest.common import ramp_levels, sampling_input, spec_arms, split_host  # noqa: E402
+from loadtest.common import EXIT_GRACE_S, exit_after, ramp_levels, sampling_input, spec_arms, split_host  # noqa: E402
 from loadtest.faults import bad_request, judge_bad  # noqa: E402
 from loadtest.workload import SessionSpec, build_sessions, load_workload  # noqa: E402
 from tandem import schema  # noqa: E402
@@ -155,7 +155,7 @@ def _on_quitting(**_kw) -> None:
 
 
 @events.quit.add_listener
-def _on_quit(**_kw) -> None:
+def _on_quit(exit_code: int = 0, **_kw) -> None:
     # Locust's --csv writer rewrites the files every second and closes them right after this event
     # without a last write; give it one more pass so the CSVs include the turns users finished
     # while stopping (the HTML report and the printed summary already do).
@@ -163,6 +163,7 @@ def _on_quit(**_kw) -> None:
 
     from locust import stats
 
+    exit_after(EXIT_GRACE_S, exit_code)  # first: a blocked hub would never end the sleep below
     gevent.sleep(stats.CSV_STATS_INTERVAL_SEC + 0.25)
 
 

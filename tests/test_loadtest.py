@@ -161,6 +161,16 @@ def test_sampled_share_needs_a_temperature_input():
 
 
 @pytest.mark.integration
+def test_a_locust_stuck_after_quit_exits_with_its_code():
+    """The locustfile's exit guard: a process stuck after Locust's quit (as it once was after
+    "Shutting down (exit code 0)") exits with the code it was given, even with gevent's hub blocked."""
+    code = ("from gevent import monkey\nmonkey.patch_all()\nfrom loadtest.common import exit_after\n"
+            "exit_after(0.5, 3)\n"
+            "monkey.get_original('time', 'sleep')(50)\n")  # the main thread (and gevent's hub) stuck
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3, p.stderr[-2000:]
+
+
 def test_short_ramp_zero_failures(tmp_path):
     """The runner starts its own tritonserver, ramps 1 -> 2 users (5 s per step, 8 tokens per turn,
     half the sessions sampled) and leaves Locust's CSV/HTML, the PNG plots and a summary with both
