@@ -4,6 +4,7 @@ and what the served model's metadata / config say (sampling input, context limit
 from __future__ import annotations
 
 import ipaddress
+import os
 import sys
 
 from tandem import schema
@@ -101,8 +102,6 @@ def exit_after(seconds: float, code: int) -> None:
     OS thread (not a greenlet), so it runs while the interpreter's shutdown waits. Seen once in a full
     test run: Locust logged "Shutting down (exit code 0)", printed its stats, and the process never
     exited (the interpreter's shutdown stuck, presumably on gRPC's threads under gevent)."""
-    import os
-
     from gevent import monkey
 
     sleep = monkey.get_original("time", "sleep")

@@ -160,7 +160,6 @@ def test_sampled_share_needs_a_temperature_input():
     assert sampling_input({"inputs": [{"name": "INPUT_IDS", "datatype": "INT32", "shape": ["-1"]}]}) is None
 
 
-@pytest.mark.integration
 def test_a_locust_stuck_after_quit_exits_with_its_code():
     """The locustfile's exit guard: a process stuck after Locust's quit (as it once was after
     "Shutting down (exit code 0)") exits with the code it was given, even with gevent's hub blocked."""
@@ -171,6 +170,7 @@ def test_a_locust_stuck_after_quit_exits_with_its_code():
     assert p.returncode == 3, p.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_short_ramp_zero_failures(tmp_path):
     """The runner starts its own tritonserver, ramps 1 -> 2 users (5 s per step, 8 tokens per turn,
     half the sessions sampled) and leaves Locust's CSV/HTML, the PNG plots and a summary with both

@@ -4,8 +4,10 @@ parameters, the checkpoint and dtype they name, and per-process torch threads.""
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import queue
+import signal
 import threading
 import time
 from pathlib import Path
@@ -105,17 +107,14 @@ def drafter_dirs(config: schema.ServingConfig, model_dir: str | Path, checkpoint
 
 
 #: the signal on which a stage process writes every thread's Python stack to the server log
-STACK_DUMP_SIGNAL = "SIGUSR1"
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
 def dump_stacks_on_signal() -> None:
     """Make this model process write every thread's Python stack to its stderr (the server log) on
     :data:`STACK_DUMP_SIGNAL` (``faulthandler``): ``running_server`` sends it to the stub processes
     when a server does not become ready in time, so the log shows where a model's start-up waits."""
-    import faulthandler
-    import signal
-
-    faulthandler.register(getattr(signal, STACK_DUMP_SIGNAL), all_threads=True)
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
 
 
 def set_torch_threads(n: int = 1) -> None:

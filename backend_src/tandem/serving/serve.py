@@ -187,7 +187,7 @@ def dump_stub_stacks(root_pid: int, settle_s: float = 1.0) -> int:
     pids = stub_pids(root_pid)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, getattr(signal, STACK_DUMP_SIGNAL))
+            os.kill(pid, STACK_DUMP_SIGNAL)
     if pids:
         time.sleep(settle_s)
     return len(pids)
