@@ -286,3 +286,40 @@ def test_idle_counts_from_the_end_of_the_turn(model):
     assert s.last_active >= t_end - 0.2  # stamped at the end of the turn, not at its start
     assert sched.expire_idle(now=s.last_active + 0.9) == []
     assert sched.expire_idle(now=s.last_active + 1.1) == [5] and not sched.trunk.caches
+
+
+def test_health_during_a_reload_reads_not_ready(monkeypatch):
+    """While Triton reloads a model it answers ``is_model_ready`` with UNAVAILABLE "Server not ready"
+    (seen in tests/test_faults_served.py's restart case): health reads NOT READY for it instead of raising; other
+    errors still raise."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    from tandem_client.client import stage_health
+
+    class Reloading:
+        answer = "Server not ready"
+
+        def __init__(self, url):
+            pass
+
+        def is_server_live(self, **kw):
+            return True
+
+        def is_model_ready(self, name, **kw):
+            if name == "trunk":
+                raise InferenceServerException(self.answer, status="StatusCode.UNAVAILABLE")
+            return True
+
+        def infer(self, name, inputs, **kw):
+            return None
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(grpcclient, "InferenceServerClient", Reloading)
+    health = stage_health("127.0.0.1:1")
+    assert health["trunk"] == "NOT READY" and health["tandem"] == "READY", health
+    Reloading.answer = "permission denied"
+    with pytest.raises(InferenceServerException, match="permission denied"):
+        stage_health("127.0.0.1:1")
