@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tandem import schema
+from tandem.engine.accept import accept_walk
 from tandem.engine.colocated import StageHost
 from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import RoundsPlan, Rows
@@ -35,13 +36,13 @@ class _Spy:
         return out
 
 
-def hosted(eng: Engine, **config):
+def hosted(eng: Engine, run_ahead: bool = False, **config):
     """A scheduler over the served wiring with ``colocate`` on: the trunk model's wire form (a
-    :class:`StageHost` over ``eng``'s trunk and drafters, shared weights) behind a spying transport.
-    Returns (scheduler, host, spy)."""
+    :class:`StageHost` over ``eng``'s trunk and drafters, shared weights; ``run_ahead`` as served)
+    behind a spying transport. Returns (scheduler, host, spy)."""
     dflash = {a: st.drafters[a] for a, st in eng.drafters.items() if a in schema.DFLASH_ARMS}
     host = StageHost.build(TrunkStage(eng.model, eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant),
-                           dflash, eng.config.max_num_draft_tokens)
+                           dflash, eng.config.max_num_draft_tokens, run_ahead=run_ahead)
     spy = _Spy(fr.LocalTransport({"trunk": host}))
     to_drafters = fr.HostedTransport(spy)
     dfl = fr.DFlashProxy(to_drafters)
@@ -174,13 +175,15 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
         plain.draft_verify_rounds([Rows(1, [4])], [_plan(None, 0)])
 
 
-def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tokenizer, sharegpt_prompts):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tokenizer, sharegpt_prompts, run_ahead):
     """Sessions of every arm together, with budgets, a stop token and a near-full context that end
     them in different rounds of a call, and one with a stop string (one round a call): each gives the
-    in-process engine's tokens and finish reason, and a call's rounds stop where its turn ends."""
+    in-process engine's tokens and finish reason, and a call's rounds stop where its turn ends. With
+    ``run_ahead`` the same, with calls answered ahead and guesses undone (a turn cut by its stop string)."""
     eng = Engine(checkpoint, model=shipped.model, tokenizer=shipped.tokenizer, demote_probe_rounds=0, max_ctx=160,
                  dflash={a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS})
-    sched, _, spy = hosted(eng)
+    sched, host, spy = hosted(eng, run_ahead)
     ids = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[3:8]]
     stop_tok = shipped.generate(ids[1], 12, spec="off")["token_ids"][9]  # its 10th token ends that turn
     cases = [(ids[0], 37, "dflash2", (), ()), (ids[1], 40, "mtp", (stop_tok,), ()), (ids[2], 200, "dflash", (), ()),
@@ -208,6 +211,52 @@ def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tok
     assert [fin[i] for i in range(4)] == ["length", "stop", "context", "length"]
     runs = [res["ROUNDS_RUN"].tolist() for _, op, _, res in spy.calls if op == "draft_verify"]
     assert max(max(r) for r in runs) == sched.config.burst_rounds and min(min(r) for r in runs) >= 1
+    if run_ahead:
+        assert host.ahead.hits > 0 and host.ahead.misses > 0 and not host.ahead.busy, (host.ahead.hits, host.ahead.misses)
+
+
+def test_run_ahead_undoes_a_guess_that_missed(shipped, tokenizer, sharegpt_prompts):
+    """A trunk that runs ahead answers the same calls as one that does not, bit for bit: calls it
+    guessed (answered ahead), a smaller commit than its guess (a turn cut by a stop string), another
+    draft count, another op while it runs (a close); after each miss the states it touched are back,
+    so every later call agrees too."""
+    dflash = {a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS}
+    prompts = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[:2]]
+
+    def script(host):
+        tr = fr.LocalTransport({"trunk": host})
+        proxy, dfl = fr.TrunkProxy(tr, 8192, hosted=True), fr.DFlashProxy(fr.HostedTransport(tr))
+        proxy.open([1, 2])
+        dfl.open([1])
+        outs = proxy.prime([Rows(1, prompts[0]), Rows(2, prompts[1])])
+        items = [Rows(s, [int(o.argmax[-1])]) for s, o in zip((1, 2), outs)]
+        plans = [_plan("dflash", 3, rounds=2, room=900), _plan(None, 0, rounds=2, room=900)]
+        seen, r = [], None  # r: the call with a smaller commit; then r+1 a new k, a close before r+3, r+4 the last
+        while r is None or len(seen) < r + 5:
+            res = proxy.draft_verify_rounds(items, plans)
+            seen.append([[(a, d, o.argmax.tolist()) for a, d, o in per] for per in res])
+            nxt, i = [], len(seen)  # the next call's index, made as the scheduler makes it
+            for it, p, per in zip(items, plans, res):
+                walks = [accept_walk(d, o.argmax.tolist(), (), 10**6) for _, d, o in per]
+                m, k = len(walks[-1].emitted), p.k
+                if it.sid == 1 and r is None and i > 1 and m > 1:
+                    m, r = m - 1, i  # a smaller commit than the guess (a stop string's cut)
+                if it.sid == 1 and r is not None and i == r + 1:
+                    k = 2  # another draft count
+                used = sum(len(w.emitted) for w in walks[:-1]) + m
+                nxt.append((Rows(it.sid, [walks[-1].emitted[m - 1]], commit=m), _plan(p.arm, k, p.rounds, p.budget - used, (), p.room - used)))
+            items, plans = [x for x, _ in nxt], [y for _, y in nxt]
+            if r is not None and i == r + 3:  # while the guessed call of both runs ahead
+                proxy.close([2])
+                items, plans = items[:1], plans[:1]
+        return seen
+
+    want = script(StageHost.build(TrunkStage(shipped.model, 1024, shipped.trunk.feature_layers), dflash))
+    host = StageHost.build(TrunkStage(shipped.model, 1024, shipped.trunk.feature_layers), dflash, run_ahead=True)
+    assert script(host) == want
+    # missed: the smaller commit, the new k, the close; answered ahead: the calls between and the last
+    assert host.ahead.misses == 3 and host.ahead.hits >= 3, (host.ahead.hits, host.ahead.misses)
+    host.ahead.settle()
 
 
 def test_demotion_sees_the_load_per_round_calls_would(tiny):  # noqa: F811

@@ -39,25 +39,24 @@ class ServingConfig:
     prime rows per burst of a long prompt (0: all at once), so streams keep getting bursts while it is
     primed (rows bit-identical for any chunk under CPU ``batch_invariant``, else multiples of ``PREFIX_BLOCK``); ``spec``: the default arm (the fastest measured;
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
-    repository; ``dtype``: compute dtype of the stage models (:data:`DTYPES`; ``auto``: fp32 on the
-    CPU, where it measured faster, bf16 on CUDA); ``device``: where the stage models hold their weights
-    and run (``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``;
+    repository; ``dtype``: compute dtype of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU, where it
+    measured faster, bf16 on CUDA); ``device``: where the stage models hold their weights and run (``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``;
     resolved, and refused when absent, at load by :func:`tandem.model.device.resolve_device`);
-    ``prefix_cache_mb``: memory bound of
-    the prefix cache (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off;
+    ``prefix_cache_mb``: memory bound of the prefix cache (published prompt blocks: trunk state and DFlash
+    drafter tails), 0 turns it off;
     ``dflash_checkpoint`` / ``dflash2_checkpoint``: a drafter folder of its own (``config.json`` +
     ``model.safetensors``, relative to the model repository) instead of ``<checkpoint>/dflash[2]``;
     ``kernels``: which implementation the stage models take (:data:`KERNEL_MODES`; ``$TANDEM_KERNELS``,
     :mod:`tandem_kernels.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on the CPU,
     ``triton`` the Triton kernels everywhere, ``torch`` the pure-torch reference everywhere;
-    ``batch_invariant``: a row's logits bit-identical alone (plain decoding), in a verify block or in
-    a batch of sessions: on the CPU the trunk's verify passes take the row-invariant GEMM
-    (:mod:`tandem.model.cpu_gemm`), which is faster here than MKL, so it is on by default; off,
-    they take MKL, whose rounding depends on the number of rows;
-    ``colocate``: the ``trunk`` model runs the drafters in its own process (sharing the trunk's embedding
-    and LM head, as in-process; :mod:`tandem.engine.colocated`), so a round is one ``trunk``
-    ``draft_verify`` call and no hidden rows cross processes; off, the drafters run in the
-    ``drafter_mtp`` / ``drafter_dflash`` models and a round makes a drafter call and a ``trunk`` call.
+    ``batch_invariant``: a row's logits bit-identical alone (plain decoding), in a verify block or in a batch of
+    sessions: on the CPU the trunk's verify passes take the row-invariant GEMM (:mod:`tandem.model.cpu_gemm`),
+    which is faster here than MKL, so it is on by default; off, they take MKL, whose rounding depends on the rows;
+    ``colocate``: the ``trunk`` model runs the drafters in its own process (sharing the trunk's embedding and LM
+    head, as in-process; :mod:`tandem.engine.colocated`), so a round is one ``trunk`` ``draft_verify`` call and no
+    hidden rows cross processes; off, the drafters run in the ``drafter_mtp`` / ``drafter_dflash`` models and a
+    round makes a drafter call and a ``trunk`` call; ``run_ahead`` (with ``colocate``; off: no gain measured
+    on 2 cores): the ``trunk`` runs the call it expects next while an answer travels (:mod:`tandem.engine.run_ahead`).
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
     ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.
@@ -82,6 +81,7 @@ class ServingConfig:
     prefix_cache_mb: int = 256
     batch_invariant: bool = True
     colocate: bool = True
+    run_ahead: bool = False
     kernels: str = "auto"
     demote_below: float = 1.0
     promote_above: float = 1.15
@@ -308,7 +308,7 @@ TRUNK = ModelSpec(
         TensorSpec("ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"),
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
-                "colocate", "max_num_draft_tokens"),
+                "colocate", "run_ahead", "max_num_draft_tokens"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify") + HOSTED_OPS,
 )
 

@@ -33,6 +33,7 @@ from ..schema import WireError
 from .accept import accept_walk
 from .drafter_stage import DrafterStage
 from .protocols import Commit, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
+from .run_ahead import RunAhead, call_key, next_call
 from .trunk_stage import TrunkStage
 
 
@@ -80,8 +81,10 @@ class StageHost:
     #: the scheduler makes one :meth:`draft_verify` call a round instead of a drafter call + verify
     hosts_drafters = True
 
-    def __init__(self, trunk: TrunkStage, drafters: dict[str, DrafterStage]) -> None:
+    def __init__(self, trunk: TrunkStage, drafters: dict[str, DrafterStage], run_ahead: bool = False) -> None:
         self.trunk, self.drafters = trunk, dict(drafters)
+        #: the speculative next call (``run_ahead``; :mod:`tandem.engine.run_ahead`), used by :meth:`handle`
+        self.ahead = RunAhead(self, self._run_rounds) if run_ahead else None
         self.vocab_size = trunk.vocab_size
         #: drafter stages by model name (the prefix of a hosted op)
         self.by_model: dict[str, DrafterStage] = {st.spec.name: st for st in self.drafters.values()}
@@ -92,9 +95,9 @@ class StageHost:
 
     @classmethod
     def build(cls, trunk: TrunkStage, dflash: dict | None = None,
-              max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> "StageHost":
+              max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens, run_ahead: bool = False) -> "StageHost":
         """The host of ``trunk`` with :func:`drafter_stages` (the drafters an in-process engine builds)."""
-        return cls(trunk, drafter_stages(trunk.model, dflash, max_num_draft_tokens))
+        return cls(trunk, drafter_stages(trunk.model, dflash, max_num_draft_tokens), run_ahead)
 
     # -- the trunk's API, keeping the drafters' rows --------------------------------------------------
     @property
@@ -201,8 +204,15 @@ class StageHost:
         round's anchor and pending commit. Returns per sequence ``(anchor, drafts, verify output)``
         per round it ran; its last round's rows stay pending (the next call's ``commit``). The
         scheduler replays the walks and checks the anchors (:meth:`Scheduler.burst`)."""
+        return self._run_rounds(items, plans)[0]
+
+    def _run_rounds(self, items: list[Rows], plans: list[RoundsPlan], should_stop=None) -> tuple[list, list]:
+        """:meth:`draft_verify_rounds`, also returning per sequence ``(anchor, commit, used, alive)``
+        after its last round (its next call's anchor and commit, the tokens this call committed, whether
+        its turn goes on; None without a round); ``should_stop()`` true ends it at a round boundary."""
         assert len(items) == len(plans)
         res: list[list[tuple[int, list[int], VerifyOut]]] = [[] for _ in items]
+        alive = [False] * len(items)
         anchor = [it.tokens[0] for it in items]
         commit = [it.commit for it in items]
         used = [0] * len(items)  # tokens committed in this call before the round (the pending one included)
@@ -210,7 +220,7 @@ class StageHost:
         live = list(range(len(items)))
         for r in range(max((p.rounds for p in plans), default=0)):
             live = [j for j in live if r < plans[j].rounds]
-            if not live:
+            if not live or (should_stop is not None and should_stop()):
                 break
             pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
                   for j in live]
@@ -222,10 +232,11 @@ class StageHost:
                 w = accept_walk(d, out.argmax.tolist(), p.stop_ids, budget[j])
                 m = len(w.emitted)
                 commit[j], anchor[j], used[j], budget[j] = m, w.emitted[-1], used[j] + m, budget[j] - m
-                if w.finish is None and p.room - used[j] > 1:  # else the turn ended (or the context is full)
+                alive[j] = w.finish is None and p.room - used[j] > 1  # else the turn ended (or the context is full)
+                if alive[j]:
                     nxt.append(j)
             live = nxt
-        return res
+        return res, [(anchor[j], commit[j], used[j], alive[j]) if res[j] else None for j in range(len(items))]
 
     def _request(self, it: Rows, arm: str, k: int) -> DraftRequest:
         """The drafter request of a sequence: its kept rows (cleared), each followed by the next kept
@@ -249,6 +260,8 @@ class StageHost:
         stay here), and ``DRAFTS`` / ``DRAFT_LENGTHS`` (a hosted drafter op: the drafter's);
         ``draft_verify`` answers :data:`tandem.schema.DRAFT_VERIFY_OUTPUTS` only. Raises :class:`~tandem.schema.WireError` naming the field."""
         op = schema.get_op(arrays, schema.TRUNK)
+        if self.ahead is not None and op != "draft_verify":
+            self.ahead.settle()  # any other op: the speculative call is not the next one
         if "." in op:
             return self._hosted(op, arrays)
         if op != "draft_verify":  # the trunk's checks and packing; its ops run here (the drafters' rows kept)
@@ -256,10 +269,31 @@ class StageHost:
         sids = schema.get_sids(arrays)
         if not sids:
             return self._pack_rounds([])
+        call = self._parse_draft_verify(arrays, sids)
+        if self.ahead is not None and self.ahead.busy:
+            hit = self.ahead.take(call_key(*self._call_of(call)))
+            if hit is not None:
+                return self._answer(*self.ahead.call, *hit)
+        self._check_draft_verify(arrays, call)
+        items, plans = self._call_of(call)
+        return self._answer(items, plans, *self._run_rounds(items, plans))
+
+    def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list) -> schema.Arrays:
+        """The packed answer of a call; first, with ``run_ahead``, the next call starts on its thread."""
+        if self.ahead is not None and self.ahead.steady(items, plans):
+            self.ahead.start(*next_call(items, plans, cont))
+        return self._pack_rounds(res)
+
+    def _parse_draft_verify(self, arrays: schema.Arrays, sids: list[int]) -> list[tuple]:
+        """A ``draft_verify``'s per-sequence ``(sid, anchor, N_ROWS, k, arm, (rounds, budget, room, stop
+        ids))`` with the checks that read no sequence state. Raises :class:`~tandem.schema.WireError`."""
         for s in sids:
             if s not in self.trunk.caches:
                 raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
-        n_rows = self.trunk._n_rows(arrays, sids, required=False)
+        n_rows = ([int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
+                  if schema.TRUNK.input("N_ROWS").name in arrays else [0] * len(sids))
+        if len(n_rows) != len(sids):
+            raise WireError(f"N_ROWS has {len(n_rows)} entries for {len(sids)} SIDS")
         toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))  # LENGTHS: 1 each (not read)
         if toks.size != len(sids):
             raise WireError(f"TOKENS: draft_verify takes one anchor per sequence ({len(sids)}), got {toks.size}")
@@ -270,13 +304,27 @@ class StageHost:
         if len(ks) != len(sids) or len(arms) != len(sids):
             raise WireError(f"{schema.NUM_DRAFT_TOKENS} and {schema.SPEC} need one entry per SIDS ({len(sids)}), "
                             f"got {len(ks)} and {len(arms)}")
-        prog = self._rounds_program(arrays, len(sids))
-        plans: list[RoundsPlan] = []
-        for s, k, arm, n, (rounds, budget, room, stops) in zip(sids, ks, arms, n_rows, prog):
+        for k, arm in zip(ks, arms):
             if arm not in schema.SPECS:
                 raise WireError(f"{schema.SPEC} must be one of {schema.SPECS}, got {arm!r}")
             stage = self.drafters.get(arm)
             schema.check_range(k_spec, k, hi=stage.max_num_draft_tokens if stage is not None else None)
+            if arm != schema.OFF and arm not in self.drafters:
+                raise WireError(f"{schema.SPEC}: {arm!r} is not hosted here (loaded: {sorted(self.drafters)})")
+        return list(zip(sids, toks.tolist(), n_rows, ks, arms, self._rounds_program(arrays, len(sids))))
+
+    @staticmethod
+    def _call_of(call: list[tuple]) -> tuple[list[Rows], list[RoundsPlan]]:
+        """The items and plans of a parsed ``draft_verify`` (:meth:`_parse_draft_verify`)."""
+        items = [Rows(s, [int(t)], commit=n) for s, t, n, _, _, _ in call]
+        plans = [RoundsPlan(None, 0, r, b, st, m) if arm == schema.OFF else RoundsPlan(arm, k, r, b, st, m)
+                 for _, _, _, k, arm, (r, b, m, st) in call]
+        return items, plans
+
+    def _check_draft_verify(self, arrays: schema.Arrays, call: list[tuple]) -> None:
+        """The checks of a parsed ``draft_verify`` against the sequences' states. Raises :class:`~tandem.schema.WireError`."""
+        self.trunk._n_rows(arrays, [c[0] for c in call], required=False)
+        for s, _, n, k, arm, (_, _, room, _) in call:
             c = self.trunk.caches[s]
             if c.pending is not None and not n:
                 raise WireError(f"OP: draft_verify for sequence {s} while a verify is pending (N_ROWS)")
@@ -286,10 +334,8 @@ class StageHost:
             if c.pos + n + first > c.max_ctx:
                 raise WireError(f"TOKENS: context full for sequence {s}: {c.pos + n} + {first} rows > max_ctx {c.max_ctx}")
             if arm == schema.OFF:
-                plans.append(RoundsPlan(None, 0, rounds, budget, stops, room))
                 continue
-            if arm not in self.drafters:
-                raise WireError(f"{schema.SPEC}: {arm!r} is not hosted here (loaded: {sorted(self.drafters)})")
+            stage = self.drafters[arm]
             if s not in self.ingest or s not in stage.states:
                 raise WireError(f"SIDS: sequence {s} has no {arm} drafter state (drafter open first)")
             if getattr(stage.states[s], "arm", None) not in (None, arm):
@@ -297,9 +343,6 @@ class StageHost:
             if not self.ingest[s].outs and not n:
                 raise WireError(f"SIDS: sequence {s} has no committed rows its {arm} drafter has not seen "
                                 "(open the drafter before the prime)")
-            plans.append(RoundsPlan(arm, k, rounds, budget, stops, room))
-        items = [Rows(s, [int(t)], commit=n) for s, t, n in zip(sids, toks.tolist(), n_rows)]
-        return self._pack_rounds(self.draft_verify_rounds(items, plans))
 
     def _pack_rounds(self, res: list[list[tuple[int, list[int], VerifyOut]]]) -> schema.Arrays:
         """:data:`tandem.schema.DRAFT_VERIFY_OUTPUTS` of :meth:`draft_verify_rounds`' result."""

@@ -8,6 +8,7 @@ import faulthandler
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -133,6 +134,16 @@ _ONE_PROCESS = ("tandem keeps each sequence's state in one process per model (Tr
                 "to any instance)")
 #: why ``postprocessing`` runs one instance
 IN_ORDER = "two instances could finish a stream's responses out of order"
+
+
+#: the interpreter's GIL switch interval in a model process with a compute thread beside the stub's
+#: (seconds; Python's default 5 ms would hold the stub's answer behind a speculative call's Python)
+SWITCH_INTERVAL_S = 0.0005
+
+
+def share_the_gil(interval_s: float = SWITCH_INTERVAL_S) -> None:
+    """Set this process's GIL switch interval (``sys.setswitchinterval``) to ``interval_s`` seconds."""
+    sys.setswitchinterval(interval_s)
 
 
 def require_one_instance(model_config: dict, reason: str = _ONE_PROCESS) -> None:

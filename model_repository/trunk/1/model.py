@@ -31,13 +31,18 @@ class TritonPythonModel:
                                 batch_invariant=cfg.batch_invariant)
         if cfg.colocate:  # the drafters run here, on the trunk's embedding and LM head: one call a round
             self.stage = StageHost.build(self.stage, {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in dflash_arms(ckpt, dirs)},
-                                         cfg.max_num_draft_tokens)
+                                         cfg.max_num_draft_tokens, run_ahead=cfg.run_ahead)
+            if cfg.run_ahead:  # the speculative call's thread yields the GIL to the stub's soon
+                backend.share_the_gil()
         pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}), "
                                  f"DFlash features from layers {list(features)}, drafters hosted: "
-                                 f"{sorted(getattr(self.stage, 'drafters', {})) if cfg.colocate else 'none (colocate off)'}")
+                                 f"{sorted(getattr(self.stage, 'drafters', {})) if cfg.colocate else 'none (colocate off)'}"
+                                 f"{', run_ahead' if cfg.colocate and cfg.run_ahead else ''}")
 
     def execute(self, requests):
         return backend.stage_execute(pb_utils, schema.TRUNK, self.stage, requests, self.gauges, stats=self.stats)
 
     def finalize(self):
-        pb_utils.Logger.log_info(f"trunk: handled {self.stats.summary()}")
+        ahead = getattr(self.stage, "ahead", None)
+        runs = f"; {ahead.summary()}" if ahead is not None else ""
+        pb_utils.Logger.log_info(f"trunk: handled {self.stats.summary()}{runs}")
