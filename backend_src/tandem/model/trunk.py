@@ -14,6 +14,8 @@ Three entry points share one set of layer functions:
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 
@@ -89,7 +91,7 @@ class Trunk(nn.Module):
         ``[B, T, n*D]``)."""
         feats = []
         cpu_block.new_pass()
-        for i, layer in enumerate(self.layers[: self.cfg.num_hidden_layers]):
+        for i, layer in enumerate(itertools.islice(self.layers, self.cfg.num_hidden_layers)):  # (a slice: a new ModuleList)
             run = block_fn(i, layer) if block_fn is not None else None
             s = run(s) if run is not None else layer.run(s, attn_fn(i, layer))
             if i in features:

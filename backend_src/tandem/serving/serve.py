@@ -155,8 +155,10 @@ def model_states(http_port: int) -> dict[str, str]:
 
 
 def wait_ready(proc: subprocess.Popen, http_port: int, models: tuple[str, ...], timeout_s: float,
-               log_path: Path | None = None) -> float:
-    """Poll until ``/v2/health/ready`` is 200 and every model in ``models`` is READY.
+               log_path: Path | None = None, metrics_port: int | None = None) -> float:
+    """Poll until ``/v2/health/ready`` is 200, every model in ``models`` is READY and (``metrics_port``)
+    ``/metrics`` answers: Triton starts its metrics service after the HTTP one (42 ms later in one run,
+    where a test's first metrics read found the port closed).
 
     Returns seconds waited. Raises :class:`ServerError` (with the log tail) on timeout or if the
     process exits first.
@@ -168,7 +170,8 @@ def wait_ready(proc: subprocess.Popen, http_port: int, models: tuple[str, ...], 
         code, _ = _http_get(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1.0)
         if code == 200:
             st = model_states(http_port)
-            if all(st.get(m) == "READY" for m in models):
+            if all(st.get(m) == "READY" for m in models) and (
+                    metrics_port is None or _http_get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1.0)[0] == 200):
                 return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
             dumped = dump_stub_stacks(proc.pid)
@@ -269,7 +272,7 @@ def running_server(http_port: int | None = None, grpc_port: int | None = None, m
                                 start_new_session=True)
     clean = False
     try:
-        ready_s = wait_ready(proc, ports[0], models, ready_timeout_s, log_path)
+        ready_s = wait_ready(proc, ports[0], models, ready_timeout_s, log_path, metrics_port=ports[2])
         yield RunningServer(proc, ports, log_path, ready_s, shm_prefix)
         clean = True
     finally:
@@ -341,7 +344,7 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     asked_to_stop = False
     try:
-        waited = wait_ready(proc, http_port, MODELS, ready_timeout_s)
+        waited = wait_ready(proc, http_port, MODELS, ready_timeout_s, metrics_port=metrics_port)
         print(f"tandem: ready in {waited:.1f} s — gRPC {host}:{grpc_port}, HTTP {host}:{http_port}, "
               f"metrics {host}:{metrics_port}, models {', '.join(MODELS)}"
               + (f"; parameters {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""), flush=True)
