@@ -327,3 +327,24 @@ def test_served_with_colocate_off_takes_the_drafter_models(shipped, checkpoint, 
     assert "drafters hosted: none (colocate off)" in text
     calls = text[text.index("tandem: BLS calls"):]
     assert "'drafter_dflash.draft'" in calls and "'drafter_mtp.draft'" in calls and "draft_verify" not in calls
+
+
+def test_served_with_run_ahead_answers_ahead_with_the_engines_tokens(shipped, checkpoint, tokenizer, tmp_path):
+    """A real tritonserver with ``run_ahead`` on (``$TANDEM_RUN_AHEAD``): every arm gives the engine's
+    tokens, and the trunk's log at unload counts calls answered ahead."""
+    import re
+
+    from tandem.serving.serve import running_server
+    from tandem_client.client import generate
+
+    ids = tokenizer.chat_prompt("Write a short poem about the sea.")
+    env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_RUN_AHEAD": "true", "TANDEM_PREFIX_CACHE_MB": "0"}
+    log = tmp_path / "server.log"
+    with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
+        for arm in ("dflash2", "dflash", "off"):
+            got, ref = generate(ids, 64, url=srv.grpc_url, spec=arm), shipped.generate(ids, 64, spec=arm)
+            assert got["token_ids"] == ref["token_ids"], arm
+    text = log.read_text(errors="replace")
+    assert ", run_ahead" in text
+    hits = re.search(r"run-ahead (\d+) hits", text)
+    assert hits and int(hits.group(1)) > 0, text[-3000:]
