@@ -290,10 +290,7 @@ class StageHost:
         for s in sids:
             if s not in self.trunk.caches:
                 raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
-        n_rows = ([int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
-                  if schema.TRUNK.input("N_ROWS").name in arrays else [0] * len(sids))
-        if len(n_rows) != len(sids):
-            raise WireError(f"N_ROWS has {len(n_rows)} entries for {len(sids)} SIDS")
+        n_rows = self.trunk._n_rows(arrays, sids, required=False, check=False)  # checked with the states
         toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))  # LENGTHS: 1 each (not read)
         if toks.size != len(sids):
             raise WireError(f"TOKENS: draft_verify takes one anchor per sequence ({len(sids)}), got {toks.size}")

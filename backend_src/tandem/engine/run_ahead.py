@@ -108,8 +108,8 @@ class Snapshot:
         if st is None:
             return None
         if hasattr(st, "kv"):  # DFlash
-            return stage, st, ("dflash", st.arm, st.kv, st.rows)
-        return stage, st, ("mtp", st.committed, st.cache._n, st.cache._np)
+            return st, ("dflash", st.arm, st.kv, st.rows)
+        return st, ("mtp", st.committed, st.cache._n, st.cache._np)
 
     def restore(self) -> None:
         """Put every recorded state back (the sequences must still be open: nothing closes them while
@@ -133,7 +133,7 @@ class Snapshot:
                 ing.outs[:], ing.tokens[:] = outs, tokens
                 host.ingest[sid] = ing
             if s.drafter is not None:
-                _, st, saved = s.drafter
+                st, saved = s.drafter
                 if saved[0] == "dflash":
                     st.arm, st.kv, st.rows = saved[1:]
                 else:

@@ -303,15 +303,16 @@ class TrunkStage(KeyedStates):
                  for s, rows, p, n, sp in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows, smp)]
         return pack(getattr(run, op)(items))
 
-    def _n_rows(self, arrays: schema.Arrays, sids: list[int], required: bool) -> list[int]:
-        """``N_ROWS`` per sequence, checked against its pending verify: commit's rows to keep, or for
-        prime / verify the previous round's commit folded in (0 or absent: none). Raises ``WireError``."""
+    def _n_rows(self, arrays: schema.Arrays, sids: list[int], required: bool, check: bool = True) -> list[int]:
+        """``N_ROWS`` per sequence, checked against its pending verify (``check``; else only its count):
+        commit's rows to keep, or for prime / verify the previous round's commit folded in (0 or
+        absent: none). Raises ``WireError``."""
         if schema.TRUNK.input("N_ROWS").name not in arrays and not required:
             return [0] * len(sids)
         n_rows = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
         if len(n_rows) != len(sids):
             raise WireError(f"N_ROWS has {len(n_rows)} entries for {len(sids)} SIDS")
-        for s, n in zip(sids, n_rows):
+        for s, n in zip(sids, n_rows if check else ()):
             c = self.caches[s]
             if n == 0 and not required:
                 continue
