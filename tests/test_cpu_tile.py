@@ -2,13 +2,16 @@
 the blocked kernels they replace for two or more rows (float32 and bfloat16-bit weights, odd shapes,
 column ranges), and the KDA state passes keep the recurrence's results (against the torch
 reference) and the identity of a prime's in-place states with a verify's kept states, for head
-sizes with a pass (16, 48, 64) and without one (20)."""
+sizes with a pass (16, 48, 64) and without one (20). The bfloat16 dot-product tiles (the default for
+bfloat16 weights) give the float32 chain over bfloat16-rounded inputs bit for bit, on the hardware
+(``vdpbf16ps``) and emulated."""
 
 import numpy as np
 import pytest
 import torch
+from numba import njit
 
-from tandem.model import cpu_gemm, cpu_kernels
+from tandem.model import cpu_gemm, cpu_kernels, cpu_pairs, cpu_tile
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
 from tandem.model.trunk import Trunk
@@ -62,3 +65,80 @@ def test_kda_state_passes_match_reference_and_prime_equals_verify(dk):
     torch.testing.assert_close(y, ry, atol=1e-5, rtol=1e-4)
     tail, S = per[0]
     assert torch.equal(S[0], states[0, -1]) and torch.equal(tail, full[..., -3:])
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bfloat16 (ties to even) as float32: torch's conversion."""
+    return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+
+
+def _pair_chain(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The reference of the pair GEMM: ``acc = acc + x[2k+1] w[2k+1]; acc = acc + x[2k] w[2k]`` in
+    float32 over bfloat16-rounded ``x`` (a bfloat16 product is exact, so each step rounds once)."""
+    xb = _bf16(x)
+    acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
+    for k in range(0, x.shape[1], 2):
+        acc = acc + xb[:, k + 1:k + 2] * w[k + 1]
+        acc = acc + xb[:, k:k + 1] * w[k]
+    return acc
+
+
+@njit
+def _emulated(xp, w, out):
+    # out [M, 64] by the emulated tiles: rows in fours, then the last three, two or one
+    M = xp.shape[0]
+    r = 0
+    while r + 4 <= M:
+        cpu_tile.epair4(xp, w, r, out, 0)
+        r += 4
+    if M - r == 3:
+        cpu_tile.epair3(xp, w, r, out, 0)
+    elif M - r == 2:
+        cpu_tile.epair2(xp, w, r, out, 0)
+    elif M - r == 1:
+        cpu_tile.epair1(xp, w, r, out, 0)
+
+
+@pytest.mark.parametrize("D,O", [(2, 64), (38, 130), (256, 517), (40, 5)])
+def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, O):
+    """bfloat16 weights by default take the pair layout; mm_rows on it equals the float32 chain over
+    bfloat16-rounded inputs bit for bit, for 1-9 rows and strip-aligned column ranges (each row equal
+    alone and in the batch), and the emulated tiles equal the hardware's (where it has vdpbf16ps)."""
+    g = np.random.default_rng(D * O)
+    w = torch.from_numpy(g.standard_normal((O, D)).astype(np.float32)).to(torch.bfloat16).float()  # input-major
+    wf = w.t().contiguous().numpy()
+    x = g.standard_normal((9, D)).astype(np.float32)
+    pw = cpu_gemm.kernel_weight(w)
+    assert pw[0].dtype == np.uint32 and pw[0].shape == (O // 64, D // 2, 64) and pw[1].shape == (D, O % 64)
+    ref = _pair_chain(x, wf)
+    full = cpu_gemm.mm_rows(x, pw)
+    assert np.array_equal(full, ref)
+    for M in range(1, 10):
+        assert np.array_equal(cpu_gemm.mm_rows(x[:M], pw), ref[:M]), M
+        assert np.array_equal(cpu_gemm.mm_rows(x[M - 1:M], pw)[0], ref[M - 1]), M
+    if O > 64:
+        assert np.array_equal(cpu_gemm.mm_rows(x, pw, 64, O), ref[:, 64:])
+    np.testing.assert_allclose(full, x @ wf, atol=2e-2 * np.sqrt(D), rtol=1e-2)  # bfloat16 inputs: ~3 digits
+    if O >= 64:
+        xp = cpu_pairs.bf16_pairs(x)
+        for M in range(1, 10):
+            emu, hw = np.full((M, 64), np.nan, np.float32), np.full((M, 64), np.nan, np.float32)
+            _emulated(xp[:M], pw[0][0], emu)
+            cpu_gemm._pair_tiles(xp[:M], pw[0][0], hw, 0)
+            assert np.array_equal(emu, ref[:M, :64]) and np.array_equal(hw, emu), (M, cpu_tile.HW_BF16)
+
+
+def test_bf16_pairs_round_to_nearest_even_and_keep_nan():
+    """The GEMM input rounding equals torch's float32 -> bfloat16 conversion (ties to even, overflow to
+    infinity), NaN stays NaN; an odd input dimension keeps the float32-input strips."""
+    v = np.array([1.0, 1.00390625, 1.01171875, -1.00390625, 3.3e38, np.inf, -np.inf, 1e-40, 0.1, -0.0, 7.0, 2.5e-3],
+                 np.float32)
+    x = np.concatenate([v, np.random.default_rng(1).standard_normal(20).astype(np.float32) * 100])[None]
+    got = cpu_pairs.bf16_pairs(x).view(np.uint16)
+    assert np.array_equal(got, torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+    nan = cpu_pairs.bf16_pairs(np.array([[np.nan, -np.nan]], np.float32)).view(np.uint16)
+    assert np.isnan((nan.astype(np.uint32) << 16).view(np.float32)).all()
+    odd = torch.from_numpy(np.ones((8, 7), np.float32))
+    assert cpu_gemm.kernel_weight(odd)[0].dtype == np.uint16
+    with cpu_gemm.fp32_inputs():
+        assert cpu_gemm.kernel_weight(torch.ones(8, 6))[0].dtype == np.uint16

@@ -4,6 +4,7 @@ message, not CUDA), and a CPU tripwire for tensors the stages create off the mod
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tandem_kernels import dispatch
@@ -14,7 +15,7 @@ from tandem.engine.mtp_stage import MTPStage
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model import cpu_kernels
+from tandem.model import cpu_gemm, cpu_kernels
 from tandem.model.checkpoint import check_fits, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, param_bytes
 from tandem.model.config import TrunkConfig
 from tandem.model.device import parse_dtype, placement, resolve_device
@@ -67,6 +68,16 @@ def test_auto_is_the_cpu_and_fp32_without_cuda(monkeypatch):
     assert resolve_device("auto") == torch.device("cpu")
     assert placement(schema.DEFAULTS) == (torch.device("cpu"), torch.float32)  # the served CPU default
     assert placement(schema.ServingConfig(dtype="bf16", device="cpu")) == (torch.device("cpu"), torch.bfloat16)
+    w = torch.randn(70, 8).to(torch.bfloat16).float()  # bf16 values: the GEMM inputs follow dtype
+    try:
+        assert placement(schema.ServingConfig(dtype="fp32")) == (torch.device("cpu"), torch.float32)
+        assert cpu_gemm.kernel_weight(w)[0].dtype == np.uint16  # fp32 inputs: bf16 bits widened, strips
+        placement(schema.DEFAULTS)
+        assert cpu_gemm.kernel_weight(w)[0].dtype == np.uint32  # auto: bf16 inputs, pairs
+    finally:
+        cpu_gemm.set_inputs("bf16")
+    with pytest.raises(ValueError, match="GEMM inputs must be 'bf16' or 'fp32', got 'fp16'"):
+        cpu_gemm.set_inputs("fp16")
     for name in ("cuda", "cuda:0"):
         with pytest.raises(ValueError, match=rf"device '{name}' \(model parameter 'device', \$TANDEM_DEVICE\): torch "
                                              r"sees no CUDA device .*use 'cpu' or 'auto'"):

@@ -39,8 +39,8 @@ class ServingConfig:
     prime rows per burst of a long prompt (0: all at once), so streams keep getting bursts while it is
     primed (rows bit-identical for any chunk under CPU ``batch_invariant``, else multiples of ``PREFIX_BLOCK``); ``spec``: the default arm (the fastest measured;
     without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
-    repository; ``dtype``: compute dtype of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU, where it
-    measured faster, bf16 on CUDA); ``device``: where the stage models hold their weights and run (``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``;
+    repository; ``dtype``: compute dtype of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU with bf16 GEMM
+    inputs, both measured faster, bf16 on CUDA; ``fp32``: fp32 GEMM inputs too); ``device``: where the stage models hold their weights and run (``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``;
     resolved, and refused when absent, at load by :func:`tandem.model.device.resolve_device`);
     ``prefix_cache_mb``: memory bound of the prefix cache (published prompt blocks: trunk state and DFlash
     drafter tails), 0 turns it off;

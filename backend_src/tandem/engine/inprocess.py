@@ -15,6 +15,7 @@ import torch
 
 from .. import schema
 from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, parse_dtype
+from ..model.device import gemm_inputs
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
 from .colocated import drafter_stages
@@ -28,7 +29,7 @@ class Engine:
     """Trunk + drafters (the MTP layer; the DFlash drafters the checkpoint holds) + scheduler in one process.
 
     Args: ``checkpoint`` folder (config.json, model.safetensors, tokenizer.json, optional
-    ``dflash/`` and ``dflash2/`` drafters); ``dtype`` (``"auto"``: fp32 here on the CPU, ``"bf16"``, ``"fp32"`` or a torch dtype);
+    ``dflash/`` and ``dflash2/`` drafters); ``dtype`` (``"auto"``: fp32 here on the CPU with bf16 GEMM inputs, ``"bf16"``, ``"fp32"``: fp32 GEMM inputs too, or a torch dtype);
     ``model``/``tokenizer`` to share loaded ones; ``dflash`` — arm -> drafter to use instead of the
     checkpoint's (e.g. a freshly trained one);
     ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.
@@ -39,6 +40,8 @@ class Engine:
                  model: Trunk | None = None, tokenizer: ChatTokenizer | None = None, dflash: dict | None = None,
                  **config) -> None:
         dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        if isinstance(dtype, str):
+            gemm_inputs(dtype)
         self.model = model if model is not None else load_trunk(checkpoint, dt)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         self.config = dataclasses.replace(schema.DEFAULTS, **config)

@@ -27,6 +27,12 @@ pieces that the hardware prefetchers do not follow; once a token's 19 MiB of wei
 cache keeps between layers, a 1.8 MB weight streamed at 12.5 GB/s unpacked and 34 GB/s packed (16
 distinct weights in turn, one row), the six KDA + MoE blocks of a decode row took ~100 us each instead of
 ~280, plain decoding 1.25-1.37x faster.
+
+bfloat16 weights with an even input dimension (the shipped checkpoint's) are packed as bfloat16 pairs
+by default (:func:`~tandem.model.cpu_pairs.pack_pairs`): the GEMM rounds its input rows to bfloat16 and
+runs AVX512-BF16 dot products with float32 accumulation, ~2x the float32 tiles (a bf16 GEMM's
+numerics, one fixed chain per element, so as row-invariant as the float32 path; :mod:`~tandem.model.cpu_pairs`).
+:func:`fp32_inputs` keeps the float32 inputs.
 """
 
 from __future__ import annotations
@@ -36,29 +42,17 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import overload
 
-from .cpu_tile import TILE, tile1, tile2, tile3, tile4
+from .cpu_pairs import _pair_tail, _pair_tiles, bf16_pairs, pack_pairs
+from .cpu_tile import TILE, _f32, tile1, tile2, tile3, tile4
 
 #: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
 _BLOCK = 512
 _DEPTH = [0]
-
-
-@intrinsic
-def _f32(typingctx, v):
-    """A weight element as float32: a float32 as is; a uint16 as the bfloat16 those bits encode
-    (``bits << 16``, exact)."""
-    if v == types.float32:
-        return types.float32(v), lambda context, builder, sig, args: args[0]
-    if v == types.uint16:
-        def codegen(context, builder, sig, args):
-            bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-            return builder.bitcast(bits, ir.FloatType())
-        return types.float32(v), codegen
-    return None
+#: the GEMM inputs of bfloat16 weights: "bf16" (pairs, :func:`pack_pairs`) or "fp32" (:func:`fp32_inputs`); the last entry
+_INPUTS = ["bf16"]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -226,21 +220,43 @@ def cols(pw):  # pragma: no cover - numba
     return pw[0].shape[-3] * TILE + pw[1].shape[-1]
 
 
+def _strips_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba (typed by _packed_gemm)
+    raise NotImplementedError
+
+
+@overload(_strips_gemm)
+def _packed_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
+    # _mmp's body for float32 / bfloat16-bit strips (pack_strips) or bfloat16 pairs (pack_pairs)
+    pairs = strips.dtype == types.uint32
+
+    def impl(x, strips, tail, c0, c1, out):
+        S = strips.shape[0]
+        s1 = min(c1 // TILE, S)
+        done = max(s1 * TILE, c0)
+        if pairs:
+            xp = bf16_pairs(x)
+            for s in range(c0 // TILE, s1):
+                _pair_tiles(xp, strips[s], out, s * TILE - c0)
+            if done < c1:
+                _pair_tail(xp, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
+        else:
+            for s in range(c0 // TILE, s1):
+                _tiles(x, strips[s], out, s * TILE - c0)
+            if done < c1:
+                _mm_blocked(x, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
+    return impl
+
+
 @njit(cache=True, nogil=True)
 def _mmp(x, pw, c0, c1, out):  # pragma: no cover - numba
-    # out [M, c1 - c0] = x [M, D] @ W[:, c0:c1] for W strip-packed (pack_strips): each whole 64-column
-    # strip by the register tiles, its weights one contiguous run (the hardware prefetchers stream it:
-    # 2-3x the bandwidth of _mm's strided reads once the weights outgrow the cache), the tail columns by
-    # _mm_blocked; c0 % 64 == 0 and c1 at a strip boundary or O (mm_rows checks). The same fma chain
-    # per element as _mm, so the same bits
+    # out [M, c1 - c0] = x [M, D] @ W[:, c0:c1] for W packed (pack_strips or pack_pairs): each whole
+    # 64-column strip by the register tiles, its weights one contiguous run (the hardware prefetchers
+    # stream it: 2-3x the bandwidth of _mm's strided reads once the weights outgrow the cache), the tail
+    # columns by _mm_blocked (pairs: _pair_tail); c0 % 64 == 0 and c1 at a strip boundary or O (mm_rows
+    # checks). Strips: the same fma chain per element as _mm, so the same bits; pairs: x rounded to
+    # bfloat16 first, then the pair tiles' chain
     strips, tail = pw
-    S = strips.shape[0]
-    s1 = min(c1 // TILE, S)
-    for s in range(c0 // TILE, s1):
-        _tiles(x, strips[s], out, s * TILE - c0)
-    done = max(s1 * TILE, c0)
-    if done < c1:
-        _mm_blocked(x, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
+    _strips_gemm(x, strips, tail, c0, c1, out)
 
 
 def pack_strips(wt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -270,22 +286,24 @@ def mm_rows(x: np.ndarray, wt, c0: int = 0, c1: int | None = None) -> np.ndarray
 
 def is_bf16(pw) -> bool:
     """Whether a kernel weight (packed or not) holds bfloat16 bits."""
-    return (pw[0] if isinstance(pw, tuple) else pw).dtype == np.uint16
+    return (pw[0] if isinstance(pw, tuple) else pw).dtype in (np.uint16, np.uint32)
 
 
 _W: dict[tuple, tuple] = {}
 
 
 def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """The strip-packed array pair (:func:`pack_strips`) the kernels read for the fp32 weight ``w``:
+    """The packed array pair (:func:`pack_pairs` or :func:`pack_strips`) the kernels read for the fp32 weight ``w``:
     of ``w.t()`` (``[D, O]`` from an input-major ``[O, D]``), or with ``transpose=False`` of ``w``
     itself (e.g. experts' ``[E, I, D]``), or with ``experts=E`` of ``w.t()`` split into ``E`` column
     groups ``[E, D, O / E]`` (each expert's gate | up rows); as the uint16 bits of bfloat16 when every
     value is exactly a bfloat16 (the shipped weights are bf16 upcast to fp32: half the bytes to stream
-    from memory, the same products bit for bit), else float32. Made once per weight tensor and layout
-    (again after an in-place change: ``_version``); ``w`` must outlive its use (parameters and the
-    serving layout's fused buffers)."""
-    key = (id(w), transpose, experts)
+    from memory, the same products bit for bit), else float32. bfloat16 weights with an even input
+    dimension come as bfloat16 pairs (:func:`pack_pairs`: the GEMM rounds its input rows to bfloat16,
+    bf16 x bf16 products accumulated in float32, ~2x the fp32 tiles' speed) unless within
+    :func:`fp32_inputs`. Made once per weight tensor, layout and input mode (again after an in-place
+    change: ``_version``); ``w`` must outlive its use (parameters and the serving layout's fused buffers)."""
+    key = (id(w), transpose, experts, _INPUTS[-1])
     hit = _W.get(key)
     if hit is not None and hit[0] is w and hit[1] == (w.data_ptr(), w._version):
         return hit[2]
@@ -296,8 +314,41 @@ def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> 
     arr = b.view(torch.int16).numpy().view(np.uint16) if torch.equal(b.float(), t) else t.contiguous().numpy()
     if len(_W) > 4096:  # not a cache of temporaries
         _W.clear()
-    _W[key] = (w, (w.data_ptr(), w._version), pack_strips(arr))
+    pairs = arr.dtype == np.uint16 and arr.shape[-2] % 2 == 0 and _INPUTS[-1] == "bf16"
+    _W[key] = (w, (w.data_ptr(), w._version), (pack_pairs if pairs else pack_strips)(arr))
     return _W[key][2]
+
+
+def set_inputs(mode: str) -> None:
+    """This process's GEMM inputs for bfloat16 weights: ``"bf16"`` (the default; the stage models'
+    ``dtype=auto`` on the CPU) or ``"fp32"`` (``dtype=fp32``). Forgets the serving layout's plans
+    (:func:`tandem.model.cpu_block.relayout`) when it changes. Raises ``ValueError`` for another mode."""
+    if mode not in ("bf16", "fp32"):
+        raise ValueError(f"GEMM inputs must be 'bf16' or 'fp32', got {mode!r}")
+    if _INPUTS[0] != mode:
+        _INPUTS[0] = mode
+        _relayout()
+
+
+def _relayout() -> None:
+    from . import cpu_block  # here: cpu_block imports this module
+
+    cpu_block.relayout()
+
+
+@contextlib.contextmanager
+def fp32_inputs():
+    """Within this block :func:`kernel_weight` packs bfloat16 weights for float32 inputs
+    (:func:`pack_strips`: every GEMM input element as is, as before the bfloat16 pairs); nests. The
+    serving layout's plans are forgotten on entry and exit, so every block runs in the mode of the
+    moment."""
+    _INPUTS.append("fp32")
+    _relayout()
+    try:
+        yield
+    finally:
+        _INPUTS.pop()
+        _relayout()
 
 
 @contextlib.contextmanager

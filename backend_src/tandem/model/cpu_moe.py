@@ -74,7 +74,7 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
     # clamped SwiGLU, down GEMM (row-invariant _mmp), out[r] += w[r, e] * h; out [N, D] zeros; up and
     # down strip-packed per expert (kernel_weight: [E+1, D, 2I] and [E+1, I, D])
     N, D = x.shape
-    E1, I = down[0].shape[0], down[0].shape[2]
+    E1, I = down[1].shape[0], down[1].shape[1]  # the tail [E+1, I, D % 64] (pairs halve the strips' I)
     rows = np.empty(N, np.int64)
     xs, gu = np.empty((N, D), _F), np.empty((N, 2 * I), _F)
     act, h = np.empty((N, I), _F), np.empty((N, D), _F)

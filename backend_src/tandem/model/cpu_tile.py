@@ -25,7 +25,7 @@ them in range. numba's cache does not see edits here from the files that call th
 """
 from __future__ import annotations
 
-from llvmlite import ir
+from llvmlite import binding as llvm, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -54,10 +54,61 @@ def _fma(builder):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VTY, [_VTY] * 3), f"llvm.fma.v{_LANES}f32")
 
 
-def _splat(builder, x):
-    """A float broadcast to every lane."""
-    one = builder.insert_element(ir.Constant(_VTY, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, ir.Constant(_VTY, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
+def _splat(builder, x, vty=_VTY):
+    """A scalar (a float; an int32 for ``vty`` of int32) broadcast to every lane."""
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
+
+
+@intrinsic
+def _f32(typingctx, v):
+    """A weight element as float32: a float32 as is; a uint16 as the bfloat16 those bits encode
+    (``bits << 16``, exact)."""
+    if v == types.float32:
+        return types.float32(v), lambda context, builder, sig, args: args[0]
+    if v == types.uint16:
+        def codegen(context, builder, sig, args):
+            bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(bits, ir.FloatType())
+        return types.float32(v), codegen
+    return None
+
+
+def _acc_loop(context, builder, K, R: int, body, out):
+    """A tile's loop: ``R x 4`` accumulator vectors from 0, ``new = body(k, acc)`` for k = 0 .. K-1
+    (``K`` an int64 value), then the final ones stored at ``out[r + i, o + 16 v]`` (``out = (array,
+    array type, r, o)``: row ``i``, vector ``v``). Returns the intrinsic's (void) value."""
+    oa, ot, r0, o0 = out
+    i64 = _I64
+    entry = builder.block
+    loop = builder.append_basic_block("tile.k")
+    done = builder.append_basic_block("tile.done")
+    builder.cbranch(builder.icmp_signed(">", K, ir.Constant(i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    k = builder.phi(i64)
+    k.add_incoming(ir.Constant(i64, 0), entry)
+    acc = [[builder.phi(_VTY) for _ in range(_VECS)] for _ in range(R)]
+    for row in acc:
+        for a in row:
+            a.add_incoming(_ZERO, entry)
+    new = body(k, acc)
+    k1 = builder.add(k, ir.Constant(i64, 1))
+    k.add_incoming(k1, loop)
+    for row, nrow in zip(acc, new):
+        for a, n in zip(row, nrow):
+            a.add_incoming(n, loop)
+    builder.cbranch(builder.icmp_signed("<", k1, K), loop, done)
+    builder.position_at_end(done)
+    res = [[builder.phi(_VTY) for _ in nrow] for nrow in new]  # every phi first
+    for rrow, nrow in zip(res, new):
+        for a, n in zip(rrow, nrow):
+            a.add_incoming(_ZERO, entry)
+            a.add_incoming(n, loop)
+    for i, rrow in enumerate(res):
+        for v, a in enumerate(rrow):
+            builder.store(a, _vec_ptr(context, builder, oa, ot, builder.add(r0, ir.Constant(i64, i)),
+                                      builder.add(o0, ir.Constant(i64, v * _LANES))), align=4)
+    return context.get_dummy_value()
 
 
 def _tile(R: int):
@@ -80,53 +131,26 @@ def _tile(R: int):
             xa = context.make_array(xt)(context, builder, xv)
             wa = context.make_array(wtt)(context, builder, wv)
             oa = context.make_array(ot)(context, builder, ov)
-            i64, vty, zero, fma = _I64, _VTY, _ZERO, _fma(builder)
-            D = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
-            entry = builder.block
-            loop = builder.append_basic_block("tile.k")
-            done = builder.append_basic_block("tile.done")
-            builder.cbranch(builder.icmp_signed(">", D, ir.Constant(i64, 0)), loop, done)
+            i64, vty, fma = _I64, _VTY, _fma(builder)
 
-            builder.position_at_end(loop)
-            k = builder.phi(i64)
-            k.add_incoming(ir.Constant(i64, 0), entry)
-            acc = [[builder.phi(vty) for _ in range(_VECS)] for _ in range(R)]
-            for row in acc:
-                for a in row:
-                    a.add_incoming(zero, entry)
-            ws = []
-            for v in range(_VECS):
-                p = _ptr(context, builder, wa, wtt, k, builder.add(c0, ir.Constant(i64, v * _LANES)))
-                if bf16:
-                    bits = builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
-                    bits = builder.shl(builder.zext(bits, ir.VectorType(ir.IntType(32), _LANES)),
-                                       ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [16] * _LANES))
-                    ws.append(builder.bitcast(bits, vty))
-                else:
-                    ws.append(builder.load(builder.bitcast(p, vty.as_pointer()), align=4))
-            new = []
-            for i, row in enumerate(acc):
-                xb = _splat(builder, builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k)))
-                new.append([builder.call(fma, [xb, ws[v], row[v]]) for v in range(_VECS)])
-            k1 = builder.add(k, ir.Constant(i64, 1))
-            k.add_incoming(k1, loop)
-            for row, nrow in zip(acc, new):
-                for a, n in zip(row, nrow):
-                    a.add_incoming(n, loop)
-            builder.cbranch(builder.icmp_signed("<", k1, D), loop, done)
+            def body(k, acc):
+                ws = []
+                for v in range(_VECS):
+                    p = _ptr(context, builder, wa, wtt, k, builder.add(c0, ir.Constant(i64, v * _LANES)))
+                    if bf16:
+                        bits = builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
+                        bits = builder.shl(builder.zext(bits, ir.VectorType(ir.IntType(32), _LANES)),
+                                           ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [16] * _LANES))
+                        ws.append(builder.bitcast(bits, vty))
+                    else:
+                        ws.append(builder.load(builder.bitcast(p, vty.as_pointer()), align=4))
+                new = []
+                for i, row in enumerate(acc):
+                    xb = _splat(builder, builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k)))
+                    new.append([builder.call(fma, [xb, ws[v], row[v]]) for v in range(_VECS)])
+                return new
 
-            builder.position_at_end(done)
-            res = [[builder.phi(vty) for _ in nrow] for nrow in new]  # every phi first
-            for rrow, nrow in zip(res, new):
-                for a, n in zip(rrow, nrow):
-                    a.add_incoming(zero, entry)
-                    a.add_incoming(n, loop)
-            for i, rrow in enumerate(res):
-                for v, a in enumerate(rrow):
-                    p = _vec_ptr(context, builder, oa, ot, builder.add(r0, ir.Constant(i64, i)),
-                                 builder.add(o0, ir.Constant(i64, v * _LANES)))
-                    builder.store(a, p, align=4)
-            return context.get_dummy_value()
+            return _acc_loop(context, builder, cgutils.unpack_tuple(builder, xa.shape, 2)[1], R, body, (oa, ot, r0, o0))
 
         return sig, codegen
 
@@ -134,6 +158,74 @@ def _tile(R: int):
 
 
 tile1, tile2, tile3, tile4 = (_tile(R) for R in (1, 2, 3, 4))
+
+
+# -- bfloat16 dot-product tiles --------------------------------------------------------------------
+#: whether this CPU has AVX512-BF16's ``vdpbf16ps`` (else :func:`_pair_tile` emulates it, same bits)
+HW_BF16 = bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+if HW_BF16:
+    llvm.initialize_native_asmparser()  # numba's code emitter needs it for inline assembly
+_VI = ir.VectorType(ir.IntType(32), _LANES)
+_HI = ir.Constant(_VI, [-65536] * _LANES)  # 0xFFFF0000: the odd element of a pair in place
+_SH = ir.Constant(_VI, [16] * _LANES)
+
+
+def _pair_tile(R: int, emulate: bool = not HW_BF16):
+    """The intrinsic ``tile(xp, wp, r, out, o)``: ``out[r:r+R, o:o+64] = bf16(x[r:r+R]) @ w[:, :64]``
+    on bfloat16 pairs: ``xp [M, D/2]`` uint32, each the bfloat16 bits of ``x[:, 2k]`` (low half) and
+    ``x[:, 2k+1]`` (high half); ``wp [D/2, 64]`` uint32, each ``w[2k, j] | w[2k+1, j] << 16`` (one
+    strip of :func:`~tandem.model.cpu_gemm.pack_pairs`). Each output is the chain ``acc = fma(x[2k+1],
+    w[2k+1, j], acc); acc = fma(x[2k], w[2k, j], acc)`` for k = 0, 1, ... from 0: what ``vdpbf16ps``
+    computes (Intel SDM's order: the odd product first; a bfloat16 product is exact in float32, so each
+    step rounds once; measured bit-equal on this fleet's AMD EPYC, ``tests/test_cpu_tile.py``). With
+    ``emulate`` the same chain as two float32 FMAs a pair (machines without AVX512-BF16; denormal
+    inputs, which ``vdpbf16ps`` flushes to zero, are kept). Indices int64, unchecked."""
+
+    @intrinsic
+    def tile(typingctx, xp, wp, r, out, o):
+        if not (isinstance(xp, types.Array) and xp.ndim == 2 and xp.dtype == types.uint32
+                and isinstance(wp, types.Array) and wp.ndim == 2 and wp.dtype == types.uint32
+                and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
+            return None
+        sig = types.void(xp, wp, types.int64, out, types.int64)
+
+        def codegen(context, builder, sig, args):
+            xt, wt, _, ot, _ = sig.args
+            xv, wv, r0, ov, o0 = args
+            xa = context.make_array(xt)(context, builder, xv)
+            wa = context.make_array(wt)(context, builder, wv)
+            oa = context.make_array(ot)(context, builder, ov)
+            i64, vty, fma = _I64, _VTY, _fma(builder)
+            dot = ir.InlineAsm(ir.FunctionType(vty, [_VI, _VI, vty]), "vdpbf16ps $2, $1, $0", "=v,v,v,0")
+
+            def halves(v):  # a vector of pairs -> (odd elements, even elements) as float32
+                return builder.bitcast(builder.and_(v, _HI), vty), builder.bitcast(builder.shl(v, _SH), vty)
+
+            def body(k, acc):
+                ws = [builder.load(builder.bitcast(_ptr(context, builder, wa, wt, k, ir.Constant(i64, v * _LANES)),
+                                                   _VI.as_pointer()), align=4) for v in range(_VECS)]
+                if emulate:
+                    ws = [halves(w) for w in ws]
+                new = []
+                for i, row in enumerate(acc):  # x's pair (an int32) in every lane
+                    xb = _splat(builder, builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k)), _VI)
+                    if not emulate:
+                        new.append([builder.call(dot, [xb, ws[v], row[v]]) for v in range(_VECS)])
+                        continue
+                    xo, xe = halves(xb)
+                    new.append([builder.call(fma, [xe, ws[v][1], builder.call(fma, [xo, ws[v][0], row[v]])]) for v in range(_VECS)])
+                return new
+
+            return _acc_loop(context, builder, cgutils.unpack_tuple(builder, xa.shape, 2)[1], R, body, (oa, ot, r0, o0))
+
+        return sig, codegen
+
+    return tile
+
+
+pair1, pair2, pair3, pair4 = (_pair_tile(R) for R in (1, 2, 3, 4))
+#: the emulated tiles whatever the CPU (tests compare them with the hardware's)
+epair1, epair2, epair3, epair4 = (_pair_tile(R, emulate=True) for R in (1, 2, 3, 4))
 
 
 # -- the KDA state passes ---------------------------------------------------------------------------

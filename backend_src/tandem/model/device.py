@@ -42,7 +42,7 @@ def resolve_device(name: str) -> torch.device:
 
 def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
     """``"auto"`` / ``"bf16"`` / ``"fp32"`` (:data:`tandem.schema.DTYPES`) -> torch dtype; ``auto`` is
-    bf16 on a CUDA ``device`` and fp32 elsewhere. Raises ``ValueError`` naming ``dtype`` otherwise."""
+    bf16 on a CUDA ``device`` and fp32 elsewhere (with bfloat16 GEMM inputs: :func:`gemm_inputs`). Raises ``ValueError`` naming ``dtype`` otherwise."""
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     try:
@@ -63,7 +63,17 @@ def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
     dispatch.configure(cfg.kernels)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
+    gemm_inputs(cfg.dtype)
     return dev, parse_dtype(cfg.dtype, dev)
+
+
+def gemm_inputs(name: str) -> None:
+    """The CPU serving GEMM's inputs for the ``dtype`` parameter ``name``: ``auto`` bfloat16 inputs on
+    bfloat16 weights (:mod:`tandem.model.cpu_pairs`, the faster by measurement), ``fp32`` float32
+    inputs throughout (:func:`tandem.model.cpu_gemm.set_inputs`); ``bf16`` computes in torch bf16."""
+    from . import cpu_gemm
+
+    cpu_gemm.set_inputs("fp32" if name == "fp32" else "bf16")
 
 
 def check_kernels(kernels: str, device: torch.device) -> None:

@@ -50,8 +50,8 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
                      cold: bool = False) -> dict:
     """Bytes/s of one-row matrix-vector products over a weight of ``nbytes`` (``[in_features, N]``),
     the fastest of MKL on the input-major layout serving uses, MKL on the row-major one, and (fp32)
-    tandem's own row-invariant GEMM, on fp32 and on bf16 weights, unpacked and strip-packed as serving
-    runs it (the strictest limit). Median of ``reps``
+    tandem's own row-invariant GEMM, on fp32 and on bf16 weights, unpacked, strip-packed and as
+    bfloat16 pairs as serving runs it (the strictest limit). Median of ``reps``
     timed calls after warm-up; the weight stays in the last-level cache between calls when it fits
     (the shipped miniature's 19 MiB a token does, in a 32 MiB L3), unless ``cold``: then
     ``_FLUSH_BYTES`` are written before each timed call, so the weight streams from memory as a model
@@ -71,6 +71,8 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
         wb = torch.randn(n_bf16, in_features, generator=g).to(torch.bfloat16).t().contiguous().view(torch.int16).numpy().view(np.uint16)
         calls["tandem GEMM, bf16 weights"] = lambda xn=x.numpy(), wt=wb: cpu_gemm.mm_rows(xn, wt)
         calls["tandem GEMM, packed bf16 weights"] = lambda xn=x.numpy(), wt=cpu_gemm.pack_strips(wb): cpu_gemm.mm_rows(xn, wt)
+        if in_features % 2 == 0:  # serving's default for bf16 weights: bf16 dot products
+            calls["tandem GEMM, bf16 pairs"] = lambda xn=x.numpy(), wt=cpu_gemm.pack_pairs(wb): cpu_gemm.mm_rows(xn, wt)
     for layout, call in calls.items():
         for _ in range(3):
             call()
