@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -19,6 +20,32 @@ from tandem.model.tokenizer import ChatTokenizer
 torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 
 CHECKPOINT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT", DEFAULT_CHECKPOINT))
+
+#: candidates for :func:`long_turn_prompt`, tried in order
+LONG_TURN_TEXTS = ("Tell me a long story.", "Write a very long essay about the history of the sea.",
+                   "Explain, step by step and in great detail, how a compiler works.")
+
+
+@functools.lru_cache(maxsize=None)
+def long_turn_prompt(tokens: int) -> tuple[int, ...]:
+    """A chat prompt (token ids) whose greedy plain continuation on the checkpoint, in serving's
+    numerics (``dtype=auto``), runs ``tokens`` tokens without a stop token, checked in-process: for the
+    served tests that need a turn still streaming seconds later (served greedy output equals
+    in-process; a fixed prompt stopped after 40 tokens once the GEMM numerics changed). Raises
+    ``AssertionError`` when no candidate of :data:`LONG_TURN_TEXTS` does."""
+    from tandem.engine.inprocess import Engine
+    from tandem.model import cpu_gemm
+
+    before = cpu_gemm._INPUTS[0]  # the process's GEMM inputs, which Engine(dtype="auto") sets
+    try:
+        eng = Engine(CHECKPOINT, prefix_cache_mb=0)
+        for text in LONG_TURN_TEXTS:
+            ids = eng.tokenizer.chat_prompt(text)
+            if eng.generate(ids, tokens, spec="off")["finish_reason"] == "length":
+                return tuple(ids)
+    finally:
+        cpu_gemm.set_inputs(before)
+    raise AssertionError(f"no prompt of {LONG_TURN_TEXTS} runs {tokens} greedy tokens without a stop")
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from tandem.serving.observe import scrape, tandem_metrics  # noqa: E402
 from tandem_client.client import AtCapacity, SessionLost, TandemClientError, generate, new_sequence_id  # noqa: E402
 from tandem_client.conversation import Conversation  # noqa: E402
 
-from conftest import CHECKPOINT  # noqa: E402
+from conftest import CHECKPOINT, long_turn_prompt  # noqa: E402
 from test_faults_served import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -128,7 +128,7 @@ def test_server_loss_gives_session_lost_and_reprime_equals_reference(cluster, to
 
     def stream() -> None:
         try:
-            box["res"] = generate(tokenizer.chat_prompt("Tell me a long story."), 4000, url=cluster.url, spec="off",
+            box["res"] = generate(list(long_turn_prompt(3000)), 4000, url=cluster.url, spec="off",
                                   on_tokens=lambda ids: first.set())
         except TandemClientError as e:
             box["err"], box["t"] = e, time.monotonic()

@@ -26,7 +26,7 @@ from tandem import schema  # noqa: E402
 from tandem.serving.observe import process_rss, scrape, stub_pid, tandem_metrics  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id, stage_health  # noqa: E402
 
-from conftest import CHECKPOINT  # noqa: E402
+from conftest import CHECKPOINT, long_turn_prompt  # noqa: E402
 
 pytestmark = pytest.mark.integration
 #: the stage deadline: above the ~1 s a dead stub takes to be noticed (the dead-stage case must see
@@ -195,8 +195,9 @@ def test_idle_clock_counts_from_the_end_of_the_turn(srv):
     """Case 7: a turn that streams longer than the idle timeout (3 s) is followed at once by the next
     turn of the same session; after idling past it, the session is gone."""
     sid = new_sequence_id()  # the long turn is sized by this machine's rate (a fixed 1,000 tokens took 2.8 s in CI)
-    rate = generate(PROMPT, max_tokens=200, url=srv.grpc_url, sequence_id=sid, spec="off", sequence_end=False)
-    n = min(schema.DEFAULTS.max_ctx - len(PROMPT) - 300, int(6.0 * rate["tokens_per_s"]))
+    prompt = list(long_turn_prompt(3000))  # its greedy continuation does not stop within 3,000 tokens
+    rate = generate(prompt, max_tokens=200, url=srv.grpc_url, sequence_id=sid, spec="off", sequence_end=False)
+    n = min(2800, int(6.0 * rate["tokens_per_s"]))
     a = generate([], max_tokens=n, url=srv.grpc_url, sequence_id=sid, sequence_start=False, sequence_end=False)
     assert a["elapsed_s"] > 3.0, "the long turn must outlast idle_timeout_s for the test to mean something"
     b = generate([5, 6], max_tokens=4, url=srv.grpc_url, sequence_id=sid, sequence_start=False, sequence_end=False)

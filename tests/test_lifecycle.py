@@ -20,6 +20,8 @@ from tandem.engine.scheduler import Scheduler, Turn
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT
 from tandem.serving.serve import REPO_ROOT, busy_ports, free_ports
 
+from conftest import long_turn_prompt
+
 
 @pytest.fixture(scope="module")
 def engine():
@@ -179,13 +181,12 @@ def test_shutdown_gives_streams_one_clear_error():
     leaves no shared-memory files."""
     import threading
 
-    from tandem.model.tokenizer import ChatTokenizer
     from tandem.serving.serve import running_server, stop_server
     from tandem_client.client import TandemClientError, generate
 
     from tandem.serving.host import shm_files
 
-    prompt = ChatTokenizer(DEFAULT_CHECKPOINT).chat_prompt("Tell me a long story.")
+    prompt = list(long_turn_prompt(3000))  # a greedy turn that does not stop early
     with running_server(env={"TANDEM_CHECKPOINT": str(DEFAULT_CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
         box, first = {}, threading.Event()
         generate(prompt, 2, url=srv.grpc_url, sequence_end=False)  # an idle open session
