@@ -208,7 +208,9 @@ def test_stages_are_probed_only_once_the_worker_idles(model, monkeypatch):
         for sid in range(10, 16):  # back to back: each turn sent once the previous one ended
             assert _turn(front, sid, max_tokens=4, spec="off").done.wait(30)
         probes = lambda calls: [c for c in calls if c[1] == "close" and c[2] == 0]  # noqa: E731
-        assert not probes(tr.calls[n0:]), tr.calls[n0:]
+        calls = tr.calls[n0:]  # a probe round under way when the first turn arrived may finish first (CI once)
+        first = next(i for i, c in enumerate(calls) if c not in probes([c]))
+        assert not probes(calls[first:]), calls
         time.sleep(0.7)
         assert probes(tr.calls[n0:])
     finally:
