@@ -39,8 +39,9 @@ class Engine:
     def __init__(self, checkpoint: str | Path = DEFAULT_CHECKPOINT, dtype: str | torch.dtype = schema.DEFAULTS.dtype,
                  model: Trunk | None = None, tokenizer: ChatTokenizer | None = None, dflash: dict | None = None,
                  **config) -> None:
-        dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        dt = dtype
         if isinstance(dtype, str):
+            dt = parse_dtype(dtype)
             gemm_inputs(dtype)
         self.model = model if model is not None else load_trunk(checkpoint, dt)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")

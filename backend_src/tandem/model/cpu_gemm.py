@@ -224,27 +224,31 @@ def _strips_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba (typ
     raise NotImplementedError
 
 
+def _strips_impl(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
+    S = strips.shape[0]
+    s1 = min(c1 // TILE, S)
+    for s in range(c0 // TILE, s1):
+        _tiles(x, strips[s], out, s * TILE - c0)
+    done = max(s1 * TILE, c0)
+    if done < c1:
+        _mm_blocked(x, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
+
+
+def _pairs_impl(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
+    S = strips.shape[0]
+    s1 = min(c1 // TILE, S)
+    xp = bf16_pairs(x)
+    for s in range(c0 // TILE, s1):
+        _pair_tiles(xp, strips[s], out, s * TILE - c0)
+    done = max(s1 * TILE, c0)
+    if done < c1:
+        _pair_tail(xp, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
+
+
 @overload(_strips_gemm)
 def _packed_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
     # _mmp's body for float32 / bfloat16-bit strips (pack_strips) or bfloat16 pairs (pack_pairs)
-    pairs = strips.dtype == types.uint32
-
-    def impl(x, strips, tail, c0, c1, out):
-        S = strips.shape[0]
-        s1 = min(c1 // TILE, S)
-        done = max(s1 * TILE, c0)
-        if pairs:
-            xp = bf16_pairs(x)
-            for s in range(c0 // TILE, s1):
-                _pair_tiles(xp, strips[s], out, s * TILE - c0)
-            if done < c1:
-                _pair_tail(xp, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
-        else:
-            for s in range(c0 // TILE, s1):
-                _tiles(x, strips[s], out, s * TILE - c0)
-            if done < c1:
-                _mm_blocked(x, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
-    return impl
+    return _pairs_impl if strips.dtype == types.uint32 else _strips_impl
 
 
 @njit(cache=True, nogil=True)
