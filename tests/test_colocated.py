@@ -63,8 +63,8 @@ def shipped(checkpoint):
 def test_every_arm_equals_the_engine_one_call_a_round(shipped, tokenizer, sharegpt_prompts, arm):
     """Greedy, shipped checkpoint: tokens, rounds and accepted drafts equal the in-process engine's
     (drafter and trunk calls apart), the output equals plain decoding, a burst's rounds are one trunk
-    call, and no hidden or feature row crosses the wire either way."""
-    sched, host, spy = hosted(shipped)
+    call (``burst_ms`` 0: bursts by rounds only), and no hidden or feature row crosses the wire either way."""
+    sched, host, spy = hosted(shipped, burst_ms=0.0, burst_rounds=4)
     for sid, text in enumerate(sharegpt_prompts[:2], 1):
         ids = tokenizer.chat_prompt(text)
         ref, plain = shipped.generate(ids, 48, spec=arm), shipped.generate(ids, 48, spec="off")
@@ -85,6 +85,28 @@ def test_every_arm_equals_the_engine_one_call_a_round(shipped, tokenizer, shareg
             assert res.get("HIDDEN", np.zeros((0, 0))).shape[-1] == 0 and res.get("FEATURES", np.zeros((0, 0))).shape[-1] == 0
     assert not host.ingest and not host.pending and not host.trunk.caches  # closed with the sessions
     assert all(not st.states for st in host.by_model.values())
+
+
+@pytest.mark.parametrize("arm", [schema.OFF, schema.DFLASH2])
+def test_a_burst_ends_after_burst_ms(shipped, tokenizer, sharegpt_prompts, arm):
+    """``burst_ms``: each ``draft_verify`` is told the burst's time left (``BURST_MS``) and a burst ends
+    at the first round boundary after it, on both paths (co-located calls and per-round calls): with
+    ~0 ms every burst is one round, with a long one a burst's rounds; the tokens never change."""
+    ids = tokenizer.chat_prompt(sharegpt_prompts[3])
+    plain = shipped.generate(ids, 40, spec="off")["token_ids"]
+    for ms, one_round in ((1e-3, True), (1e4, False)):
+        sched, _, spy = hosted(shipped, burst_ms=ms, burst_rounds=8)
+        out, receipts = _run(sched, 1, ids, 40, arm)
+        calls = [(args, res) for _, op, args, res in spy.calls if op == "draft_verify"]
+        assert out == plain and all(float(a["BURST_MS"][0]) <= ms for a, _ in calls)
+        assert (max(r.rounds for r in receipts) == 1) == one_round
+        assert (max(int(r["ROUNDS_RUN"][0]) for _, r in calls) == 1) == one_round
+        eng = Engine(model=shipped.model, tokenizer=tokenizer, dflash={a: shipped.drafters[a].drafters[a] for a in
+                     schema.DFLASH_ARMS}, burst_ms=ms, burst_rounds=8)  # per-round calls (colocate off / in-process)
+        out, receipts = _run(eng.sched, 1, ids, 40, arm)
+        assert out == plain and (max(r.rounds for r in receipts) == 1) == one_round
+    with pytest.raises(ValueError, match="burst_ms must be >= 0"):
+        schema.ServingConfig(burst_ms=-1.0)
 
 
 def test_sampled_rejection_and_multi_turn_equal_the_engine(shipped, tokenizer, sharegpt_prompts):
@@ -181,7 +203,7 @@ def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tok
     them in different rounds of a call, and one with a stop string (one round a call): each gives the
     in-process engine's tokens and finish reason, and a call's rounds stop where its turn ends. With
     ``run_ahead`` the same, with calls answered ahead and guesses undone (a turn cut by its stop string)."""
-    eng = Engine(checkpoint, model=shipped.model, tokenizer=shipped.tokenizer, demote_probe_rounds=0, max_ctx=160,
+    eng = Engine(checkpoint, model=shipped.model, tokenizer=shipped.tokenizer, demote_probe_rounds=0, max_ctx=160, burst_ms=0.0, burst_rounds=4,
                  dflash={a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS})
     sched, host, spy = hosted(eng, run_ahead)
     ids = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[3:8]]
@@ -262,10 +284,11 @@ def test_run_ahead_undoes_a_guess_that_missed(shipped, tokenizer, sharegpt_promp
 def test_demotion_sees_the_load_per_round_calls_would(tiny):  # noqa: F811
     """Load-sensitive demotion costs, one session with a stop string (one round a call) beside one
     without: the hosted bursts give the same rounds, speculative rounds and demotions as per-round
-    calls (the policy counts every session still active in each round, not those in the call)."""
+    calls (the policy counts every session still active in each round, not those in the call). Bursts
+    by rounds only (``burst_ms`` 0), so both sides' bursts are the same rounds."""
     trunk, drafters = tiny
     eng = Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, round_cost_dflash=1.0,
-                 demote_load_slope=1.0, demote_below=0.9, promote_above=5.0)
+                 demote_load_slope=1.0, demote_below=0.9, promote_above=5.0, burst_ms=0.0, burst_rounds=4)
     sched, _, _ = hosted(eng)
     ids = _ids(20, 1)
     runs = []

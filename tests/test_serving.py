@@ -81,8 +81,9 @@ def test_stream_equals_engine(server, engine, spec):
     assert (got["rounds"], got["drafted"], got["accepted"]) == (ref["rounds"], ref["drafted"], ref["accepted"])
     assert got["finish_reason"] == ref["finish_reason"]
     assert got["mean_acceptance_length"] == pytest.approx(ref["mean_acceptance_length"])
-    # streamed: the first token alone (prime), then one response per burst
-    assert len(bursts) == got["bursts"] == ref["bursts"] and len(bursts) >= 2
+    # streamed: the first token alone (prime), then one response per burst (bursts end by time, burst_ms:
+    # their number depends on the machine's speed, never the tokens)
+    assert len(bursts) == got["bursts"] >= 2
     assert bursts[0] == ref["token_ids"][:1]
     if spec == "off":
         assert got["drafted"] == 0 and got["mean_acceptance_length"] == 1.0

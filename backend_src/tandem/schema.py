@@ -30,7 +30,9 @@ class ServingConfig:
     values, checked by a test). ``num_draft_tokens``: drafts per verify round (MTP) when a request
     does not say; ``max_num_draft_tokens``: the most a request may ask for;
     ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens
-    unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response;
+    unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response at most;
+    ``burst_ms``: a burst also ends at the first round boundary after this many milliseconds of rounds
+    (0: ``burst_rounds`` only), so a burst amortizes a stage call's fixed cost over ~``burst_ms`` of work;
     ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
     ``idle_timeout_s``: a session with no turn running for longer (counted from the end of its last
     turn) is closed; ``max_sessions``: open sessions at most (a new sequence beyond it waits up to
@@ -65,7 +67,8 @@ class ServingConfig:
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
     spec: str = "dflash2"
-    burst_rounds: int = 4
+    burst_rounds: int = 16
+    burst_ms: float = 25.0
     block_size: int = 8
     checkpoint: str = "weights/tandem-tiny"
     dflash_checkpoint: str = ""
@@ -104,8 +107,6 @@ class ServingConfig:
             raise ValueError(f"device must be one of {DEVICES} (N a GPU index), got {self.device!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
-        if self.prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
         for name in ("burst_rounds", "max_ctx", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -114,10 +115,8 @@ class ServingConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be 0 (off) or a positive number of rows, got {self.prefill_chunk}")
-        if self.admission_wait_s < 0:
-            raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
-        for name in ("demote_below", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope",
-                     "demote_probe_rounds"):
+        for name in ("prefix_cache_mb", "burst_ms", "admission_wait_s", "demote_below", "round_cost_mtp",
+                     "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope", "demote_probe_rounds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.promote_above < self.demote_below:
@@ -249,7 +248,7 @@ TANDEM = ModelSpec(
         TensorSpec(MEAN_ACCEPTANCE_LENGTH, "TYPE_FP32", (1,),
                    doc="this turn's tau so far: 1 + accepted / rounds (0 before any round; usage)"),
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "max_ctx",
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "burst_ms", "max_ctx",
                 "idle_timeout_s", "max_sessions", "prefill_chunk", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
                 "demote_load_slope", "demote_probe_rounds", "colocate"),
     decoupled=True,
@@ -270,7 +269,8 @@ _DRAFTS, _DRAFT_LENGTHS = (TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafte
 _ROUNDS_INPUTS = tuple(TensorSpec(n, t, (-1,), optional=True, doc="draft_verify: " + d) for n, t, d in (
     ("ROUNDS", "TYPE_INT32", "rounds at most per sequence"), ("BUDGET", "TYPE_INT32", "tokens each turn may still emit"),
     ("ROOM", "TYPE_INT32", "max_ctx minus each sequence's committed tokens (the pending commit included)"),
-    ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"), ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence")))
+    ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"), ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence"))) + (TensorSpec("BURST_MS", "TYPE_FP32", (1,), optional=True, lo=0.0, doc="draft_verify: end at the first round boundary "
+                "after this many ms in the trunk (ServingConfig.burst_ms; absent: ROUNDS only)"),)
 #: the outputs a ``draft_verify`` answers with (the rows' hidden and features stay in the trunk's process)
 DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS", "ROUNDS_RUN", "ANCHORS")
 #: ``trunk`` ops with ``colocate`` on: ``<drafter model>.<op>``, a drafter op run by the trunk's process

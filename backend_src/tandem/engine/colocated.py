@@ -24,6 +24,7 @@ in-process engine runs, and a crash of this process takes the trunk's caches too
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -197,20 +198,25 @@ class StageHost:
                 raise ValueError(f"context full for sequence {r.sid}: {c.pos} + {len(r.tokens)} rows > max_ctx {c.max_ctx}")
         return drafts, self.verify(rows)
 
-    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan]) -> list[list[tuple[int, list[int], VerifyOut]]]:
+    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None
+                            ) -> list[list[tuple[int, list[int], VerifyOut]]]:
         """Up to ``max(plan.rounds)`` :meth:`draft_verify` rounds in one call: after each round this host
         runs the scheduler's accept walk (:func:`~tandem.engine.accept.accept_walk`, the same function on
         the same inputs) to find each sequence's commit and next anchor. ``items[j]``: the first
         round's anchor and pending commit. Returns per sequence ``(anchor, drafts, verify output)``
         per round it ran; its last round's rows stay pending (the next call's ``commit``). The
-        scheduler replays the walks and checks the anchors (:meth:`Scheduler.burst`)."""
-        return self._run_rounds(items, plans)[0]
+        scheduler replays the walks and checks the anchors (:meth:`Scheduler.burst`). ``ms``: end at the
+        first round boundary after that many milliseconds (the burst's time left; None: no limit)."""
+        return self._run_rounds(items, plans, ms=ms)[0]
 
-    def _run_rounds(self, items: list[Rows], plans: list[RoundsPlan], should_stop=None) -> tuple[list, list]:
+    def _run_rounds(self, items: list[Rows], plans: list[RoundsPlan], should_stop=None,
+                    ms: float | None = None) -> tuple[list, list]:
         """:meth:`draft_verify_rounds`, also returning per sequence ``(anchor, commit, used, alive)``
         after its last round (its next call's anchor and commit, the tokens this call committed, whether
-        its turn goes on; None without a round); ``should_stop()`` true ends it at a round boundary."""
+        its turn goes on; None without a round); ``should_stop()`` true ends it at a round boundary, as
+        does the clock ``ms`` milliseconds after the start (after one round at least)."""
         assert len(items) == len(plans)
+        end = None if ms is None else time.perf_counter() + ms / 1e3
         res: list[list[tuple[int, list[int], VerifyOut]]] = [[] for _ in items]
         alive = [False] * len(items)
         anchor = [it.tokens[0] for it in items]
@@ -220,7 +226,7 @@ class StageHost:
         live = list(range(len(items)))
         for r in range(max((p.rounds for p in plans), default=0)):
             live = [j for j in live if r < plans[j].rounds]
-            if not live or (should_stop is not None and should_stop()):
+            if not live or (should_stop is not None and should_stop()) or (r and end is not None and time.perf_counter() >= end):
                 break
             pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
                   for j in live]
@@ -276,7 +282,10 @@ class StageHost:
                 return self._answer(*self.ahead.call, *hit)
         self._check_draft_verify(arrays, call)
         items, plans = self._call_of(call)
-        return self._answer(items, plans, *self._run_rounds(items, plans))
+        ms = schema.get_vector(arrays, schema.TRUNK.input("BURST_MS")) if "BURST_MS" in arrays else None
+        if ms is not None and (ms.size != 1 or not ms[0] >= 0):
+            raise WireError(f"BURST_MS takes one value >= 0 (milliseconds), got {ms.tolist()}")
+        return self._answer(items, plans, *self._run_rounds(items, plans, ms=None if ms is None else float(ms[0])))
 
     def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list) -> schema.Arrays:
         """The packed answer of a call; first, with ``run_ahead``, the next call starts on its thread."""

@@ -19,9 +19,10 @@ class HostedRounds:
     """Mixed into :class:`~tandem.engine.scheduler.Scheduler` (whose ``trunk``, ``config``,
     ``demotion``, ``stats``, ``timing``, ``active`` and ``_after_verify`` it uses)."""
 
-    def _hosted_burst(self, receipts: dict[int, Receipt]) -> None:
+    def _hosted_burst(self, receipts: dict[int, Receipt], deadline: float | None = None) -> None:
         """``burst_rounds`` rounds for every active session in as few calls as can be (sessions with
-        stop strings take one round a call)."""
+        stop strings take one round a call), ending at the first round boundary after ``deadline``
+        (``time.perf_counter()`` seconds; each call is told the time left, ``BURST_MS``)."""
         n = self.config.burst_rounds
         burst = [s.sid for s in self.active()]
         left, ended = dict.fromkeys(burst, n), {}  # ended: sid -> the burst round its turn ended in
@@ -30,11 +31,14 @@ class HostedRounds:
             return sum(1 for sid in burst if ended.get(sid, n) >= t)
 
         while act := [s for s in self.active() if left.get(s.sid, 0) > 0]:
-            for sid, ran in self._hosted_call(act, receipts, left, len(burst), load, ended).items():
+            ms = None if deadline is None else max(0.0, (deadline - time.perf_counter()) * 1e3)
+            if receipts and ms == 0.0:
+                break
+            for sid, ran in self._hosted_call(act, receipts, left, len(burst), load, ended, ms).items():
                 left[sid] -= ran
 
     def _hosted_call(self, act: list[SpecSession], receipts: dict[int, Receipt], left: dict[int, int], most: int,
-                     load: Callable[[int], int], ended: dict[int, int]) -> dict[int, int]:
+                     load: Callable[[int], int], ended: dict[int, int], ms: float | None = None) -> dict[int, int]:
         """One ``draft_verify`` call of a trunk that hosts the drafters, up to ``left[sid]`` rounds per
         session (one for a session with stop strings: only this side can cut them; fewer where the
         demotion policy could change its plan, :meth:`Demotion.steady`), then each round replayed in
@@ -43,6 +47,7 @@ class HostedRounds:
         ``left[sid]`` counts down the burst's ``burst_rounds``, so a replayed round's burst round is
         known, and the demotion policy sees ``load(burst round)`` active sessions (``most`` at most, the
         bound its plan assumes), as per-round calls would; ``ended`` records where turns end.
+        ``ms``: the call ends at the first round boundary after that many milliseconds (None: no limit).
         Returns rounds run per session. The call's time counts as verify, the replay as accept."""
         clock = time.perf_counter
         t0 = clock()
@@ -50,7 +55,7 @@ class HostedRounds:
                                             s.num_draft_tokens) for s in act}  # (drafts?, rounds) per session
         plans = [RoundsPlan(s.arm if plan[s.sid][0] else None, s.num_draft_tokens, plan[s.sid][1], s.turn_remaining,
                             s.stop_ids, s.max_ctx - len(s.committed)) for s in act]
-        per = self.trunk.draft_verify_rounds([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], plans)
+        per = self.trunk.draft_verify_rounds([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], plans, ms)
         t1 = clock()
         for r in range(max(map(len, per), default=0)):
             live = [(s, x[r]) for s, x in zip(act, per) if r < len(x)]

@@ -348,16 +348,18 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
         return m
 
     def burst(self) -> None:
-        """Close the turns cancelled since the last burst, run up to ``burst_rounds`` rounds, then
-        publish each session's receipt (a burst boundary)."""
+        """Close the turns cancelled since the last burst, run up to ``burst_rounds`` rounds (ending at
+        the first round boundary after ``burst_ms`` of rounds), then publish each session's receipt (a
+        burst boundary)."""
         self._apply_cancels()
         self._prefill_step()
         receipts: dict[int, Receipt] = {}
+        deadline = time.perf_counter() + self.config.burst_ms / 1e3 if self.config.burst_ms > 0 else None
         if getattr(self.trunk, "hosts_drafters", False):  # colocate: the rounds of a burst in as few calls as can be
-            self._hosted_burst(receipts)
+            self._hosted_burst(receipts, deadline)
         else:
             for _ in range(self.config.burst_rounds):
-                if not self.active():
+                if not self.active() or (deadline is not None and receipts and time.perf_counter() >= deadline):
                     break
                 self.round(receipts)
         if self.prefix is not None:

@@ -209,10 +209,11 @@ class TrunkProxy(_PrefixStoreProxy):
         self.vocab_size = vocab_size
         self.hosts_drafters = hosted
 
-    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan]) -> list[list[tuple[int, list[int], VerifyOut]]]:
+    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None
+                            ) -> list[list[tuple[int, list[int], VerifyOut]]]:
         """One ``draft_verify`` call of up to ``max(plan.rounds)`` rounds (see
         :meth:`tandem.engine.colocated.StageHost.draft_verify_rounds`): each item's first anchor and
-        pending commit, each plan's round program. Returns per sequence ``(anchor, drafts, verify
+        pending commit, each plan's round program, the burst's ``ms`` left. Returns per sequence ``(anchor, drafts, verify
         output)`` per round it ran (the output's hidden and features are ``[rows, 0]``)."""
         if not items:
             return []
@@ -227,6 +228,8 @@ class TrunkProxy(_PrefixStoreProxy):
                   "STOP_LENGTHS": np.array([len(p.stop_ids) for p in plans], np.int32)}
         if any(it.commit for it in items):
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
+        if ms is not None:
+            arrays["BURST_MS"] = np.array([ms], np.float32)
         out = self.t(self._draft_verify_spec, "draft_verify", arrays)
         drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
         lens = [1 + len(d) for d in drafts]

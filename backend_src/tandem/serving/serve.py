@@ -299,8 +299,8 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
           spec: Optional[str] = typer.Option(None, help=f"default arm of a new sequence [{schema.DEFAULTS.spec}]"),
           num_draft_tokens: Optional[int] = typer.Option(None, help=f"MTP drafts per round when a request says none "
                                                          f"[{schema.DEFAULTS.num_draft_tokens}]"),
-          burst_rounds: Optional[int] = typer.Option(None, help=f"verify rounds per streamed response "
-                                                     f"[{schema.DEFAULTS.burst_rounds}]"),
+          burst_rounds: Optional[int] = typer.Option(None, help=f"verify rounds per streamed response at most "
+                                                     f"(also ended after burst_ms, --set) [{schema.DEFAULTS.burst_rounds}]"),
           max_ctx: Optional[int] = typer.Option(None, help=f"tokens per session [{schema.DEFAULTS.max_ctx}]"),
           dtype: Optional[str] = typer.Option(None, help=f"stage compute dtype: {' | '.join(schema.DTYPES)} "
                                               f"(auto: fp32 on the CPU, bf16 on CUDA) [{schema.DEFAULTS.dtype}]"),
