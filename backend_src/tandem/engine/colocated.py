@@ -276,15 +276,15 @@ class StageHost:
         if not sids:
             return self._pack_rounds([])
         call = self._parse_draft_verify(arrays, sids)
+        ms = schema.get_vector(arrays, schema.TRUNK.input("BURST_MS")) if "BURST_MS" in arrays else None
+        if ms is not None and (ms.size != 1 or not ms[0] >= 0):
+            raise WireError(f"BURST_MS takes one value >= 0 (milliseconds), got {ms.tolist()}")
         if self.ahead is not None and self.ahead.busy:
             hit = self.ahead.take(call_key(*self._call_of(call)))
             if hit is not None:
                 return self._answer(*self.ahead.call, *hit)
         self._check_draft_verify(arrays, call)
         items, plans = self._call_of(call)
-        ms = schema.get_vector(arrays, schema.TRUNK.input("BURST_MS")) if "BURST_MS" in arrays else None
-        if ms is not None and (ms.size != 1 or not ms[0] >= 0):
-            raise WireError(f"BURST_MS takes one value >= 0 (milliseconds), got {ms.tolist()}")
         return self._answer(items, plans, *self._run_rounds(items, plans, ms=None if ms is None else float(ms[0])))
 
     def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list) -> schema.Arrays:
