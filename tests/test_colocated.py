@@ -77,6 +77,10 @@ def test_every_arm_equals_the_engine_one_call_a_round(shipped, tokenizer, shareg
         ops = [op for _, op, _, _ in spy.calls]
         rounds_per_call = [int(res["ROUNDS_RUN"][0]) for _, op, _, res in spy.calls if op == "draft_verify"]
         assert sum(rounds_per_call) == ref["rounds"] and "verify" not in ops and "draft" not in ops
+        # admission is one call (the prime opens the trunk and drafter state) and so is the close
+        assert ops[0] == "prime" and ops[-1] == "close" and ops.count("close") == 1
+        assert not any(o.endswith("open") or o.startswith("drafter_") for o in ops), ops
+        assert spy.calls[0][2][schema.SPEC].tolist() == [arm.encode()]
         # a burst's rounds in one call (fewer where the demotion policy could change the plan)
         assert max(rounds_per_call) == sched.config.burst_rounds and len(rounds_per_call) < ref["rounds"]
         assert all(m == "trunk" for m, _, _, _ in spy.calls)
@@ -192,6 +196,12 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
     bare = fr.LocalTransport({"trunk": StageHost(TrunkStage(trunk, 256), {})})
     with pytest.raises(fr.StageError, match="OP 'drafter_dflash.open': this trunk hosts no drafter_dflash"):
         fr.DFlashProxy(fr.HostedTransport(bare)).open([1])
+    bare_trunk = fr.TrunkProxy(bare, 512, hosted=True)
+    for opens, msg in ((["medusa"], r"SPEC on prime: one of .* or '' per SIDS \(1\), got \('medusa',\)"),
+                       (["mtp", ""], r"SPEC on prime: .* per SIDS \(1\)"), (["mtp"], "SPEC: 'mtp' is not hosted here")):
+        with pytest.raises(fr.StageError, match=msg):
+            bare_trunk.prime([Rows(9, [5, 6])], opens)
+    assert bare_trunk.prime([Rows(9, [5, 6])], ["off"])[0].argmax.shape == (2,)  # opened and primed in one call
     plain = fr.TrunkProxy(fr.LocalTransport({"trunk": TrunkStage(trunk, 256)}), 512, hosted=True)
     plain.open([1])
     plain.prime([Rows(1, [5, 6])])

@@ -290,7 +290,7 @@ TRUNK = ModelSpec(
                               doc=f"prime, per sequence: {t.doc}") for t in SAMPLING_INPUTS),
         dataclasses.replace(_NUM_DRAFTS, doc="draft_verify: drafts per sequence (0: a plain row)"),
         TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True,
-                   doc="draft_verify and drafter_dflash.open: arm per sequence (" + " | ".join(SPECS) + ")"),
+                   doc="arm per sequence (" + " | ".join(SPECS) + "): draft_verify, drafter_dflash.open; prime: open it first ('': open)"),
         *_ROUNDS_INPUTS,
     ),
     outputs=(

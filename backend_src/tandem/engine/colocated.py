@@ -1,24 +1,18 @@
 """The co-located stage host (``colocate``, on by default): the trunk stage and the drafter stages in
-one process, so that a verify round is one call (:meth:`StageHost.draft_verify`: commit, draft,
-verify) and no hidden row crosses a process boundary.
-
-Served with separate drafter models, a round makes two BLS calls (drafter, then trunk), the trunk's
-``HIDDEN`` / ``FEATURES`` rows travel to the ``tandem`` process and back out to the drafter, and the
-drafter's process keeps a second copy of the embedding and LM head that competes with the trunk's
-for the shared cache. Here the drafters share the trunk's weights exactly as in-process
-(:class:`~tandem.engine.inprocess.Engine`), and the rows a drafter has not ingested yet wait in this
-process: :class:`StageHost` keeps, per sequence with an open drafter, the trunk outputs of its
-committed rows since its last draft (the rows the scheduler's ``SpecSession.ingest`` names), and hands
-them to the drafter with the next ``draft_verify``. The scheduler still decides every round (which
-sessions draft, how many tokens, the accept walk); the wire carries only tokens.
+one process, so a verify round is one call (:meth:`StageHost.draft_verify`: commit, draft, verify)
+and no hidden row crosses a process boundary (with separate drafter models a round makes two BLS
+calls and the rows travel twice). The drafters share the trunk's weights as in-process, and :class:`StageHost` keeps, per
+sequence with an open drafter, the trunk outputs of its committed rows since its last draft (the rows
+the scheduler's ``SpecSession.ingest`` names) for its next ``draft_verify``. The scheduler still
+decides every round (which sessions draft, how many tokens, the accept walk); the wire carries tokens.
+A session's admission (trunk and drafter state, prime) is one call, and so is its close.
 
 :meth:`StageHost.handle` is the ``trunk`` model's wire form with ``colocate`` on
 (:data:`tandem.schema.TRUNK`): the trunk's ops, ``draft_verify``, and the hosted drafter ops
 ``drafter_mtp.open`` / ``.close`` and ``drafter_dflash.open`` / ``.close`` / ``.publish`` / ``.evict``.
 Every request is checked before anything changes. A drafter that raises inside a call fails that
-call (the turns in flight get the error), where a separate drafter model's failure degrades only its
-sessions to plain decoding (:mod:`tandem.engine.lifecycle`); the drafters here run the code the
-in-process engine runs, and a crash of this process takes the trunk's caches too.
+call's turns, where a separate drafter model's failure degrades only its sessions to plain decoding
+(:mod:`tandem.engine.lifecycle`); a crash of this process takes the trunk's caches too.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ import torch
 from .. import schema
 from ..schema import WireError
 from .accept import accept_walk
-from .drafter_stage import DrafterStage
+from .drafter_stage import DrafterStage, drafter_stages
 from .protocols import Commit, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
 from .run_ahead import RunAhead, call_key, next_call
 from .trunk_stage import TrunkStage
@@ -48,24 +42,6 @@ class _Ingest:
     def add(self, out: VerifyOut, tokens: list[int]) -> None:
         assert out.argmax.shape[0] == len(tokens), (out.argmax.shape, len(tokens))
         self.outs.append(out), self.tokens.extend(tokens)
-
-
-def drafter_stages(model, dflash: dict | None = None,
-                   max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> dict[str, DrafterStage]:
-    """Arm -> drafter stage over the trunk ``model``: its MTP layer (when the checkpoint has one) and one
-    :class:`~tandem.engine.dflash_stage.DFlashStage` for ``dflash`` (arm ->
-    :class:`~tandem.model.dflash.DFlashDrafter`) on the trunk's embedding and LM head. The in-process
-    :class:`~tandem.engine.inprocess.Engine` and :class:`StageHost` build their drafters with it."""
-    from .dflash_stage import DFlashStage
-    from .mtp_stage import MTPStage
-
-    drafters: dict[str, DrafterStage] = {}
-    if model.mtp is not None:
-        drafters[schema.MTP] = MTPStage(model, max_num_draft_tokens)
-    if dflash:
-        stage = DFlashStage(dict(dflash), model.embed_tokens, model.lm_head, max_num_draft_tokens)
-        drafters.update({arm: stage for arm in dflash})
-    return drafters
 
 
 class StageHost:
@@ -116,15 +92,37 @@ class StageHost:
 
     def open(self, sids: list[int]) -> None:
         self.trunk.open(sids)
-        for s in sids:
-            self.ingest.pop(s, None)
-            self.pending.pop(s, None)
+        self._forget(sids)
 
     def close(self, sids: list[int]) -> None:
+        """Drop the trunk caches of ``sids`` and their hosted drafters' state (one call ends a session)."""
         self.trunk.close(sids)
+        for st in self.by_model.values():
+            st.close(sids)
+        self._forget(sids)
+
+    def _forget(self, sids: list[int]) -> None:
         for s in sids:
-            self.ingest.pop(s, None)
-            self.pending.pop(s, None)
+            self.ingest.pop(s, None), self.pending.pop(s, None)
+
+    def _open_for_prime(self, arrays: schema.Arrays) -> None:
+        """A ``prime``'s ``SPEC`` (per sequence: the arm of a new one to open first, ``""``: open already): open its
+        trunk state and hosted drafter (DFlash: from the prime's prefix blocks). Raises :class:`WireError`."""
+        sids, arms = schema.get_sids(arrays), schema.get_strings(arrays, schema.TRUNK.input(schema.SPEC))
+        if len(arms) != len(sids) or any(a and a not in schema.SPECS for a in arms):
+            raise WireError(f"{schema.SPEC} on prime: one of {schema.SPECS} or '' per SIDS ({len(sids)}), got {arms}")
+        if (bad := next((a for a in arms if a and a != schema.OFF and a not in self.drafters), None)) is not None:
+            raise WireError(f"{schema.SPEC}: {bad!r} is not hosted here (loaded: {sorted(self.drafters)})")
+        prefixes = schema.prefixes_from_wire(arrays, len(sids))
+        self.open([s for s, a in zip(sids, arms) if a])
+        for stage in {id(st): st for st in self.drafters.values()}.values():
+            new = [(s, a, p) for s, a, p in zip(sids, arms, prefixes) if a in self.drafters and self.drafters[a] is stage]
+            warm = [(a, p) if p and a in schema.DFLASH_ARMS else None for _, a, p in new]
+            try:
+                stage.open([s for s, _, _ in new], warm) if any(warm) else stage.open([s for s, _, _ in new])
+            except KeyError as e:
+                raise WireError(f"PREFIX_KEYS: {e.args[0]}") from None
+            self.ingest.update({s: _Ingest() for s, _, _ in new})
 
     def _committed(self, items) -> None:
         """Rows of each sequence's pending verify that a commit keeps join its drafter's rows."""
@@ -271,6 +269,8 @@ class StageHost:
         if "." in op:
             return self._hosted(op, arrays)
         if op != "draft_verify":  # the trunk's checks and packing; its ops run here (the drafters' rows kept)
+            if op == "prime" and schema.SPEC in arrays:
+                self._open_for_prime(arrays)
             return self.trunk.handle(arrays, run=self, with_rows=False)
         sids = schema.get_sids(arrays)
         if not sids:

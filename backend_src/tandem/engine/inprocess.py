@@ -18,7 +18,7 @@ from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, dflash_feature_l
 from ..model.device import gemm_inputs
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
-from .colocated import drafter_stages
+from .drafter_stage import drafter_stages
 from .prefix import PrefixIndex
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Turn

@@ -131,7 +131,8 @@ class Lifecycle:
     def _flush_closes(self) -> None:
         gone, self._to_close = self._to_close, []
         if gone:
-            for stage, group in [(self.trunk, gone)] + self._by_drafter(gone):
+            hosted = getattr(self.trunk, "hosts_drafters", False)  # its close drops the drafters' state too
+            for stage, group in [(self.trunk, gone)] + ([] if hosted else self._by_drafter(gone)):
                 if self._usable(stage):
                     stage.close([s.sid for s in group])
 

@@ -170,11 +170,13 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
         self.stats["sessions_opened"] += len(new)
         self.admitting = [t for t, _, _ in ok]  # a watchdog may answer them while a call hangs
         try:
-            if new:
+            hosted = getattr(self.trunk, "hosts_drafters", False)
+            if new and not hosted:  # (a trunk that hosts the drafters opens both with the prime: one call)
                 self.trunk.open([s.sid for s in new])
                 warm = {s.sid: (s.arm, r.prefix) for _, s, r in ok if r.prefix and s.arm in schema.DFLASH_ARMS}
                 self._open_drafters(new, warm)
-            outs = self.trunk.prime([rows for _, _, rows in ok])
+            opens = [s.arm if s.sid in {n.sid for n in new} else "" for _, s, _ in ok] if hosted else None
+            outs = self.trunk.prime([rows for _, _, rows in ok], **({"opens": opens} if hosted else {}))
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
             if getattr(e, "dead", False):  # the trunk's process died: every session's state is gone
                 self.on_stage_dead(self.stage_name(self.trunk), str(e))

@@ -250,7 +250,7 @@ class TrunkProxy(_PrefixStoreProxy):
                 for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]
         return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
 
-    def _rows(self, op: str, items: list[Rows]) -> list[VerifyOut]:
+    def _rows(self, op: str, items: list[Rows], opens: list[str] | None = None) -> list[VerifyOut]:
         if not items:
             return []
         lens = [len(it.tokens) for it in items]
@@ -263,10 +263,14 @@ class TrunkProxy(_PrefixStoreProxy):
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
         if op == "prime":
             arrays.update(sampling.to_wire([it.sampling for it in items]))
+        if opens is not None:
+            arrays[schema.SPEC] = np.array([a.encode() for a in opens], dtype=np.object_)
         return self._outs(self.t(self.spec, op, arrays), lens)
 
-    def prime(self, items: list[Rows]) -> list[VerifyOut]:
-        return self._rows("prime", items)
+    def prime(self, items: list[Rows], opens: list[str] | None = None) -> list[VerifyOut]:
+        """One ``prime`` call; ``opens`` (a trunk that hosts the drafters): per item, the arm of a new
+        sequence whose trunk and drafter state the call opens first, ``""`` for one already open."""
+        return self._rows("prime", items, opens)
 
     def verify(self, items: list[Rows]) -> list[VerifyOut]:
         return self._rows("verify", items)
