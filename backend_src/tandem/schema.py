@@ -30,9 +30,8 @@ class ServingConfig:
     values, checked by a test). ``num_draft_tokens``: drafts per verify round (MTP) when a request
     does not say; ``max_num_draft_tokens``: the most a request may ask for;
     ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens
-    unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response at most;
-    ``burst_ms``: a burst also ends at the first round boundary after this many milliseconds of rounds
-    (0: ``burst_rounds`` only), so a burst amortizes a stage call's fixed cost over ~``burst_ms`` of work;
+    unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response at most; ``burst_ms``:
+    a burst also ends at the first round boundary after this many ms of rounds (0: by rounds only);
     ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
     ``idle_timeout_s``: a session with no turn running for longer (counted from the end of its last
     turn) is closed; ``max_sessions``: open sessions at most (a new sequence beyond it waits up to
@@ -269,8 +268,9 @@ _DRAFTS, _DRAFT_LENGTHS = (TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafte
 _ROUNDS_INPUTS = tuple(TensorSpec(n, t, (-1,), optional=True, doc="draft_verify: " + d) for n, t, d in (
     ("ROUNDS", "TYPE_INT32", "rounds at most per sequence"), ("BUDGET", "TYPE_INT32", "tokens each turn may still emit"),
     ("ROOM", "TYPE_INT32", "max_ctx minus each sequence's committed tokens (the pending commit included)"),
-    ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"), ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence"))) + (TensorSpec("BURST_MS", "TYPE_FP32", (1,), optional=True, lo=0.0, doc="draft_verify: end at the first round boundary "
-                "after this many ms in the trunk (ServingConfig.burst_ms; absent: ROUNDS only)"),)
+    ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"), ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence"))) + (
+    TensorSpec("BURST_MS", "TYPE_FP32", (1,), optional=True, lo=0.0,
+               doc="draft_verify: end at the first round boundary after this many ms in the trunk (absent: ROUNDS only)"),)
 #: the outputs a ``draft_verify`` answers with (the rows' hidden and features stay in the trunk's process)
 DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS", "ROUNDS_RUN", "ANCHORS")
 #: ``trunk`` ops with ``colocate`` on: ``<drafter model>.<op>``, a drafter op run by the trunk's process

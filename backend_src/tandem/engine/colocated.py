@@ -276,16 +276,16 @@ class StageHost:
         if not sids:
             return self._pack_rounds([])
         call = self._parse_draft_verify(arrays, sids)
-        ms = schema.get_vector(arrays, schema.TRUNK.input("BURST_MS")) if "BURST_MS" in arrays else None
-        if ms is not None and (ms.size != 1 or not ms[0] >= 0):
-            raise WireError(f"BURST_MS takes one value >= 0 (milliseconds), got {ms.tolist()}")
+        ms = schema.get_scalar(arrays, ms_spec := schema.TRUNK.input("BURST_MS"))
+        if ms is not None:
+            schema.check_range(ms_spec, ms)
         if self.ahead is not None and self.ahead.busy:
             hit = self.ahead.take(call_key(*self._call_of(call)))
             if hit is not None:
                 return self._answer(*self.ahead.call, *hit)
         self._check_draft_verify(arrays, call)
         items, plans = self._call_of(call)
-        return self._answer(items, plans, *self._run_rounds(items, plans, ms=None if ms is None else float(ms[0])))
+        return self._answer(items, plans, *self._run_rounds(items, plans, ms=ms))
 
     def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list) -> schema.Arrays:
         """The packed answer of a call; first, with ``run_ahead``, the next call starts on its thread."""

@@ -175,8 +175,12 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
                 self.trunk.open([s.sid for s in new])
                 warm = {s.sid: (s.arm, r.prefix) for _, s, r in ok if r.prefix and s.arm in schema.DFLASH_ARMS}
                 self._open_drafters(new, warm)
-            opens = [s.arm if s.sid in {n.sid for n in new} else "" for _, s, _ in ok] if hosted else None
-            outs = self.trunk.prime([rows for _, _, rows in ok], **({"opens": opens} if hosted else {}))
+            items = [rows for _, _, rows in ok]
+            if hosted:  # each new session's arm: the prime opens its trunk and drafter state first
+                opened = {s.sid for s in new}
+                outs = self.trunk.prime(items, opens=[s.arm if s.sid in opened else "" for _, s, _ in ok])
+            else:
+                outs = self.trunk.prime(items)
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
             if getattr(e, "dead", False):  # the trunk's process died: every session's state is gone
                 self.on_stage_dead(self.stage_name(self.trunk), str(e))
