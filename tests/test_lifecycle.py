@@ -117,10 +117,13 @@ def test_a_cancel_without_a_running_turn_touches_no_later_turn(engine):
     assert got[-1][1] is None and sum(len(r.tokens) for r, _, _ in got) == 6
     assert sched.stats["cancelled"] == before
     running = []
-    sched.admit([Turn(90, tok.chat_prompt("Go on"), 64, lambda r, e, f: running.append((e, f)), start=False)])
+    sched.admit([Turn(90, tok.chat_prompt("Go on"), 64, lambda r, e, f: running.append((r, e, f)), start=False)])
     assert sched.request_cancel(90) is True
     sched.burst()
-    assert running[-1] == ("cancelled by the client", True) and 90 not in sched.turns and 90 not in sched.sessions
+    # a client's cancel is no error: a last response without tokens, finish reason "cancelled"
+    r, e, f = running[-1]
+    assert e is None and f and r.tokens == [] and r.finish_reason == schema.CANCELLED == "cancelled"
+    assert 90 not in sched.turns and 90 not in sched.sessions and 90 not in engine.trunk.caches
     assert sched.stats["cancelled"] == before + 1
 
 

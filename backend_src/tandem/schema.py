@@ -148,7 +148,7 @@ DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DE
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 KERNEL_MODES = ("auto", "triton", "torch")  # ServingConfig.kernels / $TANDEM_KERNELS
 DEFAULTS = ServingConfig()
-FINISH_REASONS = ("stop", "length", "context")
+FINISH_REASONS = ("stop", "length", "context", CANCELLED := "cancelled")  # cancelled: by its client (it left, or a CANCEL)
 
 # -- the tandem model ----------------------------------------------------------------------------------------
 INPUT_IDS = "INPUT_IDS"

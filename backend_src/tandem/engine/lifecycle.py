@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from .. import schema
+from .session import Receipt
 
 if TYPE_CHECKING:
     from .scheduler import Turn
@@ -158,7 +159,10 @@ class Lifecycle:
     def request_cancel(self, sid: int, turn: Turn | None = None, reason: str | None = None) -> bool:
         """Thread-safe: cancel ``sid``'s turn at the next burst boundary: ``turn``, or (None) the turn
         running now, never a later turn of the same sequence. ``reason``: None for a client's cancel
-        (counted in ``stats["cancelled"]``), else the failure that already answered the turn. Returns
+        (counted in ``stats["cancelled"]``; the turn's last response is a normal one, no tokens, finish
+        reason :data:`~tandem.schema.CANCELLED`: an error answer to a step of Triton 2.51's ensemble
+        while another of its steps is in flight leaves the ensemble request in flight for good, fixed
+        upstream in triton-inference-server/core#466), else the failure that already answered the turn. Returns
         False (nothing to do) when ``turn`` is None and the sequence has no turn running."""
         if turn is None and (turn := self.turns.get(sid)) is None:
             return False
@@ -171,5 +175,12 @@ class Lifecycle:
             gone, self._to_cancel = self._to_cancel, {}
         for sid, (turn, reason) in gone.items():
             if self.turns.get(sid) is turn:
-                self.cancel(sid, reason or "cancelled by the client")
-                self.stats["cancelled"] += reason is None
+                if reason is not None:
+                    self.cancel(sid, reason)
+                    continue
+                # a client's cancel is no failure: the turn ends with finish reason "cancelled", not an
+                # error, which Triton 2.51's ensemble would mishandle (see request_cancel)
+                self.close(sid)
+                self._flush_closes()
+                self.stats["cancelled"] += 1
+                turn.emit(Receipt(tokens=[], finish_reason=schema.CANCELLED), None, True)

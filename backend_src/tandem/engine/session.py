@@ -26,7 +26,8 @@ class Receipt:
     """What one burst produced for one session: ``tokens`` emitted, and the deltas of verify
     ``rounds``, ``drafted`` and ``accepted`` tokens; ``accepted_at[i]`` counts rounds whose draft
     ``i`` was accepted (``spec_rounds``: the rounds that carried drafts); ``finish_reason`` is None while the turn continues, else ``"stop"`` (a stop
-    token), ``"length"`` (MAX_TOKENS) or ``"context"`` (context capacity); ``top2_gaps`` the
+    token), ``"length"`` (MAX_TOKENS), ``"context"`` (context capacity) or ``"cancelled"`` (by its client:
+    the turn's last receipt, no tokens); ``top2_gaps`` the
     trunk's top-1 minus top-2 logit at each emitted token (near-tie analysis)."""
 
     tokens: list[int]

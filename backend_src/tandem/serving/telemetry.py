@@ -12,7 +12,7 @@ import threading
 import time
 
 #: counter name -> help. ``per_pos`` counters carry a ``position`` label (draft index 0..);
-#: ``request_success_total`` a ``finished_reason`` label (stop | length | context)
+#: ``request_success_total`` a ``finished_reason`` label (:data:`tandem.schema.FINISH_REASONS`)
 COUNTERS = {
     "spec_decode_num_drafts_total": "verify rounds that carried drafts (vLLM spec_decode_num_drafts)",
     "spec_decode_num_draft_tokens_total": "draft tokens proposed (vLLM spec_decode_num_draft_tokens)",
