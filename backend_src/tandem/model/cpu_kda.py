@@ -49,29 +49,39 @@ def _state_passes(src, dst, dec, kn, qn, mem, o, v, beta, dk):  # pragma: no cov
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
 def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S0, qscale,
               H, dk, full, states, keep, y):  # pragma: no cover - numba
-    # mixed [T, 3C] pre-conv q|k|v; tail [3C, K-1]; convw [3C, K]; fgate [T, C] (f_b output); a_log [H];
+    # mixed [T, 3C] pre-conv q|k|v; tail [3C, K-1]; convw [K, 3C] (the conv weight transposed: the conv
+    # runs along channels, vectorised); fgate [T, C] (f_b output); a_log [H];
     # blog [T, H] beta logits; gate [T, C] output-gate logits; S0 [H, dk, dk] the state before row 0
     # (read only). With keep, row t's state goes to states[t] ([T, H, dk, dk]), else every row's to
     # states[0] (the state after the last row). The state passes run along rows of the state
     # (contiguous, vectorised): decay of the previous state + S'^T k, then update + S^T q, in place
     T, C3 = mixed.shape
     C = C3 // 3
-    K = convw.shape[1]
+    K = convw.shape[0]
     one, zero = np.float32(1.0), np.float32(0.0)
+    win = np.empty((K - 1 + T, C3), np.float32)  # full's columns as rows: the conv reads them along channels
     for c in range(C3):
         for j in range(K - 1):
-            full[c, j] = tail[c, j]
+            v = tail[c, j]
+            full[c, j] = v
+            win[j, c] = v
         for t in range(T):
             full[c, K - 1 + t] = mixed[t, c]
+    for t in range(T):
+        for c in range(C3):
+            win[K - 1 + t, c] = mixed[t, c]
     act = np.empty(C3, np.float32)
     o, mem = np.empty(dk, np.float32), np.empty(dk, np.float32)
     dec, kn, qn = np.empty(dk, np.float32), np.empty(dk, np.float32), np.empty(dk, np.float32)
     for t in range(T):
-        for c in range(C3):  # depthwise causal conv
-            acc = full[c, t] * convw[c, 0]
-            for j in range(1, K):
-                acc = acc + full[c, t + j] * convw[c, j]
-            act[c] = acc
+        # depthwise causal conv, tap by tap along the channels (contiguous: vectorised), each channel the
+        # one chain of fmas over its taps in order (along a channel's strided taps of ``full`` it ran
+        # scalar: _kda_many over 8 decode rows took 120 us, now 92, caches warm; bit-identical)
+        for c in range(C3):
+            act[c] = win[t, c] * convw[0, c]
+        for j in range(1, K):
+            for c in range(C3):
+                act[c] = act[c] + win[t + j, c] * convw[j, c]
         for c in range(C3):  # SiLU (a loop of its own: vectorised)
             act[c] = act[c] / (one + _exp(-act[c]))
         dst = states[t] if keep else states[0]
@@ -125,10 +135,11 @@ def _kda_many(mixed, tails, t_col, convw, fgate, a_log, dt_bias, lower, blog, ga
     # tails[:, t_col[j]: t_col[j] + K-1] and it starts from S0[s_idx[j]] (both read only); its states go
     # to states[offs[j]:offs[j+1]] (keep) or states[j]
     km1 = convw.shape[1] - 1
+    wt = np.ascontiguousarray(convw.T)  # [K, 3C]
     for j in range(offs.shape[0] - 1):
         a, b = offs[j], offs[j + 1]
         f0 = a + j * km1
-        _kda_rows(mixed[a:b], tails[:, t_col[j]: t_col[j] + km1], convw, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
+        _kda_rows(mixed[a:b], tails[:, t_col[j]: t_col[j] + km1], wt, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
                   S0[s_idx[j]], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b] if keep else states[j: j + 1],
                   keep, y[a:b])
 
