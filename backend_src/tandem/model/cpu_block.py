@@ -31,7 +31,7 @@ import torch
 from numba import njit
 
 from .cpu_gemm import _mmp, cols, kernel_weight
-from .cpu_kda import _kda_many, kda_buffers, kda_results
+from .cpu_kda import _kda_many, conv_taps, kda_buffers, kda_results
 from .cpu_kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_rows
 from .cpu_moe import _moe_route, _moe_sparse
 
@@ -238,7 +238,7 @@ def _kda_plan(layer) -> _Plan:
         a = layer.self_attn
         g = a.forget_gate
         kda = (kernel_weight(a._fused_x[0]), kernel_weight(g.f_b_proj.weight), kernel_weight(a.g_b_proj.weight),
-               kernel_weight(a.o_proj.weight), np_param(a.conv1d.weight).reshape(3 * a.qkv, a.kernel), np_param(g.A_log),
+               kernel_weight(a.o_proj.weight), conv_taps(a.conv1d.weight), np_param(g.A_log),
                np_param(g.dt_bias), _F(g.lower), np_param(a.o_norm.weight), _F(a.o_norm.variance_epsilon),
                _F(a.dk ** -0.5), a.h, a.dk)
         return _hc_args(layer.attn_hc, layer.input_layernorm), kda

@@ -131,17 +131,22 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
 @njit(cache=True, nogil=True)
 def _kda_many(mixed, tails, t_col, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S0, s_idx, qscale, H,
               dk, offs, full, states, keep, y):  # pragma: no cover - numba
-    # sequence j owns rows offs[j]:offs[j+1], full columns offs[j] + j*(K-1) ..., its conv tail is
+    # convw [K, 3C]: the conv weight transposed (conv_taps); sequence j owns rows offs[j]:offs[j+1], full columns offs[j] + j*(K-1) ..., its conv tail is
     # tails[:, t_col[j]: t_col[j] + K-1] and it starts from S0[s_idx[j]] (both read only); its states go
     # to states[offs[j]:offs[j+1]] (keep) or states[j]
-    km1 = convw.shape[1] - 1
-    wt = np.ascontiguousarray(convw.T)  # [K, 3C]
+    km1 = convw.shape[0] - 1
     for j in range(offs.shape[0] - 1):
         a, b = offs[j], offs[j + 1]
         f0 = a + j * km1
-        _kda_rows(mixed[a:b], tails[:, t_col[j]: t_col[j] + km1], wt, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
+        _kda_rows(mixed[a:b], tails[:, t_col[j]: t_col[j] + km1], convw, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
                   S0[s_idx[j]], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b] if keep else states[j: j + 1],
                   keep, y[a:b])
+
+
+def conv_taps(conv_w: torch.Tensor) -> np.ndarray:
+    """The depthwise conv weight ``[3C, 1, K]`` as :func:`_kda_many` takes it: ``[K, 3C]`` float32,
+    C-contiguous (a tap's weights along the channels; a new array, made once per layer's plan)."""
+    return np.ascontiguousarray(np_param(conv_w).reshape(conv_w.shape[0], conv_w.shape[-1]).T)
 
 
 def _shared_states(S0s: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -213,7 +218,7 @@ def kda_rows_fused(mixed: torch.Tensor, starts: list, conv_w: torch.Tensor, fgat
     dk = C // heads
     offs, full, states, (tl, t_col, S0, s_idx) = kda_buffers(starts, lengths, C3, K, heads, keep_states)
     y = np.empty((N, C), _F)
-    _kda_many(np_rows(mixed[0]), tl, t_col, np_param(conv_w).reshape(C3, K), np_rows(fgate[0]), np_param(A_log),
+    _kda_many(np_rows(mixed[0]), tl, t_col, conv_taps(conv_w), np_rows(fgate[0]), np_param(A_log),
               np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S0,
               s_idx, _F(dk ** -0.5), heads, dk, offs, full, states, keep_states, y)
     return torch.from_numpy(y)[None], kda_results(offs, full, states, K, keep_states)
