@@ -148,13 +148,14 @@ class Lifecycle:
         self.stats["sessions_expired"] += len(gone)
         return gone
 
-    def cancel(self, sid: int, reason: str = "cancelled") -> None:
-        """Abort a sequence's turn and close it; the turn gets one final error."""
+    def cancel(self, sid: int, reason: str = "cancelled", last: Receipt | None = None) -> None:
+        """Abort a sequence's turn and close it; the turn gets one final error ``reason``, or with
+        ``last`` that normal last response instead."""
         t = self.turns.get(sid)
         self.close(sid)
         self._flush_closes()
         if t is not None:
-            t.emit(None, reason, True)
+            t.emit(last, None if last is not None else reason, True)
 
     def request_cancel(self, sid: int, turn: Turn | None = None, reason: str | None = None) -> bool:
         """Thread-safe: cancel ``sid``'s turn at the next burst boundary: ``turn``, or (None) the turn
@@ -174,13 +175,6 @@ class Lifecycle:
         with self._cancel_lock:
             gone, self._to_cancel = self._to_cancel, {}
         for sid, (turn, reason) in gone.items():
-            if self.turns.get(sid) is turn:
-                if reason is not None:
-                    self.cancel(sid, reason)
-                    continue
-                # a client's cancel is no failure: the turn ends with finish reason "cancelled", not an
-                # error, which Triton 2.51's ensemble would mishandle (see request_cancel)
-                self.close(sid)
-                self._flush_closes()
-                self.stats["cancelled"] += 1
-                turn.emit(Receipt(tokens=[], finish_reason=schema.CANCELLED), None, True)
+            if self.turns.get(sid) is turn:  # a client's cancel is no failure: a last response (see request_cancel)
+                self.cancel(sid, reason, None if reason is not None else Receipt(tokens=[], finish_reason=schema.CANCELLED))
+                self.stats["cancelled"] += reason is None
