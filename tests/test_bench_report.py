@@ -35,6 +35,11 @@ def test_served_calls_pair_round_trips_with_time_in_the_trunk(tmp_path):
     calls = served_calls(log)
     assert calls == {"trunk.draft_verify": {"calls": 10, "mean_ms": 63.5, "stage_ms": 61.25},
                      "drafter_mtp.close": {"calls": 2, "mean_ms": 1.0}}
+    log.write_text("I1204 model.py:84] tandem: BLS calls {'trunk.draft_verify': {'calls': 3, 'mean_ms': 20.0}, "
+                   "'trunk.draft_verify_next': {'calls': 7, 'mean_ms': 30.0}}; pipelined {'calls': 7, 'refused': 1}\"\n")
+    assert served_calls(log) == {"trunk.draft_verify": {"calls": 3, "mean_ms": 20.0},
+                                 "trunk.draft_verify_next": {"calls": 7, "mean_ms": 30.0},
+                                 "pipelined": {"calls": 7, "refused": 1}}
     log.write_text("no statistics: the server died\n")
     assert served_calls(log) == {}
 

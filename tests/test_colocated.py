@@ -36,19 +36,22 @@ class _Spy:
         return out
 
 
-def hosted(eng: Engine, run_ahead: bool = False, **config):
+def hosted(eng: Engine, run_ahead: bool = False, pipeline: bool = False, pipeline_delay_s: float = 0.02, **config):
     """A scheduler over the served wiring with ``colocate`` on: the trunk model's wire form (a
     :class:`StageHost` over ``eng``'s trunk and drafters, shared weights; ``run_ahead`` as served)
-    behind a spying transport. Returns (scheduler, host, spy)."""
+    behind a spying transport (``pipeline``: through a :class:`~tandem.engine.pipeline.Pipeline`, as
+    served by default; each next call sent ``pipeline_delay_s`` after the call it continues, long
+    enough for the other thread here). Returns (scheduler, host, spy)."""
     dflash = {a: st.drafters[a] for a, st in eng.drafters.items() if a in schema.DFLASH_ARMS}
     host = StageHost.build(TrunkStage(eng.model, eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant),
                            dflash, eng.config.max_num_draft_tokens, run_ahead=run_ahead)
     spy = _Spy(fr.LocalTransport({"trunk": host}))
-    to_drafters = fr.HostedTransport(spy)
+    tr = fr.Pipeline(spy, pipeline_delay_s) if pipeline else spy
+    to_drafters = fr.HostedTransport(tr)
     dfl = fr.DFlashProxy(to_drafters)
     drafters = {schema.MTP: fr.DrafterProxy(to_drafters), **{a: dfl for a in dflash}}
     cfg = eng.config if not config else type(eng.config)(**{**eng.config.__dict__, **config})
-    sched = Scheduler(fr.TrunkProxy(spy, eng.model.cfg.vocab_size, hosted=True), drafters, cfg,
+    sched = Scheduler(fr.TrunkProxy(tr, eng.model.cfg.vocab_size, hosted=True), drafters, cfg,
                       stop_ids=eng.tokenizer.stop_ids)
     return sched, host, spy
 
@@ -187,8 +190,19 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
         host.handle(bad)
     with pytest.raises(schema.WireError, match=r"BURST_MS must be >= 0.0, got -1.0"):
         host.handle({**bad, "STOP_LENGTHS": np.array([2], np.int32), "BURST_MS": np.array([-1.0], np.float32)})
-    got = dv([Rows(1, [4]), Rows(2, [4])], [_plan("dflash", 3), _plan(None, 0)])
+    nxt = proxy.draft_verify_next
+    with pytest.raises(fr.StageError, match=r"CALL: draft_verify_next is not the call after 6 .*last call: none"):
+        nxt(7, [1, 2], [1, 1], None)
+    got = dv([Rows(1, [4]), Rows(2, [4])], [_plan("dflash", 3), _plan(None, 0)], number=7)
     assert [[len(d) for _, d, _ in per] for per in got] == [[3], [0]] and [len(got[0][0][2].argmax)] == [4]
+    for number, sids, msg in ((7, [1, 2], "after 6 .*last call: call 7 over 2"), (8, [2, 1], "after 7 over these SIDS")):
+        with pytest.raises(fr.StageError, match="CALL: draft_verify_next is not the call " + msg):
+            nxt(number, sids, [1, 1], None)  # refused: nothing ran (the walk's anchors are still next)
+    cont = nxt(8, [1, 2], [2, 1], None)  # continues call 7 from the anchors its walks chose
+    assert [len(per) for per in cont] == [2, 1] and cont[1][0][0] == int(got[1][0][2].argmax[0])
+    with pytest.raises(schema.WireError, match="CALL: draft_verify_next needs the number of the call it is"):
+        host.handle({"OP": schema.string_array("draft_verify_next"), "SIDS": schema.sids_to_wire([1, 2])})
+    assert [len(per) for per in nxt(9, [1, 2], [1, 1], None)] == [1, 1]  # refusals changed nothing
     with pytest.raises(fr.StageError, match="OP: draft_verify for sequence 1 while a verify is pending"):
         dv([Rows(1, [4])], [_plan(None, 0)])
     proxy.close([1, 2])
@@ -373,7 +387,8 @@ def test_served_with_run_ahead_answers_ahead_with_the_engines_tokens(shipped, ch
     from tandem_client.client import generate
 
     ids = tokenizer.chat_prompt("Write a short poem about the sea.")
-    env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_RUN_AHEAD": "true", "TANDEM_PREFIX_CACHE_MB": "0"}
+    env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_RUN_AHEAD": "true", "TANDEM_PIPELINE": "false",
+           "TANDEM_PREFIX_CACHE_MB": "0"}
     log = tmp_path / "server.log"
     with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
         for arm in ("dflash2", "dflash", "off"):

@@ -57,7 +57,9 @@ class ServingConfig:
     head, as in-process; :mod:`tandem.engine.colocated`), so a round is one ``trunk`` ``draft_verify`` call and no
     hidden rows cross processes; off, the drafters run in the ``drafter_mtp`` / ``drafter_dflash`` models and a
     round makes a drafter call and a ``trunk`` call; ``run_ahead`` (with ``colocate``; off: no gain measured
-    on 2 cores): the ``trunk`` runs the call it expects next while an answer travels (:mod:`tandem.engine.run_ahead`).
+    on 2 cores): the ``trunk`` runs the call it expects next while an answer travels (:mod:`tandem.engine.run_ahead`);
+    ``pipeline`` (``tandem``, with ``colocate``): while the ``trunk`` runs a call, the next one (``draft_verify_next``)
+    already waits in Triton's queue, so the trunk does not idle while answers and calls travel (:mod:`tandem.engine.pipeline`).
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
     ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.
@@ -84,6 +86,7 @@ class ServingConfig:
     batch_invariant: bool = True
     colocate: bool = True
     run_ahead: bool = False
+    pipeline: bool = True
     kernels: str = "auto"
     demote_below: float = 1.0
     promote_above: float = 1.15
@@ -141,8 +144,7 @@ class ServingConfig:
 
 MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"  # arms: native MTP, DFlash, DFlash2, plain
 SPECS = (MTP, DFLASH, DFLASH2, OFF)
-#: The arms served by the ``drafter_dflash`` model.
-DFLASH_ARMS = (DFLASH, DFLASH2)
+DFLASH_ARMS = (DFLASH, DFLASH2)  # the arms served by the ``drafter_dflash`` model
 DTYPES = ("auto", "bf16", "fp32")  # auto: fp32 on the CPU, bf16 on CUDA
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DEVICE
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
@@ -151,24 +153,18 @@ DEFAULTS = ServingConfig()
 FINISH_REASONS = ("stop", "length", "context", CANCELLED := "cancelled")  # cancelled: by its client (it left, or a CANCEL)
 
 # -- the tandem model ----------------------------------------------------------------------------------------
-INPUT_IDS = "INPUT_IDS"
-MAX_TOKENS = "MAX_TOKENS"
-SPEC = "SPEC"
-NUM_DRAFT_TOKENS = "NUM_DRAFT_TOKENS"
+INPUT_IDS, MAX_TOKENS, SPEC, NUM_DRAFT_TOKENS = "INPUT_IDS", "MAX_TOKENS", "SPEC", "NUM_DRAFT_TOKENS"
 STOP_TOKEN_IDS = "STOP_TOKEN_IDS"
-#: stop token ids a turn may add to the template's
-MAX_STOP_TOKEN_IDS = 16
+MAX_STOP_TOKEN_IDS = 16  # stop token ids a turn may add to the template's
 STOP, STREAM, CANCEL, SESSION_ID = "STOP", "STREAM", "CANCEL", "SESSION_ID"
-#: stop strings per turn, and characters per stop string, at most
-MAX_STOPS, MAX_STOP_CHARS = 8, 64
+MAX_STOPS, MAX_STOP_CHARS = 8, 64  # stop strings per turn, and characters per stop string, at most
 #: ``PRECEDING_IDS``: the turn's tokens sent before a response's, at most this many (a detokenizer's
 #: context: a UTF-8 character spans at most 4 byte-level tokens)
 DETOKENIZE_WINDOW = 6
 #: a turn's sequence fields, as tritonclient's ``(async_stream_)infer`` names them; Triton passes them as the
 #: request's correlation id and flags (``tandem`` has no sequence batcher: the worker owns every session)
 SEQUENCE_ID, SEQUENCE_START, SEQUENCE_END = "sequence_id", "sequence_start", "sequence_end"
-#: TRITONSERVER_RequestFlag bits of a request's ``flags()``
-FLAG_START, FLAG_END = 1, 2
+FLAG_START, FLAG_END = 1, 2  # TRITONSERVER_RequestFlag bits of a request's ``flags()``
 #: sequence ids from here up are tandem's one-turn sessions (a request with no sequence id, as Triton's
 #: HTTP generate endpoint sends); a client's own ids must be below
 ONE_TURN_SEQUENCE_IDS = 1 << 63
@@ -249,7 +245,7 @@ TANDEM = ModelSpec(
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "burst_ms", "max_ctx",
                 "idle_timeout_s", "max_sessions", "prefill_chunk", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
-                "demote_load_slope", "demote_probe_rounds", "colocate"),
+                "demote_load_slope", "demote_probe_rounds", "colocate", "pipeline"),
     decoupled=True,
 )
 
@@ -270,7 +266,9 @@ _ROUNDS_INPUTS = tuple(TensorSpec(n, t, (-1,), optional=True, doc="draft_verify:
     ("ROOM", "TYPE_INT32", "max_ctx minus each sequence's committed tokens (the pending commit included)"),
     ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"), ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence"))) + (
     TensorSpec("BURST_MS", "TYPE_FP32", (1,), optional=True, lo=0.0,
-               doc="draft_verify: end at the first round boundary after this many ms in the trunk (absent: ROUNDS only)"),)
+               doc="draft_verify: end at the first round boundary after this many ms in the trunk (absent: ROUNDS only)"),
+    TensorSpec("CALL", "TYPE_INT64", (1,), optional=True, doc="draft_verify: the call's number (tandem counts them); "
+               "draft_verify_next: the same, it continues call CALL - 1 (SIDS, ROUNDS, BURST_MS; tandem.engine.pipeline)"))
 #: the outputs a ``draft_verify`` answers with (the rows' hidden and features stay in the trunk's process)
 DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS", "ROUNDS_RUN", "ANCHORS")
 #: ``trunk`` ops with ``colocate`` on: ``<drafter model>.<op>``, a drafter op run by the trunk's process
@@ -309,7 +307,7 @@ TRUNK = ModelSpec(
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
                 "colocate", "run_ahead", "max_num_draft_tokens"),
-    ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify") + HOSTED_OPS,
+    ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next") + HOSTED_OPS,
 )
 
 DRAFTER_MTP = ModelSpec(

@@ -28,6 +28,8 @@ from ..schema import WireError
 from .accept import accept_walk
 from .drafter_stage import DrafterStage, drafter_stages
 from .protocols import Commit, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
+from .draft_verify_wire import DraftVerifyWire
+from .pipeline import NEXT_OP, LastCall
 from .run_ahead import RunAhead, call_key, next_call
 from .trunk_stage import TrunkStage
 
@@ -44,7 +46,7 @@ class _Ingest:
         self.outs.append(out), self.tokens.extend(tokens)
 
 
-class StageHost:
+class StageHost(DraftVerifyWire):
     """Implements :class:`~tandem.engine.protocols.TrunkAPI` plus :meth:`draft_verify` over a
     :class:`~tandem.engine.trunk_stage.TrunkStage` and the drafter stages that share its weights.
 
@@ -62,6 +64,8 @@ class StageHost:
         self.trunk, self.drafters = trunk, dict(drafters)
         #: the speculative next call (``run_ahead``; :mod:`tandem.engine.run_ahead`), used by :meth:`handle`
         self.ahead = RunAhead(self, self._run_rounds) if run_ahead else None
+        #: the last numbered call, which a pipelined ``draft_verify_next`` continues (:mod:`tandem.engine.pipeline`)
+        self.last = LastCall()
         self.vocab_size = trunk.vocab_size
         #: drafter stages by model name (the prefix of a hosted op)
         self.by_model: dict[str, DrafterStage] = {st.spec.name: st for st in self.drafters.values()}
@@ -266,6 +270,11 @@ class StageHost:
         op = schema.get_op(arrays, schema.TRUNK)
         if self.ahead is not None and op != "draft_verify":
             self.ahead.settle()  # any other op: the speculative call is not the next one
+        number = schema.get_scalar(arrays, schema.TRUNK.input("CALL"))
+        if op == NEXT_OP:  # pipelined: continue the last call (refused unless it is call CALL - 1)
+            return self._next(arrays, number)
+        if op != "draft_verify":
+            self.last.forget()
         if "." in op:
             return self._hosted(op, arrays)
         if op != "draft_verify":  # the trunk's checks and packing; its ops run here (the drafters' rows kept)
@@ -274,81 +283,27 @@ class StageHost:
             return self.trunk.handle(arrays, run=self, with_rows=False)
         sids = schema.get_sids(arrays)
         if not sids:
+            self.last.forget()
             return self._pack_rounds([])
         call = self._parse_draft_verify(arrays, sids)
-        ms = schema.get_scalar(arrays, ms_spec := schema.TRUNK.input("BURST_MS"))
-        if ms is not None:
-            schema.check_range(ms_spec, ms)
+        ms = self._burst_ms(arrays)
         if self.ahead is not None and self.ahead.busy:
             hit = self.ahead.take(call_key(*self._call_of(call)))
             if hit is not None:
-                return self._answer(*self.ahead.call, *hit)
+                return self._answer(*self.ahead.call, *hit, number)
+        self.last.forget()  # (a refused call changes nothing but is no call to continue)
         self._check_draft_verify(arrays, call)
         items, plans = self._call_of(call)
-        return self._answer(items, plans, *self._run_rounds(items, plans, ms=ms))
+        return self._answer(items, plans, *self._run_rounds(items, plans, ms=ms), number)
 
-    def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list) -> schema.Arrays:
-        """The packed answer of a call; first, with ``run_ahead``, the next call starts on its thread."""
+    def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list, number: int | None
+                ) -> schema.Arrays:
+        """The packed answer of call ``number`` (remembered for a ``draft_verify_next``); first, with
+        ``run_ahead``, the next call starts on its thread."""
+        self.last.record(number, items, plans, cont)
         if self.ahead is not None and self.ahead.steady(items, plans):
             self.ahead.start(*next_call(items, plans, cont))
         return self._pack_rounds(res)
-
-    def _parse_draft_verify(self, arrays: schema.Arrays, sids: list[int]) -> list[tuple]:
-        """A ``draft_verify``'s per-sequence ``(sid, anchor, N_ROWS, k, arm, (rounds, budget, room, stop
-        ids))`` with the checks that read no sequence state. Raises :class:`~tandem.schema.WireError`."""
-        for s in sids:
-            if s not in self.trunk.caches:
-                raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
-        n_rows = self.trunk._n_rows(arrays, sids, required=False, check=False)  # checked with the states
-        toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))  # LENGTHS: 1 each (not read)
-        if toks.size != len(sids):
-            raise WireError(f"TOKENS: draft_verify takes one anchor per sequence ({len(sids)}), got {toks.size}")
-        schema.check_tokens("TOKENS", toks, self.vocab_size)
-        k_spec = schema.TRUNK.input(schema.NUM_DRAFT_TOKENS)
-        ks = [int(x) for x in schema.get_vector(arrays, k_spec)]
-        arms = schema.get_strings(arrays, schema.TRUNK.input(schema.SPEC))
-        if len(ks) != len(sids) or len(arms) != len(sids):
-            raise WireError(f"{schema.NUM_DRAFT_TOKENS} and {schema.SPEC} need one entry per SIDS ({len(sids)}), "
-                            f"got {len(ks)} and {len(arms)}")
-        for k, arm in zip(ks, arms):
-            if arm not in schema.SPECS:
-                raise WireError(f"{schema.SPEC} must be one of {schema.SPECS}, got {arm!r}")
-            stage = self.drafters.get(arm)
-            schema.check_range(k_spec, k, hi=stage.max_num_draft_tokens if stage is not None else None)
-            if arm != schema.OFF and arm not in self.drafters:
-                raise WireError(f"{schema.SPEC}: {arm!r} is not hosted here (loaded: {sorted(self.drafters)})")
-        return list(zip(sids, toks.tolist(), n_rows, ks, arms, self._rounds_program(arrays, len(sids))))
-
-    @staticmethod
-    def _call_of(call: list[tuple]) -> tuple[list[Rows], list[RoundsPlan]]:
-        """The items and plans of a parsed ``draft_verify`` (:meth:`_parse_draft_verify`)."""
-        items = [Rows(s, [int(t)], commit=n) for s, t, n, _, _, _ in call]
-        plans = [RoundsPlan(None, 0, r, b, st, m) if arm == schema.OFF else RoundsPlan(arm, k, r, b, st, m)
-                 for _, _, _, k, arm, (r, b, m, st) in call]
-        return items, plans
-
-    def _check_draft_verify(self, arrays: schema.Arrays, call: list[tuple]) -> None:
-        """The checks of a parsed ``draft_verify`` against the sequences' states. Raises :class:`~tandem.schema.WireError`."""
-        self.trunk._n_rows(arrays, [c[0] for c in call], required=False)
-        for s, _, n, k, arm, (_, _, room, _) in call:
-            c = self.trunk.caches[s]
-            if c.pending is not None and not n:
-                raise WireError(f"OP: draft_verify for sequence {s} while a verify is pending (N_ROWS)")
-            if room > c.max_ctx - c.pos - n:
-                raise WireError(f"ROOM: {room} for sequence {s} exceeds the {c.max_ctx - c.pos - n} rows its trunk cache has left")
-            first = 1 + max(0, min(k, room - 2))  # the first round's rows (later rounds: ROOM bounds them)
-            if c.pos + n + first > c.max_ctx:
-                raise WireError(f"TOKENS: context full for sequence {s}: {c.pos + n} + {first} rows > max_ctx {c.max_ctx}")
-            if arm == schema.OFF:
-                continue
-            stage = self.drafters[arm]
-            if s not in self.ingest or s not in stage.states:
-                raise WireError(f"SIDS: sequence {s} has no {arm} drafter state (drafter open first)")
-            if getattr(stage.states[s], "arm", None) not in (None, arm):
-                raise WireError(f"{schema.SPEC}: sequence {s} drafts with {stage.states[s].arm}, not {arm}")
-            if not self.ingest[s].outs and not n:
-                raise WireError(f"SIDS: sequence {s} has no committed rows its {arm} drafter has not seen "
-                                "(open the drafter before the prime)")
 
     def _pack_rounds(self, res: list[list[tuple[int, list[int], VerifyOut]]]) -> schema.Arrays:
         """:data:`tandem.schema.DRAFT_VERIFY_OUTPUTS` of :meth:`draft_verify_rounds`' result."""
@@ -359,27 +314,6 @@ class StageHost:
                 "DRAFT_LENGTHS": np.array([len(d) for _, d, _ in flat], np.int32),
                 "ROUNDS_RUN": np.array([len(per) for per in res], np.int32),
                 "ANCHORS": np.array([a for a, _, _ in flat], np.int64)}
-
-    def _rounds_program(self, arrays: schema.Arrays, n: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
-        """Per sequence ``(rounds, budget, room, stop ids)`` of a ``draft_verify`` (absent: one round, no
-        limit, no stop ids). Raises :class:`~tandem.schema.WireError` naming the field."""
-        big = 1 << 30
-        cols = []
-        for name, default, lo in (("ROUNDS", 1, 1), ("BUDGET", big, 1), ("ROOM", big, 2)):
-            if name not in arrays:
-                cols.append([default] * n)
-                continue
-            v = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input(name))]
-            if len(v) != n or min(v, default=lo) < lo:
-                raise WireError(f"{name} needs one entry >= {lo} per SIDS ({n}), got {v}")
-            cols.append(v)
-        ids = schema.get_vector(arrays, schema.TRUNK.input("STOP_IDS")).tolist() if "STOP_IDS" in arrays else []
-        lens = ([int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("STOP_LENGTHS"))]
-                if "STOP_LENGTHS" in arrays else [0] * n)
-        if len(lens) != n or min(lens, default=0) < 0 or sum(lens) != len(ids):
-            raise WireError(f"STOP_LENGTHS {lens} must hold one count >= 0 per SIDS ({n}) summing to the {len(ids)} STOP_IDS")
-        offs = np.cumsum([0] + lens).tolist()
-        return [(r, b, m, tuple(ids[offs[j]:offs[j + 1]])) for j, (r, b, m) in enumerate(zip(*cols))]
 
     def _hosted(self, op: str, arrays: schema.Arrays) -> schema.Arrays:
         """A drafter model's op (``drafter_dflash.open``) on the stage hosted here."""

@@ -22,7 +22,9 @@ class HostedRounds:
     def _hosted_burst(self, receipts: dict[int, Receipt], deadline: float | None = None) -> None:
         """``burst_rounds`` rounds for every active session in as few calls as can be (sessions with
         stop strings take one round a call), ending at the first round boundary after ``deadline``
-        (``time.perf_counter()`` seconds; each call is told the time left, ``BURST_MS``)."""
+        (``time.perf_counter()`` seconds; each call is told the time left, ``BURST_MS``). With a
+        pipelined call in flight (:mod:`tandem.engine.pipeline`) the burst is that call: the one after
+        it is sent first when it may be (:meth:`_may_chain`), then it is replayed."""
         n = self.config.burst_rounds
         burst = [s.sid for s in self.active()]
         left, ended = dict.fromkeys(burst, n), {}  # ended: sid -> the burst round its turn ended in
@@ -30,20 +32,84 @@ class HostedRounds:
         def load(t: int) -> int:  # sessions active in burst round t, as round() counts them
             return sum(1 for sid in burst if ended.get(sid, n) >= t)
 
+        pipe = getattr(self.trunk, "pipeline", None)
+        if pipe is not None and pipe.queued is not None:
+            q = pipe.queued
+            act = [s for sid in q.sids if (s := self.sessions.get(sid)) is not None and s in self.active()]
+            assert q.number == self.calls_made, (q.number, self.calls_made)  # the last call sent
+            chained = not q.followed and self._may_chain(act) and self._launch(pipe, q.number, act, q.plan, q.most, q.sids)
+            self._take_queued(pipe, receipts, left, ended)
+            if chained and pipe.queued is not None:  # the call after it is queued: nothing else may reach the trunk first
+                return
         while act := [s for s in self.active() if left.get(s.sid, 0) > 0]:
             ms = None if deadline is None else max(0.0, (deadline - time.perf_counter()) * 1e3)
             if receipts and ms == 0.0:
                 break
-            for sid, ran in self._hosted_call(act, receipts, left, len(burst), load, ended, ms).items():
+            for sid, ran in self._hosted_call(act, receipts, left, len(burst), load, ended, ms, chain=True).items():
                 left[sid] -= ran
+            if pipe is not None and pipe.queued is not None:
+                break
+
+    def _pipeline_idle(self) -> None:
+        """With no session generating, the pipelined calls left in flight (their turns ended: they ran
+        no round, or rounds of a session closed since) are taken, so none outlives the burst."""
+        pipe = getattr(self.trunk, "pipeline", None)
+        while pipe is not None and pipe.queued is not None and not self.active():
+            self._take_queued(pipe, {}, {}, {})
+
+    def _may_chain(self, act: list[SpecSession]) -> bool:
+        """Whether a pipelined call may follow the next one over ``act``: nothing can need the trunk
+        before it (no turn waiting or arriving, no chunked prime, no cancel, no prefix capture to
+        publish) and only the trunk's walk decides (no stop strings: only this side can cut them)."""
+        return (bool(act) and not self._waiting and not self._to_cancel and not self.prefilling() and self.quiet()
+                and all(s.stop_text is None and s.prefix_capture is None for s in act))
+
+    def _launch(self, pipe, after: int, act: list[SpecSession], plan: dict[int, tuple[bool, int]], most: int,
+                sids: list[int]) -> bool:
+        """Send call ``after + 1`` continuing call ``after`` over ``sids`` (in its order) when every session
+        of ``act`` keeps its plan ``plan[sid] = (drafts?, rounds)`` of call ``after`` for at least one
+        round after that call's rounds (:meth:`Demotion.steady` over both calls, at load ``most``);
+        returns whether it was sent."""
+        b, nxt = self.config.burst_rounds, {}
+        for s in act:
+            d, r = plan[s.sid]
+            d2, k = self.demotion.steady(s, r + b, most, s.num_draft_tokens)
+            if d2 != d or k <= r:
+                return False
+            nxt[s.sid] = (d, min(b, k - r))
+        rounds = [nxt[sid][1] if sid in nxt else 1 for sid in sids]  # (a turn that ended: the trunk runs none)
+        ms = self.config.burst_ms if self.config.burst_ms > 0 else None
+        self.calls_made = number = after + 1  # (numbers only grow: a late call is refused, never mistaken)
+        pipe.launch(number, sids, nxt, most, lambda: self.trunk.draft_verify_next(number, sids, rounds, ms))
+        return True
+
+    def _take_queued(self, pipe, receipts: dict[int, Receipt], left: dict[int, int], ended: dict[int, int]) -> None:
+        """Wait for the pipelined call and replay it (a refused one ran nothing); a session closed since
+        (cancelled) is skipped. The demotion policy sees the call's own sessions as its load."""
+        clock = time.perf_counter
+        t0 = clock()
+        q, per = pipe.take()
+        t1 = clock()
+        if per is None:  # refused (it reached the trunk before the call it continues, or after another op)
+            pipe.drop()  # the calls chained on it will be refused too: forget them (numbers only grow)
+        else:
+            live = [(s, x) for sid, x in zip(q.sids, per) if x and (s := self.sessions.get(sid)) is not None
+                    and s in self.active()]
+            n = self.config.burst_rounds
+            for sid, ran in self._replay(live, q.plan, receipts, left, ended,
+                                         lambda t: sum(1 for s, _ in live if ended.get(s.sid, n) >= t)).items():
+                left[sid] -= ran
+        self.timing["verify_s"] += t1 - t0
+        self.timing["accept_s"] += clock() - t1
 
     def _hosted_call(self, act: list[SpecSession], receipts: dict[int, Receipt], left: dict[int, int], most: int,
-                     load: Callable[[int], int], ended: dict[int, int], ms: float | None = None) -> dict[int, int]:
+                     load: Callable[[int], int], ended: dict[int, int], ms: float | None = None,
+                     chain: bool = False) -> dict[int, int]:
         """One ``draft_verify`` call of a trunk that hosts the drafters, up to ``left[sid]`` rounds per
         session (one for a session with stop strings: only this side can cut them; fewer where the
         demotion policy could change its plan, :meth:`Demotion.steady`), then each round replayed in
-        order exactly as :meth:`round` would apply it (the accept walk, receipts, the policy asked
-        round by round), checking that the trunk's walk chose the same anchors and the plan held.
+        order exactly as :meth:`round` would apply it (:meth:`_replay`). ``chain`` (a burst's last call)
+        with a pipeline: the call after it is sent first when it may be (:meth:`_may_chain`, :meth:`_launch`).
         ``left[sid]`` counts down the burst's ``burst_rounds``, so a replayed round's burst round is
         known, and the demotion policy sees ``load(burst round)`` active sessions (``most`` at most, the
         bound its plan assumes), as per-round calls would; ``ended`` records where turns end.
@@ -51,16 +117,44 @@ class HostedRounds:
         Returns rounds run per session. The call's time counts as verify, the replay as accept."""
         clock = time.perf_counter
         t0 = clock()
-        plan = {s.sid: self.demotion.steady(s, 1 if s.stop_text is not None else max(1, left[s.sid]), most,
+        pipe = getattr(self.trunk, "pipeline", None)
+        assert pipe is None or pipe.queued is None, "a pipelined call is not replayed yet"
+        chain = chain and pipe is not None and self._may_chain(act)
+        b = self.config.burst_rounds if chain else 0  # a pipelined call after it: plan over both calls
+        plan = {s.sid: self.demotion.steady(s, 1 if s.stop_text is not None else max(1, left[s.sid]) + b, most,
                                             s.num_draft_tokens) for s in act}  # (drafts?, rounds) per session
+        if chain:  # rounds beyond this burst's go to the next call; the policy's steady rounds are split between them
+            plan = {sid: (d, min(left[sid], k if k > left[sid] else max(1, k // 2))) for sid, (d, k) in plan.items()}
         plans = [RoundsPlan(s.arm if plan[s.sid][0] else None, s.num_draft_tokens, plan[s.sid][1], s.turn_remaining,
                             s.stop_ids, s.max_ctx - len(s.committed)) for s in act]
-        per = self.trunk.draft_verify_rounds([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], plans, ms)
+        items = [Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act]
+        if pipe is None:
+            per = self.trunk.draft_verify_rounds(items, plans, ms)
+        else:
+            self.calls_made = number = getattr(self, "calls_made", 0) + 1
+            if chain:  # sent delay_s from now (after this call) when the plan holds into it
+                self._launch(pipe, number, act, plan, most, [s.sid for s in act])
+            try:
+                per = self.trunk.draft_verify_rounds(items, plans, ms, number)
+            except Exception:
+                pipe.drop()
+                raise
         t1 = clock()
-        for r in range(max(map(len, per), default=0)):
-            live = [(s, x[r]) for s, x in zip(act, per) if r < len(x)]
-            spec = {s.sid for s, _ in live if self.demotion.speculates(s)}  # as round() asks, round by round
-            for s, (anchor, drafts, out) in live:
+        ran = self._replay(list(zip(act, per)), plan, receipts, left, ended, load)
+        self.timing["verify_s"] += t1 - t0
+        self.timing["accept_s"] += clock() - t1
+        return ran
+
+    def _replay(self, live: list[tuple[SpecSession, list]], plan: dict[int, tuple[bool, int]], receipts: dict[int, Receipt],
+                left: dict[int, int], ended: dict[int, int], load: Callable[[int], int]) -> dict[int, int]:
+        """Each round of a call's answer (``live``: per session, ``(anchor, drafts, verify output)`` per
+        round) applied in order exactly as :meth:`round` would apply it (the accept walk, receipts, the
+        policy asked round by round), checking that the trunk's walk chose the same anchors and the
+        plan held. Returns rounds run per session."""
+        for r in range(max((len(x) for _, x in live), default=0)):
+            now = [(s, x[r]) for s, x in live if r < len(x)]
+            spec = {s.sid for s, _ in now if self.demotion.speculates(s)}  # as round() asks, round by round
+            for s, (anchor, drafts, out) in now:
                 assert s.anchor == anchor and not s.turn_done, (s.sid, s.anchor, anchor, r)  # the walks replay exactly
                 assert (s.sid in spec) == plan[s.sid][0], (s.sid, r)  # the plan held (Demotion.steady)
                 if s.sid in spec:
@@ -70,8 +164,6 @@ class HostedRounds:
                 s.trunk_commit = self._after_verify(s, drafts, out, rc, load(t) if s.sid in spec else None)
                 if s.turn_done:
                     ended[s.sid] = t
-            self.stats["rounds"] += len(live)
+            self.stats["rounds"] += len(now)
             self.timing["rounds"] += 1
-        self.timing["verify_s"] += t1 - t0
-        self.timing["accept_s"] += clock() - t1
-        return {s.sid: len(x) for s, x in zip(act, per)}
+        return {s.sid: len(x) for s, x in live}

@@ -56,6 +56,8 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
         self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "rounds": 0}
         #: moves sessions to plain decoding and back (counts ``demotions`` / ``promotions`` in stats)
         self.demotion = Demotion(config, self.stats)
+        #: ``quiet()``: no turn is about to arrive (the front's queue is empty), so a pipelined call may be sent
+        self.quiet: Callable[[], bool] = lambda: True
         #: ``failure_text(exception)``: the message for turns a failed stage call ends (None: the default)
         self.failure_text: Callable[[Exception], str | None] = lambda e: None
 
@@ -314,7 +316,10 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
     def settle(self) -> None:
         """Apply every session's deferred commit now, in one trunk call: afterwards each trunk cache
         holds exactly ``committed`` (the session contract's state). Serving never needs it (the next
-        prime / verify carries the commit); tests and in-process inspection do."""
+        prime / verify carries the commit); tests and in-process inspection do. Raises ``RuntimeError``
+        while a pipelined call runs ahead of the sessions (:mod:`tandem.engine.pipeline`)."""
+        if (pipe := getattr(self.trunk, "pipeline", None)) is not None and pipe.queued is not None:
+            raise RuntimeError("settle() while a pipelined draft_verify_next runs ahead (its burst replays it)")
         pend = [s for s in self.sessions.values() if s.trunk_commit]
         if pend:
             self.trunk.commit([Commit(s.sid, s.trunk_commit) for s in pend])
@@ -376,6 +381,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
         for sid, r in receipts.items():
             self._publish(self.sessions[sid], r)
         self._flush_closes()
+        self._pipeline_idle()
 
     def _publish(self, s: SpecSession, r: Receipt) -> None:
         t = self.turns[s.sid]

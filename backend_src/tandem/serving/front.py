@@ -21,6 +21,7 @@ from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
 from .telemetry import Telemetry
 from .turns import TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
+from ..engine.pipeline import Pipeline  # noqa: F401 - model.py reaches it here
 from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, HostedTransport, LocalTransport,  # noqa: F401
                       StageError, Transport, TrunkProxy, WatchedTransport)
 
@@ -79,6 +80,7 @@ class TandemFront:
         self.sched.on_event = self.log
         self.sched.on_stage_dead = self._stage_dead
         self.q: queue.Queue[Turn] = queue.Queue()
+        self.sched.quiet = self.q.empty
         self.poll_s = poll_s
         self.watch, self.restart, self.on_gauges = watch, restart, gauges
         #: request metrics (counters, histogram samples) until a publisher drains them
@@ -241,7 +243,10 @@ class TandemFront:
 
     def _failed(self, e: Exception) -> None:
         """After a failed stage call: the server exiting fails everything without further calls; a
-        dead stage fails every turn (its state is gone) and is restarted; else the turns in flight fail."""
+        dead stage fails every turn (its state is gone) and is restarted; else the turns in flight fail.
+        A pipelined call in flight is forgotten (its sessions' turns fail; refused if it comes late)."""
+        if (pipe := getattr(self.sched.trunk, "pipeline", None)) is not None:
+            pipe.drop()
         if server_exiting(e):  # the stage models are going away: no further stage calls
             self.exiting = True
             self._fail_all(SHUTTING_DOWN)

@@ -7,6 +7,7 @@ batched op.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Callable, Protocol
 
@@ -42,35 +43,35 @@ class WatchedTransport:
     def __init__(self, inner: Transport, timeout_s: float) -> None:
         self.inner, self.timeout_s = inner, timeout_s
         self.stats = getattr(inner, "stats", None)
-        self._call: tuple[str, str, float] | None = None  # (model, op, monotonic start)
-        self._fired = False
+        #: the calls running, by thread (the worker's, and a pipelined one: :mod:`tandem.engine.pipeline`):
+        #: [model, op, monotonic start, fired]
+        self._calls: dict[int, list] = {}
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
-        self._fired = False
-        self._call = (model.name, op, time.monotonic())
+        key = threading.get_ident()
+        self._calls[key] = call = [model.name, op, time.monotonic(), False]
         try:
             out = self.inner(model, op, arrays)
         finally:
-            self._call = None
-        if self._fired:
+            self._calls.pop(key, None)
+        if call[3]:
             raise StageError(model.name, op, f"did not answer within {self.timeout_s:g} s (stage_timeout_s)", timed_out=True)
         return out
 
     def overdue(self, now: float | None = None) -> StageError | None:
-        """The running call's error once it has run past the deadline (first time only), else None."""
-        call = self._call
+        """A running call's error once it has run past the deadline (first time only), else None."""
         now = time.monotonic() if now is None else now
-        if call is None or self._fired or now - call[2] <= self.timeout_s:
-            return None
-        self._fired = True
-        return StageError(call[0], call[1], f"did not answer within {self.timeout_s:g} s (stage_timeout_s)",
-                          timed_out=True)
+        for call in list(self._calls.values()):
+            if not call[3] and now - call[2] > self.timeout_s:
+                call[3] = True
+                return StageError(call[0], call[1], f"did not answer within {self.timeout_s:g} s (stage_timeout_s)",
+                                  timed_out=True)
+        return None
 
     @property
     def stalled(self) -> str | None:
         """The model whose overdue call has not returned yet (None when none)."""
-        call = self._call
-        return call[0] if call is not None and self._fired else None
+        return next((c[0] for c in list(self._calls.values()) if c[3]), None)
 
 
 class Transport(Protocol):
@@ -86,8 +87,13 @@ class LocalTransport:
     def __init__(self, stages: dict[str, Any]) -> None:
         self.stages = stages
         self.stats = CallStats()
+        self._lock = threading.Lock()  # one call at a time (calls may come from two threads: tandem.engine.pipeline)
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
+        with self._lock:
+            return self._call(model, op, arrays)
+
+    def _call(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
         t0 = time.perf_counter()
         try:
             out = self.stages[model.name].handle({"OP": schema.string_array(op),
@@ -209,11 +215,27 @@ class TrunkProxy(_PrefixStoreProxy):
         self.vocab_size = vocab_size
         self.hosts_drafters = hosted
 
-    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None
-                            ) -> list[list[tuple[int, list[int], VerifyOut]]]:
+    @property
+    def pipeline(self):
+        """The :class:`~tandem.engine.pipeline.Pipeline` this proxy's calls go through (None: none)."""
+        return self.t if getattr(self.t, "pipelines", False) else None
+
+    def draft_verify_next(self, number: int, sids: list[int], rounds: list[int], ms: float | None
+                          ) -> list[list[tuple[int, list[int], VerifyOut]]]:
+        """Pipelined call ``number``: continue call ``number - 1`` over the same ``sids`` (in order), up to
+        ``rounds[j]`` rounds each (:mod:`tandem.engine.pipeline`); returns as :meth:`draft_verify_rounds`.
+        Raises :class:`StageError` (a refusal's message holds :data:`~tandem.engine.pipeline.NOT_NEXT`)."""
+        arrays = {"SIDS": schema.sids_to_wire(sids), "ROUNDS": np.array(rounds, np.int32), "CALL": np.array([number], np.int64)}
+        if ms is not None:
+            arrays["BURST_MS"] = np.array([ms], np.float32)
+        return self._rounds_of(self.t(self._draft_verify_spec, "draft_verify_next", arrays))
+
+    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None,
+                            number: int | None = None) -> list[list[tuple[int, list[int], VerifyOut]]]:
         """One ``draft_verify`` call of up to ``max(plan.rounds)`` rounds (see
         :meth:`tandem.engine.colocated.StageHost.draft_verify_rounds`): each item's first anchor and
-        pending commit, each plan's round program, the burst's ``ms`` left. Returns per sequence ``(anchor, drafts, verify
+        pending commit, each plan's round program, the burst's ``ms`` left, the call's ``number`` (for a
+        pipelined next call). Returns per sequence ``(anchor, drafts, verify
         output)`` per round it ran (the output's hidden and features are ``[rows, 0]``)."""
         if not items:
             return []
@@ -230,7 +252,11 @@ class TrunkProxy(_PrefixStoreProxy):
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
         if ms is not None:
             arrays["BURST_MS"] = np.array([ms], np.float32)
-        out = self.t(self._draft_verify_spec, "draft_verify", arrays)
+        if number is not None:
+            arrays["CALL"] = np.array([number], np.int64)
+        return self._rounds_of(self.t(self._draft_verify_spec, "draft_verify", arrays))
+
+    def _rounds_of(self, out: Arrays) -> list[list[tuple[int, list[int], VerifyOut]]]:
         drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
         lens = [1 + len(d) for d in drafts]
         none = np.zeros((sum(lens), 0), np.float32)  # the rows' hidden and features stayed in the trunk's process

@@ -117,10 +117,14 @@ def served_calls(log: Path) -> dict:
     """The ``tandem`` model's BLS call statistics (``{"model.op": {"calls", "mean_ms"}}``, over every
     served row: arms share the trunk calls) from the server log, logged when the model unloads; each
     op the ``trunk`` model logged too gets ``stage_ms``, its mean time inside the trunk's ``handle``
-    (the rest of ``mean_ms`` is the round trip through the server's processes)."""
+    (the rest of ``mean_ms`` is the round trip through the server's processes); ``pipelined`` (when the
+    pipeline was on): ``{"calls", "refused"}`` of :mod:`tandem.engine.pipeline`."""
     text = log.read_text(errors="replace")
-    m = re.findall(r"tandem: BLS calls (\{.*\})", text)
-    calls = ast.literal_eval(m[-1]) if m else {}
+    m = re.findall(r"tandem: BLS calls (\{.*\})(?:; pipelined (\{[^{}]*\}))", text) or [
+        (x, "") for x in re.findall(r"tandem: BLS calls (\{.*\})", text)]
+    calls = ast.literal_eval(m[-1][0]) if m else {}
+    if m and m[-1][1]:
+        calls["pipelined"] = ast.literal_eval(m[-1][1])
     h = re.findall(r"trunk: handled (\{.*\})", text)
     for k, v in (ast.literal_eval(h[-1]) if h else {}).items():
         if k in calls:
@@ -159,7 +163,8 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
     if calls:
         console.print(f"{'served BLS calls (all rows)':>30}: " + ", ".join(
             f"{k} {v['mean_ms']:.1f} ms" + (f" ({v['stage_ms']:.1f} in the stage)" if "stage_ms" in v else "") + f" x{v['calls']}"
-            for k, v in calls.items()))
+            for k, v in calls.items() if k != "pipelined")
+            + ("; pipelined {calls} (refused {refused})".format(**calls["pipelined"]) if "pipelined" in calls else ""))
     pre = profile.get("prefix")
     if pre:
         console.print(f"{'prefix cache (' + pre['arm'] + ')':>30}: TTFT warm/cold {pre['ttft_ratio_same']:.2f}x (same prompt), "

@@ -37,7 +37,9 @@ class TritonPythonModel:
         cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, tcfg.max_position_embeddings))
         log = pb_utils.Logger.log_error
         self.bls = front.BLSTransport(pb_utils)
-        transport = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
+        watch = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
+        # pipeline: the next draft_verify waits in Triton's queue while the trunk runs one; any other call waits for it
+        transport = self.pipe = front.Pipeline(watch) if cfg.colocate and cfg.pipeline else watch
         to_drafters = front.HostedTransport(transport) if cfg.colocate else transport  # colocate: the trunk runs them
         drafters = {schema.MTP: front.DrafterProxy(to_drafters, on_error=log)}
         dflash = front.DFlashProxy(to_drafters, on_error=log)
@@ -46,7 +48,7 @@ class TritonPythonModel:
         tok = ChatTokenizer(ckpt / "tokenizer.json")
         self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log, hosted=cfg.colocate), drafters,
                                        tok.stop_ids, cfg, log=log, decode=tok.decode,
-                                       info=pb_utils.Logger.log_info, watch=transport,
+                                       info=pb_utils.Logger.log_info, watch=watch,
                                        restart=self._restart, gauges=gauges.set,
                                        standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else ())
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
@@ -77,4 +79,5 @@ class TritonPythonModel:
         self.front.stop()
         self.sends.close()
         self.metrics.stop()
-        pb_utils.Logger.log_info(f"tandem: BLS calls {self.bls.stats.summary()}")
+        pb_utils.Logger.log_info(f"tandem: BLS calls {self.bls.stats.summary()}"
+                                 + (f"; pipelined {self.pipe.counts}" if isinstance(self.pipe, front.Pipeline) else ""))
