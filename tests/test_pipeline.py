@@ -16,11 +16,14 @@ from test_colocated import hosted, shipped  # noqa: F401 - the served wiring and
 def test_served_pipeline_sends_each_next_call_ahead(shipped, checkpoint, tokenizer, tmp_path):
     """A real tritonserver with ``pipeline`` on (the default): two concurrent sessions per arm get the
     engine's tokens, most ``draft_verify`` calls are pipelined ``draft_verify_next`` calls, and the
-    tandem log at unload counts them (refused: ones that reached the trunk before their predecessor)."""
+    metric ``tandem_pipelined_calls_total`` and the tandem log at unload count them (refused: ones
+    that reached the trunk before their predecessor)."""
     import ast
     import re
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
+    from tandem.serving.observe import scrape
     from tandem.serving.serve import running_server
     from tandem_client.client import generate
 
@@ -31,11 +34,15 @@ def test_served_pipeline_sends_each_next_call_ahead(shipped, checkpoint, tokeniz
         for arm in ("dflash2", "off"):
             got = list(pool.map(lambda ids: generate(ids, 64, url=srv.grpc_url, spec=arm), prompts))
             assert [g["token_ids"] for g in got] == [shipped.generate(ids, 64, spec=arm)["token_ids"] for ids in prompts]
+        deadline = time.monotonic() + 10  # the metrics are published about once a second
+        while not (seen := sum(v for (name, _), v in scrape(srv.metrics_port).items() if name == "tandem_pipelined_calls_total")):
+            assert time.monotonic() < deadline, "tandem_pipelined_calls_total never moved"
+            time.sleep(0.25)
     text = log.read_text(errors="replace")
     counts = ast.literal_eval(re.search(r"; pipelined (\{[^}]*\})", text).group(1))
     calls = ast.literal_eval(re.search(r"tandem: BLS calls (\{.*\}); pipelined", text).group(1))
     assert counts["calls"] >= 4 and counts["refused"] <= counts["calls"] // 4, counts
-    assert calls["trunk.draft_verify_next"]["calls"] == counts["calls"]
+    assert calls["trunk.draft_verify_next"]["calls"] == counts["calls"] >= seen
 
 
 @pytest.mark.parametrize("arm", [schema.OFF, schema.DFLASH2, schema.MTP])
@@ -66,3 +73,38 @@ def test_pipelined_calls_equal_calls_one_at_a_time(shipped, tokenizer, sharegpt_
     assert len(nexts) >= 3 and pipe.counts["refused"] == 0 and pipe.queued is None, (pipe.counts, [op for op, _ in ops])
     for i in nexts:  # the call it continues ran just before it
         assert ops[i - 1][0] in ("draft_verify", "draft_verify_next") and int(ops[i - 1][1][0]) == int(ops[i][1][0]) - 1
+
+
+def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_reused_id(shipped, tokenizer,
+                                                                                       sharegpt_prompts):
+    """A pipelined call is chained only over every active session (else the others would wait for the
+    chain to end); its rounds are replayed only on the session it continued: a sequence id closed
+    (its END refused while a turn ran) and opened again meanwhile is another session, whose turn gets
+    plain decoding's tokens; dropping every session drops the calls in flight."""
+    arm = schema.DFLASH2
+    sched, host, _ = hosted(shipped, pipeline=True, burst_ms=0.0, burst_rounds=3)
+    pipe = sched.trunk.pipeline
+    a, b = (tokenizer.chat_prompt(t) for t in sharegpt_prompts[2:4])
+    got: dict[str, list] = {"a": [], "end": [], "b": [], "c": []}
+    sched.admit([Turn(1, a, 40, lambda r, e, f: got["a"].append((r, e)), spec=arm),
+                 Turn(2, b, 40, lambda r, e, f: got["c"].append((r, e)), spec=arm)])
+    for _ in range(4):  # (the first burst publishes the prompts' prefix blocks: not chained)
+        if pipe.queued is None:
+            sched.burst()
+    s1, s2 = sched.sessions[1], sched.sessions[2]
+    assert pipe.queued is not None and sched._may_chain([s1, s2]) and not sched._may_chain([s1])
+    sched.admit([Turn(1, [5], 4, lambda r, e, f: got["end"].append((r, e)), start=False, end=True)])
+    assert got["end"][0][1] and got["a"][-1][1] and 1 not in sched.sessions  # refused; END closed sequence 1
+    sched.admit([Turn(1, b, 24, lambda r, e, f: got["b"].append((r, e)), spec=arm)])
+    while 1 in sched.turns:
+        sched.burst()
+    assert [e for _, e in got["b"] if e] == []
+    assert [t for r, _ in got["b"] for t in r.tokens] == shipped.generate(b, 24, spec="off")["token_ids"]
+    sched.admit([Turn(3, a, 40, lambda r, e, f: got["c"].append((r, e)), spec=arm)])
+    for _ in range(4):
+        if pipe.queued is None:
+            sched.burst()
+    assert 3 in sched.turns and pipe.queued is not None
+    sched.forget_all("gone")
+    assert pipe.queued is None and got["c"][-1][1] == "gone"
+    assert not host.trunk.caches

@@ -299,9 +299,10 @@ class StageHost(DraftVerifyWire):
     def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list, number: int | None
                 ) -> schema.Arrays:
         """The packed answer of call ``number`` (remembered for a ``draft_verify_next``); first, with
-        ``run_ahead``, the next call starts on its thread."""
+        ``run_ahead``, the next call starts on its thread (not after a numbered call: the ``tandem``
+        process pipelines, its next call is already queued)."""
         self.last.record(number, items, plans, cont)
-        if self.ahead is not None and self.ahead.steady(items, plans):
+        if self.ahead is not None and number is None and self.ahead.steady(items, plans):
             self.ahead.start(*next_call(items, plans, cont))
         return self._pack_rounds(res)
 

@@ -32,6 +32,7 @@ class DraftVerifyWire:
         rounds = [r for r, _, _, _ in self._rounds_program(arrays, len(sids))]
         ms = self._burst_ms(arrays)
         items, plans = self.last.next(number, sids, rounds)
+        self.last.forget()  # (recorded again by _answer: a call failing halfway leaves nothing to continue)
         return self._answer(items, plans, *self._run_rounds(items, plans, ms=ms), number)
 
     def _parse_draft_verify(self, arrays: schema.Arrays, sids: list[int]) -> list[tuple]:

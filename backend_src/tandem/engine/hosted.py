@@ -35,7 +35,7 @@ class HostedRounds:
         pipe = getattr(self.trunk, "pipeline", None)
         if pipe is not None and pipe.queued is not None:
             q = pipe.queued
-            act = [s for sid in q.sids if (s := self.sessions.get(sid)) is not None and s in self.active()]
+            act = [s for sid in q.sids if (s := self.sessions.get(sid)) is q.owners[sid] and s in self.active()]
             assert q.number == self.calls_made, (q.number, self.calls_made)  # the last call sent
             chained = not q.followed and self._may_chain(act) and self._launch(pipe, q.number, act, q.plan, q.most, q.sids)
             self._take_queued(pipe, receipts, left, ended)
@@ -62,7 +62,8 @@ class HostedRounds:
         before it (no turn waiting or arriving, no chunked prime, no cancel, no prefix capture to
         publish) and only the trunk's walk decides (no stop strings: only this side can cut them)."""
         return (bool(act) and not self._waiting and not self._to_cancel and not self.prefilling() and self.quiet()
-                and all(s.stop_text is None and s.prefix_capture is None for s in act))
+                and all(s.stop_text is None and s.prefix_capture is None for s in act)
+                and {s.sid for s in act} == {s.sid for s in self.active()})  # (else the others would wait for the chain)
 
     def _launch(self, pipe, after: int, act: list[SpecSession], plan: dict[int, tuple[bool, int]], most: int,
                 sids: list[int]) -> bool:
@@ -80,12 +81,13 @@ class HostedRounds:
         rounds = [nxt[sid][1] if sid in nxt else 1 for sid in sids]  # (a turn that ended: the trunk runs none)
         ms = self.config.burst_ms if self.config.burst_ms > 0 else None
         self.calls_made = number = after + 1  # (numbers only grow: a late call is refused, never mistaken)
-        pipe.launch(number, sids, nxt, most, lambda: self.trunk.draft_verify_next(number, sids, rounds, ms))
+        owners = {sid: self.sessions.get(sid) for sid in sids}
+        pipe.launch(number, sids, nxt, most, owners, lambda: self.trunk.draft_verify_next(number, sids, rounds, ms))
         return True
 
     def _take_queued(self, pipe, receipts: dict[int, Receipt], left: dict[int, int], ended: dict[int, int]) -> None:
         """Wait for the pipelined call and replay it (a refused one ran nothing); a session closed since
-        (cancelled) is skipped. The demotion policy sees the call's own sessions as its load."""
+        (cancelled; or its sequence id opened again: another session) is skipped. The demotion policy sees the call's own sessions as its load."""
         clock = time.perf_counter
         t0 = clock()
         q, per = pipe.take()
@@ -93,8 +95,8 @@ class HostedRounds:
         if per is None:  # refused (it reached the trunk before the call it continues, or after another op)
             pipe.drop()  # the calls chained on it will be refused too: forget them (numbers only grow)
         else:
-            live = [(s, x) for sid, x in zip(q.sids, per) if x and (s := self.sessions.get(sid)) is not None
-                    and s in self.active()]
+            live = [(s, x) for sid, x in zip(q.sids, per) if x and (s := self.sessions.get(sid)) is q.owners[sid]
+                    and s is not None and s in self.active()]
             n = self.config.burst_rounds
             for sid, ran in self._replay(live, q.plan, receipts, left, ended,
                                          lambda t: sum(1 for s, _ in live if ended.get(s.sid, n) >= t)).items():
@@ -120,9 +122,13 @@ class HostedRounds:
         pipe = getattr(self.trunk, "pipeline", None)
         assert pipe is None or pipe.queued is None, "a pipelined call is not replayed yet"
         chain = chain and pipe is not None and self._may_chain(act)
-        b = self.config.burst_rounds if chain else 0  # a pipelined call after it: plan over both calls
-        plan = {s.sid: self.demotion.steady(s, 1 if s.stop_text is not None else max(1, left[s.sid]) + b, most,
-                                            s.num_draft_tokens) for s in act}  # (drafts?, rounds) per session
+        def plan_over(b: int) -> dict[int, tuple[bool, int]]:  # (drafts?, rounds) per session, b rounds after
+            return {s.sid: self.demotion.steady(s, 1 if s.stop_text is not None else max(1, left[s.sid]) + b, most,
+                                                s.num_draft_tokens) for s in act}
+
+        plan = plan_over(self.config.burst_rounds if chain else 0)  # a pipelined call after it: over both calls
+        if chain and min(k for _, k in plan.values()) < 2:  # a plan that may change after one round: no next call
+            chain, plan = False, plan_over(0)
         if chain:  # rounds beyond this burst's go to the next call; the policy's steady rounds are split between them
             plan = {sid: (d, min(left[sid], k if k > left[sid] else max(1, k // 2))) for sid, (d, k) in plan.items()}
         plans = [RoundsPlan(s.arm if plan[s.sid][0] else None, s.num_draft_tokens, plan[s.sid][1], s.turn_remaining,

@@ -47,6 +47,8 @@ class Lifecycle:
         """Every running and waiting turn gets one final ``reason``; every session is forgotten, its
         state closed in each stage still usable (best effort: a failure is only reported)."""
         turns = list(self.turns.values()) + list(getattr(self, "admitting", [])) + [t for _, t in self._waiting]
+        if (pipe := getattr(self.trunk, "pipeline", None)) is not None:
+            pipe.drop()  # their sessions are gone (a call still running is refused after the closes below)
         self._waiting = []
         gone = list(self.sessions.values())
         self.turns.clear()

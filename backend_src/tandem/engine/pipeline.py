@@ -24,9 +24,10 @@ Both sides:
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable
 
 from .. import schema
@@ -79,12 +80,15 @@ class LastCall:
 class Queued:
     """A ``draft_verify_next`` in flight: ``number``; ``sids`` (the call it continues, in order);
     ``plan``: sid -> (drafts?, rounds at most) as :meth:`~tandem.engine.demotion.Demotion.steady`
-    fixed it; ``most``: the load bound that plan assumed; ``future``: the per-sequence rounds."""
+    fixed it; ``most``: the load bound that plan assumed; ``owners``: sid -> the session object it
+    continues (a sequence id closed and opened again since is another session: its rounds are not
+    replayed on it); ``future``: the per-sequence rounds."""
 
     number: int
     sids: list[int]
     plan: dict[int, tuple[bool, int]]
     most: int
+    owners: dict
     future: Future
     #: another op reached the trunk after it (a close): a call continuing it would be refused
     followed: bool = False
@@ -103,7 +107,6 @@ class Pipeline:
         self.stats = getattr(inner, "stats", None)
         self.counts = {"calls": 0, "refused": 0}
         self._flight: deque[Queued] = deque()
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="tandem-pipeline")
 
     @property
     def queued(self) -> Queued | None:
@@ -118,18 +121,23 @@ class Pipeline:
                     q.followed = True
         return self.inner(model, op, arrays)
 
-    def launch(self, number: int, sids: list[int], plan: dict[int, tuple[bool, int]], most: int,
+    def launch(self, number: int, sids: list[int], plan: dict[int, tuple[bool, int]], most: int, owners: dict,
                send: Callable[[], list]) -> None:
-        """Send ``send()`` (the proxy's ``draft_verify_next``) ``delay_s`` from now on the helper thread."""
+        """Send ``send()`` (the proxy's ``draft_verify_next``) ``delay_s`` from now on a helper thread (a
+        daemon: a call that never answers cannot hold the process at exit)."""
         assert len(self._flight) < 2, "two pipelined calls in flight at most"
-        start = time.perf_counter() + self.delay_s
+        start, fut = time.perf_counter() + self.delay_s, Future()
 
         def run():
             time.sleep(max(0.0, start - time.perf_counter()))
-            return send()
+            try:
+                fut.set_result(send())
+            except BaseException as e:  # noqa: BLE001 - the worker gets it from take()
+                fut.set_exception(e)
 
         self.counts["calls"] += 1
-        self._flight.append(Queued(number, list(sids), dict(plan), most, self._pool.submit(run)))
+        self._flight.append(Queued(number, list(sids), dict(plan), most, dict(owners), fut))
+        threading.Thread(target=run, name=f"tandem-pipeline-{number}", daemon=True).start()
 
     def wait(self, before: int | None = None) -> None:
         """Block until the calls in flight (numbered below ``before``, None: all) have answered; their

@@ -225,6 +225,8 @@ class TandemFront:
         now = {"demotions_total": sched.stats.get("demotions", 0), "promotions_total": sched.stats.get("promotions", 0)}
         if sched.prefix is not None:
             now.update(prefix_cache_hits_total=sched.prefix.stats["hits"], prefix_cache_misses_total=sched.prefix.stats["misses"])
+        if (pipe := getattr(sched.trunk, "pipeline", None)) is not None:
+            now.update(pipelined_calls_total=pipe.counts["calls"], pipelined_refused_total=pipe.counts["refused"])
         for k, v in now.items():
             if v != self._stat_seen.get(k, 0):
                 self.telemetry.count(k, v - self._stat_seen.get(k, 0))

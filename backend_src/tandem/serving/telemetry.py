@@ -28,6 +28,8 @@ COUNTERS = {
     "promotions_total": "demoted sessions moved back to speculation",
     "prefix_cache_hits_total": "new sessions whose prompt reused published prefix blocks",
     "prefix_cache_misses_total": "new sessions looked up in the prefix cache without a hit",
+    "pipelined_calls_total": "trunk calls sent while the one they continue ran (pipeline; tandem.engine.pipeline)",
+    "pipelined_refused_total": "pipelined calls the trunk refused, running nothing (they overtook their predecessor)",
 }
 #: histogram name -> (help, bucket upper bounds)
 HISTOGRAMS = {
