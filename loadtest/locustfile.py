@@ -257,7 +257,9 @@ class TandemUser(User):
                     result, error = q.get(timeout=max(0.0, wait))
                 except queue.Empty:
                     raise TurnFailed(f"no response within {wait:.3g} s (after {len(out['bursts'])} bursts)") from None
-                if error is not None:
+                if error is not None:  # an error response is the request's last: nothing left to cancel (a
+                    # cancel right after it, under load, left Triton 2.51 unable to unload tandem at exit)
+                    completed = True
                     msg = error.message() if isinstance(error, InferenceServerException) else str(error)
                     raise TurnFailed(f"server error: {msg}")
                 resp = result.get_response()

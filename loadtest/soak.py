@@ -97,14 +97,19 @@ def main(
     report_dir: Optional[Path] = typer.Option(None, "--report-dir", help="[default: reports/soak-<UTC time>]"),
 ) -> None:
     """Soak the server: constant USERS for MINUTES with faults mixed in; fail on any unexpected error,
-    a state gauge off baseline afterwards, or memory that grows."""
+    a state gauge off baseline afterwards, memory that grows, or a server that cannot stop within its
+    exit timeout."""
     from loadtest import report
     from tandem.model.checkpoint import DEFAULT_CHECKPOINT
     from tandem.serving.serve import running_server
 
+    seconds = minutes * 60
+    if seconds < warmup_s + 6 * sample_s:  # memory_verdict needs six samples after the warm-up
+        raise typer.BadParameter(f"{seconds:g} s leave fewer than 6 memory samples after the {warmup_s:g} s warm-up "
+                                 f"(one every {sample_s:g} s): run at least {(warmup_s + 6 * sample_s) / 60:.2f} "
+                                 "minutes, or lower --warmup-s", param_hint="--minutes")
     out = (report_dir or Path("reports") / time.strftime("soak-%Y%m%dT%H%M%SZ", time.gmtime())).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    seconds = minutes * 60
     print(f"soak: {users} users for {seconds:g} s, {cancel_share:.0%} of turns cancelled, {bad_share:.0%} bad "
           f"requests, arms {spec}; report in {out}", flush=True)
     samples: list[dict] = []
@@ -150,7 +155,9 @@ def main(
     turns = summary.get("all", {}).get("requests")
     plot(samples, out / "soak.png", f"soak: {users} users, {seconds:g} s, {faults.get('cancelled', 0)} cancelled, "
                                    f"{faults.get('bad', 0)} bad requests")
-    ok = rc == 0 and failures == 0 and not faults.get("bad_wrong") and not off_baseline and \
+    # a server that cannot stop within its exit timeout holds a request it never released (a leak)
+    stuck = "Exit timeout expired" in (out / "tritonserver.log").read_text(errors="replace")
+    ok = rc == 0 and failures == 0 and not faults.get("bad_wrong") and not off_baseline and not stuck and \
         all(g < rss_tolerance for g in growth.values())
     lines = [f"# tandem soak: {'PASSED' if ok else 'FAILED'}", "",
              f"{users} users for {seconds:g} s; {turns} turns, {failures} unexpected failures; "
@@ -162,7 +169,10 @@ def main(
     lines += ["", f"state gauges after the run: {'baseline' if not off_baseline else off_baseline}"
               + (f" ({settle:.1f} s after the last user stopped; idle_timeout_s {idle_timeout_s:g})" if settle is not None
                  else ""),
-              f"gauges at the end: {final['tandem']}", "", "![memory and sessions](soak.png)"]
+              f"gauges at the end: {final['tandem']}",
+              "server stop: " + ("did not stop within its exit timeout (a model kept a request in flight)" if stuck
+                                 else "clean (every model unloaded within the exit timeout)"),
+              "", "![memory and sessions](soak.png)"]
     (out / "soak.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:-1]))
     print(f"soak: {'PASSED' if ok else 'FAILED'}; report {out / 'soak.md'}")

@@ -232,6 +232,7 @@ def test_short_soak_passes(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     md = (tmp_path / "soak.md").read_text()
     assert "PASSED" in md and "0 unexpected failures" in md and "state gauges after the run: baseline" in md
+    assert "server stop: clean" in md  # (a client cancelling a stream after its error response: see locustfile)
     assert (tmp_path / "soak.png").stat().st_size > 10_000
     faults = report.fault_counts(tmp_path / "raw.jsonl")
     assert faults["cancelled"] > 0 and faults["bad"] > 0 and faults["bad_wrong"] == 0
