@@ -273,8 +273,7 @@ class StageHost(DraftVerifyWire):
         number = schema.get_scalar(arrays, schema.TRUNK.input("CALL"))
         if op == NEXT_OP:  # pipelined: continue the last call (refused unless it is call CALL - 1)
             return self._next(arrays, number)
-        if op != "draft_verify":
-            self.last.forget()
+        self.last.forget()  # any other op moves the trunk on (a draft_verify that answers is remembered again)
         if "." in op:
             return self._hosted(op, arrays)
         if op != "draft_verify":  # the trunk's checks and packing; its ops run here (the drafters' rows kept)
@@ -283,7 +282,6 @@ class StageHost(DraftVerifyWire):
             return self.trunk.handle(arrays, run=self, with_rows=False)
         sids = schema.get_sids(arrays)
         if not sids:
-            self.last.forget()
             return self._pack_rounds([])
         call = self._parse_draft_verify(arrays, sids)
         ms = self._burst_ms(arrays)
@@ -291,7 +289,6 @@ class StageHost(DraftVerifyWire):
             hit = self.ahead.take(call_key(*self._call_of(call)))
             if hit is not None:
                 return self._answer(*self.ahead.call, *hit, number)
-        self.last.forget()  # (a refused call changes nothing but is no call to continue)
         self._check_draft_verify(arrays, call)
         items, plans = self._call_of(call)
         return self._answer(items, plans, *self._run_rounds(items, plans, ms=ms), number)

@@ -34,9 +34,9 @@ class HostedRounds:
 
         pipe = getattr(self.trunk, "pipeline", None)
         if pipe is not None and pipe.queued is not None:
-            q = pipe.queued
-            act = [s for sid in q.sids if (s := self.sessions.get(sid)) is q.owners[sid] and s in self.active()]
-            assert q.number == self.calls_made, (q.number, self.calls_made)  # the last call sent
+            q, now = pipe.queued, set(burst)
+            act = [s for sid in q.sids if (s := self.sessions.get(sid)) is q.owners[sid] and sid in now]
+            assert q.number == pipe.numbered, (q.number, pipe.numbered)  # the last call sent
             chained = not q.followed and self._may_chain(act) and self._launch(pipe, q.number, act, q.plan, q.most, q.sids)
             self._take_queued(pipe, receipts, left, ended)
             if chained and pipe.queued is not None:  # the call after it is queued: nothing else may reach the trunk first
@@ -80,7 +80,8 @@ class HostedRounds:
             nxt[s.sid] = (d, min(b, k - r))
         rounds = [nxt[sid][1] if sid in nxt else 1 for sid in sids]  # (a turn that ended: the trunk runs none)
         ms = self.config.burst_ms if self.config.burst_ms > 0 else None
-        self.calls_made = number = after + 1  # (numbers only grow: a late call is refused, never mistaken)
+        number = pipe.number()
+        assert number == after + 1, (number, after)  # (its predecessor is the last call sent)
         owners = {sid: self.sessions.get(sid) for sid in sids}
         pipe.launch(number, sids, nxt, most, owners, lambda: self.trunk.draft_verify_next(number, sids, rounds, ms))
         return True
@@ -95,8 +96,8 @@ class HostedRounds:
         if per is None:  # refused (it reached the trunk before the call it continues, or after another op)
             pipe.drop()  # the calls chained on it will be refused too: forget them (numbers only grow)
         else:
-            live = [(s, x) for sid, x in zip(q.sids, per) if x and (s := self.sessions.get(sid)) is q.owners[sid]
-                    and s is not None and s in self.active()]
+            now = {s.sid for s in self.active()}
+            live = [(s, x) for sid, x in zip(q.sids, per) if x and sid in now and (s := self.sessions[sid]) is q.owners[sid]]
             n = self.config.burst_rounds
             for sid, ran in self._replay(live, q.plan, receipts, left, ended,
                                          lambda t: sum(1 for s, _ in live if ended.get(s.sid, n) >= t)).items():
@@ -137,7 +138,7 @@ class HostedRounds:
         if pipe is None:
             per = self.trunk.draft_verify_rounds(items, plans, ms)
         else:
-            self.calls_made = number = getattr(self, "calls_made", 0) + 1
+            number = pipe.number()
             if chain:  # sent delay_s from now (after this call) when the plan holds into it
                 self._launch(pipe, number, act, plan, most, [s.sid for s in act])
             try:

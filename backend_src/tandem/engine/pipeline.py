@@ -97,8 +97,9 @@ class Queued:
 class Pipeline:
     """The ``tandem`` side: a :class:`~tandem.serving.proxies.Transport` to the stage models (``inner``)
     that holds up to two pipelined calls in flight (the one running and the next, which is sent before
-    the first is replayed), each sent on a helper thread. Every other call waits for them first. ``delay_s``: see :data:`DELAY_S`. Counts ``calls`` (sent) and
-    ``refused`` (answered :data:`NOT_NEXT`: nothing ran) in :attr:`stats`."""
+    the first is replayed), each sent on a helper thread. Every other call waits for them first.
+    ``delay_s``: see :data:`DELAY_S`. Numbers the calls (:meth:`number`); counts ``calls`` (sent) and
+    ``refused`` (answered :data:`NOT_NEXT`: nothing ran) in :attr:`counts`."""
 
     pipelines = True
 
@@ -106,7 +107,14 @@ class Pipeline:
         self.inner, self.delay_s = inner, delay_s
         self.stats = getattr(inner, "stats", None)
         self.counts = {"calls": 0, "refused": 0}
+        #: the last number given to a call (``draft_verify`` or ``draft_verify_next``)
+        self.numbered = 0
         self._flight: deque[Queued] = deque()
+
+    def number(self) -> int:
+        """The next call's number (numbers only grow: a late call is refused, never mistaken for another)."""
+        self.numbered += 1
+        return self.numbered
 
     @property
     def queued(self) -> Queued | None:
