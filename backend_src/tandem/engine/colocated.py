@@ -30,6 +30,7 @@ from .drafter_stage import DrafterStage, drafter_stages
 from .protocols import Commit, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
 from .draft_verify_wire import DraftVerifyWire
 from .pipeline import NEXT_OP, LastCall
+from .plain_rounds import rounds_until
 from .run_ahead import RunAhead, call_key, next_call
 from .trunk_stage import TrunkStage
 
@@ -155,6 +156,20 @@ class StageHost(DraftVerifyWire):
         self._committed(items)
         self.trunk.commit(items)
 
+    def decode(self, items: list[Rows], steps: int, stop_ids: list[tuple[int, ...]]) -> list[list[VerifyOut]]:
+        """:meth:`TrunkStage.decode <tandem.engine.trunk_stage.TrunkStage.decode>`, keeping the drafters'
+        rows as one :meth:`verify` a round would: every round's row but the last joins its drafter's
+        rows, the last is pending."""
+        self._committed(items)
+        outs = self.trunk.decode(items, steps, stop_ids)
+        for it, os in zip(items, outs):
+            toks = [it.tokens[0]] + [int(o.argmax[0]) for o in os[:-1]]
+            if it.sid in self.ingest:
+                for o, tk in zip(os[:-1], toks[:-1]):
+                    self.ingest[it.sid].add(o, [tk])
+            self.pending[it.sid] = (os[-1], toks[-1:])
+        return outs
+
     def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
         return self.trunk.publish(items)
 
@@ -226,25 +241,53 @@ class StageHost(DraftVerifyWire):
         used = [0] * len(items)  # tokens committed in this call before the round (the pending one included)
         budget = [p.budget for p in plans]
         live = list(range(len(items)))
-        for r in range(max((p.rounds for p in plans), default=0)):
+        r, rounds = 0, max((p.rounds for p in plans), default=0)
+        while r < rounds:
             live = [j for j in live if r < plans[j].rounds]
             if not live or (should_stop is not None and should_stop()) or (r and end is not None and time.perf_counter() >= end):
                 break
-            pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
-                  for j in live]
-            drafts, outs = self.draft_verify([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], pl)
-            nxt = []
-            for j, d, out in zip(live, drafts, outs):
-                res[j].append((anchor[j], d, out))
-                p = plans[j]
-                w = accept_walk(d, out.argmax.tolist(), p.stop_ids, budget[j])
-                m = len(w.emitted)
-                commit[j], anchor[j], used[j], budget[j] = m, w.emitted[-1], used[j] + m, budget[j] - m
-                alive[j] = w.finish is None and p.room - used[j] > 1  # else the turn ended (or the context is full)
-                if alive[j]:
-                    nxt.append(j)
-            live = nxt
+            steps = self._plain_steps(items, plans, live, r, used, budget, end)
+            if steps:  # every live sequence decodes plain greedy rows: the rounds in one compiled call
+                t0 = time.perf_counter()
+                outs = self.decode([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], steps,
+                                   [tuple(plans[j].stop_ids) for j in live])
+                self._decode_round_s = (time.perf_counter() - t0) / len(outs[0])
+                rounds_run = [[(j, [], os[t]) for j, os in zip(live, outs)] for t in range(len(outs[0]))]
+            else:
+                pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
+                      for j in live]
+                drafts, outs = self.draft_verify([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], pl)
+                rounds_run = [list(zip(live, drafts, outs))]
+            for one in rounds_run:
+                nxt = []
+                for j, d, out in one:
+                    res[j].append((anchor[j], d, out))
+                    p = plans[j]
+                    w = accept_walk(d, out.argmax.tolist(), p.stop_ids, budget[j])
+                    m = len(w.emitted)
+                    commit[j], anchor[j], used[j], budget[j] = m, w.emitted[-1], used[j] + m, budget[j] - m
+                    alive[j] = w.finish is None and p.room - used[j] > 1  # else the turn ended (or the context is full)
+                    if alive[j]:
+                        nxt.append(j)
+                assert one is rounds_run[-1] or len(nxt) == len(one), "a plain decode call ran past a finished turn"
+                live = nxt
+            r += len(rounds_run)
         return res, [(anchor[j], commit[j], used[j], alive[j]) if res[j] else None for j in range(len(items))]
+
+    #: seconds a round of the last :meth:`decode` call took (0: none yet), to end a call near its ``ms``
+    _decode_round_s = 0.0
+
+    def _plain_steps(self, items: list[Rows], plans: list[RoundsPlan], live: list[int], r: int, used: list[int],
+                     budget: list[int], end: float | None) -> int:
+        """Rounds the live sequences can run in one :meth:`decode` call from round ``r`` (0: not one
+        call): every one plain (no arm) and greedy, at least two rounds each within its plan, budget
+        and context room, and (``end``) those that end at the first round boundary after ``end`` at
+        the last call's pace."""
+        if any(plans[j].arm or items[j].sid in self.trunk.sampling for j in live):
+            return 0
+        n = min(rounds_until(end, self._decode_round_s),
+                *(min(plans[j].rounds - r, budget[j], plans[j].room - used[j] - 1) for j in live))
+        return n if n >= 2 else 0
 
     def _request(self, it: Rows, arm: str, k: int) -> DraftRequest:
         """The drafter request of a sequence: its kept rows (cleared), each followed by the next kept

@@ -19,11 +19,12 @@ from .lifecycle import Lifecycle
 from .prefill import Prefill
 from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
 from .hosted import HostedRounds
+from .plain_rounds import PlainRounds
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
 from .session import Receipt, SpecSession, Turn  # noqa: F401 - Turn: re-exported (the scheduler's API)
 from .stops import StopText, validate_stops
 
-class Scheduler(Lifecycle, Prefill, HostedRounds):
+class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
     """Sessions by sequence id, and the round / burst loop over them.
 
     Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
@@ -369,10 +370,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds):
         if getattr(self.trunk, "hosts_drafters", False):  # colocate: the rounds of a burst in as few calls as can be
             self._hosted_burst(receipts, deadline)
         else:
-            for _ in range(self.config.burst_rounds):
-                if not self.active() or (deadline is not None and receipts and time.perf_counter() >= deadline):
-                    break
-                self.round(receipts)
+            self._rounds_burst(receipts, deadline)
         if self.prefix is not None:
             try:
                 publish_ready(self.prefix, [self.sessions[sid] for sid in receipts], self.trunk, self.drafters)

@@ -241,6 +241,31 @@ class TrunkStage(KeyedStates):
         outs = self.model.verify_many(caches, [torch.tensor([it.tokens], device=self.model.device) for it in items], f)
         return _outs(self.model, outs, f, [self._sampler(it, c.pos, False) for it, c in zip(items, caches)])
 
+    def decode(self, items: list[Rows], steps: int, stop_ids: list[tuple[int, ...]]) -> list[list[VerifyOut]]:
+        """Up to ``steps`` plain greedy rounds of every item in one call (:meth:`Trunk.decode_many
+        <tandem.model.trunk.Trunk.decode_many>`; compiled on the CPU): each item's pending verify is
+        committed first (``commit``), then round ``t`` verifies its anchor (``tokens == [anchor]``;
+        round ``t + 1``'s anchor is round ``t``'s argmax) and every round but the last is committed;
+        the call ends after the first round whose target is in the item's ``stop_ids``. Returns per item
+        the :class:`VerifyOut` of each round (one row each), as :meth:`verify` would.
+
+        Raises ``ValueError`` for a sampled sequence (greedy only), an item that is not one anchor,
+        or no room for ``steps`` rows."""
+        for it in items:
+            self.cache(it.sid)
+            if len(it.tokens) != 1:
+                raise ValueError(f"decode: sequence {it.sid} takes its anchor alone, got {len(it.tokens)} tokens")
+            if it.sid in self.sampling:
+                raise ValueError(f"decode: sequence {it.sid} samples (decode is greedy)")
+        self._commit_first(items)
+        if not items:
+            return []
+        r = self.model.decode_many([self.cache(it.sid) for it in items], [it.tokens[0] for it in items], steps,
+                                   stop_ids, self.feature_layers)
+        t_, g, h, f = r["tokens"], r["gaps"], r["hidden"], r["features"]
+        return [[VerifyOut(t_[t, j: j + 1], h[t, j: j + 1], g[t, j: j + 1], f[t, j: j + 1]) for t in range(r["steps"])]
+                for j in range(len(items))]
+
     def commit(self, items: list[Commit]) -> None:
         for it in items:
             self.cache(it.sid).commit(it.n_rows)

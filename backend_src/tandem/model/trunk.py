@@ -19,7 +19,7 @@ import itertools
 import torch
 import torch.nn as nn
 
-from . import cpu_block, cpu_gemm, cpu_kernels, cpu_mla_block
+from . import cpu_block, cpu_decode, cpu_gemm, cpu_kernels, cpu_mla_block
 from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -80,8 +80,16 @@ class Trunk(nn.Module):
         e = self.embed_tokens(ids)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
+    @staticmethod
+    def _mean(streams: torch.Tensor) -> torch.Tensor:
+        """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
+        decode steps take (:func:`~tandem.model.cpu_decode.stream_mean`), so their rows match."""
+        if cpu_gemm.invariant() and streams.shape[0] == 1 and streams.dtype == torch.float32 and cpu_kernels.active(streams):
+            return cpu_decode.stream_mean(streams)
+        return streams.mean(2)
+
     def _final(self, streams: torch.Tensor) -> torch.Tensor:
-        return self.norm(streams.mean(2))
+        return self.norm(self._mean(streams))
 
     def _layers(self, s: torch.Tensor, attn_fn, features: tuple[int, ...], block_fn=None):
         """Run the trunk layers on streams ``s [B, T, N, D]`` with ``attn_fn(i, layer)`` giving each
@@ -95,7 +103,7 @@ class Trunk(nn.Module):
             run = block_fn(i, layer) if block_fn is not None else None
             s = run(s) if run is not None else layer.run(s, attn_fn(i, layer))
             if i in features:
-                feats.append(s.mean(2))
+                feats.append(self._mean(s))
         h = self._final(s)
         return (h, torch.cat(feats, -1)) if features else h
 
@@ -270,3 +278,52 @@ class Trunk(nn.Module):
         parts = [o.split(comp, 1) for o in (out if features else (out,))]
         res = [tuple(ps[j][:, :n] for ps in parts) for j, n in enumerate(lengths)]
         return res if features else [r[0] for r in res]
+
+    @torch.no_grad()
+    def decode_many(self, caches: list[TrunkCache], anchors: list[int], steps: int, stop_ids: list[tuple[int, ...]],
+                    features: tuple[int, ...] = ()) -> dict:
+        """Up to ``steps`` plain greedy decode steps of several sequences: sequence ``j`` runs its anchor
+        ``anchors[j]`` as a one-row :meth:`verify_many`, its argmax is the next step's anchor, and the
+        rows of every step but the last are committed (the last stays pending, as after a verify); the
+        call ends after the first step in which a sequence's target is in ``stop_ids[j]``. Under
+        :attr:`batch_invariant` on the CPU every step runs in one compiled call
+        (:func:`~tandem.model.cpu_decode.decode_steps`), bit-identical to the verify passes; else (or
+        when a layer does not run fused) the verify passes themselves.
+
+        Returns ``{"steps": n, "tokens": [n, S], "gaps": [n, S], "hidden": [n, S, D], "features":
+        [n, S, F]}``. Raises ``ValueError`` (before any cache changes) when a sequence has a verify
+        pending or no room for ``steps`` rows."""
+        for c in caches:
+            _check_rows(c, torch.empty(1, steps), "decode")
+        if steps < 1 or len(anchors) != len(caches) or len(stop_ids) != len(caches):
+            raise ValueError(f"decode: steps {steps} >= 1 and one anchor and stop set per cache ({len(caches)})")
+        if self._invariant_rows():
+            with cpu_gemm.rows_mode():
+                out = cpu_decode.decode_steps(self, caches, anchors, steps, stop_ids, features)
+            if out is not None:
+                return out
+        return self._decode_reference(caches, anchors, steps, stop_ids, features)
+
+    def _decode_reference(self, caches, anchors, steps, stop_ids, features=()) -> dict:
+        """:meth:`decode_many` as verify passes, one a step (its reference)."""
+        toks, gaps, hs, fs = [], [], [], []
+        anchor = list(anchors)
+        for t in range(steps):
+            if t:
+                for c in caches:
+                    c.commit(1)
+            outs = self.verify_many(caches, [torch.tensor([[a]], device=self.device) for a in anchor], features)
+            h = torch.cat([o[0] if features else o for o in outs], 1)[0]
+            logits = self.logits(h)
+            if cpu_kernels.active(logits) and logits.dtype == torch.float32:
+                tgt, gap = cpu_kernels.top2(logits)
+            else:
+                top = logits.topk(2, dim=-1)
+                tgt, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
+            anchor = tgt.tolist()
+            toks.append(tgt), gaps.append(gap.float()), hs.append(h.float())
+            fs.append(torch.cat([o[1] for o in outs], 1)[0].float() if features else h.new_zeros(len(caches), 0))
+            if any(a in ids for a, ids in zip(anchor, stop_ids)):
+                break
+        return {"steps": len(toks), "tokens": torch.stack(toks), "gaps": torch.stack(gaps), "hidden": torch.stack(hs),
+                "features": torch.stack(fs)}

@@ -17,9 +17,9 @@ from .trunk import Trunk
 
 def compile_kernels() -> float:
     """Compile every kernel for the argument types serving passes (numba caches them on disk beside
-    cpu_kernels.py, cpu_kda.py, cpu_moe.py, cpu_gemm.py, cpu_block.py and cpu_mla_block.py, so only the first call on a
+    cpu_kernels.py, cpu_kda.py, cpu_moe.py, cpu_gemm.py, cpu_block.py, cpu_mla_block.py and cpu_decode.py, so only the first call on a
     machine pays: ~100 s on 2 cores) by running tiny random trunks through primes and two-sequence
-    verifies: the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
+    verifies (and, row-invariant, decode steps in one call): the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
     with bf16-exact weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each
     a set of argument types of the fused blocks). Returns the seconds it took."""
     t0 = time.perf_counter()
@@ -47,6 +47,11 @@ def compile_kernels() -> float:
             cpu_kernels.top2(model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0]))
             for c in caches:
                 c.commit(1)
+        if model.batch_invariant:  # plain decode steps in one call (cpu_decode.py): two sequences, then one
+            for cs in (caches, caches[:1]):
+                model.decode_many(cs, [3] * len(cs), 3, [()] * len(cs), (1,))
+                for c in cs:
+                    c.commit(1)
 
     with torch.no_grad():
         run(trunk("fp32"))  # the plain layout, BLAS GEMMs

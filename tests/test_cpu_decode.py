@@ -1,0 +1,128 @@
+"""Plain greedy decode steps in one compiled call (``tandem.model.cpu_decode``, ``Trunk.decode_many``)
+against the same steps as one-row verify passes with their commits: bit-identical targets, gaps,
+hidden rows, features and caches, on odd shapes (3 streams, 5 experts, a vocabulary of 97) and on the
+shipped checkpoint; the early stop; the scheduler's and the co-located host's plain rounds in one
+call give the tokens, receipts and caches of the rounds one at a time; bad calls are refused."""
+
+import pytest
+import torch
+
+from tandem.engine import colocated
+from tandem.engine.colocated import StageHost
+from tandem.engine.inprocess import Engine
+from tandem.engine.protocols import Rows, RoundsPlan
+from tandem.engine.trunk_stage import TrunkStage
+from tandem.model import cpu_decode
+from test_cpu_block import _odd_model
+
+
+def _primed(model, prompts):
+    caches = []
+    for p in prompts:
+        c = model.new_cache(model.cfg.max_position_embeddings)
+        model.prime(c, torch.tensor([p]))
+        caches.append(c)
+    return caches
+
+
+def _same_caches(model, a, b):
+    """Both cache sets commit their pending row and verify the same two rows: equal outputs."""
+    for c in a + b:
+        c.commit(1)
+    assert [c.pos for c in a] == [c.pos for c in b]
+    oa = model.verify_many(a, [torch.tensor([[3, 4]])] * len(a), (1,))
+    ob = model.verify_many(b, [torch.tensor([[3, 4]])] * len(b), (1,))
+    return all(torch.equal(x, y) for pa, pb in zip(oa, ob) for x, y in zip(pa, pb))
+
+
+@pytest.mark.parametrize("steps", [1, 7])
+def test_compiled_steps_equal_one_row_verifies(steps):
+    model = _odd_model()
+    prompts = [[5, 9, 11, 2, 40, 41, 42, 7, 8, 9, 10], [60, 61, 62], list(range(20, 45))]
+    with torch.no_grad():
+        a, b = _primed(model, prompts), _primed(model, prompts)
+        ra = model.decode_many(a, [1, 2, 3], steps, [(), (), ()], (0, 2))
+        assert cpu_decode._PLANS.get(id(model)) is not None  # the compiled loop ran (not the fallback)
+        rb = model._decode_reference(b, [1, 2, 3], steps, [(), (), ()], (0, 2))
+        assert ra["steps"] == rb["steps"] == steps
+        for k in ("tokens", "gaps", "hidden", "features"):
+            assert ra[k].shape == rb[k].shape and torch.equal(ra[k], rb[k]), k
+        assert ra["features"].shape[-1] == 2 * model.cfg.hidden_size
+        assert all(c.pending_rows == 1 for c in a)
+        assert _same_caches(model, a, b)
+
+
+def test_a_stop_token_ends_the_call_after_its_step():
+    model = _odd_model()
+    prompts = [[5, 9, 11, 2, 40], [60, 61, 62, 63]]
+    with torch.no_grad():
+        ref = model._decode_reference(_primed(model, prompts), [1, 2], 9, [(), ()])
+        stop = int(ref["tokens"][3, 1])  # sequence 1's target at step 3
+        first = next(t for t in range(9) if int(ref["tokens"][t, 1]) == stop)
+        a, b = _primed(model, prompts), _primed(model, prompts)
+        ra = model.decode_many(a, [1, 2], 9, [(), (stop,)])
+        rb = model._decode_reference(b, [1, 2], 9, [(), (stop,)])
+        assert ra["steps"] == rb["steps"] == first + 1
+        assert torch.equal(ra["tokens"], rb["tokens"])
+        assert _same_caches(model, a, b)
+
+
+def test_bad_calls_are_refused_before_any_cache_changes():
+    model = _odd_model()
+    with torch.no_grad():
+        (c,) = _primed(model, [[5, 6, 7]])
+        with pytest.raises(ValueError, match="context full"):
+            model.decode_many([c], [1], model.cfg.max_position_embeddings, [()])
+        assert c.pos == 3 and c.pending is None
+        model.decode_many([c], [1], 2, [()])
+        with pytest.raises(ValueError, match="pending"):
+            model.decode_many([c], [1], 2, [()])
+    stage = TrunkStage(model)
+    stage.open([1])
+    stage.prime([Rows(1, [5, 6, 7])])
+    with pytest.raises(ValueError, match="anchor alone"):
+        stage.decode([Rows(1, [5, 6])], 2, [()])
+
+
+def _plain(engine, prompts, n):
+    return [engine.generate(p, n, spec="off") for p in prompts]
+
+
+def test_scheduler_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, trunk_fp32, tokenizer,
+                                                                        sharegpt_prompts, monkeypatch):
+    eng = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512)
+    prompts = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[:3]]
+    calls = []
+    real = eng.trunk.decode
+    monkeypatch.setattr(eng.trunk, "decode", lambda *a: calls.append(a[1]) or real(*a))
+    fast = _plain(eng, prompts, 40)
+    assert calls and max(calls) >= 2
+    monkeypatch.setattr(eng.trunk, "decode", None)  # the scheduler then runs one verify a round
+    slow = _plain(eng, prompts, 40)
+    for f, s in zip(fast, slow):
+        assert f["token_ids"] == s["token_ids"] and f["finish_reason"] == s["finish_reason"]
+        assert f["rounds"] == s["rounds"] == len(f["token_ids"]) - 1 and f["top2_gaps"] == s["top2_gaps"]
+    spec = eng.generate(prompts[0], 40, spec="mtp")  # speculation still equals plain decoding
+    assert spec["token_ids"] == fast[0]["token_ids"]
+
+
+def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, trunk_fp32, monkeypatch):
+    def run(one_call: bool):
+        host = StageHost.build(TrunkStage(trunk_fp32, 512))
+        host.open([1, 2])
+        host.prime([Rows(1, [5, 6, 7, 8, 9]), Rows(2, list(range(30, 52)))])
+        if not one_call:
+            monkeypatch.setattr(host, "_plain_steps", lambda *a: 0)
+        plans = [RoundsPlan(None, 0, 12, 12, (), 500), RoundsPlan(None, 0, 9, 12, (), 500)]
+        res, cont = host._run_rounds([Rows(1, [11]), Rows(2, [12])], plans)
+        return res, cont, host
+    fast, slow = run(True), run(False)
+    assert fast[1] == slow[1] and [len(r) for r in fast[0]] == [12, 9]
+    for rf, rs in zip(fast[0], slow[0]):
+        for (af, df, of), (as_, ds, os_) in zip(rf, rs):
+            assert af == as_ and df == ds == []
+            assert all(torch.equal(getattr(of, k), getattr(os_, k)) for k in ("argmax", "hidden", "top2_gap", "features"))
+    assert fast[2].pending.keys() == slow[2].pending.keys()
+    assert torch.equal(fast[2].pending[1][0].hidden, slow[2].pending[1][0].hidden)
+    assert [len(fast[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)] == \
+        [len(slow[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)]
