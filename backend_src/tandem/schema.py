@@ -59,7 +59,8 @@ class ServingConfig:
     round makes a drafter call and a ``trunk`` call; ``run_ahead`` (with ``colocate``; off: no gain measured
     on 2 cores): the ``trunk`` runs the call it expects next while an answer travels (:mod:`tandem.engine.run_ahead`);
     ``pipeline`` (``tandem``, with ``colocate``): while the ``trunk`` runs a call, the next one (``draft_verify_next``)
-    already waits in Triton's queue, so the trunk does not idle while answers and calls travel (:mod:`tandem.engine.pipeline`).
+    already waits in Triton's queue, so the trunk does not idle while answers and calls travel (:mod:`tandem.engine.pipeline`);
+    ``decode_threads`` (``trunk``): plain greedy rounds run compiled in this many groups of sequences side by side.
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
     ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.
@@ -86,6 +87,7 @@ class ServingConfig:
     batch_invariant: bool = True
     colocate: bool = True
     run_ahead: bool = False
+    decode_threads: int = 2
     pipeline: bool = True
     kernels: str = "auto"
     demote_below: float = 1.0
@@ -109,7 +111,7 @@ class ServingConfig:
             raise ValueError(f"device must be one of {DEVICES} (N a GPU index), got {self.device!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
-        for name in ("burst_rounds", "max_ctx", "max_sessions"):
+        for name in ("burst_rounds", "max_ctx", "max_sessions", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "stage_timeout_s"):
@@ -306,7 +308,7 @@ TRUNK = ModelSpec(
         TensorSpec("ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"),
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
-                "colocate", "run_ahead", "max_num_draft_tokens"),
+                "colocate", "run_ahead", "decode_threads", "max_num_draft_tokens"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next") + HOSTED_OPS,
 )
 

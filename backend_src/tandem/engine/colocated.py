@@ -251,26 +251,24 @@ class StageHost(DraftVerifyWire):
                 t0 = time.perf_counter()
                 outs = self.decode([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], steps,
                                    [tuple(plans[j].stop_ids) for j in live])
-                self._decode_round_s = (time.perf_counter() - t0) / len(outs[0])
-                rounds_run = [[(j, [], os[t]) for j, os in zip(live, outs)] for t in range(len(outs[0]))]
+                n = max(len(os) for os in outs)  # (groups of sequences may stop at different rounds)
+                self._decode_round_s = (time.perf_counter() - t0) / n
+                rounds_run = [[(j, [], os[t]) for j, os in zip(live, outs) if t < len(os)] for t in range(n)]
             else:
                 pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
                       for j in live]
                 drafts, outs = self.draft_verify([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], pl)
                 rounds_run = [list(zip(live, drafts, outs))]
             for one in rounds_run:
-                nxt = []
                 for j, d, out in one:
+                    assert not res[j] or alive[j], "a plain decode call ran past a finished turn"
                     res[j].append((anchor[j], d, out))
                     p = plans[j]
                     w = accept_walk(d, out.argmax.tolist(), p.stop_ids, budget[j])
                     m = len(w.emitted)
                     commit[j], anchor[j], used[j], budget[j] = m, w.emitted[-1], used[j] + m, budget[j] - m
                     alive[j] = w.finish is None and p.room - used[j] > 1  # else the turn ended (or the context is full)
-                    if alive[j]:
-                        nxt.append(j)
-                assert one is rounds_run[-1] or len(nxt) == len(one), "a plain decode call ran past a finished turn"
-                live = nxt
+            live = [j for j in live if alive[j]]
             r += len(rounds_run)
         return res, [(anchor[j], commit[j], used[j], alive[j]) if res[j] else None for j in range(len(items))]
 

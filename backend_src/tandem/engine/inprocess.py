@@ -49,7 +49,8 @@ class Engine:
         if dflash is None:
             dflash = {arm: load_dflash(checkpoint, arm, self.model.dtype) for arm in dflash_arms(checkpoint)}
         feature_layers = next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
-        self.trunk = TrunkStage(self.model, self.config.max_ctx, tuple(feature_layers), self.config.batch_invariant)
+        self.trunk = TrunkStage(self.model, self.config.max_ctx, tuple(feature_layers), self.config.batch_invariant,
+                                self.config.decode_threads)
         self.drafters: dict = drafter_stages(self.model, dflash, self.config.max_num_draft_tokens)
         self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids,
                                decode=getattr(self.tokenizer, "decode", None))  # None: no stop strings

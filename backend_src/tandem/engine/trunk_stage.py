@@ -84,16 +84,19 @@ class TrunkStage(KeyedStates):
 
     Args: ``model``; ``max_ctx`` tokens per sequence (default ``max_position_embeddings``);
     ``feature_layers`` — trunk layers whose outputs every pass exports as ``features`` (the DFlash
-    drafter's ``target_layer_ids``; empty: none); ``batch_invariant`` — see :attr:`Trunk.batch_invariant`.
+    drafter's ``target_layer_ids``; empty: none); ``batch_invariant`` — see :attr:`Trunk.batch_invariant`;
+    ``decode_threads`` — see :attr:`Trunk.decode_threads`.
     Raises :class:`UnknownSequence` for ids it does not hold and ``ValueError`` (from the cache)
     for context overflow or out-of-order calls.
     """
 
     def __init__(self, model: Trunk, max_ctx: int | None = None, feature_layers: tuple[int, ...] = (),
-                 batch_invariant: bool = schema.DEFAULTS.batch_invariant) -> None:
+                 batch_invariant: bool = schema.DEFAULTS.batch_invariant,
+                 decode_threads: int = schema.DEFAULTS.decode_threads) -> None:
         super().__init__()
         self.model = model
         model.batch_invariant = batch_invariant
+        model.decode_threads = decode_threads
         self.feature_layers = tuple(feature_layers)
         self.max_ctx = max_ctx or model.cfg.max_position_embeddings
         self.vocab_size = model.cfg.vocab_size
@@ -246,8 +249,9 @@ class TrunkStage(KeyedStates):
         <tandem.model.trunk.Trunk.decode_many>`; compiled on the CPU): each item's pending verify is
         committed first (``commit``), then round ``t`` verifies its anchor (``tokens == [anchor]``;
         round ``t + 1``'s anchor is round ``t``'s argmax) and every round but the last is committed;
-        the call ends after the first round whose target is in the item's ``stop_ids``. Returns per item
-        the :class:`VerifyOut` of each round (one row each), as :meth:`verify` would.
+        the items stop after the first round whose target is in one's ``stop_ids`` (each group of
+        :meth:`Trunk.decode_many <tandem.model.trunk.Trunk.decode_many>` on its own). Returns per item
+        the :class:`VerifyOut` of each round it ran (one row each), as :meth:`verify` would.
 
         Raises ``ValueError`` for a sampled sequence (greedy only), an item that is not one anchor,
         or no room for ``steps`` rows."""
@@ -262,9 +266,8 @@ class TrunkStage(KeyedStates):
             return []
         r = self.model.decode_many([self.cache(it.sid) for it in items], [it.tokens[0] for it in items], steps,
                                    stop_ids, self.feature_layers)
-        t_, g, h, f = r["tokens"], r["gaps"], r["hidden"], r["features"]
-        return [[VerifyOut(t_[t, j: j + 1], h[t, j: j + 1], g[t, j: j + 1], f[t, j: j + 1]) for t in range(r["steps"])]
-                for j in range(len(items))]
+        return [[VerifyOut(q["tokens"][t: t + 1], q["hidden"][t: t + 1], q["gaps"][t: t + 1], q["features"][t: t + 1])
+                 for t in range(q["tokens"].shape[0])] for q in r]
 
     def commit(self, items: list[Commit]) -> None:
         for it in items:

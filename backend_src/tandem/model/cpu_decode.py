@@ -23,6 +23,8 @@ the caller limits ``steps`` to every sequence's budget and context room.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 from numba import njit
@@ -127,7 +129,7 @@ def _decode(tok, steps, hc_n, embed, hcs_a, hcs_f, kind, a_idx, f_kind, f_idx, f
 
 class _Plan:
     """The compiled loop's per-layer arguments for one model (remade when a layer's plan is)."""
-    __slots__ = ("key", "args", "kda_layers", "mla_layers", "like")
+    __slots__ = ("key", "args", "kda_layers", "mla_layers", "like", "kda_idx", "mla_idx")
 
 
 _PLANS: dict[int, _Plan] = {}
@@ -187,6 +189,8 @@ def _plan(model) -> _Plan | None:
     p.kda_layers = [x[4] for x in kinds[_KDA]]
     p.mla_layers = [x[4] for x in kinds[_MLA]]
     p.like = [x[1][2] for x in kinds[_MLA]]
+    p.kda_idx = [i for i, x in enumerate(layers) if x[0] == _KDA]
+    p.mla_idx = [i for i, x in enumerate(layers) if x[0] == _MLA]
     norm = model.norm
     p.args = dict(
         embed=np_param(model.embed_tokens.weight), hcs_a=_typed([x[1][0] for x in layers]),
@@ -201,30 +205,59 @@ def _plan(model) -> _Plan | None:
 
 
 def decode_steps(model, caches: list[TrunkCache], anchors: list[int], steps: int, stop_ids: list[tuple[int, ...]],
-                 features: tuple[int, ...] = ()) -> dict | None:
+                 features: tuple[int, ...] = (), threads: int = 1) -> list[dict] | None:
     """Up to ``steps`` plain greedy decode steps of every sequence in one call (see the module text):
     sequence ``j`` starts from ``anchors[j]`` after the committed rows of ``caches[j]`` (no verify
-    pending; room for ``steps`` rows), each step's target is its next anchor, and the call ends after
-    the first step in which a sequence's target is in ``stop_ids[j]``. Afterwards each cache is what
-    a one-row verify per step leaves, each but the last committed: the last step's row is pending
-    (``cache.pending``, one row; the next call commits it).
+    pending; room for ``steps`` rows) and each step's target is its next anchor. The sequences go in
+    ``min(threads, S)`` groups of consecutive ones, each group in one compiled call on a thread of its
+    own (the rows of different sequences never meet: each row's arithmetic is the same in any group),
+    and a group ends after the first step in which one of its sequences' target is in its
+    ``stop_ids[j]``. Afterwards each cache is what a one-row verify per step leaves, each but the
+    last committed: the last step's row is pending (``cache.pending``, one row; the next call commits
+    it).
 
-    Returns ``{"steps": n, "tokens": [n, S] int64, "gaps": [n, S] fp32, "hidden": [n, S, D] fp32,
-    "features": [n, S, F] fp32}`` (per step and sequence: target, top-2 gap, final hidden row, the
-    ``features`` layers' stream means), or None (nothing changed) when the loop does not apply
+    Returns per sequence ``{"tokens": [n] int64, "gaps": [n] fp32, "hidden": [n, D] fp32, "features":
+    [n, F] fp32}`` (per step: target, top-2 gap, final hidden row, the ``features`` layers' stream
+    means; ``n`` steps of its group), or None (nothing changed) when the loop does not apply
     (:func:`_plan`); the caller then runs the verify passes. Requires the row-invariant mode
     (:meth:`~tandem.model.trunk.Trunk._invariant_rows`)."""
     p = _plan(model)
     if p is None:
         return None
-    S, D, cfg = len(caches), model.cfg.hidden_size, model.cfg
-    assert steps >= 1 and len(anchors) == S == len(stop_ids)
+    S = len(caches)
+    assert steps >= 1 and len(anchors) == S == len(stop_ids) and threads >= 1
     for c in caches:
         assert c.pending is None and c.pos + steps <= c.max_ctx, (c.pending is None, c.pos, steps, c.max_ctx)
+    g = min(threads, S)
+    bounds = [S * k // g for k in range(g + 1)]
+    parts = [(caches[a:b], anchors[a:b], stop_ids[a:b]) for a, b in zip(bounds, bounds[1:])]
+    futures = [_pool(g - 1).submit(_group, model, p, *part, steps, features) for part in parts[1:]]
+    out = _group(model, p, *parts[0], steps, features)
+    for f in futures:
+        out += f.result()
+    return out
+
+
+_POOL: list = [None, 0]
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A pool of ``n`` threads at least (kept for the process)."""
+    if _POOL[1] < n:
+        if _POOL[0] is not None:
+            _POOL[0].shutdown(wait=False)
+        _POOL[0], _POOL[1] = ThreadPoolExecutor(max(n, 1), thread_name_prefix="tandem-decode"), n
+    return _POOL[0]
+
+
+def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_ids: list[tuple[int, ...]], steps: int,
+           features: tuple[int, ...]) -> list[dict]:
+    """:func:`decode_steps` of one group of sequences: their arrays, one :func:`_decode` call, their caches."""
+    S, D, cfg = len(caches), model.cfg.hidden_size, model.cfg
     a0 = p.kda_layers[0].self_attn
     km1, C3, H, dk = a0.kernel - 1, 3 * a0.qkv, a0.h, a0.dk
     La, Lm = len(p.kda_layers), len(p.mla_layers)
-    idx = [i for i, l in enumerate(list(model.layers)[: cfg.num_hidden_layers]) if l.layer_type == "linear_attention"]
+    idx, m_idx = p.kda_idx, p.mla_idx
     tails0, S00 = np.zeros((La, C3, S * km1), _F), np.zeros((La, S, H, dk, dk), _F)
     for a, i in enumerate(idx):
         for j, c in enumerate(caches):
@@ -232,7 +265,6 @@ def decode_steps(model, caches: list[TrunkCache], anchors: list[int], steps: int
             if st is not None:
                 tails0[a, :, j * km1: (j + 1) * km1] = st.tail[0].numpy()
                 S00[a, j] = st.S[0].numpy()
-    m_idx = [i for i, l in enumerate(list(model.layers)[: cfg.num_hidden_layers]) if l.layer_type != "linear_attention"]
     ptrs, used, pools = np.empty((Lm, S, 10), np.int64), np.empty((Lm, S), np.int64), np.empty((Lm, S), np.int64)
     for m, i in enumerate(m_idx):
         _, ptrs[m], used[m], pools[m] = cache_args([c.layers[i] for c in caches], [steps] * S, p.like[m])
@@ -251,8 +283,8 @@ def decode_steps(model, caches: list[TrunkCache], anchors: list[int], steps: int
                 ptrs, used, pools, a["kps"], a["norm_w"], a["norm_eps"], a["lm_w"], stops, stop_offs, out_tok,
                 out_gap, out_h, out_f)
     _leave(caches, idx, m_idx, n, km1, full_buf, st_buf)
-    return {"steps": n, "tokens": torch.from_numpy(out_tok[:n]), "gaps": torch.from_numpy(out_gap[:n]),
-            "hidden": torch.from_numpy(out_h[:n]), "features": torch.from_numpy(out_f[:n])}
+    tok_t, gap_t, h_t, f_t = (torch.from_numpy(x[:n]) for x in (out_tok, out_gap, out_h, out_f))
+    return [{"tokens": tok_t[:, j], "gaps": gap_t[:, j], "hidden": h_t[:, j], "features": f_t[:, j]} for j in range(S)]
 
 
 def _leave(caches: list[TrunkCache], kda_idx: list[int], mla_idx: list[int], n: int, km1: int,

@@ -49,6 +49,9 @@ class Trunk(nn.Module):
     #: :mod:`~tandem.model.cpu_gemm` (a BLAS sums a row differently by the number of rows); elsewhere
     #: a one-row verify is padded to two rows. The serving parameter ``batch_invariant`` sets it
     batch_invariant: bool = False
+    #: threads of :meth:`decode_many` (groups of sequences decoded side by side; the serving parameter
+    #: ``decode_threads`` sets it)
+    decode_threads: int = 1
 
     def __init__(self, cfg: TrunkConfig, with_mtp: bool = True) -> None:
         super().__init__()
@@ -281,31 +284,33 @@ class Trunk(nn.Module):
 
     @torch.no_grad()
     def decode_many(self, caches: list[TrunkCache], anchors: list[int], steps: int, stop_ids: list[tuple[int, ...]],
-                    features: tuple[int, ...] = ()) -> dict:
+                    features: tuple[int, ...] = (), threads: int | None = None) -> list[dict]:
         """Up to ``steps`` plain greedy decode steps of several sequences: sequence ``j`` runs its anchor
         ``anchors[j]`` as a one-row :meth:`verify_many`, its argmax is the next step's anchor, and the
         rows of every step but the last are committed (the last stays pending, as after a verify); the
-        call ends after the first step in which a sequence's target is in ``stop_ids[j]``. Under
-        :attr:`batch_invariant` on the CPU every step runs in one compiled call
-        (:func:`~tandem.model.cpu_decode.decode_steps`), bit-identical to the verify passes; else (or
-        when a layer does not run fused) the verify passes themselves.
+        sequences stop after the first step in which one's target is in its ``stop_ids[j]``. Under
+        :attr:`batch_invariant` on the CPU the steps run compiled
+        (:func:`~tandem.model.cpu_decode.decode_steps`, in ``threads`` groups of sequences, default
+        :attr:`decode_threads`, each group stopping on its own), bit-identical to the verify passes;
+        else (or when a layer does not run fused) the verify passes themselves.
 
-        Returns ``{"steps": n, "tokens": [n, S], "gaps": [n, S], "hidden": [n, S, D], "features":
-        [n, S, F]}``. Raises ``ValueError`` (before any cache changes) when a sequence has a verify
-        pending or no room for ``steps`` rows."""
+        Returns per sequence ``{"tokens": [n], "gaps": [n], "hidden": [n, D], "features": [n, F]}``.
+        Raises ``ValueError`` (before any cache changes) when a sequence has a verify pending or no
+        room for ``steps`` rows."""
         for c in caches:
             _check_rows(c, torch.empty(1, steps), "decode")
         if steps < 1 or len(anchors) != len(caches) or len(stop_ids) != len(caches):
             raise ValueError(f"decode: steps {steps} >= 1 and one anchor and stop set per cache ({len(caches)})")
         if self._invariant_rows():
             with cpu_gemm.rows_mode():
-                out = cpu_decode.decode_steps(self, caches, anchors, steps, stop_ids, features)
+                out = cpu_decode.decode_steps(self, caches, anchors, steps, stop_ids, features,
+                                              threads or self.decode_threads)
             if out is not None:
                 return out
         return self._decode_reference(caches, anchors, steps, stop_ids, features)
 
-    def _decode_reference(self, caches, anchors, steps, stop_ids, features=()) -> dict:
-        """:meth:`decode_many` as verify passes, one a step (its reference)."""
+    def _decode_reference(self, caches, anchors, steps, stop_ids, features=()) -> list[dict]:
+        """:meth:`decode_many` as verify passes, one a step, every sequence stopping together (its reference)."""
         toks, gaps, hs, fs = [], [], [], []
         anchor = list(anchors)
         for t in range(steps):
@@ -325,5 +330,5 @@ class Trunk(nn.Module):
             fs.append(torch.cat([o[1] for o in outs], 1)[0].float() if features else h.new_zeros(len(caches), 0))
             if any(a in ids for a, ids in zip(anchor, stop_ids)):
                 break
-        return {"steps": len(toks), "tokens": torch.stack(toks), "gaps": torch.stack(gaps), "hidden": torch.stack(hs),
-                "features": torch.stack(fs)}
+        cols = [torch.stack(x) for x in (toks, gaps, hs, fs)]
+        return [dict(zip(("tokens", "gaps", "hidden", "features"), (x[:, j] for x in cols))) for j in range(len(caches))]

@@ -28,7 +28,7 @@ class TritonPythonModel:
         features = dflash_feature_layers(ckpt, dirs)
         dev, dt = placement(cfg)
         self.stage = TrunkStage(load_trunk(ckpt, dt, device=dev), feature_layers=features,
-                                batch_invariant=cfg.batch_invariant)
+                                batch_invariant=cfg.batch_invariant, decode_threads=cfg.decode_threads)
         if cfg.colocate:  # the drafters run here, on the trunk's embedding and LM head: one call a round
             self.stage = StageHost.build(self.stage, {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in dflash_arms(ckpt, dirs)},
                                          cfg.max_num_draft_tokens, run_ahead=cfg.run_ahead)
