@@ -4,6 +4,7 @@ receipts, and bad input."""
 import pytest
 import torch
 
+from tandem import schema
 from tandem.engine.gate import tparallel_gate
 from tandem.engine.inprocess import Engine
 from tandem.engine.scheduler import Turn
@@ -292,7 +293,8 @@ def test_later_turn_changes_num_draft_tokens(engine, tokenizer):
     sched = engine.sched
     got = []
     emit = lambda r, e, f: got.append((r, e, f))  # noqa: E731
-    sched.admit([Turn(9500, tokenizer.chat_prompt("Name a fruit."), 6, emit, end=False, num_draft_tokens=1)])
+    sched.admit([Turn(9500, tokenizer.chat_prompt("Name a fruit."), 6, emit, end=False, num_draft_tokens=1,
+                      spec=schema.DFLASH2)])
     while 9500 in sched.turns:
         sched.burst()
     s = sched.sessions[9500]

@@ -68,8 +68,8 @@ class ServingConfig:
 
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
-    spec: str = "dflash2"
-    burst_rounds: int = 16
+    spec: str = "off"
+    burst_rounds: int = 32
     burst_ms: float = 25.0
     block_size: int = 8
     checkpoint: str = "weights/tandem-tiny"
