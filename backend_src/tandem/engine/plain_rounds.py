@@ -22,16 +22,24 @@ class PlainRounds:
         """Up to ``burst_rounds`` rounds (:meth:`~tandem.engine.scheduler.Scheduler.round`, or several in
         one :meth:`_plain_rounds` call), ending at the first round boundary after ``deadline``."""
         n = 0
+        plain = self._all_plain(self.active())  # once a burst: a speculative burst never asks again
         while n < self.config.burst_rounds and self.active():
             if deadline is not None and receipts and time.perf_counter() >= deadline:
                 break
-            k = self._plain_rounds(receipts, self.config.burst_rounds - n, deadline)
+            k = self._plain_rounds(receipts, self.config.burst_rounds - n, deadline) if plain else 0
             if not k:
                 self.round(receipts)
             n += k or 1
 
     #: seconds a round of the last decode call took (0: none yet), to end a burst near ``burst_ms``
     _decode_round_s = 0.0
+
+    def _all_plain(self, act: list) -> bool:
+        """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
+        stop strings) on a trunk that decodes them in one call (not a hosting one: it decides itself)."""
+        return (bool(act) and getattr(self.trunk, "decode", None) is not None
+                and not getattr(self.trunk, "hosts_drafters", False)
+                and all(s.arm == schema.OFF and s.sampling is None and s.stop_text is None for s in act))
 
     def _plain_rounds(self, receipts: dict, most: int, deadline: float | None = None) -> int:
         """Run up to ``most`` rounds of every active session in one trunk ``decode`` call when they all
@@ -40,17 +48,15 @@ class PlainRounds:
         round boundary after it at the last call's pace (:func:`rounds_until`). Returns the rounds run
         (0: not applicable, nothing ran)."""
         act = self.active()
-        decode = getattr(self.trunk, "decode", None)
-        if (decode is None or not act or getattr(self.trunk, "hosts_drafters", False)
-                or any(s.arm != schema.OFF or s.sampling is not None or s.stop_text is not None for s in act)):
+        if not self._all_plain(act):
             return 0
         steps = min(most, rounds_until(deadline, self._decode_round_s),
                     *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
         if steps < 2:
             return 0
         t0 = time.perf_counter()
-        outs = decode([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], steps,
-                      [tuple(s.stop_ids) for s in act])
+        outs = self.trunk.decode([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], steps,
+                                 [tuple(s.stop_ids) for s in act])
         t1 = time.perf_counter()
         n = max(len(os) for os in outs)  # (groups of sequences may stop at different rounds)
         self._decode_round_s = (t1 - t0) / n

@@ -23,6 +23,7 @@ the caller limits ``steps`` to every sequence's budget and context room.
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,7 +32,7 @@ from numba import njit
 from numba.typed import List
 
 from . import cpu_block, cpu_mla_block
-from .cache import KDAState, MLACache, TrunkCache
+from .cache import KDARows, KDAState, MLACache, TrunkCache
 from .cpu_attention import cache_args
 from .cpu_block import _dense_ffn, _ffn, _kda_attn
 from .cpu_gemm import _mmp, cols, kernel_weight
@@ -132,7 +133,8 @@ class _Plan:
     __slots__ = ("key", "args", "kda_layers", "mla_layers", "like", "kda_idx", "mla_idx")
 
 
-_PLANS: dict[int, _Plan] = {}
+#: model -> its loop arguments; an entry goes with its model
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
 
 
 def _layer_plans(model) -> tuple | None:
@@ -174,9 +176,9 @@ def _plan(model) -> _Plan | None:
     lm = kernel_weight(model.lm_head.weight)
     if layers is None or not isinstance(lm, tuple):
         return None
-    key = (tuple(id(x[1]) for x in layers) + tuple(id(x[3]) for x in layers) + (id(lm),))
-    p = _PLANS.get(id(model))
-    if p is not None and p.key == key:
+    key = tuple(x[1] for x in layers) + tuple(x[3] for x in layers) + (lm,)  # the plans' own argument tuples
+    p = _PLANS.get(model)
+    if p is not None and len(p.key) == len(key) and all(a is b for a, b in zip(p.key, key)):
         return p
     kinds = {k: [x for x in layers if x[0] == k] for k in (_KDA, _MLA)}
     ffns = {k: [x for x in layers if x[2] == k] for k in (_MOE, _DENSE)}
@@ -200,7 +202,7 @@ def _plan(model) -> _Plan | None:
         mlas=_typed([x[1][1] for x in kinds[_MLA]]), moes=_typed([x[3][1] for x in ffns[_MOE]]),
         denses=_typed([x[3][1] for x in ffns[_DENSE]]), kps=np.array([x[1][1][12] for x in kinds[_MLA]], np.int64),
         norm_w=np_param(norm.weight), norm_eps=_F(norm.variance_epsilon), lm_w=lm)
-    _PLANS[id(model)] = p
+    _PLANS[model] = p
     return p
 
 
@@ -291,7 +293,6 @@ def _leave(caches: list[TrunkCache], kda_idx: list[int], mla_idx: list[int], n: 
            full_buf: np.ndarray, st_buf: np.ndarray) -> None:
     """The caches after ``n`` steps as one-row verifies leave them: the first ``n - 1`` rows committed
     (each KDA layer's state after them: views of the step buffers), the last pending."""
-    from .cache import KDARows
     last, prev = (n - 1) % 2, n % 2
     for a, i in enumerate(kda_idx):
         ft_last, st_last = torch.from_numpy(full_buf[last, a])[None], torch.from_numpy(st_buf[last, a])[None]
