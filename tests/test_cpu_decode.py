@@ -101,16 +101,26 @@ def test_scheduler_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoin
     eng = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512)
     prompts = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[:3]]
     calls = []
-    real = eng.trunk.decode
-    monkeypatch.setattr(eng.trunk, "decode", lambda *a: calls.append(a[1]) or real(*a))
+    real = eng.trunk.decode_rows
+    monkeypatch.setattr(eng.trunk, "decode_rows", lambda *a: calls.append(a[1]) or real(*a))
     eng.sched._decode_round_s = 10.0  # a slow call once (a compile) must not keep later bursts from one call
     fast = _plain(eng, prompts, 40)
     assert calls and min(calls) >= 2
-    monkeypatch.setattr(eng.trunk, "decode", None)  # the scheduler then runs one verify a round
+    # each way a turn ends, reached inside a call: a stop id, the budget, the context end
+    stop = fast[1]["token_ids"][17]
+    short = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=len(prompts[2]) + 23)
+    ends = [eng.generate(prompts[1], 40, spec="off", stop_token_ids=(stop,)), eng.generate(prompts[0], 29, spec="off"),
+            short.generate(prompts[2], 40, spec="off")]
+    assert [e["finish_reason"] for e in ends] == ["stop", "length", "context"]
+    monkeypatch.setattr(eng.trunk, "decode_rows", None)  # the scheduler then runs one verify a round
+    monkeypatch.setattr(short.trunk, "decode_rows", None)
     slow = _plain(eng, prompts, 40)
-    for f, s in zip(fast, slow):
+    slow_ends = [eng.generate(prompts[1], 40, spec="off", stop_token_ids=(stop,)), eng.generate(prompts[0], 29, spec="off"),
+                 short.generate(prompts[2], 40, spec="off")]
+    for f, s in zip(fast + ends, slow + slow_ends):
         assert f["token_ids"] == s["token_ids"] and f["finish_reason"] == s["finish_reason"]
         assert f["rounds"] == s["rounds"] == len(f["token_ids"]) - 1 and f["top2_gaps"] == s["top2_gaps"]
+    assert ends[0]["token_ids"][-1] == stop and len(ends[1]["token_ids"]) == 29
     spec = eng.generate(prompts[0], 40, spec="mtp")  # speculation still equals plain decoding
     assert spec["token_ids"] == fast[0]["token_ids"]
 

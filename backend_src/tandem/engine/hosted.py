@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from .. import schema
 from .protocols import RoundsPlan, Rows
 from .session import Receipt, SpecSession
 
@@ -157,9 +158,24 @@ class HostedRounds:
         """Each round of a call's answer (``live``: per session, ``(anchor, drafts, verify output)`` per
         round) applied in order exactly as :meth:`round` would apply it (the accept walk, receipts, the
         policy asked round by round), checking that the trunk's walk chose the same anchors and the
-        plan held. Returns rounds run per session."""
-        for r in range(max((len(x) for _, x in live), default=0)):
-            now = [(s, x[r]) for s, x in live if r < len(x)]
+        plan held; a plain session's rounds (arm ``off``, no stop strings) at once (:meth:`_after_plain`).
+        Returns rounds run per session."""
+        rest = []
+        for s, x in live:
+            if s.arm != schema.OFF or s.stop_text is not None:
+                rest.append((s, x))
+                continue
+            targets = [int(out.argmax[0]) for _, _, out in x]
+            assert not plan[s.sid][0] and all(not d for _, d, _ in x), (s.sid, plan[s.sid])
+            assert [a for a, _, _ in x] == [s.anchor] + targets[:-1], (s.sid, s.anchor)  # the walks replay exactly
+            rc = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
+            s.trunk_commit = self._after_plain(s, targets, [float(out.top2_gap[0]) for _, _, out in x], x[-1][2], rc)
+            if s.turn_done:
+                ended[s.sid] = self.config.burst_rounds - left[s.sid] + len(x) - 1
+            self.stats["rounds"] += len(x)
+        self.timing["rounds"] += max((len(x) for _, x in live), default=0)
+        for r in range(max((len(x) for _, x in rest), default=0)):
+            now = [(s, x[r]) for s, x in rest if r < len(x)]
             spec = {s.sid for s, _ in now if self.demotion.speculates(s)}  # as round() asks, round by round
             for s, (anchor, drafts, out) in now:
                 assert s.anchor == anchor and not s.turn_done, (s.sid, s.anchor, anchor, r)  # the walks replay exactly
@@ -172,5 +188,4 @@ class HostedRounds:
                 if s.turn_done:
                     ended[s.sid] = t
             self.stats["rounds"] += len(now)
-            self.timing["rounds"] += 1
         return {s.sid: len(x) for s, x in live}

@@ -10,8 +10,8 @@ import math
 import time
 
 from .. import schema
-from .protocols import Rows
-from .session import Receipt
+from .protocols import Rows, VerifyOut
+from .session import Receipt, SpecSession
 
 
 class PlainRounds:
@@ -37,9 +37,33 @@ class PlainRounds:
     def _all_plain(self, act: list) -> bool:
         """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
         stop strings) on a trunk that decodes them in one call (not a hosting one: it decides itself)."""
-        return (bool(act) and getattr(self.trunk, "decode", None) is not None
+        return (bool(act) and getattr(self.trunk, "decode_rows", None) is not None
                 and not getattr(self.trunk, "hosts_drafters", False)
                 and all(s.arm == schema.OFF and s.sampling is None and s.stop_text is None for s in act))
+
+    def _after_plain(self, s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOut, r: Receipt) -> int:
+        """``len(targets)`` plain greedy rounds of ``s`` (arm ``off``) applied at once: round ``t`` emitted
+        its target ``targets[t]`` (top-2 gap ``gaps[t]``), ``last`` is the last round's one-row output.
+        The session, the receipt ``r`` and the finish are what :meth:`_after_verify` leaves after those
+        rounds one at a time (a round without drafts emits its target; the turn ends at a stop id, at
+        its budget or at the context end), without a walk a round. Returns the rows the next call
+        commits (1). Raises ``AssertionError`` (nothing changed) when the turn ended before the last round."""
+        n, n0, budget = len(targets), len(s.committed), s.turn_remaining
+        assert s.arm == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (s.sid, s.arm, s.turn_done, n)
+        end = min(budget, max(1, s.max_ctx - 1 - n0),  # the first round that ends the turn (1-based)
+                  next((t + 1 for t, x in enumerate(targets) if x in s.stop_ids), n))
+        assert end >= n, f"sequence {s.sid}: a plain decode call ran past a finished turn (round {end} of {n})"
+        s.rounds += n
+        r.rounds += n
+        s.committed.append(s.anchor)
+        s.committed.extend(targets[:-1])
+        s.anchor, s.turn_remaining = targets[-1], budget - n
+        r.tokens.extend(targets)
+        r.top2_gaps.extend(gaps)
+        s.ingest = (last, targets[-1:])
+        s.last_active = time.monotonic()
+        self._finish(s, r, "stop" if targets[-1] in s.stop_ids else ("length" if n == budget else None))
+        return 1
 
     def _plain_rounds(self, receipts: dict, most: int, deadline: float | None = None) -> int:
         """Run up to ``most`` rounds of every active session in one trunk ``decode`` call when they all
@@ -55,18 +79,16 @@ class PlainRounds:
         if steps < 2:
             return 0
         t0 = time.perf_counter()
-        outs = self.trunk.decode([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], steps,
-                                 [tuple(s.stop_ids) for s in act])
+        outs = self.trunk.decode_rows([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], steps,
+                                      [tuple(s.stop_ids) for s in act])
         t1 = time.perf_counter()
-        n = max(len(os) for os in outs)  # (groups of sequences may stop at different rounds)
+        n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
         self._decode_round_s = (t1 - t0) / n
-        for t in range(n):
-            for s, os in zip(act, outs):
-                if t < len(os):
-                    assert not s.turn_done, "a plain decode call ran past a finished turn"
-                    r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
-                    s.trunk_commit = self._after_verify(s, [], os[t], r, None)
-        self.stats["rounds"] += sum(len(os) for os in outs)
+        for s, o in zip(act, outs):
+            r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
+            k = o.argmax.shape[0]
+            s.trunk_commit = self._after_plain(s, o.argmax.tolist(), o.top2_gap.tolist(), o.rows_at(k - 1), r)
+        self.stats["rounds"] += sum(o.argmax.shape[0] for o in outs)
         tm = self.timing
         tm["verify_s"] += t1 - t0
         tm["accept_s"] += time.perf_counter() - t1

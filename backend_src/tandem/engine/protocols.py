@@ -89,6 +89,10 @@ class VerifyOut:
         """The first ``n`` rows."""
         return VerifyOut(self.argmax[:n], self.hidden[:n], self.top2_gap[:n], self.features[:n])
 
+    def rows_at(self, i: int) -> "VerifyOut":
+        """Row ``i`` alone (one row)."""
+        return VerifyOut(self.argmax[i: i + 1], self.hidden[i: i + 1], self.top2_gap[i: i + 1], self.features[i: i + 1])
+
     def then(self, other: "VerifyOut") -> "VerifyOut":
         """These rows followed by ``other``'s."""
         return VerifyOut(*(torch.cat([getattr(self, f.name), getattr(other, f.name)])

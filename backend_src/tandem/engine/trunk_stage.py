@@ -255,6 +255,11 @@ class TrunkStage(KeyedStates):
 
         Raises ``ValueError`` for a sampled sequence (greedy only), an item that is not one anchor,
         or no room for ``steps`` rows."""
+        return [[o.rows_at(t) for t in range(o.argmax.shape[0])] for o in self.decode_rows(items, steps, stop_ids)]
+
+    def decode_rows(self, items: list[Rows], steps: int, stop_ids: list[tuple[int, ...]]) -> list[VerifyOut]:
+        """:meth:`decode` with each item's rounds as one :class:`VerifyOut` of one row a round
+        (``argmax [n]``, ``hidden [n, D]``, ...; ``n`` the rounds it ran). Raises as :meth:`decode`."""
         for it in items:
             self.cache(it.sid)
             if len(it.tokens) != 1:
@@ -266,8 +271,7 @@ class TrunkStage(KeyedStates):
             return []
         r = self.model.decode_many([self.cache(it.sid) for it in items], [it.tokens[0] for it in items], steps,
                                    stop_ids, self.feature_layers)
-        return [[VerifyOut(q["tokens"][t: t + 1], q["hidden"][t: t + 1], q["gaps"][t: t + 1], q["features"][t: t + 1])
-                 for t in range(q["tokens"].shape[0])] for q in r]
+        return [VerifyOut(q["tokens"], q["hidden"], q["gaps"], q["features"]) for q in r]
 
     def commit(self, items: list[Commit]) -> None:
         for it in items:
