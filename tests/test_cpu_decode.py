@@ -55,6 +55,44 @@ def test_compiled_steps_equal_one_row_verifies(steps, threads):
         assert _same_caches(model, a, b)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_call_after_a_call_reads_the_states_it_left(threads, monkeypatch):
+    """The second of two calls over the same sequences starts from the KDA states the first wrote, in
+    place (no copy: ``_carried``), with the targets and caches of the verify passes; a call over the
+    sequences in another order copies them (nothing carried); what is kept for that goes with the caches."""
+    import gc
+
+    gc.collect()
+    kept = len(cpu_decode._CARRY)
+    model = _odd_model()
+    prompts = [[5, 9, 11, 2, 40, 41, 42, 7, 8, 9, 10], [60, 61, 62], list(range(20, 45))]
+    carried = []
+    real = cpu_decode._carried
+    monkeypatch.setattr(cpu_decode, "_carried", lambda *a: carried.append(real(*a) is not None) or real(*a))
+    with torch.no_grad():
+        a, b = _primed(model, prompts), _primed(model, prompts)
+        ra = model.decode_many(a, [1, 2, 3], 4, [()] * 3, (0, 2), threads=threads)
+        rb = model._decode_reference(b, [1, 2, 3], 4, [()] * 3, (0, 2))
+        nxt = [int(q["tokens"][-1]) for q in ra]
+        for c in a + b:
+            c.commit(1)
+        ra2 = model.decode_many(a, nxt, 5, [()] * 3, (0, 2), threads=threads)
+        rb2 = model._decode_reference(b, nxt, 5, [()] * 3, (0, 2))
+        assert carried == [False] * threads + [True] * threads
+        assert _equal(ra, rb) and _equal(ra2, rb2)
+        carried.clear()
+        order = [2, 0, 1]
+        for c in a + b:
+            c.commit(1)
+        ra3 = model.decode_many([a[j] for j in order], [1] * 3, 3, [()] * 3, (0, 2), threads=threads)
+        rb3 = model._decode_reference([b[j] for j in order], [1] * 3, 3, [()] * 3, (0, 2))
+        assert carried == [False] * threads and _equal(ra3, rb3) and _same_caches(model, a, b)
+        assert len(cpu_decode._CARRY) > kept
+    del a, ra, ra2, ra3
+    gc.collect()
+    assert len(cpu_decode._CARRY) == kept
+
+
 def test_a_stop_token_ends_its_group_after_its_step():
     model = _odd_model()
     prompts = [[5, 9, 11, 2, 40], [60, 61, 62, 63]]

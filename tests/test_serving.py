@@ -340,10 +340,10 @@ def test_cli_reads_stdin_and_files_and_checks_flags(server, engine, tmp_path):
     p = subprocess.run(cmd + ["generate", "-", *base], input="Hello there", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout == ref, p.stderr
     (tmp_path / "q.txt").write_text("Hello there")
-    p = _cli("generate", "--file", str(tmp_path / "q.txt"), *base)
+    p = _cli("generate", "--file", str(tmp_path / "q.txt"), *base[:3], " OFF", *base[4:])  # --spec in any case, as SPEC
     assert p.returncode == 0 and p.stdout == ref, p.stderr
     for args, msg in [(("-k", "50", "--spec", "mtp"), "--num-draft-tokens (-k) must be in [1, 8], got 50"),
-                      (("-k", "2", "--spec", "off"), "--spec off decodes plain"),
+                      (("-k", "2", "--spec", "Off"), "--spec off decodes plain"),
                       (("-k", "8", "--spec", "dflash2"), "--num-draft-tokens (-k) must be in [1, 7], got 8"),
                       (("--max-tokens", "0"), "--max-tokens (-n) must be in [1, 4096], got 0"),
                       (("--top-p", "1.5", "--temperature", "0.5"), "--top-p must be in (0.0, 1.0], got 1.5"),

@@ -24,9 +24,14 @@ FLAGS = {schema.MAX_TOKENS: "--max-tokens (-n)", schema.NUM_DRAFT_TOKENS: "--num
          schema.TEMPERATURE: "--temperature", schema.TOP_K: "--top-k", schema.TOP_P: "--top-p", schema.SEED: "--seed"}
 
 
+def spec_flag(spec: str | None) -> str | None:
+    """``--spec`` as the wire reads ``SPEC`` (surrounding spaces dropped, any case: ``OFF`` is ``off``)."""
+    return None if spec is None else spec.strip().lower()
+
+
 def check_flags(max_tokens: int, spec: str | None, num_draft_tokens: int | None, sampling: dict) -> None:
     """Raise ``ValueError`` naming the flag for values the server would refuse: ranges from :data:`tandem.schema.TANDEM`, ``-k`` with ``--spec off``,
-    an unknown arm or sampling mode."""
+    an unknown arm or sampling mode (``spec`` as :func:`spec_flag` gives it)."""
     if spec is not None and spec not in schema.SPECS:
         raise ValueError(f"--spec must be one of {schema.SPECS}, got {spec!r}")
     if num_draft_tokens is not None and spec == schema.OFF:
@@ -115,6 +120,7 @@ def generate_cmd(
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
     smp = {schema.TEMPERATURE: temperature, schema.TOP_K: top_k, schema.TOP_P: top_p, schema.SEED: seed,
            schema.SAMPLING: sampling}
+    spec = spec_flag(spec)
     try:
         check_flags(max_tokens, spec, num_draft_tokens, smp)
         check_url(url)
@@ -172,6 +178,7 @@ def chat_cmd(
 ) -> None:
     """A conversation on one sequence: each line you type is a turn; the server keeps the context.
     An empty line or end of input (Ctrl-D) ends the session."""
+    spec = spec_flag(spec)
     try:
         check_flags(max_tokens, spec, num_draft_tokens, {})
         check_url(url)

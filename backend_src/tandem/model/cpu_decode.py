@@ -67,18 +67,18 @@ def stream_mean(s: torch.Tensor) -> torch.Tensor:
 
 @njit(cache=True, nogil=True)
 def _decode(tok, steps, hc_n, embed, hcs_a, hcs_f, kind, a_idx, f_kind, f_idx, feat_slot, kdas, mlas, moes, denses,
-            tails0, S00, km1, full_buf, st_buf, ptrs, used, pools, kps, norm_w, norm_eps, lm_w, stops, stop_offs,
+            tails0, col0, S00, km1, full_buf, st_buf, ptrs, used, pools, kps, norm_w, norm_eps, lm_w, stops, stop_offs,
             out_tok, out_gap, out_h, out_f):  # pragma: no cover - numba
     # up to `steps` greedy decode steps of S sequences from anchors tok [S] (int64, updated in place);
-    # returns the steps run; hc_n mHC streams. Per KDA layer a (in order): tails0[a] [3C, S*km1] / S00[a] [S, H, dk, dk]
-    # the states before, full_buf[p, a] [3C, S*(km1+1)] / st_buf[p, a] [S, H, dk, dk] the states after
+    # returns the steps run; hc_n mHC streams. Per KDA layer a (in order): tails0[a] [3C, W] (sequence j's
+    # tail at columns col0[j] .. col0[j]+km1) / S00[a] [S, H, dk, dk] the states before,
+    # full_buf[p, a] [3C, S*(km1+1)] / st_buf[p, a] [S, H, dk, dk] the states after
     # a step of parity p. Per MLA layer m: ptrs[m], used[m], pools[m] as cache_args makes them (room
     # for `steps` rows reserved; used / pools advance here). Outputs per step t: out_tok[t] [S],
     # out_gap[t] [S], out_h[t] [S, D], out_f[t] [S, F].
     S, D = out_h.shape[1], embed.shape[1]
     offs = np.arange(S + 1).astype(np.int64)
     s_idx = np.arange(S).astype(np.int64)
-    col0 = s_idx * km1  # a sequence's tail in tails0
     col = s_idx * (km1 + 1) + 1  # its tail in a step's full (its tail columns, then its row: the last km1)
     h = np.empty((S, D), _F)
     mean = np.empty((S, D), _F)
@@ -260,13 +260,18 @@ def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_i
     km1, C3, H, dk = a0.kernel - 1, 3 * a0.qkv, a0.h, a0.dk
     La, Lm = len(p.kda_layers), len(p.mla_layers)
     idx, m_idx = p.kda_idx, p.mla_idx
-    tails0, S00 = np.zeros((La, C3, S * km1), _F), np.zeros((La, S, H, dk, dk), _F)
-    for a, i in enumerate(idx):
-        for j, c in enumerate(caches):
-            st = c.layers[i]
-            if st is not None:
-                tails0[a, :, j * km1: (j + 1) * km1] = st.tail[0].numpy()
-                S00[a, j] = st.S[0].numpy()
+    carried = _carried(caches, idx, km1)
+    if carried is not None:  # the states a previous call left, read where it wrote them
+        tails0, S00, col0 = carried
+    else:
+        tails0, S00 = np.zeros((La, C3, S * km1), _F), np.zeros((La, S, H, dk, dk), _F)
+        col0 = np.arange(S, dtype=np.int64) * km1
+        for a, i in enumerate(idx):
+            for j, c in enumerate(caches):
+                st = c.layers[i]
+                if st is not None:
+                    tails0[a, :, j * km1: (j + 1) * km1] = st.tail[0].numpy()
+                    S00[a, j] = st.S[0].numpy()
     ptrs, used, pools = np.empty((Lm, S, 10), np.int64), np.empty((Lm, S), np.int64), np.empty((Lm, S), np.int64)
     for m, i in enumerate(m_idx):
         _, ptrs[m], used[m], pools[m] = cache_args([c.layers[i] for c in caches], [steps] * S, p.like[m])
@@ -281,7 +286,7 @@ def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_i
     tok = np.array(anchors, np.int64)
     a = p.args
     n = _decode(tok, steps, cfg.hc_mult, a["embed"], a["hcs_a"], a["hcs_f"], a["kind"], a["a_idx"], a["f_kind"],
-                a["f_idx"], slot, a["kdas"], a["mlas"], a["moes"], a["denses"], tails0, S00, km1, full_buf, st_buf,
+                a["f_idx"], slot, a["kdas"], a["mlas"], a["moes"], a["denses"], tails0, col0, S00, km1, full_buf, st_buf,
                 ptrs, used, pools, a["kps"], a["norm_w"], a["norm_eps"], a["lm_w"], stops, stop_offs, out_tok,
                 out_gap, out_h, out_f)
     _leave(caches, idx, m_idx, n, km1, full_buf, st_buf)
@@ -289,20 +294,55 @@ def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_i
     return [{"tokens": tok_t[:, j], "gaps": gap_t[:, j], "hidden": h_t[:, j], "features": f_t[:, j]} for j in range(S)]
 
 
+#: id of the first KDA layer's last-step buffer view a :func:`_group` call left pending (a cache's state
+#: once committed) -> ``(weak reference to that view, full_buf, st_buf, parity of the last step)``; an
+#: entry goes with its view (a tensor cannot be a weak dictionary key: its ``==`` is elementwise)
+_CARRY: dict[int, tuple] = {}
+
+
+def _carry(view: torch.Tensor, full_buf: np.ndarray, st_buf: np.ndarray, last: int) -> None:
+    def gone(ref, key=id(view)):
+        if _CARRY.get(key, (None,))[0] is ref:
+            del _CARRY[key]
+    _CARRY[id(view)] = (weakref.ref(view, gone), full_buf, st_buf, last)
+
+
+def _carried(caches: list[TrunkCache], kda_idx: list[int], km1: int) -> tuple | None:
+    """``(tails0 [La, 3C, W], S00 [La, S, H, dk, dk], col0 [S])`` for :func:`_decode` without a copy, when
+    every KDA state of ``caches`` is the one the last call over them (same sequences, same order) left
+    after its last step, committed (:func:`_leave`, then ``commit(1)``): the buffers it wrote; else None."""
+    st = caches[0].layers[kda_idx[0]]
+    rec = _CARRY.get(id(st.rows.full)) if type(st) is KDAState and st.rows is not None else None
+    if rec is None or rec[0]() is not st.rows.full or rec[2].shape[2] != len(caches):
+        return None
+    _, full_buf, st_buf, last = rec
+    for a, i in enumerate(kda_idx):
+        fp, sp = full_buf[last, a].ctypes.data, st_buf[last, a].ctypes.data
+        for j, c in enumerate(caches):
+            st = c.layers[i]
+            if (type(st) is not KDAState or st.rows is None or st.n_rows != 1 or st.rows.col != j * (km1 + 1)
+                    or st.rows.row != j or st.rows.full.data_ptr() != fp or st.rows.states.data_ptr() != sp):
+                return None
+    return full_buf[last], st_buf[last], np.arange(len(caches), dtype=np.int64) * (km1 + 1) + 1
+
+
 def _leave(caches: list[TrunkCache], kda_idx: list[int], mla_idx: list[int], n: int, km1: int,
            full_buf: np.ndarray, st_buf: np.ndarray) -> None:
     """The caches after ``n`` steps as one-row verifies leave them: the first ``n - 1`` rows committed
-    (each KDA layer's state after them: views of the step buffers), the last pending."""
+    (each KDA layer's state after them: views of the step buffers), the last pending (recorded in
+    :data:`_CARRY` for the next call)."""
     last, prev = (n - 1) % 2, n % 2
     for a, i in enumerate(kda_idx):
-        ft_last, st_last = torch.from_numpy(full_buf[last, a])[None], torch.from_numpy(st_buf[last, a])[None]
-        ft_prev, st_prev = torch.from_numpy(full_buf[prev, a])[None], torch.from_numpy(st_buf[prev, a])[None]
+        ft_last, st_last = torch.from_numpy(full_buf[last, a, None]), torch.from_numpy(st_buf[last, a, None])
+        ft_prev, st_prev = torch.from_numpy(full_buf[prev, a, None]), torch.from_numpy(st_buf[prev, a, None])
         for j, c in enumerate(caches):
             if n > 1:
                 c.layers[i] = KDAState(rows=KDARows(ft_prev, st_prev, km1, j * (km1 + 1), j), n_rows=1)
             if c.pending is None:
                 c.pending, c.pending_rows = {}, 1
             c.pending[i] = KDARows(ft_last, st_last, km1, j * (km1 + 1), j)
+        if a == 0:
+            _carry(ft_last, full_buf, st_buf, last)
     for c in caches:
         if c.pending is None:
             c.pending, c.pending_rows = {}, 1
