@@ -183,3 +183,44 @@ def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, 
     assert torch.equal(fast[2].pending[1][0].hidden, slow[2].pending[1][0].hidden)
     assert [len(fast[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)] == \
         [len(slow[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)]
+
+
+def test_row_groups_cut_in_order_at_equal_shares():
+    from tandem.model.trunk import row_groups
+
+    assert row_groups([16] * 8, 2) == [range(0, 4), range(4, 8)]
+    assert row_groups([600, 10, 10], 2) == [range(0, 1), range(1, 3)]
+    assert row_groups([5, 5, 5], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert row_groups([1, 1, 100], 2) == [range(0, 2), range(2, 3)]
+    assert row_groups([7], 4) == [range(0, 1)] and row_groups([3, 4], 1) == [range(0, 2)]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_prime_groups_on_threads_equal_one_forward(threads, monkeypatch):
+    """Several sequences primed in ``decode_threads`` groups on threads: outputs, features and caches
+    bit-identical to one forward over all of them, and the groups did run on other threads."""
+    import threading
+
+    model = _odd_model()
+    prompts = [list(range(20, 45)), [5, 9, 11, 2, 40, 41, 42, 7, 8, 9, 10], [60, 61, 62], [70, 71, 72, 73, 74, 75]]
+    seen = set()
+    real = model._prime_rows
+    monkeypatch.setattr(model, "_prime_rows", lambda *a: seen.add(threading.get_ident()) or real(*a))
+    with torch.no_grad():
+        outs = {}
+        for n in (1, threads):
+            model.decode_threads = n
+            caches = [model.new_cache(model.cfg.max_position_embeddings) for _ in prompts]
+            outs[n] = (model.prime_many(caches, [torch.tensor([p]) for p in prompts], (0, 2)), caches)
+        (o1, c1), (on, cn) = outs[1], outs[threads]
+        assert all(torch.equal(x, y) for a, b in zip(o1, on) for x, y in zip(a, b))
+        for c in c1 + cn:
+            c.pending, c.pending_rows = None, 0
+        assert _same_caches_after_verify(model, c1, cn)
+    assert len(seen) >= 2  # a group ran on a pool thread (the pool may run two groups on one)
+
+
+def _same_caches_after_verify(model, a, b):
+    oa = model.verify_many(a, [torch.tensor([[3, 4]])] * len(a), (1,))
+    ob = model.verify_many(b, [torch.tensor([[3, 4]])] * len(b), (1,))
+    return all(torch.equal(x, y) for pa, pb in zip(oa, ob) for x, y in zip(pa, pb))

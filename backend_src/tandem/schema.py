@@ -60,7 +60,7 @@ class ServingConfig:
     on 2 cores): the ``trunk`` runs the call it expects next while an answer travels (:mod:`tandem.engine.run_ahead`);
     ``pipeline`` (``tandem``, with ``colocate``): while the ``trunk`` runs a call, the next one (``draft_verify_next``)
     already waits in Triton's queue, so the trunk does not idle while answers and calls travel (:mod:`tandem.engine.pipeline`);
-    ``decode_threads`` (``trunk``): plain greedy rounds run compiled in this many groups of sequences side by side.
+    ``decode_threads`` (``trunk``): plain greedy rounds, and a prime of several sequences, in this many groups side by side.
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
     ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.

@@ -149,17 +149,20 @@ def _plan(layer, what: str, sources, fits, make) -> _Plan:
     """The plan ``what`` of ``layer``: ``fits()`` and ``make()``'s arguments, made again only when a
     tensor of ``sources()`` is replaced or changed in place (its data pointer, version or dtype;
     checked once a model forward, :func:`new_pass`); the tensors themselves are looked up again when
-    the layer's serving layout is redone (:func:`relayout`) or a cast changes whether it fits."""
+    the layer's serving layout is redone (:func:`relayout`) or a cast changes whether it fits.
+    Threads may ask at once (prime groups): a plan is published whole, and marked checked last."""
+    epoch = _EPOCH[0]
     plans = _PLANS.get(layer)
     if plans is None:
-        plans = _PLANS[layer] = {}
+        plans = _PLANS.setdefault(layer, {})
     p = plans.get(what)
-    if p is not None and p.epoch == _EPOCH[0]:
+    if p is not None and p.epoch == epoch:
         return p
     if p is None:
-        p = plans[what] = _Plan()
-        p.sources = p.key = p.fits = None
-    p.epoch = _EPOCH[0]
+        q = _Plan()
+        q.sources = q.key = q.fits = q.args = None
+        q.epoch = -1
+        p = plans.setdefault(what, q)
     key = p.sources and tuple((t.data_ptr(), t._version, t.dtype) for t in p.sources)
     if key is None or key != p.key:
         fit = fits()
@@ -167,6 +170,7 @@ def _plan(layer, what: str, sources, fits, make) -> _Plan:
             p.fits, p.sources = fit, sources() if fit else list(layer.parameters())[:1]
             key = tuple((t.data_ptr(), t._version, t.dtype) for t in p.sources)
         p.args, p.key = (make() if p.fits else None), key
+    p.epoch = epoch
     return p
 
 

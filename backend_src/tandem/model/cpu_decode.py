@@ -233,7 +233,7 @@ def decode_steps(model, caches: list[TrunkCache], anchors: list[int], steps: int
     g = min(threads, S)
     bounds = [S * k // g for k in range(g + 1)]
     parts = [(caches[a:b], anchors[a:b], stop_ids[a:b]) for a, b in zip(bounds, bounds[1:])]
-    futures = [_pool(g - 1).submit(_group, model, p, *part, steps, features) for part in parts[1:]]
+    futures = [thread_pool(g - 1).submit(_group, model, p, *part, steps, features) for part in parts[1:]]
     out = _group(model, p, *parts[0], steps, features)
     for f in futures:
         out += f.result()
@@ -243,8 +243,9 @@ def decode_steps(model, caches: list[TrunkCache], anchors: list[int], steps: int
 _POOL: list = [None, 0]
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    """A pool of ``n`` threads at least (kept for the process)."""
+def thread_pool(n: int) -> ThreadPoolExecutor:
+    """A pool of ``n`` threads at least, kept for the process (the decode groups' and the prime groups'
+    threads, :meth:`~tandem.model.trunk.Trunk.prime_many`)."""
     if _POOL[1] < n:
         if _POOL[0] is not None:
             _POOL[0].shutdown(wait=False)

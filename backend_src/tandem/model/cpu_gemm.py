@@ -38,6 +38,7 @@ numerics, one fixed chain per element, so as row-invariant as the float32 path; 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ from .cpu_tile import TILE, _f32, tile1, tile2, tile3, tile4
 #: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
 _BLOCK = 512
 _DEPTH = [0]
+_DEPTH_LOCK = threading.Lock()
 #: the GEMM inputs of bfloat16 weights: "bf16" (pairs, :func:`pack_pairs`) or "fp32" (:func:`fp32_inputs`); the last entry
 _INPUTS = ["bf16"]
 
@@ -358,12 +360,15 @@ def fp32_inputs():
 @contextlib.contextmanager
 def rows_mode(on: bool = True):
     """Within this block (when ``on``) :func:`linear` on CPU float32 rows takes the row-invariant
-    kernel instead of the BLAS (the trunk's verify passes and LM head under ``batch_invariant``)."""
-    _DEPTH[0] += bool(on)
+    kernel instead of the BLAS (the trunk's verify passes and LM head under ``batch_invariant``). The
+    depth is the process's: threads may be inside at once (prime groups), so it counts under a lock."""
+    with _DEPTH_LOCK:
+        _DEPTH[0] += bool(on)
     try:
         yield
     finally:
-        _DEPTH[0] -= bool(on)
+        with _DEPTH_LOCK:
+            _DEPTH[0] -= bool(on)
 
 
 def invariant() -> bool:

@@ -37,6 +37,22 @@ def _check_rows(cache: TrunkCache, ids: torch.Tensor, what: str) -> int:
     return n
 
 
+def row_groups(rows: list[int], n: int) -> list[range]:
+    """Positions ``0 .. len(rows) - 1`` in order, cut into ``min(n, len(rows))`` runs (each non-empty) of
+    about equal total ``rows``: a cut goes where the running total first reaches its share, or where
+    the positions left are just enough for the runs left. E.g. ``row_groups([16] * 8, 2) == [range(0, 4),
+    range(4, 8)]``, ``row_groups([600, 10, 10], 2) == [range(0, 1), range(1, 3)]``."""
+    n, total = max(1, min(n, len(rows))), sum(rows)
+    bounds, run = [0], 0
+    for k, r in enumerate(rows[:-1]):
+        run += r
+        left = len(rows) - k - 1  # positions after this one
+        if len(bounds) < n and left >= n - len(bounds) and (run * n >= total * len(bounds) or left == n - len(bounds)):
+            bounds.append(k + 1)
+    bounds.append(len(rows))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 class Trunk(nn.Module):
     """glm5_next trunk + LM head + (optional) MTP layer.
 
@@ -180,13 +196,27 @@ class Trunk(nn.Module):
         concatenated through every row-wise stage, and each sequence's attention primes its own
         cache (chunked KDA, MLA). Under :attr:`batch_invariant` (CPU) the row-wise stages take the
         row-invariant kernels, so a sequence's cache and outputs do not depend on the others primed
-        with it. Returns per sequence what :meth:`prime` returns.
+        with it, and the sequences go in up to :attr:`decode_threads` groups of about equal rows, each
+        group's forward on a thread of its own (the fused kernels release the GIL). Returns per
+        sequence what :meth:`prime` returns.
 
         Raises ``ValueError`` (before any cache changes) when a sequence's rows do not fit or it has a
         verify pending.
         """
         lengths = [_check_rows(c, x, "prime") for c, x in zip(caches, ids)]
+        groups = row_groups(lengths, self.decode_threads) if self._invariant_rows() else [range(len(caches))]
+        if len(groups) == 1:
+            return self._prime_rows(caches, ids, lengths, features)
+        run = lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g], [lengths[j] for j in g], features)  # noqa: E731
+        futures = [cpu_decode.thread_pool(len(groups) - 1).submit(run, g) for g in groups[1:]]
+        out = run(groups[0])
+        for f in futures:
+            out += f.result()
+        return out
 
+    @torch.no_grad()
+    def _prime_rows(self, caches: list[TrunkCache], ids: list[torch.Tensor], lengths: list[int], features: tuple[int, ...]) -> list:
+        """:meth:`prime_many`'s forward over one group of sequences (rows checked)."""
         def keep(i, finals):  # each sequence's KDA state after its rows
             for c, (tail, S) in zip(caches, finals):
                 c.layers[i] = KDAState(tail, S)
