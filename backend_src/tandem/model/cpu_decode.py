@@ -302,9 +302,9 @@ _CARRY: dict[int, tuple] = {}
 
 
 def _carry(view: torch.Tensor, full_buf: np.ndarray, st_buf: np.ndarray, last: int) -> None:
-    def gone(ref, key=id(view)):
+    def gone(ref, key=id(view)):  # (any thread: a newer entry under the same id stays)
         if _CARRY.get(key, (None,))[0] is ref:
-            del _CARRY[key]
+            _CARRY.pop(key, None)
     _CARRY[id(view)] = (weakref.ref(view, gone), full_buf, st_buf, last)
 
 
