@@ -171,8 +171,8 @@ def test_metrics_count_exactly_what_clients_saw(srv):
 
 @pytest.mark.parametrize("spec", ["mtp", "dflash2", "off"])
 def test_cancelled_turn_frees_state_within_a_second(srv, spec):
-    sid = new_sequence_id()
-    s = Stream(srv.grpc_url, sid, 400, spec)
+    sid = new_sequence_id()  # a turn that is still streaming when looked at: plain runs 400 tokens in ~0.3 s
+    s = Stream(srv.grpc_url, sid, 3000, spec, tokens=list(long_turn_prompt(3000)))
     s.first()
     wait_for(lambda: state(srv)["turns"] == 1 and state(srv)["trunk"] == 1, 1.0)  # gauges follow each burst
     s.cancel()
