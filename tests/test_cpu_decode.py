@@ -185,6 +185,48 @@ def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, 
         [len(slow[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)]
 
 
+def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sharegpt_prompts, monkeypatch):
+    """A plain call that ran the rounds the burst's time left gave it at the last call's pace ends the
+    burst (scheduler) or the ``draft_verify`` (co-located host): no short second call for the rest,
+    which was mostly its fixed cost (calls of 2-3 rounds between paced ones, 62 calls for 8 turns of
+    128 tokens instead of 39)."""
+    eng = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512, burst_ms=50.0, burst_rounds=32)
+    calls, bursts = [], []
+    real, burst = eng.trunk.decode_rows, eng.sched.burst
+    monkeypatch.setattr(eng.trunk, "decode_rows", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr(eng.sched, "burst", lambda: bursts.append(len(calls)) or burst())
+    eng.sched._decode_round_s = 0.1  # a slow pace: the first burst's call is two rounds, and ends the burst
+    ids = tokenizer.chat_prompt(sharegpt_prompts[2])
+    out = eng.generate(ids, 40, spec="off")
+    assert calls[0] == 2 and len(calls) <= len(bursts) and len(out["token_ids"]) == 40
+    monkeypatch.setattr(eng.trunk, "decode_rows", None)
+    assert eng.generate(ids, 40, spec="off")["token_ids"] == out["token_ids"]
+    host = StageHost.build(TrunkStage(trunk_fp32, 512))
+    host.open([1])
+    host.prime([Rows(1, [5, 6, 7, 8, 9])])
+    n = []
+    real_host = host.decode
+    monkeypatch.setattr(host, "decode", lambda *a: n.append(a[1]) or real_host(*a))
+    host._decode_round_s = 0.1
+    res, _ = host._run_rounds([Rows(1, [11])], [RoundsPlan(None, 0, 12, 12, (), 500)], ms=50.0)
+    assert n == [2] and len(res[0]) == 2
+
+
+def test_a_short_prompt_and_its_answer_fit_the_first_buffers(trunk_fp32):
+    """A 30-token prompt and a 128-token answer decoded in calls of 32 rows write every MLA buffer in
+    place: the first buffers have room (:data:`~tandem.model.cache.MIN_ENTRIES`), no doubling copy."""
+    from tandem.model.cache import _MLA_DIMS, MLACache
+
+    c = _primed(trunk_fp32, [list(range(40, 70))])[0]
+    mla = [x for x in c.layers if isinstance(x, MLACache)]
+    ptrs = [[m.buffer(n).data_ptr() for n in _MLA_DIMS] for m in mla]
+    anchor = 5
+    for _ in range(4):
+        anchor = int(cpu_decode.decode_steps(trunk_fp32, [c], [anchor], 32, [()])[0]["tokens"][-1])
+        c.commit(1)
+    assert c.pos == 30 + 128 and ptrs == [[m.buffer(n).data_ptr() for n in _MLA_DIMS] for m in mla]
+
+
 def test_row_groups_cut_in_order_at_equal_shares():
     from tandem.model.trunk import row_groups
 

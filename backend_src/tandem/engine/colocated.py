@@ -223,7 +223,8 @@ class StageHost(DraftVerifyWire):
         round's anchor and pending commit. Returns per sequence ``(anchor, drafts, verify output)``
         per round it ran; its last round's rows stay pending (the next call's ``commit``). The
         scheduler replays the walks and checks the anchors (:meth:`Scheduler.burst`). ``ms``: end at the
-        first round boundary after that many milliseconds (the burst's time left; None: no limit)."""
+        first round boundary after that many milliseconds (the burst's time left; None: no limit), or
+        after a plain decode call that ran the rounds the clock gave it at the last call's pace."""
         return self._run_rounds(items, plans, ms=ms)[0]
 
     def _run_rounds(self, items: list[Rows], plans: list[RoundsPlan], should_stop=None,
@@ -241,8 +242,8 @@ class StageHost(DraftVerifyWire):
         used = [0] * len(items)  # tokens committed in this call before the round (the pending one included)
         budget = [p.budget for p in plans]
         live = list(range(len(items)))
-        r, rounds = 0, max((p.rounds for p in plans), default=0)
-        while r < rounds:
+        r, rounds, paced = 0, max((p.rounds for p in plans), default=0), False
+        while r < rounds and not paced:  # (a decode call that ran the rounds ``ms`` gave it ends the call)
             live = [j for j in live if r < plans[j].rounds]
             if not live or (should_stop is not None and should_stop()) or (r and end is not None and time.perf_counter() >= end):
                 break
@@ -253,6 +254,7 @@ class StageHost(DraftVerifyWire):
                                    [tuple(plans[j].stop_ids) for j in live])
                 n = max(len(os) for os in outs)  # (groups of sequences may stop at different rounds)
                 self._decode_round_s = (time.perf_counter() - t0) / n
+                paced = end is not None and n == steps == self._paced_steps
                 rounds_run = [[(j, [], os[t]) for j, os in zip(live, outs) if t < len(os)] for t in range(n)]
             else:
                 pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
@@ -274,6 +276,9 @@ class StageHost(DraftVerifyWire):
 
     #: seconds a round of the last :meth:`decode` call took (0: none yet), to end a call near its ``ms``
     _decode_round_s = 0.0
+    #: the rounds the last :meth:`_plain_steps` got from the clock at that pace (a decode call that ran
+    #: them all ends its ``draft_verify``: a second one for the rounds left would be mostly its fixed cost)
+    _paced_steps = 0
 
     def _plain_steps(self, items: list[Rows], plans: list[RoundsPlan], live: list[int], r: int, used: list[int],
                      budget: list[int], end: float | None) -> int:
@@ -283,8 +288,8 @@ class StageHost(DraftVerifyWire):
         the last call's pace."""
         if any(plans[j].arm or items[j].sid in self.trunk.sampling for j in live):
             return 0
-        n = min(rounds_until(end, self._decode_round_s),
-                *(min(plans[j].rounds - r, budget[j], plans[j].room - used[j] - 1) for j in live))
+        self._paced_steps = rounds_until(end, self._decode_round_s)
+        n = min(self._paced_steps, *(min(plans[j].rounds - r, budget[j], plans[j].room - used[j] - 1) for j in live))
         return n if n >= 2 else 0
 
     def _request(self, it: Rows, arm: str, k: int) -> DraftRequest:

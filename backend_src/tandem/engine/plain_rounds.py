@@ -20,19 +20,26 @@ class PlainRounds:
 
     def _rounds_burst(self, receipts: dict, deadline: float | None) -> None:
         """Up to ``burst_rounds`` rounds (:meth:`~tandem.engine.scheduler.Scheduler.round`, or several in
-        one :meth:`_plain_rounds` call), ending at the first round boundary after ``deadline``."""
+        one :meth:`_plain_rounds` call), ending at the first round boundary after ``deadline``, or after
+        a plain call that ran the rounds the deadline gave it at the last call's pace (a call's fixed
+        cost is in that pace: a second call for the rounds left would be a short one, mostly that cost)."""
         n = 0
         plain = self._all_plain(self.active())  # once a burst: a speculative burst never asks again
         while n < self.config.burst_rounds and self.active():
             if deadline is not None and receipts and time.perf_counter() >= deadline:
                 break
+            self._paced_call = False
             k = self._plain_rounds(receipts, self.config.burst_rounds - n, deadline) if plain else 0
             if not k:
                 self.round(receipts)
             n += k or 1
+            if self._paced_call:
+                break
 
     #: seconds a round of the last decode call took (0: none yet), to end a burst near ``burst_ms``
     _decode_round_s = 0.0
+    #: whether the last :meth:`_plain_rounds` call ran every round its deadline gave it (its burst ends)
+    _paced_call = False
 
     def _all_plain(self, act: list) -> bool:
         """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
@@ -74,8 +81,8 @@ class PlainRounds:
         act = self.active()
         if not self._all_plain(act):
             return 0
-        steps = min(most, rounds_until(deadline, self._decode_round_s),
-                    *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
+        paced = rounds_until(deadline, self._decode_round_s)
+        steps = min(most, paced, *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
         if steps < 2:
             return 0
         t0 = time.perf_counter()
@@ -84,6 +91,7 @@ class PlainRounds:
         t1 = time.perf_counter()
         n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
         self._decode_round_s = (t1 - t0) / n
+        self._paced_call = n == steps == paced
         for s, o in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
             k = o.argmax.shape[0]
