@@ -11,8 +11,10 @@ from tandem.engine import colocated
 from tandem.engine.colocated import StageHost
 from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import Rows, RoundsPlan
+from tandem.engine.scheduler import Turn
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.model import cpu_decode
+from test_colocated import hosted
 from test_cpu_block import _odd_model
 
 
@@ -210,6 +212,17 @@ def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sh
     host._decode_round_s = 0.1
     res, _ = host._run_rounds([Rows(1, [11])], [RoundsPlan(None, 0, 12, 12, (), 500)], ms=50.0)
     assert n == [2] and len(res[0]) == 2
+    sched, host, spy = hosted(eng, burst_ms=50.0, burst_rounds=32)  # the served wiring: a call the trunk's clock
+    host._decode_round_s, per_burst = 0.1, []  # cut ends the burst (no second call for the time left)
+    burst = sched.burst
+    monkeypatch.setattr(sched, "burst", lambda: per_burst.append(len(spy.calls)) or burst())
+    got = []
+    sched.admit([Turn(7, ids, 40, lambda r, e, f: got.extend(r.tokens), spec="off")])
+    while sched.turns:
+        sched.burst()
+    per_burst.append(len(spy.calls))
+    dv = [sum(op == "draft_verify" for _, op, _, _ in spy.calls[a:b]) for a, b in zip(per_burst, per_burst[1:])]
+    assert got == out["token_ids"] and max(dv) == 1 and int(spy.calls[per_burst[0]][3]["ROUNDS_RUN"][0]) == 2
 
 
 def test_a_short_prompt_and_its_answer_fit_the_first_buffers(trunk_fp32):

@@ -25,7 +25,10 @@ class HostedRounds:
         stop strings take one round a call), ending at the first round boundary after ``deadline``
         (``time.perf_counter()`` seconds; each call is told the time left, ``BURST_MS``). With a
         pipelined call in flight (:mod:`tandem.engine.pipeline`) the burst is that call: the one after
-        it is sent first when it may be (:meth:`_may_chain`), then it is replayed."""
+        it is sent first when it may be (:meth:`_may_chain`), then it is replayed. A call the trunk ended
+        by the clock (a session ran fewer rounds than it was given, its turn going on) ends the burst:
+        the trunk ends a call at the first round boundary after ``BURST_MS`` or after a decode call that
+        ran the rounds the time left gave it at its pace, so what is left is less than a call's worth."""
         n = self.config.burst_rounds
         burst = [s.sid for s in self.active()]
         left, ended = dict.fromkeys(burst, n), {}  # ended: sid -> the burst round its turn ended in
@@ -48,8 +51,12 @@ class HostedRounds:
                 break
             for sid, ran in self._hosted_call(act, receipts, left, len(burst), load, ended, ms, chain=True).items():
                 left[sid] -= ran
-            if pipe is not None and pipe.queued is not None:
+            if (pipe is not None and pipe.queued is not None) or (ms is not None and self._clock_cut):
                 break
+
+    #: whether the last :meth:`_hosted_call` was ended by the trunk's clock (a session ran fewer rounds
+    #: than its plan gave it, its turn going on)
+    _clock_cut = False
 
     def _pipeline_idle(self) -> None:
         """With no session generating, the pipelined calls left in flight (their turns ended: they ran
@@ -149,6 +156,7 @@ class HostedRounds:
                 raise
         t1 = clock()
         ran = self._replay(list(zip(act, per)), plan, receipts, left, ended, load)
+        self._clock_cut = any(ran[s.sid] < plan[s.sid][1] and not s.turn_done for s in act)
         self.timing["verify_s"] += t1 - t0
         self.timing["accept_s"] += clock() - t1
         return ran
