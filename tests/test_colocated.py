@@ -1,7 +1,6 @@
-"""The co-located stage host (``colocate``, the serving default): the drafters run in the trunk's
-process and a round is one ``trunk.draft_verify`` call. Over the wire form (the ``trunk`` model's
-``handle``, as served), every arm gives the in-process engine's tokens and acceptance, one call a
-round, no hidden row on the wire, nothing kept after a session closes; bad requests name the field."""
+"""The co-located stage host (``colocate``, the serving default): the drafters run in the trunk's process and a round is
+one ``trunk.draft_verify`` call. Over the wire form (the ``trunk`` model's ``handle``, as served), every arm gives the
+in-process engine's tokens and acceptance, no hidden row on the wire, nothing kept after a close; bad requests name the field."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from tandem import schema
 from tandem.engine.accept import accept_walk
 from tandem.engine.colocated import StageHost
 from tandem.engine.inprocess import Engine
-from tandem.engine.protocols import RoundsPlan, Rows
+from tandem.engine.protocols import DecodedRounds, RoundsPlan, Rows
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.trunk_stage import TrunkStage
@@ -281,7 +280,8 @@ def test_run_ahead_undoes_a_guess_that_missed(shipped, tokenizer, sharegpt_promp
         plans = [_plan("dflash", 3, rounds=2, room=900), _plan(None, 0, rounds=2, room=900)]
         seen, r = [], None  # r: the call with a smaller commit; then r+1 a new k, a close before r+3, r+4 the last
         while r is None or len(seen) < r + 5:
-            res = proxy.draft_verify_rounds(items, plans)
+            res = proxy.draft_verify_rounds(items, plans)  # (a plain sequence's rounds whole:)
+            assert all(isinstance(per, DecodedRounds) == (p.arm is None) for per, p in zip(res, plans))
             seen.append([[(a, d, o.argmax.tolist()) for a, d, o in per] for per in res])
             nxt, i = [], len(seen)  # the next call's index, made as the scheduler makes it
             for it, p, per in zip(items, plans, res):

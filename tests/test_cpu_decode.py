@@ -10,7 +10,7 @@ import torch
 from tandem.engine import colocated
 from tandem.engine.colocated import StageHost
 from tandem.engine.inprocess import Engine
-from tandem.engine.protocols import Rows, RoundsPlan
+from tandem.engine.protocols import DecodedRounds, Rows, RoundsPlan
 from tandem.engine.scheduler import Turn
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.model import cpu_decode
@@ -177,6 +177,11 @@ def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, 
         return res, cont, host
     fast, slow = run(True), run(False)
     assert fast[1] == slow[1] and [len(r) for r in fast[0]] == [12, 9]
+    whole = fast[0][1]  # one decode call's rounds held whole (sequence 1's 12 took two); as rounds, one at a time
+    assert isinstance(whole, DecodedRounds) and whole.targets == [int(o.argmax[0]) for _, _, o in slow[0][1]]
+    assert whole[-1][0] == whole.anchors[8] == whole.targets[7] and len(whole[2:5]) == 3 and whole[3][1] == []
+    with pytest.raises(IndexError):
+        whole[9]
     for rf, rs in zip(fast[0], slow[0]):
         for (af, df, of), (as_, ds, os_) in zip(rf, rs):
             assert af == as_ and df == ds == []
@@ -207,8 +212,8 @@ def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sh
     host.open([1])
     host.prime([Rows(1, [5, 6, 7, 8, 9])])
     n = []
-    real_host = host.decode
-    monkeypatch.setattr(host, "decode", lambda *a: n.append(a[1]) or real_host(*a))
+    real_host = host.decode_rows
+    monkeypatch.setattr(host, "decode_rows", lambda *a: n.append(a[1]) or real_host(*a))
     host._decode_round_s = 0.1
     res, _ = host._run_rounds([Rows(1, [11])], [RoundsPlan(None, 0, 12, 12, (), 500)], ms=50.0)
     assert n == [2] and len(res[0]) == 2

@@ -27,7 +27,7 @@ from .. import schema
 from ..schema import WireError
 from .accept import accept_walk
 from .drafter_stage import DrafterStage, drafter_stages
-from .protocols import Commit, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
+from .protocols import Commit, DecodedRounds, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
 from .draft_verify_wire import DraftVerifyWire
 from .pipeline import NEXT_OP, LastCall
 from .plain_rounds import rounds_until
@@ -156,18 +156,17 @@ class StageHost(DraftVerifyWire):
         self._committed(items)
         self.trunk.commit(items)
 
-    def decode(self, items: list[Rows], steps: int, stop_ids: list[tuple[int, ...]]) -> list[list[VerifyOut]]:
-        """:meth:`TrunkStage.decode <tandem.engine.trunk_stage.TrunkStage.decode>`, keeping the drafters'
-        rows as one :meth:`verify` a round would: every round's row but the last joins its drafter's
-        rows, the last is pending."""
+    def decode_rows(self, items: list[Rows], steps: int, stop_ids: list[tuple[int, ...]]) -> list[VerifyOut]:
+        """:meth:`TrunkStage.decode_rows <tandem.engine.trunk_stage.TrunkStage.decode_rows>` (per sequence one
+        :class:`VerifyOut` of its ``n`` rounds' rows), keeping the drafters' rows as one :meth:`verify` a
+        round would: every round's row but the last joins its drafter's rows, the last is pending."""
         self._committed(items)
-        outs = self.trunk.decode(items, steps, stop_ids)
-        for it, os in zip(items, outs):
-            toks = [it.tokens[0]] + [int(o.argmax[0]) for o in os[:-1]]
-            if it.sid in self.ingest:
-                for o, tk in zip(os[:-1], toks[:-1]):
-                    self.ingest[it.sid].add(o, [tk])
-            self.pending[it.sid] = (os[-1], toks[-1:])
+        outs = self.trunk.decode_rows(items, steps, stop_ids)
+        for it, o in zip(items, outs):
+            n = o.argmax.shape[0]
+            if it.sid in self.ingest and n > 1:  # (the tokens the rows were run on: the anchor, then the targets)
+                self.ingest[it.sid].add(o.rows(n - 1), [it.tokens[0]] + o.argmax[: n - 2].tolist())
+            self.pending[it.sid] = (o.rows_at(n - 1), [it.tokens[0] if n == 1 else int(o.argmax[n - 2])])
         return outs
 
     def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
@@ -250,12 +249,22 @@ class StageHost(DraftVerifyWire):
             steps = self._plain_steps(items, plans, live, r, used, budget, end)
             if steps:  # every live sequence decodes plain greedy rows: the rounds in one compiled call
                 t0 = time.perf_counter()
-                outs = self.decode([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], steps,
-                                   [tuple(plans[j].stop_ids) for j in live])
-                n = max(len(os) for os in outs)  # (groups of sequences may stop at different rounds)
+                outs = self.decode_rows([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], steps,
+                                        [tuple(plans[j].stop_ids) for j in live])
+                n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
                 self._decode_round_s = (time.perf_counter() - t0) / n
                 paced = end is not None and n == steps == self._paced_steps
-                rounds_run = [[(j, [], os[t]) for j, os in zip(live, outs) if t < len(os)] for t in range(n)]
+                for j, o in zip(live, outs):  # the accept walks of rounds without drafts, at once
+                    assert not res[j] or alive[j], "a plain decode call ran past a finished turn"
+                    run = DecodedRounds([anchor[j]] + o.argmax[:-1].tolist(), o)
+                    k, last, p = len(run), run.targets[-1], plans[j]
+                    assert k <= budget[j] and not set(run.targets[:-1]) & set(p.stop_ids), (items[j].sid, k, budget[j])
+                    res[j] = run if not res[j] else [*res[j], *run]
+                    commit[j], anchor[j], used[j], budget[j] = 1, last, used[j] + k, budget[j] - k
+                    alive[j] = last not in p.stop_ids and budget[j] > 0 and p.room - used[j] > 1
+                live = [j for j in live if alive[j]]
+                r += n
+                continue
             else:
                 pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
                       for j in live]
@@ -263,7 +272,8 @@ class StageHost(DraftVerifyWire):
                 rounds_run = [list(zip(live, drafts, outs))]
             for one in rounds_run:
                 for j, d, out in one:
-                    assert not res[j] or alive[j], "a plain decode call ran past a finished turn"
+                    if not isinstance(res[j], list):  # (after a decode call's rounds)
+                        res[j] = list(res[j])
                     res[j].append((anchor[j], d, out))
                     p = plans[j]
                     w = accept_walk(d, out.argmax.tolist(), p.stop_ids, budget[j])
@@ -351,13 +361,22 @@ class StageHost(DraftVerifyWire):
 
     def _pack_rounds(self, res: list[list[tuple[int, list[int], VerifyOut]]]) -> schema.Arrays:
         """:data:`tandem.schema.DRAFT_VERIFY_OUTPUTS` of :meth:`draft_verify_rounds`' result."""
-        flat = [x for per in res for x in per]  # by sequence, then round
-        packed = self.trunk._pack([o for _, _, o in flat], with_rows=False)
-        return {"ARGMAX": packed["ARGMAX"], "TOP2_GAP": packed["TOP2_GAP"],
-                "DRAFTS": np.array([t for _, d, _ in flat for t in d], np.int64),
-                "DRAFT_LENGTHS": np.array([len(d) for _, d, _ in flat], np.int32),
-                "ROUNDS_RUN": np.array([len(per) for per in res], np.int32),
-                "ANCHORS": np.array([a for a, _, _ in flat], np.int64)}
+        outs, drafts, lengths, anchors = [], [], [], []  # by sequence, then round
+        for per in res:
+            if isinstance(per, DecodedRounds):  # its rounds' rows whole
+                outs.append(per.out)
+                lengths += [0] * len(per)
+                anchors += per.anchors
+                continue
+            for a, d, o in per:
+                outs.append(o)
+                drafts += d
+                lengths.append(len(d))
+                anchors.append(a)
+        packed = self.trunk._pack(outs, with_rows=False)
+        return {"ARGMAX": packed["ARGMAX"], "TOP2_GAP": packed["TOP2_GAP"], "DRAFTS": np.array(drafts, np.int64),
+                "DRAFT_LENGTHS": np.array(lengths, np.int32), "ROUNDS_RUN": np.array([len(per) for per in res], np.int32),
+                "ANCHORS": np.array(anchors, np.int64)}
 
     def _hosted(self, op: str, arrays: schema.Arrays) -> schema.Arrays:
         """A drafter model's op (``drafter_dflash.open``) on the stage hosted here."""

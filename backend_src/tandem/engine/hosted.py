@@ -11,8 +11,10 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
+
 from .. import schema
-from .protocols import RoundsPlan, Rows
+from .protocols import DecodedRounds, RoundsPlan, Rows, VerifyOut
 from .session import Receipt, SpecSession
 
 
@@ -173,11 +175,13 @@ class HostedRounds:
             if s.arm != schema.OFF or s.stop_text is not None:
                 rest.append((s, x))
                 continue
-            targets = [int(out.argmax[0]) for _, _, out in x]
-            assert not plan[s.sid][0] and all(not d for _, d, _ in x), (s.sid, plan[s.sid])
-            assert [a for a, _, _ in x] == [s.anchor] + targets[:-1], (s.sid, s.anchor)  # the walks replay exactly
+            if not isinstance(x, DecodedRounds):  # (rounds a round at a time: as one)
+                x = DecodedRounds([a for a, _, _ in x], VerifyOut(*(torch.cat([getattr(o, f) for _, _, o in x]) for f in
+                                                                   ("argmax", "hidden", "top2_gap", "features"))))
+                assert not plan[s.sid][0] and x.out.argmax.shape[0] == len(x), (s.sid, plan[s.sid])  # no drafts
+            assert x.anchors == [s.anchor] + x.targets[:-1], (s.sid, s.anchor)  # the walks replay exactly
             rc = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
-            s.trunk_commit = self._after_plain(s, targets, [float(out.top2_gap[0]) for _, _, out in x], x[-1][2], rc)
+            s.trunk_commit = self._after_plain(s, x.targets, x.out.top2_gap.tolist(), x.out.rows_at(len(x) - 1), rc)
             if s.turn_done:
                 ended[s.sid] = self.config.burst_rounds - left[s.sid] + len(x) - 1
             self.stats["rounds"] += len(x)

@@ -16,7 +16,7 @@ import torch
 
 from .. import schema
 from ..engine import sampling
-from ..engine.protocols import Commit, DraftRequest, RoundsPlan, Rows, VerifyOut
+from ..engine.protocols import Commit, DecodedRounds, DraftRequest, RoundsPlan, Rows, VerifyOut
 from ..schema import Arrays, WireError
 from .backend import CallStats, tensors_by_name
 
@@ -256,15 +256,27 @@ class TrunkProxy(_PrefixStoreProxy):
             arrays["CALL"] = np.array([number], np.int64)
         return self._rounds_of(self.t(self._draft_verify_spec, "draft_verify", arrays))
 
-    def _rounds_of(self, out: Arrays) -> list[list[tuple[int, list[int], VerifyOut]]]:
-        drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
-        lens = [1 + len(d) for d in drafts]
-        none = np.zeros((sum(lens), 0), np.float32)  # the rows' hidden and features stayed in the trunk's process
-        outs = self._outs({**out, "HIDDEN": none, "FEATURES": none}, lens)
-        anchors, res, j = out["ANCHORS"].tolist(), [], 0
-        for n in out["ROUNDS_RUN"].tolist():
-            res.append(list(zip(anchors[j:j + n], drafts[j:j + n], outs[j:j + n])))
-            j += n
+    def _rounds_of(self, out: Arrays) -> list:
+        """Per sequence its rounds: a :class:`~tandem.engine.protocols.DecodedRounds` when none drafted (the
+        rows whole), else ``(anchor, drafts, VerifyOut)`` a round; hidden and features ``[rows, 0]``."""
+        dl, run = out["DRAFT_LENGTHS"], out["ROUNDS_RUN"].tolist()
+        anchors, res, j, row, d0 = out["ANCHORS"].tolist(), [], 0, 0, 0
+        argmax, gaps = torch.from_numpy(out["ARGMAX"]).long(), torch.from_numpy(out["TOP2_GAP"]).float()
+        for n in run:
+            k = int(dl[j:j + n].sum())
+            if not n:  # (a sequence whose turn ended: no round)
+                res.append([])
+            elif not k:
+                none = torch.zeros(n, 0)  # the rows' hidden and features stayed in the trunk's process
+                res.append(DecodedRounds(anchors[j:j + n], VerifyOut(argmax[row: row + n], none, gaps[row: row + n], none)))
+            else:
+                drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"][d0: d0 + k], dl[j:j + n])]
+                lens = [1 + len(d) for d in drafts]
+                none = torch.zeros(sum(lens), 0)
+                outs = [VerifyOut(a, none[:m], g, none[:m]) for a, g, m in
+                        zip(argmax[row: row + n + k].split(lens), gaps[row: row + n + k].split(lens), lens)]
+                res.append(list(zip(anchors[j:j + n], drafts, outs)))
+            j, row, d0 = j + n, row + n + k, d0 + k
         return res
 
     #: draft_verify asks for its outputs only (no hidden rows)
