@@ -73,6 +73,8 @@ def test_pipelined_calls_equal_calls_one_at_a_time(shipped, tokenizer, sharegpt_
     assert len(nexts) >= 3 and pipe.counts["refused"] == 0 and pipe.queued is None, (pipe.counts, [op for op, _ in ops])
     for i in nexts:  # the call it continues ran just before it
         assert ops[i - 1][0] in ("draft_verify", "draft_verify_next") and int(ops[i - 1][1][0]) == int(ops[i][1][0]) - 1
+    # none is sent after a call sure to end every turn (plain: a round a token; it would run no round)
+    assert arm != schema.OFF or all(res["ROUNDS_RUN"].max() > 0 for _, op, _, res in spy.calls if op == "draft_verify_next")
 
 
 def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_reused_id(shipped, tokenizer,

@@ -79,8 +79,12 @@ class HostedRounds:
                 sids: list[int]) -> bool:
         """Send call ``after + 1`` continuing call ``after`` over ``sids`` (in its order) when every session
         of ``act`` keeps its plan ``plan[sid] = (drafts?, rounds)`` of call ``after`` for at least one
-        round after that call's rounds (:meth:`Demotion.steady` over both calls, at load ``most``);
-        returns whether it was sent."""
+        round after that call's rounds (:meth:`Demotion.steady` over both calls, at load ``most``) and
+        one turn at least may outlast call ``after`` (its rounds fewer than the tokens the turn may
+        still emit: a round emits one at least; else call ``after + 1`` would run no round and only
+        hold the trunk and the worker for a round trip); returns whether it was sent."""
+        if all(plan[s.sid][1] >= s.turn_remaining for s in act):
+            return False
         b, nxt = self.config.burst_rounds, {}
         for s in act:
             d, r = plan[s.sid]
