@@ -171,7 +171,7 @@ def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, 
         host.open([1, 2])
         host.prime([Rows(1, [5, 6, 7, 8, 9]), Rows(2, list(range(30, 52)))])
         if not one_call:
-            monkeypatch.setattr(host, "_plain_steps", lambda *a: 0)
+            monkeypatch.setattr(host, "_plain_steps", lambda *a: (0, 0))
         plans = [RoundsPlan(None, 0, 12, 12, (), 500), RoundsPlan(None, 0, 9, 12, (), 500)]
         res, cont = host._run_rounds([Rows(1, [11]), Rows(2, [12])], plans)
         return res, cont, host

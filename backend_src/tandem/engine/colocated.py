@@ -246,14 +246,14 @@ class StageHost(DraftVerifyWire):
             live = [j for j in live if r < plans[j].rounds]
             if not live or (should_stop is not None and should_stop()) or (r and end is not None and time.perf_counter() >= end):
                 break
-            steps = self._plain_steps(items, plans, live, r, used, budget, end)
+            steps, by_clock = self._plain_steps(items, plans, live, r, used, budget, end)
             if steps:  # every live sequence decodes plain greedy rows: the rounds in one compiled call
                 t0 = time.perf_counter()
                 outs = self.decode_rows([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], steps,
                                         [tuple(plans[j].stop_ids) for j in live])
                 n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
                 self._decode_round_s = (time.perf_counter() - t0) / n
-                paced = end is not None and n == steps == self._paced_steps
+                paced = end is not None and n == steps == by_clock
                 for j, o in zip(live, outs):  # the accept walks of rounds without drafts, at once
                     assert not res[j] or alive[j], "a plain decode call ran past a finished turn"
                     run = DecodedRounds([anchor[j]] + o.argmax[:-1].tolist(), o)
@@ -284,23 +284,20 @@ class StageHost(DraftVerifyWire):
             r += len(rounds_run)
         return res, [(anchor[j], commit[j], used[j], alive[j]) if res[j] else None for j in range(len(items))]
 
-    #: seconds a round of the last :meth:`decode` call took (0: none yet), to end a call near its ``ms``
+    #: seconds a round of the last :meth:`decode_rows` call took (0: none yet), to end a call near its ``ms``
     _decode_round_s = 0.0
-    #: the rounds the last :meth:`_plain_steps` got from the clock at that pace (a decode call that ran
-    #: them all ends its ``draft_verify``: a second one for the rounds left would be mostly its fixed cost)
-    _paced_steps = 0
 
     def _plain_steps(self, items: list[Rows], plans: list[RoundsPlan], live: list[int], r: int, used: list[int],
-                     budget: list[int], end: float | None) -> int:
-        """Rounds the live sequences can run in one :meth:`decode` call from round ``r`` (0: not one
-        call): every one plain (no arm) and greedy, at least two rounds each within its plan, budget
-        and context room, and (``end``) those that end at the first round boundary after ``end`` at
-        the last call's pace."""
+                     budget: list[int], end: float | None) -> tuple[int, int]:
+        """``(steps, by_clock)``: the rounds the live sequences can run in one :meth:`decode_rows` call
+        from round ``r`` (0: not one call): every one plain (no arm) and greedy, at least two rounds
+        each within its plan, budget and context room, and (``end``) those that end at the first round
+        boundary after ``end`` at the last call's pace, ``by_clock`` (:func:`rounds_until`)."""
         if any(plans[j].arm or items[j].sid in self.trunk.sampling for j in live):
-            return 0
-        self._paced_steps = rounds_until(end, self._decode_round_s)
-        n = min(self._paced_steps, *(min(plans[j].rounds - r, budget[j], plans[j].room - used[j] - 1) for j in live))
-        return n if n >= 2 else 0
+            return 0, 0
+        by_clock = rounds_until(end, self._decode_round_s)
+        n = min(by_clock, *(min(plans[j].rounds - r, budget[j], plans[j].room - used[j] - 1) for j in live))
+        return (n if n >= 2 else 0), by_clock
 
     def _request(self, it: Rows, arm: str, k: int) -> DraftRequest:
         """The drafter request of a sequence: its kept rows (cleared), each followed by the next kept
@@ -359,7 +356,7 @@ class StageHost(DraftVerifyWire):
             self.ahead.start(*next_call(items, plans, cont))
         return self._pack_rounds(res)
 
-    def _pack_rounds(self, res: list[list[tuple[int, list[int], VerifyOut]]]) -> schema.Arrays:
+    def _pack_rounds(self, res: list) -> schema.Arrays:
         """:data:`tandem.schema.DRAFT_VERIFY_OUTPUTS` of :meth:`draft_verify_rounds`' result."""
         outs, drafts, lengths, anchors = [], [], [], []  # by sequence, then round
         for per in res:

@@ -28,18 +28,15 @@ class PlainRounds:
         while n < self.config.burst_rounds and self.active():
             if deadline is not None and receipts and time.perf_counter() >= deadline:
                 break
-            self._paced_call = False
-            k = self._plain_rounds(receipts, self.config.burst_rounds - n, deadline) if plain else 0
+            k, paced = self._plain_rounds(receipts, self.config.burst_rounds - n, deadline) if plain else (0, False)
             if not k:
                 self.round(receipts)
             n += k or 1
-            if self._paced_call:
+            if paced:
                 break
 
     #: seconds a round of the last decode call took (0: none yet), to end a burst near ``burst_ms``
     _decode_round_s = 0.0
-    #: whether the last :meth:`_plain_rounds` call ran every round its deadline gave it (its burst ends)
-    _paced_call = False
 
     def _all_plain(self, act: list) -> bool:
         """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
@@ -72,26 +69,26 @@ class PlainRounds:
         self._finish(s, r, "stop" if targets[-1] in s.stop_ids else ("length" if n == budget else None))
         return 1
 
-    def _plain_rounds(self, receipts: dict, most: int, deadline: float | None = None) -> int:
+    def _plain_rounds(self, receipts: dict, most: int, deadline: float | None = None) -> tuple[int, bool]:
         """Run up to ``most`` rounds of every active session in one trunk ``decode`` call when they all
         decode plain greedy rows and each can run two rounds at least (its budget and context room);
         with a ``deadline`` (``time.perf_counter()`` seconds), only the rounds that end at the first
         round boundary after it at the last call's pace (:func:`rounds_until`). Returns the rounds run
-        (0: not applicable, nothing ran)."""
+        (0: not applicable, nothing ran) and whether they were every round the deadline gave (the
+        burst then ends: a second call for the time left would be mostly its fixed cost)."""
         act = self.active()
         if not self._all_plain(act):
-            return 0
+            return 0, False
         paced = rounds_until(deadline, self._decode_round_s)
         steps = min(most, paced, *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
         if steps < 2:
-            return 0
+            return 0, False
         t0 = time.perf_counter()
         outs = self.trunk.decode_rows([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], steps,
                                       [tuple(s.stop_ids) for s in act])
         t1 = time.perf_counter()
         n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
         self._decode_round_s = (t1 - t0) / n
-        self._paced_call = n == steps == paced
         for s, o in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
             k = o.argmax.shape[0]
@@ -101,7 +98,7 @@ class PlainRounds:
         tm["verify_s"] += t1 - t0
         tm["accept_s"] += time.perf_counter() - t1
         tm["rounds"] += n
-        return n
+        return n, n == steps == paced
 
 
 def rounds_until(deadline: float | None, round_s: float) -> int:

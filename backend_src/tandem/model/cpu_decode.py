@@ -233,8 +233,14 @@ def decode_steps(model, caches: list[TrunkCache], anchors: list[int], steps: int
     g = min(threads, S)
     bounds = [S * k // g for k in range(g + 1)]
     parts = [(caches[a:b], anchors[a:b], stop_ids[a:b]) for a, b in zip(bounds, bounds[1:])]
-    futures = [thread_pool(g - 1).submit(_group, model, p, *part, steps, features) for part in parts[1:]]
-    out = _group(model, p, *parts[0], steps, features)
+    return run_groups(lambda part: _group(model, p, *part, steps, features), parts)
+
+
+def run_groups(fn, groups: list) -> list:
+    """``fn(group)`` for each group, the first on this thread and the others on :func:`thread_pool`'s
+    threads at once; their lists of per-sequence results joined in group order. Raises what a call raised."""
+    futures = [thread_pool(len(groups) - 1).submit(fn, g) for g in groups[1:]]
+    out = list(fn(groups[0]))
     for f in futures:
         out += f.result()
     return out

@@ -207,12 +207,8 @@ class Trunk(nn.Module):
         groups = row_groups(lengths, self.decode_threads) if self._invariant_rows() else [range(len(caches))]
         if len(groups) == 1:
             return self._prime_rows(caches, ids, lengths, features)
-        run = lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g], [lengths[j] for j in g], features)  # noqa: E731
-        futures = [cpu_decode.thread_pool(len(groups) - 1).submit(run, g) for g in groups[1:]]
-        out = run(groups[0])
-        for f in futures:
-            out += f.result()
-        return out
+        return cpu_decode.run_groups(lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g],
+                                                                [lengths[j] for j in g], features), groups)
 
     @torch.no_grad()
     def _prime_rows(self, caches: list[TrunkCache], ids: list[torch.Tensor], lengths: list[int], features: tuple[int, ...]) -> list:
