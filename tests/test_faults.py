@@ -325,3 +325,36 @@ def test_health_during_a_reload_reads_not_ready(monkeypatch):
     Reloading.answer = "permission denied"
     with pytest.raises(InferenceServerException, match="permission denied"):
         stage_health("127.0.0.1:1")
+
+
+def test_stop_leaves_a_worker_stuck_in_a_stage_call_behind_and_logs_where(model, monkeypatch):
+    """At shutdown (the model's ``finalize``) the worker is waited for a bounded time: one stuck in a
+    stage call (here the idle probe of a stage that never answers) is left behind with its stack in
+    the log, so the model still unloads inside the server's exit timeout; an idle worker stops at
+    once and calls no stage after the stop."""
+    monkeypatch.setattr(fr, "PROBE_S", 0.0)
+    monkeypatch.setattr(fr, "PROBE_IDLE_S", 0.1)
+    tr = Faulty(model)
+    front = _front(tr)
+    logs: list[str] = []
+    front.log = logs.append
+    tr.hang.add(("trunk", "close"))
+    try:
+        deadline = time.monotonic() + 10
+        while not (tr.calls and tr.calls[-1] == ("trunk", "close", 0)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tr.calls[-1] == ("trunk", "close", 0)  # the probe hangs
+        t0 = time.monotonic()
+        assert front.stop(timeout_s=0.5) is False
+        assert time.monotonic() - t0 < 2.0
+        assert any("did not stop within 0.5 s" in m and "_probe" in m for m in logs), logs
+    finally:
+        tr.release.set()
+    tr2 = Faulty(model)
+    idle = _front(tr2)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert idle.stop() is True and time.monotonic() - t0 < fr.STOP_JOIN_S
+    n = len(tr2.calls)
+    time.sleep(0.3)
+    assert len(tr2.calls) == n

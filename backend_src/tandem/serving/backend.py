@@ -299,9 +299,10 @@ class MetricsPublisher:
             except Exception as e:  # noqa: BLE001 - a lost flush must not end the metrics
                 self.log(f"metrics: {type(e).__name__}: {e}")
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop publishing (waits up to ``timeout_s`` seconds for a flush under way)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout_s)
 
 
 class SendQueue:
@@ -353,7 +354,12 @@ class SendQueue:
                 state["cancelled"] = True
                 self.log(f"could not send a response: {type(e).__name__}: {e}")
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Send what is queued, then stop the thread (waits up to ``timeout_s`` seconds)."""
+    def close(self, timeout_s: float = 2.0) -> bool:
+        """Send what is queued, then stop the thread (waits up to ``timeout_s`` seconds: a model's
+        ``finalize`` must end inside the server's exit timeout); returns whether everything was sent."""
         self._q.put(None)
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self.log(f"responses still unsent after {timeout_s:g} s at shutdown")
+            return False
+        return True

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 from .. import schema
@@ -38,6 +40,10 @@ PROBE_S = 2.0
 PROBE_IDLE_S = 0.5
 #: seconds between gauge updates while turns run (a changed gauge is an IPC to the server; idle: every loop)
 GAUGES_S = 0.25
+#: seconds :meth:`TandemFront.stop` waits for the worker (the model's ``finalize``, whose whole stop must
+#: stay well inside the server's exit timeout, ``serve --exit-timeout-secs`` 10 s): a worker still in a
+#: stage call by then is left behind (a daemon thread) and its stack logged
+STOP_JOIN_S = 3.0
 
 
 def server_exiting(e: BaseException) -> bool:
@@ -201,6 +207,8 @@ class TandemFront:
                     sched.admit(new)
                 if sched.busy():
                     sched.burst()
+                if self._stop.is_set():  # stopping: no idle stage call (the stage models are unloading)
+                    break
                 if time.monotonic() - last_expire > 1.0:
                     sched.expire_idle()
                     last_expire = time.monotonic()
@@ -236,6 +244,8 @@ class TandemFront:
         """While no turn runs: find stages whose process died (and restart them) before a turn needs them."""
         sched = self.sched
         for stage in dict.fromkeys([sched.trunk, *sched.drafters.values(), *self.standby]):
+            if self._stop.is_set():
+                return
             if hasattr(stage, "probe") and sched.stage_name(stage) not in sched.unavailable:
                 try:
                     stage.probe()
@@ -326,12 +336,21 @@ class TandemFront:
         self.sched.sessions.clear()
         self.sched._waiting.clear()
 
-    def stop(self) -> None:
-        """Stop the worker and fail the turns in flight (see :meth:`_fail_all`)."""
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop the worker and fail the turns in flight (see :meth:`_fail_all`). Waits ``timeout_s``
+        seconds (default :data:`STOP_JOIN_S`) for the worker; one still inside a stage call then is
+        left behind, its stack logged. Returns whether the worker stopped."""
         self.exiting = True
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(STOP_JOIN_S if timeout_s is None else timeout_s)
+        stopped = not self._thread.is_alive()
+        if not stopped:
+            frame = sys._current_frames().get(self._thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
+            self.log(f"worker did not stop within {STOP_JOIN_S if timeout_s is None else timeout_s:g} s; "
+                     f"left behind in:\n{where.rstrip()}")
         self._fail_all(SHUTTING_DOWN)
+        return stopped
 
 
 #: the ``tandem`` model's gauges (metric ``tandem_<name>``, :meth:`TandemFront.gauge_values`): the
