@@ -48,6 +48,8 @@ def test_hc_weights_and_merge_match_reference(odd, T):
         torch.testing.assert_close(hc_merge(rp, rc, rx, s), ref_merge, atol=1e-5, rtol=1e-5)
         one = layer.attn_hc.normed(s[:, -1:], layer.input_layernorm)  # a row alone == inside the block, bit for bit
         assert all(torch.equal(a, b[:, -1:]) for a, b in zip(one, (post, comb, x)))
+        merged = hc_merge(rp, rc, rx, s)
+        assert torch.equal(hc_merge(rp[:, -1:], rc[:, -1:], rx[:, -1:], s[:, -1:]), merged[:, -1:])
 
 
 @pytest.mark.parametrize("T", [1, 2, 9])

@@ -32,7 +32,7 @@ from numba import njit
 
 from .cpu_gemm import _mmp, cols, kernel_weight
 from .cpu_kda import _kda_many, conv_taps, kda_buffers, kda_results
-from .cpu_kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_rows
+from .cpu_kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_param_t, np_rows
 from .cpu_moe import _moe_route, _moe_sparse
 
 #: whether the fused blocks apply: the last entry (tests and A/B benches turn them off with :func:`off`)
@@ -56,10 +56,10 @@ def off():
 @njit(cache=True, nogil=True)
 def _hc_in(s, hc):  # pragma: no cover - numba
     # s [N, n, D] streams -> mHC post [N, n], comb [N, n, n] and the normed block input [N, D]
-    fn, base, scale, iters, eps, norm_eps, nw, nw_eps = hc
+    fn_t, base, scale, iters, eps, norm_eps, nw, nw_eps = hc
     N, n, D = s.shape
     post, comb, col = np.empty((N, n), _F), np.empty((N, n, n), _F), np.empty((N, D), _F)
-    _hc_weights(s.reshape(N, n * D), fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, col)
+    _hc_weights(s.reshape(N, n * D), fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, col)
     return post, comb, col
 
 
@@ -181,7 +181,7 @@ def relayout() -> None:
 
 
 def _hc_args(hc, norm) -> tuple:
-    return (np_param(hc.fn), np_param(hc.base), np_param(hc.scale), hc.iters, _F(hc.eps), _F(hc.norm_eps),
+    return (np_param_t(hc.fn), np_param(hc.base), np_param(hc.scale), hc.iters, _F(hc.eps), _F(hc.norm_eps),
             np_param(norm.weight), _F(norm.variance_epsilon))
 
 

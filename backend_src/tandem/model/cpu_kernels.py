@@ -67,6 +67,18 @@ def np_param(p: torch.Tensor) -> np.ndarray:
     return a
 
 
+def np_param_t(p: torch.Tensor) -> np.ndarray:
+    """:func:`np_param` of a 2-D weight ``[O, I]`` transposed: ``[I, O]`` float32 C-contiguous (a copy,
+    made once per storage)."""
+    key = ("T", id(p))
+    hit = _PARAMS.get(key)
+    if hit is not None and hit[2] is p and hit[0] == p.data_ptr():
+        return hit[1]
+    a = np.ascontiguousarray(np_param(p).T)
+    _PARAMS[key] = (p.data_ptr(), a, p)
+    return a
+
+
 def np_rows(t: torch.Tensor) -> np.ndarray:
     """Activations as a float32 C-contiguous numpy array (no copy when they already are)."""
     if t.dtype != torch.float32:
@@ -134,17 +146,32 @@ def _dot(a, b):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def _hc_weights(streams, fn, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, collapsed):  # pragma: no cover - numba
+def _hc_weights(streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, collapsed):  # pragma: no cover - numba
+    # fn_t [N*D, (2+N)N]: the mixing weight transposed (np_param_t)
     M, ND = streams.shape
     D = ND // n
-    n_mix = fn.shape[0]
+    n_mix = fn_t.shape[1]
+    n8 = ND - ND % 8
     mix = np.empty(n_mix, np.float32)
+    part = np.empty((8, n_mix), np.float32)
     one = np.float32(1.0)
     for r in range(M):
         x = streams[r]
         inv = one / np.sqrt(_dot(x, x) / np.float32(ND) + norm_eps)
+        # every mixing output as _dot(x, fn[o]) sums it (eight interleaved partial sums, combined in
+        # that order), all outputs at once along a row of fn_t (vectorised: 8 rows 10.0 -> 6.3 us)
+        part[:] = np.float32(0.0)
+        for j in range(0, n8, 8):
+            for k in range(8):
+                xv, w, acc = x[j + k], fn_t[j + k], part[k]
+                for o in range(n_mix):
+                    acc[o] += xv * w[o]
         for o in range(n_mix):
-            mix[o] = _dot(x, fn[o]) * inv
+            acc_o = ((part[0, o] + part[1, o]) + (part[2, o] + part[3, o])) + \
+                ((part[4, o] + part[5, o]) + (part[6, o] + part[7, o]))
+            for j in range(n8, ND):
+                acc_o += x[j] * fn_t[j, o]
+            mix[o] = acc_o * inv
         col = collapsed[r]
         for i in range(n):
             pre = one / (one + np.exp(-(mix[i] * scale[0] + base[i]))) + eps
@@ -196,7 +223,7 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     post = np.empty((b * t, n), _F)
     comb = np.empty((b * t, n, n), _F)
     col = np.empty((b * t, d), _F)
-    _hc_weights(s, np_param(fn), np_param(base), np_param(scale), n, iters, _F(eps), _F(norm_eps),
+    _hc_weights(s, np_param_t(fn), np_param(base), np_param(scale), n, iters, _F(eps), _F(norm_eps),
                 np_param(norm_w), _F(norm_w_eps), post, comb, col)
     return (torch.from_numpy(post).view(b, t, n), torch.from_numpy(comb).view(b, t, n, n),
             torch.from_numpy(col).view(b, t, d).to(streams.dtype))
@@ -204,15 +231,22 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 @njit(cache=True, nogil=True)
 def _hc_merge(post, comb, block, residual, out):  # pragma: no cover - numba
+    # out[r, i, d] = ((post[r, i] * block[r, d] + comb[r, 0, i] * residual[r, 0, d]) + ...) over the
+    # streams m in order; each loop runs along d (contiguous: vectorised; with m innermost it ran
+    # scalar, 8 rows 6.4 -> 1.0 us), the same operations per element in the same order
     M, n, D = residual.shape
     for r in range(M):
+        b = block[r]
         for i in range(n):
             p = post[r, i]
+            o = out[r, i]
             for d in range(D):
-                acc = p * block[r, d]
-                for m in range(n):
-                    acc += comb[r, m, i] * residual[r, m, d]
-                out[r, i, d] = acc
+                o[d] = p * b[d]
+            for m in range(n):
+                c = comb[r, m, i]
+                res = residual[r, m]
+                for d in range(D):
+                    o[d] += c * res[d]
 
 
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
