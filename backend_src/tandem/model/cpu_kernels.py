@@ -51,32 +51,31 @@ def reference():
         ENABLED = old
 
 
-_PARAMS: dict[int, tuple[int, np.ndarray, torch.Tensor]] = {}
+_PARAMS: dict[object, tuple[int, np.ndarray, torch.Tensor]] = {}  # id(weight) or ("T", id(weight)) -> (storage, array, weight)
+
+
+def _cached(key, p: torch.Tensor, make) -> np.ndarray:
+    """``make()``, kept under ``key`` while ``p`` (the weight it was made from) keeps its storage."""
+    hit = _PARAMS.get(key)
+    if hit is not None and hit[2] is p and hit[0] == p.data_ptr():
+        return hit[1]
+    a = make()
+    if len(_PARAMS) > 4096:  # not a cache of every model a process ever loaded
+        _PARAMS.clear()
+    _PARAMS[key] = (p.data_ptr(), a, p)
+    return a
 
 
 def np_param(p: torch.Tensor) -> np.ndarray:
     """A float32 C-contiguous numpy array of a weight, made once per storage (a view when the weight
     already is fp32 and contiguous, so in-place loads show through; a copy otherwise)."""
-    hit = _PARAMS.get(id(p))
-    if hit is not None and hit[2] is p and hit[0] == p.data_ptr():
-        return hit[1]
-    a = p.detach().float().contiguous().numpy()
-    if len(_PARAMS) > 4096:  # not a cache of every model a process ever loaded
-        _PARAMS.clear()
-    _PARAMS[id(p)] = (p.data_ptr(), a, p)
-    return a
+    return _cached(id(p), p, lambda: p.detach().float().contiguous().numpy())
 
 
 def np_param_t(p: torch.Tensor) -> np.ndarray:
     """:func:`np_param` of a 2-D weight ``[O, I]`` transposed: ``[I, O]`` float32 C-contiguous (a copy,
     made once per storage)."""
-    key = ("T", id(p))
-    hit = _PARAMS.get(key)
-    if hit is not None and hit[2] is p and hit[0] == p.data_ptr():
-        return hit[1]
-    a = np.ascontiguousarray(np_param(p).T)
-    _PARAMS[key] = (p.data_ptr(), a, p)
-    return a
+    return _cached(("T", id(p)), p, lambda: np.ascontiguousarray(np_param(p).T))
 
 
 def np_rows(t: torch.Tensor) -> np.ndarray:

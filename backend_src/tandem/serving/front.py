@@ -336,19 +336,18 @@ class TandemFront:
         self.sched.sessions.clear()
         self.sched._waiting.clear()
 
-    def stop(self, timeout_s: float | None = None) -> bool:
+    def stop(self, timeout_s: float = STOP_JOIN_S) -> bool:
         """Stop the worker and fail the turns in flight (see :meth:`_fail_all`). Waits ``timeout_s``
-        seconds (default :data:`STOP_JOIN_S`) for the worker; one still inside a stage call then is
-        left behind, its stack logged. Returns whether the worker stopped."""
+        seconds for the worker; one still inside a stage call then is left behind, its stack logged.
+        Returns whether the worker stopped."""
         self.exiting = True
         self._stop.set()
-        self._thread.join(STOP_JOIN_S if timeout_s is None else timeout_s)
+        self._thread.join(timeout_s)
         stopped = not self._thread.is_alive()
         if not stopped:
             frame = sys._current_frames().get(self._thread.ident)
             where = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)\n"
-            self.log(f"worker did not stop within {STOP_JOIN_S if timeout_s is None else timeout_s:g} s; "
-                     f"left behind in:\n{where.rstrip()}")
+            self.log(f"worker did not stop within {timeout_s:g} s; left behind in:\n{where.rstrip()}")
         self._fail_all(SHUTTING_DOWN)
         return stopped
 
