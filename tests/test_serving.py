@@ -24,7 +24,7 @@ from tandem import schema  # noqa: E402
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
 from tandem.model.device import parse_dtype, resolve_device  # noqa: E402
 from tandem.serving.serve import MODELS, model_states  # noqa: E402
-from tandem_client.client import TandemClientError, generate, new_sequence_id  # noqa: E402
+from tandem_client.client import TandemClientError, generate, new_sequence_id, stage_infer  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -238,7 +238,7 @@ def _infer(server, model, arrays):
                                       {"int64": "INT64", "int32": "INT32", "float32": "FP32"}[str(a.dtype)])
             x.set_data_from_numpy(a)
             ins.append(x)
-        return c.infer(model, ins)
+        return stage_infer(c, schema.MODELS[model], ins)  # the trunk is decoupled: a stream
     finally:
         c.close()
 

@@ -310,6 +310,7 @@ TRUNK = ModelSpec(
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
                 "colocate", "run_ahead", "decode_threads", "max_num_draft_tokens"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next") + HOSTED_OPS,
+    decoupled=True,  # one response a request, with the final flag (tandem.serving.stage_worker)
 )
 
 DRAFTER_MTP = ModelSpec(
@@ -343,7 +344,6 @@ DRAFTER_DFLASH = ModelSpec(
 )
 
 MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
-
 
 # -- array helpers of the stage models ------------------------------------------------------------------
 def lengths_of(arrays: Arrays, n_sids: int, total: int, of: str) -> list[int]:

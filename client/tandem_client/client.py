@@ -302,6 +302,33 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
 _TRITON = {"TYPE_INT32": "INT32", "TYPE_INT64": "INT64", "TYPE_FP32": "FP32", "TYPE_STRING": "BYTES"}
 
 
+def stage_infer(c, spec, inputs: list, timeout_s: float = 5.0):
+    """One call of a stage model by gRPC client ``c`` (a ``tritonclient.grpc.InferenceServerClient``
+    with no stream open): a unary ``infer``, or for a decoupled model (``spec.decoupled``: the
+    ``trunk``) a stream that carries the request and its one response. Returns the ``InferResult``;
+    raises ``InferenceServerException`` with the model's error, or "Deadline Exceeded" when no answer
+    came within ``timeout_s`` seconds."""
+    import queue
+
+    from tritonclient.utils import InferenceServerException
+
+    if not spec.decoupled:
+        return c.infer(spec.name, inputs, client_timeout=timeout_s)
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        c.async_stream_infer(spec.name, inputs)
+        try:
+            result, error = got.get(timeout=timeout_s)
+        except queue.Empty:
+            raise InferenceServerException(f"Deadline Exceeded: {spec.name} did not answer within {timeout_s:g} s") from None
+    finally:
+        c.stop_stream(cancel_requests=True)
+    if error is not None:
+        raise error
+    return result
+
+
 def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, str]:
     """Each model's state: ``READY``; ``NOT READY`` (Triton has not loaded it, or is restarting it);
     ``NOT ANSWERING`` (a stage model that does not answer an empty ``close`` within ``timeout_s``
@@ -333,7 +360,7 @@ def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, st
             op.set_data_from_numpy(schema.string_array("close"))
             sids.set_data_from_numpy(np.zeros(0, np.int64))
             try:
-                c.infer(name, [op, sids], client_timeout=timeout_s)
+                stage_infer(c, spec, [op, sids], timeout_s)
             except InferenceServerException as e:
                 msg = e.message() or str(e)
                 if "is not healthy" in msg:

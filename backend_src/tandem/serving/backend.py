@@ -216,34 +216,51 @@ def tensors_by_name(tensors, names) -> dict:
 def stage_execute(pb_utils, spec: schema.ModelSpec, stage, requests, gauges: Gauges | None = None,
                   unavailable: str | None = None, with_sequence: bool = False, on_cancelled=None,
                   stats: CallStats | None = None) -> list:
-    """The ``execute`` of a stage model: each request's tensors -> ``stage.handle`` -> one response;
-    a :class:`~tandem.schema.WireError` answers with its text (naming the field), anything else with
-    ``internal error: ...``; ``unavailable`` (a reason) answers every request with it; ``with_sequence``
-    passes each request's correlation id and flags to ``handle`` too; ``on_cancelled(arrays)`` is
-    called first for a request its client cancelled, which is then answered as usual (an ensemble step
-    answered with an error when its ensemble request was cancelled leaves that ensemble request in
-    flight in Triton 2.51 for good: the server's exit then times out, measured). Afterwards
-    the ``stage_sequences`` gauge is set to ``len(stage.states)``; ``stats`` gets each request's seconds
-    inside ``handle`` as ``<model>.<OP>`` (the bench subtracts them from ``tandem``'s BLS round trips)."""
-    responses = []
-    for r in requests:
-        try:
-            if unavailable is not None:
-                raise schema.WireError(unavailable)
-            arrays = tensors_by_name(r.inputs(), spec.input_names)
-            if on_cancelled is not None and r.is_cancelled():
-                on_cancelled(arrays)
-            t0 = time.perf_counter()
-            out = stage.handle(arrays, r.correlation_id(), r.flags()) if with_sequence else stage.handle(arrays)
-            if stats is not None:
-                stats.add(f"{spec.name}.{schema.get_op(arrays, spec)}", time.perf_counter() - t0)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
-        except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
-            msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"
-            responses.append(pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg)))
+    """The ``execute`` of a stage model: one :func:`stage_response` per request, in order. Afterwards
+    the ``stage_sequences`` gauge is set to ``len(stage.states)``."""
+    responses = [stage_response(pb_utils, spec, stage, r, unavailable, with_sequence, on_cancelled, stats)
+                 for r in requests]
     if gauges is not None and stage is not None:
         gauges.set({"stage_sequences": len(stage.states)})
     return responses
+
+
+def stage_response(pb_utils, spec: schema.ModelSpec, stage, r, unavailable: str | None = None,
+                   with_sequence: bool = False, on_cancelled=None, stats: CallStats | None = None,
+                   only_requested: bool = False):
+    """One request of a stage model: its tensors -> ``stage.handle`` -> its response. A
+    :class:`~tandem.schema.WireError` answers with its text (naming the field), anything else with
+    ``internal error: ...``; ``unavailable`` (a reason) answers with it; ``with_sequence`` passes the
+    request's correlation id and flags to ``handle`` too; ``on_cancelled(arrays)`` is called first for
+    a request its client cancelled, which is then answered as usual (an ensemble step answered with an
+    error when its ensemble request was cancelled leaves that ensemble request in flight in Triton
+    2.51 for good: the server's exit then times out, measured). ``stats`` gets the seconds inside
+    ``handle`` as ``<model>.<OP>`` (the bench subtracts them from ``tandem``'s BLS round trips).
+    ``only_requested`` (a decoupled model's response, sent by ``ResponseSender.send``): leave out the
+    outputs the caller did not request, since ``send`` would drop them itself, freeing their arrays
+    without the GIL in Triton 2.51's Python backend (see :class:`~tandem.serving.stage_worker.BarrierRelease`)."""
+    try:
+        if unavailable is not None:
+            raise schema.WireError(unavailable)
+        arrays = tensors_by_name(r.inputs(), spec.input_names)
+        if on_cancelled is not None and r.is_cancelled():
+            on_cancelled(arrays)
+        t0 = time.perf_counter()
+        out = stage.handle(arrays, r.correlation_id(), r.flags()) if with_sequence else stage.handle(arrays)
+        if stats is not None:
+            stats.add(f"{spec.name}.{schema.get_op(arrays, spec)}", time.perf_counter() - t0)
+        if only_requested:
+            out = requested_only(out, r.requested_output_names())
+        return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()])
+    except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
+        msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"
+        return pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg))
+
+
+def requested_only(arrays: dict, requested) -> dict:
+    """``arrays`` restricted to the ``requested`` output names (none requested: all, as Triton reads it)."""
+    names = set(requested)
+    return {k: v for k, v in arrays.items() if k in names} if names else arrays
 
 
 def reload_model(pb_utils, name: str) -> None:
@@ -315,20 +332,24 @@ class SendQueue:
     (queues ``(arrays, error, final)``) and ``is_cancelled`` (a flag this thread refreshes after each
     non-final send of that stream, so a client's cancel is seen one burst later). ``make(arrays,
     error)`` builds the response; ``final_flag`` is the backend's final-response flag. A send that
-    raises marks its stream cancelled (the worker then ends the turn) and is logged with ``log``."""
+    raises marks its stream cancelled (the worker then ends the turn) and is logged with ``log``.
+    ``barrier``: each ``is_cancelled`` that answers False releases what it holds up to then (the
+    decoupled BLS iterators, :class:`~tandem.serving.stage_worker.BarrierRelease`)."""
 
-    def __init__(self, make: Callable, final_flag: int, log: Callable[[str], None]) -> None:
-        self.make, self.final_flag, self.log = make, final_flag, log
+    def __init__(self, make: Callable, final_flag: int, log: Callable[[str], None], barrier=None) -> None:
+        self.make, self.final_flag, self.log, self.barrier = make, final_flag, log, barrier
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tandem-sender", daemon=True)
         self._thread.start()
 
-    def stream(self, sender) -> tuple[Callable, Callable[[], bool]]:
-        """``(send(arrays, error, final), is_cancelled())`` of one request's response ``sender``."""
+    def stream(self, sender, requested=()) -> tuple[Callable, Callable[[], bool]]:
+        """``(send(arrays, error, final), is_cancelled())`` of one request's response ``sender``;
+        ``requested``: the request's requested output names (each response carries only those, see
+        :func:`stage_response`; none: all)."""
         state = {"cancelled": False}
 
         def send(arrays, error, final) -> None:
-            self._q.put((sender, arrays, error, final, state))
+            self._q.put((sender, requested_only(arrays, requested) if arrays else arrays, error, final, state))
 
         return send, lambda: state["cancelled"]
 
@@ -349,7 +370,10 @@ class SendQueue:
             try:
                 sender.send(self.make(arrays, error), flags=self.final_flag if final else 0)
                 if not final and not state["cancelled"]:  # (a cancel, or a failed send, stays)
+                    mark = self.barrier.mark() if self.barrier is not None else None
                     state["cancelled"] = bool(sender.is_cancelled())
+                    if mark is not None and not state["cancelled"]:
+                        self.barrier.release(mark)
             except Exception as e:  # noqa: BLE001 - a broken client must not stop the others' responses
                 state["cancelled"] = True
                 self.log(f"could not send a response: {type(e).__name__}: {e}")

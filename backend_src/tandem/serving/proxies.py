@@ -19,6 +19,7 @@ from ..engine import sampling
 from ..engine.protocols import Commit, DecodedRounds, DraftRequest, RoundsPlan, Rows, VerifyOut
 from ..schema import Arrays, WireError
 from .backend import CallStats, tensors_by_name
+from .stage_worker import BarrierRelease, DecoupledCaller, StageDied
 
 
 # -- transports ---------------------------------------------------------------------------------------
@@ -107,28 +108,47 @@ class LocalTransport:
 
 class BLSTransport:
     """One ``pb_utils.InferenceRequest(...).exec()`` per call, from any thread of a decoupled model.
-    ``pb_utils``: the ``triton_python_backend_utils`` module, passed in. Raises :class:`StageError`."""
+    ``pb_utils``: the ``triton_python_backend_utils`` module, passed in. A decoupled model (the
+    ``trunk``: :class:`~tandem.serving.stage_worker.StageWorker`) is called with ``exec(decoupled=True)``
+    and answers one response with the final flag; its finished response iterators go to ``held``
+    (:class:`~tandem.serving.stage_worker.BarrierRelease`: dropping them here could free their tensors
+    on a thread of the stub without the GIL). Raises :class:`StageError`."""
 
     def __init__(self, pb_utils, timeout_us: int = 0) -> None:
         self.pb = pb_utils
         self.timeout_us = timeout_us
         self.stats = CallStats()
+        self.held = BarrierRelease()
+        self.decoupled = DecoupledCaller(self.held)
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
-        pb = self.pb
-        tensors = [pb.Tensor("OP", schema.string_array(op))]
-        tensors += [pb.Tensor(k, np.ascontiguousarray(v)) for k, v in arrays.items()]
-        kw = {"timeout": self.timeout_us} if self.timeout_us else {}
         t0 = time.perf_counter()
-        resp = pb.InferenceRequest(model_name=model.name, inputs=tensors,
-                                   requested_output_names=list(model.output_names), **kw).exec()
+        if model.decoupled:
+            try:
+                probe = {"SIDS": np.zeros(0, np.int64)}  # a no-op close: answered at once by a dead process
+                resp = self.decoupled.call(model.name, lambda: self._request(model, op, arrays).exec(decoupled=True),
+                                           lambda: self._request(model, "close", probe).exec(decoupled=True))
+            except StageDied as e:
+                raise StageError(model.name, op, str(e)) from None
+        else:
+            resp = self._request(model, op, arrays).exec()
         self.stats.add(f"{model.name}.{op}", time.perf_counter() - t0)
+        if resp is None:
+            raise StageError(model.name, op, "the call ended without a response")
         if resp.has_error():
             raise StageError(model.name, op, resp.error().message())
         got = tensors_by_name(resp.output_tensors(), model.output_names)
         if (missing := next((n for n in model.output_names if n not in got), None)) is not None:
             raise StageError(model.name, op, f"response lacks output {missing}")
         return {k: np.array(v, copy=True) for k, v in got.items()}  # own the bytes: the response's buffer dies with it
+
+    def _request(self, model: schema.ModelSpec, op: str, arrays: Arrays):
+        pb = self.pb
+        tensors = [pb.Tensor("OP", schema.string_array(op))]
+        tensors += [pb.Tensor(k, np.ascontiguousarray(v)) for k, v in arrays.items()]
+        kw = {"timeout": self.timeout_us} if self.timeout_us else {}
+        return pb.InferenceRequest(model_name=model.name, inputs=tensors,
+                                   requested_output_names=list(model.output_names), **kw)
 
 
 # -- stage proxies ------------------------------------------------------------------------------------
@@ -201,7 +221,8 @@ class HostedTransport:
         self.stats = getattr(inner, "stats", None)
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
-        return self.inner(dataclasses.replace(model, name=schema.TRUNK.name), f"{model.name}.{op}", arrays)
+        return self.inner(dataclasses.replace(model, name=schema.TRUNK.name, decoupled=schema.TRUNK.decoupled),
+                          f"{model.name}.{op}", arrays)
 
 
 class TrunkProxy(_PrefixStoreProxy):

@@ -52,7 +52,7 @@ class TritonPythonModel:
                                        restart=self._restart, gauges=gauges.set,
                                        standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else ())
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
-        self.sends = backend.SendQueue(_response, FINAL, log)  # responses leave off the worker's path
+        self.sends = backend.SendQueue(_response, FINAL, log, barrier=self.bls.held)  # responses leave off the worker's path
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
 
     def _restart(self, model):
@@ -62,7 +62,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            send, is_cancelled = self.sends.stream(request.get_response_sender())
+            send, is_cancelled = self.sends.stream(request.get_response_sender(), request.requested_output_names())
             arrays = backend.tensors_by_name(request.inputs(), schema.TANDEM.input_names)
             if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
                 self.front.cancel_session(int(request.correlation_id()), send)
@@ -79,5 +79,6 @@ class TritonPythonModel:
         self.front.stop()
         self.sends.close()
         self.metrics.stop()
+        self.bls.decoupled.stop()
         pb_utils.Logger.log_info(f"tandem: BLS calls {self.bls.stats.summary()}"
                                  + (f"; pipelined {self.pipe.counts}" if isinstance(self.pipe, front.Pipeline) else ""))

@@ -1,4 +1,5 @@
-"""Triton adapter for the `trunk` model: pb_utils tensors <-> tandem.engine.trunk_stage.TrunkStage.handle."""
+"""Triton adapter for the decoupled `trunk` model: pb_utils tensors <-> tandem.engine.trunk_stage.TrunkStage.handle,
+run in arrival order by the compute thread of tandem.serving.stage_worker.StageWorker."""
 
 import json
 
@@ -11,6 +12,7 @@ from tandem.engine.trunk_stage import TrunkStage
 from tandem.model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
 from tandem.model.device import placement
 from tandem.serving import backend
+from tandem.serving.stage_worker import StageWorker
 
 
 class TritonPythonModel:
@@ -39,10 +41,20 @@ class TritonPythonModel:
                                  f"{sorted(getattr(self.stage, 'drafters', {})) if cfg.colocate else 'none (colocate off)'}"
                                  f"{', run_ahead' if cfg.colocate and cfg.run_ahead else ''}")
 
+        # execute only queues: Triton hands this process the next request (a pipelined call) while one runs
+        self.worker = StageWorker(self._run, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, pb_utils.Logger.log_error, "trunk")
+
+    def _run(self, request):
+        response = backend.stage_response(pb_utils, schema.TRUNK, self.stage, request, stats=self.stats, only_requested=True)
+        self.gauges.set({"stage_sequences": len(self.stage.states)})
+        return response
+
     def execute(self, requests):
-        return backend.stage_execute(pb_utils, schema.TRUNK, self.stage, requests, self.gauges, stats=self.stats)
+        self.worker.submit(requests)
+        return None
 
     def finalize(self):
+        self.worker.stop()
         ahead = getattr(self.stage, "ahead", None)
         runs = f"; {ahead.summary()}" if ahead is not None else ""
         pb_utils.Logger.log_info(f"trunk: handled {self.stats.summary()}{runs}")
