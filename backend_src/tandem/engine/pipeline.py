@@ -1,10 +1,11 @@
 """Pipelined ``draft_verify`` calls (``pipeline``, with ``colocate``): while the ``trunk`` runs call N, the
 ``tandem`` process has already sent call N+1, a ``draft_verify_next`` that continues the same sequences
 from wherever call N leaves them (the trunk's process knows each one's next anchor, pending commit,
-budget and room: :func:`~tandem.engine.run_ahead.next_call`). Triton hands it to the trunk the moment N
-answers, so the trunk does not idle while N's answer travels to ``tandem``, is replayed and published,
-and the next call travels back (~2.2 ms a call measured on these machines, 5-11 calls a 128-token turn:
-README, Serving). The ``tandem`` process replays N+1 exactly like any call (:mod:`tandem.engine.hosted`):
+budget and room: :func:`~tandem.engine.run_ahead.next_call`). The decoupled ``trunk`` model takes it in
+while N runs (:class:`~tandem.serving.stage_worker.StageWorker`) and starts it the moment N is done, so
+the trunk does not idle while N's answer travels to ``tandem``, is replayed and published, and the next
+call travels back (~2.2 ms a call measured on these machines, 5-11 calls a 128-token turn: README,
+Serving). The ``tandem`` process replays N+1 exactly like any call (:mod:`tandem.engine.hosted`):
 the anchors are checked, the tokens are the same.
 
 Both sides:
