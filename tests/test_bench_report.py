@@ -54,3 +54,15 @@ def test_served_vs_in_process_gives_the_aggregate_and_the_paired_median():
     out = speedup_ratios(by, raw, [], ["plain"], False)
     assert out["served_vs_inprocess plain"] == pytest.approx((300 / (100 / 90 + 100 / 50 + 100 / 95)) / 100)
     assert out["served_vs_inprocess_median_prompt plain"] == pytest.approx(0.90)
+
+
+def test_the_paired_median_pairs_each_prompt_within_its_rep():
+    """With reps, a served run is paired with the in-process run of the same prompt in the same rep
+    (they ran back to back), not with the last in-process run of that prompt."""
+    ip = [(0, 0, 100.0), (0, 1, 50.0), (1, 0, 100.0), (1, 1, 100.0)]  # (prompt, rep, tokens/s): rep 1 of prompt 0 slow
+    sv = [(0, 0, 90.0), (0, 1, 45.0), (1, 0, 80.0), (1, 1, 90.0)]
+    raw = {n: [{"prompt": p, "rep": r, "tokens_per_s": v, "token_ids": [1] * 100} for p, r, v in runs]
+           for n, runs in (("plain (in-process)", ip), ("plain (served)", sv))}
+    by = {n: {"tokens_per_s_aggregate": 1.0} for n in raw}
+    out = speedup_ratios(by, raw, [], ["plain"], False)
+    assert out["served_vs_inprocess_median_prompt plain"] == pytest.approx(0.9)  # pairs 0.9, 0.9, 0.8, 0.9

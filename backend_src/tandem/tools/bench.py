@@ -115,6 +115,7 @@ def main(
     prompts: int = typer.Option(8, help="ShareGPT prompts"),
     humaneval: int = typer.Option(4, help="HumanEval prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
+    reps: int = typer.Option(2, help="runs of each prompt on each row (transformers': one), each rep in a fresh row order"),
     arms: str = typer.Option("mtp:1,mtp:3,dflash,dflash2", help="in-process speculative arms (arm[:drafts], comma list; "
                                                              "DFlash arms the checkpoint lacks are skipped)"),
     served_arms: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
@@ -146,7 +147,7 @@ def main(
 
     console = Console(width=200)
     if quick:
-        prompts, humaneval, max_tokens, prefix_pairs, concurrency = 2, 1, 32, min(prefix_pairs, 1), min(concurrency, 2)
+        prompts, humaneval, max_tokens, prefix_pairs, concurrency, reps = 2, 1, 32, min(prefix_pairs, 1), min(concurrency, 2), 1
         console.print("[bold yellow]QUICK: a smoke run; its figures are too few to mean anything[/]")
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     torch.set_num_threads(threads)
@@ -207,14 +208,18 @@ def main(
             e.sched.timing = {key: 0.0 for key in e.sched.timing}
         order = random.Random(seed)
         with Progress(console=console) as prog:
-            task = prog.add_task("bench (interleaved rows)", total=len(prompt_ids) * len(names))
-            for i, ids in enumerate(prompt_ids):
-                for n in order.sample(names, len(names)):  # a fresh random row order for every prompt
-                    r = runners[n](ids)
-                    raw[n].append({"prompt": i, **{k: r.get(k) for k in ("token_ids", "tokens_per_s", "ttft_s", "top2_gaps")},
-                                   "rounds": r.get("rounds", 0), "spec_rounds": r.get("spec_rounds"), "accepted": r.get("accepted", 0),
-                                   "accepted_at": r.get("accepted_at", [])})
-                    prog.advance(task)
+            task = prog.add_task("bench (interleaved rows)", total=len(prompt_ids) * (reps * len(names) - (reps - 1) * hf))
+            for rep in range(reps):
+                for i, ids in enumerate(prompt_ids):
+                    for n in order.sample(names, len(names)):  # a fresh random row order for every prompt and rep
+                        if rep and "transformers" in n:  # ~30x slower: one run a prompt
+                            continue
+                        r = runners[n](ids)
+                        raw[n].append({"prompt": i, "rep": rep,
+                                       **{k: r.get(k) for k in ("token_ids", "tokens_per_s", "ttft_s", "top2_gaps")},
+                                       "rounds": r.get("rounds", 0), "spec_rounds": r.get("spec_rounds"),
+                                       "accepted": r.get("accepted", 0), "accepted_at": r.get("accepted_at", [])})
+                        prog.advance(task)
         rss_server = _rss_mb(_tree_pids(server.proc.pid)) if server is not None else None
         pre_arm = next((a for _, a, _ in arm_list if a in schema.DFLASH_ARMS), None)
         if prefix_pairs and pre_arm:
@@ -227,7 +232,7 @@ def main(
         if server_ctx is not None:
             server_ctx.__exit__(None, None, None)
     rss_after = _rss_mb([os.getpid()])
-    plain_ref = {r["prompt"]: r for r in raw["plain (in-process)"]}
+    plain_ref = {r["prompt"]: r for r in raw["plain (in-process)"] if not r["rep"]}
     n_pos = {f"{label} ({w})": (k or schema.DEFAULTS.block_size - 1)
              for label, a, k in arm_list + served_list if a != schema.OFF for w in ("in-process", "served")}
     out_rows = [summarize(n, raw[n], plain_ref, n_pos.get(n, 0), rss_server if "served" in n else
@@ -262,7 +267,7 @@ def main(
         profile["long_prompt"] = run_long_prompt(plain_eng, streams, long_ids, 32 if quick else 160, schema.OFF)
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,
-                 f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens, {dtype}, {threads} thread(s), "
+                 f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens x {reps} reps, {dtype}, {threads} thread(s), "
                  "interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
     print_limits(console, lim)
     print_scaling(console, scaling)

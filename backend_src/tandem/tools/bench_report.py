@@ -66,9 +66,11 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
 
 
 def _median_prompt_ratio(raw: dict, row: str, ref: str) -> float | None:
-    """The median over prompts of ``row``'s tokens/s over ``ref``'s on the same prompt (None: no pair)."""
-    base = {r["prompt"]: r["tokens_per_s"] for r in raw[ref]}
-    pairs = [r["tokens_per_s"] / base[r["prompt"]] for r in raw[row] if base.get(r["prompt"]) and r["tokens_per_s"]]
+    """The median over prompts and reps of ``row``'s tokens/s over ``ref``'s on the same prompt in the
+    same rep (they ran back to back; None: no pair)."""
+    key = lambda r: (r["prompt"], r.get("rep", 0))  # noqa: E731
+    base = {key(r): r["tokens_per_s"] for r in raw[ref]}
+    pairs = [r["tokens_per_s"] / base[key(r)] for r in raw[row] if base.get(key(r)) and r["tokens_per_s"]]
     return statistics.median(pairs) if pairs else None
 
 
