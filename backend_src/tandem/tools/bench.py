@@ -276,7 +276,7 @@ def main(
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "threads": threads},
               "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval, "quick": quick,
-                           "max_tokens": max_tokens, "arms": arms, "served_arms": served_arms, "dtype": dtype,
+                           "max_tokens": max_tokens, "reps": reps, "arms": arms, "served_arms": served_arms, "dtype": dtype,
                            "seed": seed, "checkpoint": str(checkpoint)},
               "rows": out_rows, "ratios": ratios, "profile": profile, "runs": raw}
     if json_out:

@@ -102,8 +102,11 @@ def _stream_with_arrival(engine, prompts: list[list[int]], max_tokens: int, spec
     sids = [base + i for i in range(len(prompts))]
     sched.admit([Turn(s, list(p), max_tokens, emitter(s), spec=spec) for s, p in zip(sids, prompts)])
     n = 0
-    while any(s in sched.turns for s in sids):
-        if long_prompt is not None and n == after_bursts:
+    pending = long_prompt is not None
+    while any(s in sched.turns for s in sids) or pending:
+        # it arrives after ``after_bursts`` bursts, or when the streams end first (a short QUICK run)
+        if pending and (n >= after_bursts or not any(s in sched.turns for s in sids)):
+            pending = False
             arrival[0] = time.perf_counter()
             sched.admit([Turn(base - 1, list(long_prompt), 1, emitter(base - 1), spec=spec)])
         sched.burst()
