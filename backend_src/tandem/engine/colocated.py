@@ -326,7 +326,8 @@ class StageHost(DraftVerifyWire):
         number = schema.get_scalar(arrays, schema.TRUNK.input("CALL"))
         if op == NEXT_OP:  # pipelined: continue the last call (refused unless it is call CALL - 1)
             return self._next(arrays, number)
-        self.last.forget()  # any other op moves the trunk on (a draft_verify that answers is remembered again)
+        if not (op == "close" and not len(arrays["SIDS"])):  # (a close of nothing: a health probe, changes nothing)
+            self.last.forget()  # any other op moves the trunk on (a draft_verify that answers is remembered again)
         if "." in op:
             return self._hosted(op, arrays)
         if op != "draft_verify":  # the trunk's checks and packing; its ops run here (the drafters' rows kept)
