@@ -215,3 +215,39 @@ def test_decoupled_caller_gives_up_on_a_call_whose_process_died_and_waits_out_a_
     assert r.output_tensors()[0].value == 1
     forever.set()
     c.stop()
+
+
+def test_a_death_found_by_one_call_ends_every_call_sent_before_it():
+    """Two calls in flight (a burst's call and its pipelined next) when the process dies: the probe of
+    one finds it; the other ends too, although the restarted model answers its own later probes."""
+    import pytest
+
+    from tandem.serving.stage_worker import DecoupledCaller, StageDied
+
+    forever = threading.Event()
+
+    def blocked():
+        forever.wait(30)
+        yield _Resp([_T("ARGMAX", 1)])
+
+    c = DecoupledCaller(BarrierRelease(max_age_s=60), check_s=0.05)
+    answers = iter([[_Resp(error="Stub process 'trunk_0_0' is not healthy."), _Resp()]])
+    probe = lambda: iter(next(answers, [_Resp([_T("ARGMAX", 0)]), _Resp()]))  # noqa: E731 - dead once, then back
+    errors = []
+
+    def call():
+        try:
+            c.call("trunk", blocked, probe)
+        except StageDied as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(3)
+    assert errors == ["Stub process 'trunk_0_0' is not healthy."] * 2
+    r = c.call("trunk", lambda: iter([_Resp([_T("ARGMAX", 2)]), _Resp()]), probe)  # a call after the death
+    assert r.output_tensors()[0].value == 2
+    forever.set()
+    c.stop()

@@ -214,14 +214,16 @@ class DecoupledCaller:
     timeout. So each call is sent and read on a thread of its own (:class:`_Threads`) while the caller
     waits; every ``check_s`` seconds of waiting it sends ``probe()`` (a no-op request of the same
     model, on a thread of its own; one at a time): a new request to a dead stub is answered with that
-    error within ~1-2 s, and the caller then gets :class:`StageDied` with it. The abandoned call keeps
-    its thread, as a hung call does. ``held`` receives each finished iterator (:class:`BarrierRelease`)."""
+    error within ~1-2 s, and the caller then gets :class:`StageDied` with it, and so does every other
+    call to that model sent before (a pipelined one: once the model is restarted its probes would be
+    answered while the call never is). The abandoned call keeps its thread, as a hung call does. ``held`` receives each finished iterator (:class:`BarrierRelease`)."""
 
     def __init__(self, held: BarrierRelease, check_s: float = 0.5, stale_s: float = 5.0) -> None:
         self.held, self.check_s, self.stale_s = held, check_s, stale_s
         self._lock = threading.Lock()
         self._threads = _Threads("bls-call")
         self._probes: dict[str, tuple[_Done, float]] = {}  # model -> (its last probe, when sent)
+        self._deaths: dict[str, tuple[int, str]] = {}  # model -> (deaths found so far, the last one's error)
 
     def read(self, it):
         """The first response of iterator ``it`` that carries tensors or an error (None: only the final
@@ -239,10 +241,13 @@ class DecoupledCaller:
         """``send()`` (an ``exec(decoupled=True)``: returns the response iterator) -> its response
         (:meth:`read`). Raises :class:`StageDied` when ``probe()`` (the same, for a no-op request)
         answers an error saying the process is not healthy while this call waits."""
+        seen = self._deaths.get(model, (0, ""))[0]  # a death found after this, by any call, ends this one too
         done = self._threads.run(lambda: self.read(send()))
         while not done.event.wait(self.check_s):
             if (why := self._dead(model, probe)) is not None:
                 raise StageDied(why)
+            if (death := self._deaths.get(model, (0, "")))[0] > seen:  # (another call's probe found it: the
+                raise StageDied(death[1])  # restarted model answers this call's later probes, never this call)
         return done.result()
 
     def _dead(self, model: str, probe: Callable[[], Any]) -> str | None:
@@ -261,6 +266,7 @@ class DecoupledCaller:
                     msg = str(e)
                 del self._probes[model]
                 if "not healthy" in msg:
+                    self._deaths[model] = (self._deaths.get(model, (0, ""))[0] + 1, msg)
                     return msg
             elif p is not None and now - p[1] <= self.stale_s:
                 return None
