@@ -111,7 +111,7 @@ class Stream:
 
     def first(self, timeout_s=30):
         r, e = self.q.get(timeout=timeout_s)
-        assert e is None, e
+        assert e is None, e.message() if hasattr(e, "message") else e
         return r.as_numpy(schema.OUTPUT_IDS).tolist()
 
     def outcome(self, timeout_s=60):
@@ -312,6 +312,7 @@ def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv_short):
     within the deadline + 1 s; a request arriving meanwhile is refused at once; health says the
     trunk is not answering; once the call returns, requests work and nothing is left behind."""
     srv = srv_short
+    wait_for(lambda: _works(srv), 10.0, poll_s=0.2)  # a turn within the deadline first (the machine may be busy)
     s = Stream(srv.grpc_url, new_sequence_id(), 3000, "off")
     s.first()
     big = Stream(srv.grpc_url, new_sequence_id(), 8, "off", tokens=[(7 * i) % 8000 + 3 for i in range(4000)])
@@ -335,8 +336,8 @@ def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv_short):
 def _works(srv) -> bool:
     try:
         return len(generate(PROMPT, max_tokens=4, url=srv.grpc_url)["token_ids"]) == 4
-    except TandemClientError as e:
-        assert "not answering" in str(e), e
+    except TandemClientError as e:  # the trunk is late: it missed the deadline, or has not answered since
+        assert "not answering" in str(e) or "did not answer within" in str(e), e
         return False
 
 

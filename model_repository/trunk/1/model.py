@@ -13,6 +13,7 @@ from tandem.model.checkpoint import dflash_arms, dflash_feature_layers, load_dfl
 from tandem.model.device import placement
 from tandem.serving import backend
 from tandem.serving.stage_worker import StageWorker
+from tandem.serving.warmup import warm_stage
 
 
 class TritonPythonModel:
@@ -36,10 +37,12 @@ class TritonPythonModel:
                                          cfg.max_num_draft_tokens, run_ahead=cfg.run_ahead)
             if cfg.run_ahead:  # the speculative call's thread yields the GIL to the stub's soon
                 backend.share_the_gil()
+        warm = warm_stage(self.stage, cfg)  # the first client turn finds the kernels' layouts built
         pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}), "
                                  f"DFlash features from layers {list(features)}, drafters hosted: "
                                  f"{sorted(getattr(self.stage, 'drafters', {})) if cfg.colocate else 'none (colocate off)'}"
-                                 f"{', run_ahead' if cfg.colocate and cfg.run_ahead else ''}")
+                                 f"{', run_ahead' if cfg.colocate and cfg.run_ahead else ''}; "
+                                 f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)})")
 
         # execute only queues: Triton hands this process the next request (a pipelined call) while one runs
         self.worker = StageWorker(self._run, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, pb_utils.Logger.log_error, "trunk")
