@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import schema
+from tandem.engine.protocols import Rows
 from tandem.engine.scheduler import Turn
 
 from test_colocated import hosted, shipped  # noqa: F401 - the served wiring and the shipped-engine fixture
@@ -110,3 +111,69 @@ def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_
     sched.forget_all("gone")
     assert pipe.queued is None and got["c"][-1][1] == "gone"
     assert not host.trunk.caches
+
+
+def _alone(shipped, ids, pipeline, **turn):
+    """One turn admitted alone (bursts of 3 rounds, by rounds only): (tokens, rounds, accepted, ops, scheduler, host)."""
+    sched, host, spy = hosted(shipped, pipeline=pipeline, burst_ms=0.0, burst_rounds=3)
+    sched.decode = shipped.tokenizer.decode  # (stop strings)
+    got = []
+    sched.admit([Turn(1, ids, 40, lambda r, e, f: got.append((r, e)), **turn)])
+    while sched.turns:
+        sched.burst()
+    assert not [e for _, e in got if e]
+    rs = [r for r, _ in got]
+    ops = [(op, int(a["CALL"][0]) if "CALL" in a else None) for _, op, a, _ in spy.calls]
+    return [t for r in rs for t in r.tokens], sum(r.rounds for r in rs), sum(r.accepted for r in rs), ops, sched, host
+
+
+@pytest.mark.parametrize("arm,sampled", [(schema.OFF, False), (schema.MTP, True), (schema.DFLASH2, False)])
+def test_a_lone_turns_first_burst_call_continues_its_prime(shipped, tokenizer, sharegpt_prompts, arm, sampled):
+    """A turn admitted with no other session generating: its first burst call is sent right after its
+    prime, before the prime answers (a ``draft_verify_next`` numbered after the prime, carrying the round
+    program; the trunk takes the anchor from the prime's first token). Tokens, rounds and accepted drafts
+    equal the same scheduler's without a pipeline; nothing is refused or left in flight."""
+    from tandem.engine.sampling import SamplingParams
+
+    ids = tokenizer.chat_prompt(sharegpt_prompts[4])
+    turn = {"spec": arm, "sampling": SamplingParams.create(0.8, 0, 0.95, seed=11) if sampled else None}
+    want, got = _alone(shipped, ids, False, **turn), _alone(shipped, ids, True, **turn)
+    assert got[:3] == want[:3] and len(got[0]) == 40
+    ops, pipe = got[3], got[4].trunk.pipeline
+    assert ops[:2] == [("prime", 1), ("draft_verify_next", 2)], ops[:4]
+    assert pipe.counts["refused"] == 0 and pipe.queued is None and not got[5].trunk.caches
+    if not sampled:
+        assert got[0] == shipped.generate(ids, 40, spec="off")["token_ids"]
+
+
+def test_a_prime_continuation_stops_where_the_first_token_ends_the_turn(shipped, tokenizer, sharegpt_prompts):
+    """The first token is a stop id: the turn ends with it and the call sent after the prime runs no
+    round; a turn with stop strings (only this side can cut them) gets no call after its prime."""
+    ids = tokenizer.chat_prompt(sharegpt_prompts[5])
+    first = shipped.generate(ids, 1, spec="off")["token_ids"][0]
+    toks, rounds, _, ops, sched, host = _alone(shipped, ids, True, spec=schema.OFF, stop_token_ids=(first,))
+    assert toks == [first] and rounds == 0 and ops[:2] == [("prime", 1), ("draft_verify_next", 2)]
+    assert sched.trunk.pipeline.queued is None and sched.trunk.pipeline.counts["refused"] == 0 and not host.trunk.caches
+    toks, _, _, ops, _, _ = _alone(shipped, ids, True, spec=schema.OFF, stop=("zzqx",))
+    assert ops[0] == ("prime", None) and ops[1][0] == "draft_verify" and len(toks) == 40
+
+
+def test_a_next_call_after_a_prime_is_checked(shipped, tokenizer, sharegpt_prompts):
+    """On the trunk's side: a ``draft_verify_next`` continuing a prime over other SIDS is refused naming
+    the prime, and one without the round program is refused naming the field; neither changes anything."""
+    import numpy as np
+
+    from tandem.engine.pipeline import NOT_NEXT
+    from tandem.serving import front as fr
+
+    _, host, _ = hosted(shipped)
+    tr = fr.LocalTransport({"trunk": host})
+    ids = tokenizer.chat_prompt(sharegpt_prompts[6])
+    fr.TrunkProxy(tr, shipped.model.cfg.vocab_size, hosted=True).prime([Rows(1, ids)], opens=["off"], number=7)
+    pos = host.trunk.caches[1].pos
+    base = {"OP": schema.string_array("draft_verify_next"), "ROUNDS": np.array([2], np.int32), "CALL": np.array([8], np.int64)}
+    with pytest.raises(schema.WireError, match=f"{NOT_NEXT} 7 over these SIDS .*last call: prime 7 over 1 sequences"):
+        host.handle({**base, "SIDS": schema.sids_to_wire([2])})
+    with pytest.raises(schema.WireError, match=schema.NUM_DRAFT_TOKENS):
+        host.handle({**base, "SIDS": schema.sids_to_wire([1])})
+    assert host.trunk.caches[1].pos == pos and host.trunk.caches[1].pending is None

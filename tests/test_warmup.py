@@ -93,8 +93,11 @@ def test_warm_up_keeps_within_the_stages_context(shipped, max_ctx):
 
 
 def test_stage_that_cannot_serve_fails_the_warm_up(shipped):
-    """A stage whose draft_verify is refused: the warm-up raises, naming the arm and the stage's error
-    (the model then fails to load with that message instead of failing clients' turns)."""
-    spy = _Spy(_host(shipped), fail_op="draft_verify")
-    with pytest.raises(RuntimeError, match=r"warm-up turn \(off\) failed: .*draft_verify refused for the test"):
-        warm_stage(spy, shipped.config)
+    """A stage whose prime, or whose draft_verify, is refused: the warm-up raises, naming the arm and the
+    stage's error (the model then fails to load with that message instead of failing clients' turns).
+    (A lone turn's calls after its prime are pipelined: the first plain ``draft_verify`` comes with the
+    first turn whose first burst cannot be, a sampled DFlash one.)"""
+    with pytest.raises(RuntimeError, match=r"warm-up turn \(off\) failed: .*prime refused for the test"):
+        warm_stage(_Spy(_host(shipped), fail_op="prime"), shipped.config)
+    with pytest.raises(RuntimeError, match=r"warm-up turn \(\w+(, sampled)?\) failed: trunk.draft_verify: draft_verify refused"):
+        warm_stage(_Spy(_host(shipped), fail_op="draft_verify"), shipped.config)

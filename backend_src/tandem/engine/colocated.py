@@ -333,7 +333,11 @@ class StageHost(DraftVerifyWire):
         if op != "draft_verify":  # the trunk's checks and packing; its ops run here (the drafters' rows kept)
             if op == "prime" and schema.SPEC in arrays:
                 self._open_for_prime(arrays)
-            return self.trunk.handle(arrays, run=self, with_rows=False)
+            out = self.trunk.handle(arrays, run=self, with_rows=False)
+            if op == "prime" and number is not None:  # a draft_verify_next may continue it (pipeline.py)
+                ends = np.cumsum(schema.lengths_of(arrays, len(sids := schema.get_sids(arrays)), out["ARGMAX"].size, "TOKENS")) - 1
+                self.last.record_prime(number, sids, out["ARGMAX"][ends].tolist())
+            return out
         sids = schema.get_sids(arrays)
         if not sids:
             return self._pack_rounds([])

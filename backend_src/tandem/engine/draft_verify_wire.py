@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import schema
@@ -25,10 +27,21 @@ class DraftVerifyWire:
 
     def _next(self, arrays: schema.Arrays, number: int | None) -> schema.Arrays:
         """A ``draft_verify_next`` (:mod:`tandem.engine.pipeline`): call ``number`` continues call
-        ``number - 1`` over the same ``SIDS`` with ``ROUNDS`` rounds at most each, ``BURST_MS``."""
+        ``number - 1`` over the same ``SIDS`` with ``ROUNDS`` rounds at most each, ``BURST_MS``. After a
+        numbered ``prime`` it carries a ``draft_verify``'s plan but no ``TOKENS``: each anchor is the
+        prime's first token, and a sequence whose first token ended its turn (a stop id) runs no round."""
         if number is None:
             raise WireError("CALL: draft_verify_next needs the number of the call it is (it continues CALL - 1)")
         sids = schema.get_sids(arrays)
+        anchors = self.last.primed(number, sids)
+        if anchors is not None:
+            self.last.forget()
+            arrays = {**arrays, "TOKENS": np.array(anchors, np.int64)}
+            call = self._parse_draft_verify(arrays, sids)
+            self._check_draft_verify(arrays, call)
+            items, plans = self._call_of(call)
+            plans = [dataclasses.replace(p, rounds=0) if it.tokens[0] in p.stop_ids else p for it, p in zip(items, plans)]
+            return self._answer(items, plans, *self._run_rounds(items, plans, ms=self._burst_ms(arrays)), number)
         rounds = [r for r, _, _, _ in self._rounds_program(arrays, len(sids))]
         ms = self._burst_ms(arrays)
         items, plans = self.last.next(number, sids, rounds)

@@ -49,15 +49,27 @@ class LastCall:
 
     def __init__(self) -> None:
         self._last: tuple[int, list[Rows], list[RoundsPlan], list] | None = None
+        #: a numbered ``prime`` (the last call): ``(number, sids, each sequence's first token)``
+        self._primed: tuple[int, list[int], list[int]] | None = None
 
     def record(self, number: int | None, items: list[Rows], plans: list[RoundsPlan], cont: list) -> None:
         """After a call: ``cont[j]`` is ``(anchor, commit, used, alive)`` or None (no round), as
         :meth:`~tandem.engine.colocated.StageHost._run_rounds` returns; ``number`` None forgets."""
-        self._last = None if number is None else (number, items, plans, cont)
+        self._last, self._primed = None if number is None else (number, items, plans, cont), None
+
+    def record_prime(self, number: int, sids: list[int], anchors: list[int]) -> None:
+        """After ``prime`` call ``number`` over ``sids``: ``anchors[j]`` is sequence j's first token (its
+        last prompt row's target), the anchor of the ``draft_verify_next`` that continues it."""
+        self._last, self._primed = None, (number, list(sids), list(anchors))
+
+    def primed(self, number: int, sids: list[int]) -> list[int] | None:
+        """The anchors of prime ``number - 1`` when that is the last call and was over ``sids``; else None."""
+        p = self._primed
+        return p[2] if p is not None and p[0] == number - 1 and p[1] == sids else None
 
     def forget(self) -> None:
         """Any other op ran: the trunk's state is no longer where the last call left it."""
-        self._last = None
+        self._last = self._primed = None
 
     def next(self, number: int, sids: list[int], rounds: list[int]) -> tuple[list[Rows], list[RoundsPlan]]:
         """The items and plans of ``draft_verify_next`` ``number`` over ``sids`` with ``rounds[j]`` rounds
@@ -67,7 +79,8 @@ class LastCall:
         not ``number - 1`` over the same ``sids``."""
         last = self._last
         if last is None or last[0] != number - 1 or [it.sid for it in last[1]] != sids:
-            have = "none" if last is None else f"call {last[0]} over {len(last[1])} sequences"
+            have = ("none" if last is None else f"call {last[0]} over {len(last[1])} sequences") if self._primed is None \
+                else f"prime {self._primed[0]} over {len(self._primed[1])} sequences"
             raise WireError(f"{NOT_NEXT} {number - 1} over these SIDS (the trunk's last call: {have})")
         _, items, plans, cont = last
         nxt_items, nxt_plans = next_call(items, plans, cont)

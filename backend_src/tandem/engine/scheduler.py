@@ -172,19 +172,21 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             self.sessions[s.sid] = s
         self.stats["sessions_opened"] += len(new)
         self.admitting = [t for t, _, _ in ok]  # a watchdog may answer them while a call hangs
+        hosted, number = getattr(self.trunk, "hosts_drafters", False), None
         try:
-            hosted = getattr(self.trunk, "hosts_drafters", False)
             if new and not hosted:  # (a trunk that hosts the drafters opens both with the prime: one call)
                 self.trunk.open([s.sid for s in new])
                 warm = {s.sid: (s.arm, r.prefix) for _, s, r in ok if r.prefix and s.arm in schema.DFLASH_ARMS}
                 self._open_drafters(new, warm)
             items = [rows for _, _, rows in ok]
             if hosted:  # each new session's arm: the prime opens its trunk and drafter state first
-                opened = {s.sid for s in new}
-                outs = self.trunk.prime(items, opens=[s.arm if s.sid in opened else "" for _, s, _ in ok])
+                opened, number = {s.sid for s in new}, self._chain_prime(ok)  # (the first burst's call sent after it)
+                outs = self.trunk.prime(items, opens=[s.arm if s.sid in opened else "" for _, s, _ in ok], number=number)
             else:
                 outs = self.trunk.prime(items)
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
+            if number is not None:
+                self.trunk.pipeline.drop()  # (the call after the prime: its turn ends here)
             if getattr(e, "dead", False):  # the trunk's process died: every session's state is gone
                 self.on_stage_dead(self.stage_name(self.trunk), str(e))
             reason = self.failure_text(e) or f"admission failed: {type(e).__name__}: {e}"
@@ -201,6 +203,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             if r is not None:  # else the prime goes on in chunks, one per burst
                 self._publish(s, r)
         self._flush_closes()
+        self._pipeline_idle()  # (a turn that ended at its first token: the call sent after its prime ran no round)
 
     def _drops_anchor(self, s: SpecSession) -> bool:
         """A turn that ended at the template's stop token leaves that token as the anchor; it is not

@@ -152,6 +152,17 @@ class BLSTransport:
 
 
 # -- stage proxies ------------------------------------------------------------------------------------
+def _plan_arrays(plans: list[RoundsPlan]) -> Arrays:
+    """The round programs of a ``draft_verify`` (per sequence: arm, draft count, rounds, budget, room, stop ids)."""
+    return {schema.NUM_DRAFT_TOKENS: np.array([p.k if p.arm else 0 for p in plans], np.int32),
+            schema.SPEC: np.array([(p.arm or schema.OFF).encode() for p in plans], dtype=np.object_),
+            "ROUNDS": np.array([p.rounds for p in plans], np.int32),
+            "BUDGET": np.array([p.budget for p in plans], np.int32),
+            "ROOM": np.array([p.room for p in plans], np.int32),
+            "STOP_IDS": np.array([t for p in plans for t in p.stop_ids], np.int64),
+            "STOP_LENGTHS": np.array([len(p.stop_ids) for p in plans], np.int32)}
+
+
 def _rows_of(items: list[DraftRequest], field: str) -> np.ndarray:
     """The items' per-row tensors ``field`` (``hidden`` or ``features``) stacked ``[sum n, width]`` fp32."""
     return np.ascontiguousarray(np.concatenate(
@@ -241,12 +252,15 @@ class TrunkProxy(_PrefixStoreProxy):
         """The :class:`~tandem.engine.pipeline.Pipeline` this proxy's calls go through (None: none)."""
         return self.t if getattr(self.t, "pipelines", False) else None
 
-    def draft_verify_next(self, number: int, sids: list[int], rounds: list[int], ms: float | None
-                          ) -> list[list[tuple[int, list[int], VerifyOut]]]:
+    def draft_verify_next(self, number: int, sids: list[int], rounds: list[int], ms: float | None,
+                          plans: list[RoundsPlan] | None = None) -> list[list[tuple[int, list[int], VerifyOut]]]:
         """Pipelined call ``number``: continue call ``number - 1`` over the same ``sids`` (in order), up to
         ``rounds[j]`` rounds each (:mod:`tandem.engine.pipeline`); returns as :meth:`draft_verify_rounds`.
-        Raises :class:`StageError` (a refusal's message holds :data:`~tandem.engine.pipeline.NOT_NEXT`)."""
+        ``plans`` (call ``number - 1`` is a prime): each sequence's round program, from the prime's first
+        token. Raises :class:`StageError` (a refusal's message holds :data:`~tandem.engine.pipeline.NOT_NEXT`)."""
         arrays = {"SIDS": schema.sids_to_wire(sids), "ROUNDS": np.array(rounds, np.int32), "CALL": np.array([number], np.int64)}
+        if plans is not None:
+            arrays.update(_plan_arrays(plans))
         if ms is not None:
             arrays["BURST_MS"] = np.array([ms], np.float32)
         return self._rounds_of(self.t(self._draft_verify_spec, "draft_verify_next", arrays))
@@ -261,14 +275,7 @@ class TrunkProxy(_PrefixStoreProxy):
         if not items:
             return []
         arrays = {"SIDS": schema.sids_to_wire([it.sid for it in items]),
-                  "TOKENS": np.array([it.tokens[0] for it in items], np.int64),
-                  schema.NUM_DRAFT_TOKENS: np.array([p.k if p.arm else 0 for p in plans], np.int32),
-                  schema.SPEC: np.array([(p.arm or schema.OFF).encode() for p in plans], dtype=np.object_),
-                  "ROUNDS": np.array([p.rounds for p in plans], np.int32),
-                  "BUDGET": np.array([p.budget for p in plans], np.int32),
-                  "ROOM": np.array([p.room for p in plans], np.int32),
-                  "STOP_IDS": np.array([t for p in plans for t in p.stop_ids], np.int64),
-                  "STOP_LENGTHS": np.array([len(p.stop_ids) for p in plans], np.int32)}
+                  "TOKENS": np.array([it.tokens[0] for it in items], np.int64), **_plan_arrays(plans)}
         if any(it.commit for it in items):
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
         if ms is not None:
@@ -309,7 +316,7 @@ class TrunkProxy(_PrefixStoreProxy):
                 for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]
         return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
 
-    def _rows(self, op: str, items: list[Rows], opens: list[str] | None = None) -> list[VerifyOut]:
+    def _rows(self, op: str, items: list[Rows], opens: list[str] | None = None, number: int | None = None) -> list[VerifyOut]:
         if not items:
             return []
         lens = [len(it.tokens) for it in items]
@@ -324,12 +331,15 @@ class TrunkProxy(_PrefixStoreProxy):
             arrays.update(sampling.to_wire([it.sampling for it in items]))
         if opens is not None:
             arrays[schema.SPEC] = np.array([a.encode() for a in opens], dtype=np.object_)
+        if number is not None:
+            arrays["CALL"] = np.array([number], np.int64)
         return self._outs(self.t(self.spec, op, arrays), lens)
 
-    def prime(self, items: list[Rows], opens: list[str] | None = None) -> list[VerifyOut]:
+    def prime(self, items: list[Rows], opens: list[str] | None = None, number: int | None = None) -> list[VerifyOut]:
         """One ``prime`` call; ``opens`` (a trunk that hosts the drafters): per item, the arm of a new
-        sequence whose trunk and drafter state the call opens first, ``""`` for one already open."""
-        return self._rows("prime", items, opens)
+        sequence whose trunk and drafter state the call opens first, ``""`` for one already open;
+        ``number``: the call's number (a pipelined ``draft_verify_next`` continues it)."""
+        return self._rows("prime", items, opens, number)
 
     def verify(self, items: list[Rows]) -> list[VerifyOut]:
         return self._rows("verify", items)
