@@ -4,6 +4,8 @@ hidden rows, features and caches, on odd shapes (3 streams, 5 experts, a vocabul
 shipped checkpoint; the early stop; the scheduler's and the co-located host's plain rounds in one
 call give the tokens, receipts and caches of the rounds one at a time; bad calls are refused."""
 
+import time
+
 import pytest
 import torch
 
@@ -228,6 +230,27 @@ def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sh
     per_burst.append(len(spy.calls))
     dv = [sum(op == "draft_verify" for _, op, _, _ in spy.calls[a:b]) for a, b in zip(per_burst, per_burst[1:])]
     assert got == out["token_ids"] and max(dv) == 1 and int(spy.calls[per_burst[0]][3]["ROUNDS_RUN"][0]) == 2
+
+
+def test_a_paced_call_that_would_leave_a_stub_finishes_the_turns():
+    """At 1 s a round with 10 s left the clock gives 10 rounds; a call whose turns all end within a
+    quarter more runs to their end instead of leaving a stub call for the last tokens (two
+    trips between the processes, ~2 ms here, for a few rounds: most served plain turns ended that way);
+    not when one turn goes on longer, nor when the plan's rounds end first."""
+    from tandem.engine.plain_rounds import plain_steps
+
+    def steps(budgets, rounds=32, room=500, end_s=10.0):
+        plans = [RoundsPlan(None, 0, rounds, b, (), room) for b in budgets]
+        end = None if end_s is None else time.perf_counter() + end_s - 1e-3
+        return plain_steps(plans, list(range(len(plans))), 0, [0] * len(plans), list(budgets), end, 1.0)
+
+    assert steps([12]) == (12, 12) and steps([12, 9]) == (9, 12)  # finish (each call stops at its own end)
+    assert steps([14]) == (10, 10) and steps([12, 30]) == (10, 10)  # more than a quarter left: the clock
+    assert steps([12], rounds=11) == (10, 10)  # the plan ends first: the next call is the turn's anyway
+    assert steps([30], room=20) == (10, 10) and steps([30], room=13) == (12, 12)  # the context's room ends a turn too
+    assert steps([3], end_s=None)[0] == 3 and steps([40], end_s=None)[0] == 32
+    assert steps([4], end_s=2.5) == (3, 3)  # a short burst (3 rounds by the clock) gets no more
+    assert steps([2], end_s=0.0) == (0, 1)  # the deadline passed: one round a call (burst_ms ~0), never more
 
 
 def test_a_short_prompt_and_its_answer_fit_the_first_buffers(trunk_fp32):

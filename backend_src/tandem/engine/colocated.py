@@ -30,7 +30,7 @@ from .drafter_stage import DrafterStage, drafter_stages
 from .protocols import Commit, DecodedRounds, DraftRequest, Rows, RoundsPlan, VerifyOut  # noqa: F401 - RoundsPlan: re-exported
 from .draft_verify_wire import DraftVerifyWire
 from .pipeline import NEXT_OP, LastCall
-from .plain_rounds import rounds_until
+from .plain_rounds import plain_steps
 from .run_ahead import RunAhead, call_key, next_call
 from .trunk_stage import TrunkStage
 
@@ -289,15 +289,11 @@ class StageHost(DraftVerifyWire):
 
     def _plain_steps(self, items: list[Rows], plans: list[RoundsPlan], live: list[int], r: int, used: list[int],
                      budget: list[int], end: float | None) -> tuple[int, int]:
-        """``(steps, by_clock)``: the rounds the live sequences can run in one :meth:`decode_rows` call
-        from round ``r`` (0: not one call): every one plain (no arm) and greedy, at least two rounds
-        each within its plan, budget and context room, and (``end``) those that end at the first round
-        boundary after ``end`` at the last call's pace, ``by_clock`` (:func:`rounds_until`)."""
+        """:func:`~tandem.engine.plain_rounds.plain_steps` at the last call's pace, when every live
+        sequence is plain (no arm) and greedy; else ``(0, 0)``."""
         if any(plans[j].arm or items[j].sid in self.trunk.sampling for j in live):
             return 0, 0
-        by_clock = rounds_until(end, self._decode_round_s)
-        n = min(by_clock, *(min(plans[j].rounds - r, budget[j], plans[j].room - used[j] - 1) for j in live))
-        return (n if n >= 2 else 0), by_clock
+        return plain_steps(plans, live, r, used, budget, end, self._decode_round_s)
 
     def _request(self, it: Rows, arm: str, k: int) -> DraftRequest:
         """The drafter request of a sequence: its kept rows (cleared), each followed by the next kept
@@ -335,8 +331,7 @@ class StageHost(DraftVerifyWire):
                 self._open_for_prime(arrays)
             out = self.trunk.handle(arrays, run=self, with_rows=False)
             if op == "prime" and number is not None:  # a draft_verify_next may continue it (pipeline.py)
-                ends = np.cumsum(schema.lengths_of(arrays, len(sids := schema.get_sids(arrays)), out["ARGMAX"].size, "TOKENS")) - 1
-                self.last.record_prime(number, sids, out["ARGMAX"][ends].tolist())
+                self._record_prime(arrays, out, number)
             return out
         sids = schema.get_sids(arrays)
         if not sids:

@@ -48,6 +48,13 @@ class DraftVerifyWire:
         self.last.forget()  # (recorded again by _answer: a call failing halfway leaves nothing to continue)
         return self._answer(items, plans, *self._run_rounds(items, plans, ms=ms), number)
 
+    def _record_prime(self, arrays: schema.Arrays, out: schema.Arrays, number: int) -> None:
+        """After ``prime`` call ``number`` (``out``: its packed answer, ``ARGMAX`` over every prompt row):
+        remember each sequence's first token, its last row's target, for a ``draft_verify_next``."""
+        sids = schema.get_sids(arrays)
+        ends = np.cumsum(schema.lengths_of(arrays, len(sids), out["ARGMAX"].size, "TOKENS")) - 1
+        self.last.record_prime(number, sids, out["ARGMAX"][ends].tolist())
+
     def _parse_draft_verify(self, arrays: schema.Arrays, sids: list[int]) -> list[tuple]:
         """A ``draft_verify``'s per-sequence ``(sid, anchor, N_ROWS, k, arm, (rounds, budget, room, stop
         ids))`` with the checks that read no sequence state. Raises :class:`~tandem.schema.WireError`."""
