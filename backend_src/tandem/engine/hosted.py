@@ -95,14 +95,17 @@ class HostedRounds:
         d, k = self.demotion.steady(s, 2 * b, 1, s.num_draft_tokens)  # as _hosted_call plans a chained first call
         if k < 2:
             return None
-        rounds = b if k > b else max(1, k // 2)
+        rounds = _first_share(b, k)
         plan = RoundsPlan(s.arm if d else None, s.num_draft_tokens, rounds, t.max_tokens - 1, s.stop_ids, room)
-        ms = self.config.burst_ms if self.config.burst_ms > 0 else None
-        number, sid = pipe.number(), s.sid
+        ms, number, sid = self._next_ms(), pipe.number(), s.sid
         nxt = pipe.number()
         pipe.launch(nxt, [sid], {sid: (d, rounds)}, 1, {sid: s},
                     lambda: self.trunk.draft_verify_next(nxt, [sid], [rounds], ms, plans=[plan]))
         return number
+
+    def _next_ms(self) -> float | None:
+        """A pipelined call's ``BURST_MS``: a whole burst's (None: bursts by rounds only)."""
+        return self.config.burst_ms if self.config.burst_ms > 0 else None
 
     def _launch(self, pipe, after: int, act: list[SpecSession], plan: dict[int, tuple[bool, int]], most: int,
                 sids: list[int]) -> bool:
@@ -122,8 +125,7 @@ class HostedRounds:
                 return False
             nxt[s.sid] = (d, min(b, k - r))
         rounds = [nxt[sid][1] if sid in nxt else 1 for sid in sids]  # (a turn that ended: the trunk runs none)
-        ms = self.config.burst_ms if self.config.burst_ms > 0 else None
-        number = pipe.number()
+        ms, number = self._next_ms(), pipe.number()
         assert number == after + 1, (number, after)  # (its predecessor is the last call sent)
         owners = {sid: self.sessions.get(sid) for sid in sids}
         pipe.launch(number, sids, nxt, most, owners, lambda: self.trunk.draft_verify_next(number, sids, rounds, ms))
@@ -174,7 +176,7 @@ class HostedRounds:
         if chain and min(k for _, k in plan.values()) < 2:  # a plan that may change after one round: no next call
             chain, plan = False, plan_over(0)
         if chain:  # rounds beyond this burst's go to the next call; the policy's steady rounds are split between them
-            plan = {sid: (d, min(left[sid], k if k > left[sid] else max(1, k // 2))) for sid, (d, k) in plan.items()}
+            plan = {sid: (d, _first_share(left[sid], k)) for sid, (d, k) in plan.items()}
         plans = [RoundsPlan(s.arm if plan[s.sid][0] else None, s.num_draft_tokens, plan[s.sid][1], s.turn_remaining,
                             s.stop_ids, s.max_ctx - len(s.committed)) for s in act]
         items = [Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act]
@@ -234,3 +236,10 @@ class HostedRounds:
                     ended[s.sid] = t
             self.stats["rounds"] += len(now)
         return {s.sid: len(x) for s, x in live}
+
+
+def _first_share(left: int, k: int) -> int:
+    """The rounds of a call with a pipelined call after it, when the demotion policy's plan holds ``k``
+    rounds over both (:meth:`Demotion.steady`) and this call may run ``left``: all of ``left`` when
+    the plan outlasts it, else half of ``k`` (one at least), so the next call keeps a share."""
+    return min(left, k if k > left else max(1, k // 2))

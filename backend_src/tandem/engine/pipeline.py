@@ -79,8 +79,8 @@ class LastCall:
         not ``number - 1`` over the same ``sids``."""
         last = self._last
         if last is None or last[0] != number - 1 or [it.sid for it in last[1]] != sids:
-            have = ("none" if last is None else f"call {last[0]} over {len(last[1])} sequences") if self._primed is None \
-                else f"prime {self._primed[0]} over {len(self._primed[1])} sequences"
+            have = (f"prime {self._primed[0]} over {len(self._primed[1])} sequences" if self._primed is not None
+                    else "none" if last is None else f"call {last[0]} over {len(last[1])} sequences")
             raise WireError(f"{NOT_NEXT} {number - 1} over these SIDS (the trunk's last call: {have})")
         _, items, plans, cont = last
         nxt_items, nxt_plans = next_call(items, plans, cont)
