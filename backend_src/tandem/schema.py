@@ -151,12 +151,12 @@ DTYPES = ("auto", "bf16", "fp32")  # auto: fp32 on the CPU, bf16 on CUDA
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DEVICE
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 KERNEL_MODES = ("auto", "triton", "torch")  # ServingConfig.kernels / $TANDEM_KERNELS
-HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch: large CPU allocations in huge pages (set by the trunk model, the bench)
 DEFAULTS = ServingConfig()
 FINISH_REASONS = ("stop", "length", "context", CANCELLED := "cancelled")  # cancelled: by its client (it left, or a CANCEL)
 
 # -- the tandem model ----------------------------------------------------------------------------------------
-INPUT_IDS, MAX_TOKENS, SPEC, NUM_DRAFT_TOKENS, STOP_TOKEN_IDS = "INPUT_IDS", "MAX_TOKENS", "SPEC", "NUM_DRAFT_TOKENS", "STOP_TOKEN_IDS"
+INPUT_IDS, MAX_TOKENS, SPEC, NUM_DRAFT_TOKENS = "INPUT_IDS", "MAX_TOKENS", "SPEC", "NUM_DRAFT_TOKENS"
+STOP_TOKEN_IDS = "STOP_TOKEN_IDS"
 MAX_STOP_TOKEN_IDS = 16  # stop token ids a turn may add to the template's
 STOP, STREAM, CANCEL, SESSION_ID = "STOP", "STREAM", "CANCEL", "SESSION_ID"
 MAX_STOPS, MAX_STOP_CHARS = 8, 64  # stop strings per turn, and characters per stop string, at most

@@ -26,10 +26,6 @@ import typer
 
 from .. import schema
 
-# the in-process rows' weights in huge pages, as the trunk model's (torch reads it once, at its first allocation;
-# main() then takes it out again, so the served rows' model processes ask for them as a server's do: the trunk's only)
-_OWN_HUGE_PAGES = schema.HUGE_PAGES_ENV not in os.environ
-os.environ.setdefault(schema.HUGE_PAGES_ENV, "1")
 app = typer.Typer(add_completion=False)
 
 
@@ -149,9 +145,6 @@ def main(
     from .data import humaneval_prompts, sharegpt_prompts
     from .distill import used_sharegpt_turns
 
-    torch.empty(4 << 20, dtype=torch.uint8)  # torch's first large allocation reads schema.HUGE_PAGES_ENV
-    if _OWN_HUGE_PAGES:
-        os.environ.pop(schema.HUGE_PAGES_ENV, None)
     console = Console(width=200)
     if quick:
         prompts, humaneval, max_tokens, prefix_pairs, concurrency, reps = 2, 1, 32, min(prefix_pairs, 1), min(concurrency, 2), 1

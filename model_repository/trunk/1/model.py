@@ -2,13 +2,10 @@
 run in arrival order by the compute thread of tandem.serving.stage_worker.StageWorker."""
 
 import json
-import os
 
 import triton_python_backend_utils as pb_utils
 
 from tandem import schema
-
-os.environ.setdefault(schema.HUGE_PAGES_ENV, "1")  # before torch's first allocation (schema.HUGE_PAGES_ENV)
 from tandem.model.warm import compile_kernels
 from tandem.engine.colocated import StageHost
 from tandem.engine.trunk_stage import TrunkStage
