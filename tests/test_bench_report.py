@@ -40,6 +40,8 @@ def test_served_calls_pair_round_trips_with_time_in_the_trunk(tmp_path):
     assert served_calls(log) == {"trunk.draft_verify": {"calls": 3, "mean_ms": 20.0},
                                  "trunk.draft_verify_next": {"calls": 7, "mean_ms": 30.0},
                                  "pipelined": {"calls": 7, "refused": 1}}
+    log.write_text("I1205 model.py:70] trunk: compute thread {'calls': 40, 'wall_s': 2.5, 'cpu_s': 2.4, 'off_cpu': 0.04}\n")
+    assert served_calls(log) == {"compute": {"calls": 40, "wall_s": 2.5, "cpu_s": 2.4, "off_cpu": 0.04}}
     log.write_text("no statistics: the server died\n")
     assert served_calls(log) == {}
 

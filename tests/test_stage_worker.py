@@ -70,6 +70,30 @@ def test_requests_run_in_order_one_final_response_each_and_a_failure_stops_nothi
     assert w.stop() is True
 
 
+def test_summary_tells_the_compute_threads_time_off_the_cpu_from_its_time_on_it():
+    def run(r):
+        if r.value == "sleep":
+            time.sleep(0.05)  # off the CPU
+        else:
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.05:  # on the CPU
+                pass
+        return r.value
+
+    out: list = []
+    w = StageWorker(run, FINAL, print, "t")
+    assert w.summary() == {"calls": 0, "wall_s": 0.0, "cpu_s": 0.0, "off_cpu": 0.0}
+    w.submit([Request("sleep", out)])
+    _wait(lambda: len(out) == 1)
+    asleep = w.summary()
+    assert asleep["calls"] == 1 and asleep["wall_s"] >= 0.05 and asleep["off_cpu"] > 0.8
+    w.submit([Request("spin", out), Request("spin", out), Request("spin", out)])
+    _wait(lambda: len(out) == 4)
+    s = w.summary()
+    assert s["calls"] == 4 and s["cpu_s"] >= 0.15 and s["off_cpu"] < 0.6  # 0.05 s of 0.2 s asleep, some switched out
+    assert w.stop() is True
+
+
 def test_stop_is_bounded_and_logs_a_compute_thread_left_behind():
     release, logs = threading.Event(), []
     w = StageWorker(lambda r: release.wait(30), FINAL, logs.append, "t")

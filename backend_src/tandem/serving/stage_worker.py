@@ -31,17 +31,27 @@ class StageWorker:
     with ``log(text)`` and the caller gets the final flag alone (the call ends without a response: the
     BLS caller reports "no response"). A response that cannot be sent (the caller's stream is gone) is
     logged and the other requests go on. :meth:`stop` ends both threads, bounded (a model's
-    ``finalize`` must end inside the server's exit timeout)."""
+    ``finalize`` must end inside the server's exit timeout). :meth:`summary` says how much of the
+    compute thread's time inside ``run`` it spent off the CPU."""
 
     def __init__(self, run: Callable[[Any], Any], final_flag: int, log: Callable[[str], None],
                  name: str = "stage") -> None:
         self.run, self.final_flag, self.log = run, final_flag, log
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = [0, 0.0, 0.0]  # calls, seconds inside run (wall), of them on the CPU (the thread's CPU time)
         self._compute = threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
         self._compute.start()
         self._sender.start()
+
+    def summary(self) -> dict:
+        """``{"calls", "wall_s", "cpu_s", "off_cpu"}``: requests run, seconds inside ``run``, the compute
+        thread's CPU seconds in them, and the share of the former it spent off the CPU (switched out for
+        another thread, or waiting: for the GIL, for the decode pool's threads)."""
+        calls, wall, cpu = self._busy
+        return {"calls": calls, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                "off_cpu": round(max(wall - cpu, 0.0) / wall, 4) if wall > 0 else 0.0}
 
     def submit(self, requests) -> None:
         """Queue ``requests`` (Python-backend requests of a decoupled model) in order; returns at once."""
@@ -51,11 +61,14 @@ class StageWorker:
     def _compute_loop(self) -> None:
         while (item := self._work.get()) is not None:
             request, sender = item
+            w0, c0 = time.perf_counter(), time.thread_time()
             try:
                 response = self.run(request)
             except Exception as e:  # noqa: BLE001 - the thread must outlive any one request (else all later hang)
                 self.log(f"a request failed outside its handler: {type(e).__name__}: {e}")
                 response = None
+            b = self._busy
+            b[0], b[1], b[2] = b[0] + 1, b[1] + time.perf_counter() - w0, b[2] + time.thread_time() - c0
             self._out.put((sender, response))
             del request, sender, response  # the request's tensors die on this thread, with the GIL
         self._out.put(None)

@@ -61,3 +61,4 @@ class TritonPythonModel:
         ahead = getattr(self.stage, "ahead", None)
         runs = f"; {ahead.summary()}" if ahead is not None else ""
         pb_utils.Logger.log_info(f"trunk: handled {self.stats.summary()}{runs}")
+        pb_utils.Logger.log_info(f"trunk: compute thread {self.worker.summary()}")  # read by the bench (bench_report)
