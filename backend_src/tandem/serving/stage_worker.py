@@ -39,7 +39,7 @@ class StageWorker:
         self.run, self.final_flag, self.log = run, final_flag, log
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._busy = [0, 0.0, 0.0]  # calls, seconds inside run (wall), of them on the CPU (the thread's CPU time)
+        self._calls, self._wall_s, self._cpu_s = 0, 0.0, 0.0  # requests run; seconds inside run, of them on the CPU
         self._compute = threading.Thread(target=self._compute_loop, name=f"{name}-compute", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
         self._compute.start()
@@ -49,8 +49,8 @@ class StageWorker:
         """``{"calls", "wall_s", "cpu_s", "off_cpu"}``: requests run, seconds inside ``run``, the compute
         thread's CPU seconds in them, and the share of the former it spent off the CPU (switched out for
         another thread, or waiting: for the GIL, for the decode pool's threads)."""
-        calls, wall, cpu = self._busy
-        return {"calls": calls, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+        wall, cpu = self._wall_s, self._cpu_s
+        return {"calls": self._calls, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                 "off_cpu": round(max(wall - cpu, 0.0) / wall, 4) if wall > 0 else 0.0}
 
     def submit(self, requests) -> None:
@@ -67,8 +67,9 @@ class StageWorker:
             except Exception as e:  # noqa: BLE001 - the thread must outlive any one request (else all later hang)
                 self.log(f"a request failed outside its handler: {type(e).__name__}: {e}")
                 response = None
-            b = self._busy
-            b[0], b[1], b[2] = b[0] + 1, b[1] + time.perf_counter() - w0, b[2] + time.thread_time() - c0
+            self._calls += 1
+            self._wall_s += time.perf_counter() - w0
+            self._cpu_s += time.thread_time() - c0
             self._out.put((sender, response))
             del request, sender, response  # the request's tensors die on this thread, with the GIL
         self._out.put(None)
