@@ -307,3 +307,19 @@ def _same_caches_after_verify(model, a, b):
     oa = model.verify_many(a, [torch.tensor([[3, 4]])] * len(a), (1,))
     ob = model.verify_many(b, [torch.tensor([[3, 4]])] * len(b), (1,))
     return all(torch.equal(x, y) for pa, pb in zip(oa, ob) for x, y in zip(pa, pb))
+
+
+def test_the_pool_threads_run_the_initializer_first():
+    """A decode pool made after ``set_pool_initializer`` runs it on each of its threads before any group
+    (the served trunk sets its decode threads' nice value so); the threads made before it are replaced."""
+    import threading
+
+    cpu_decode.thread_pool(1)
+    ran = []
+    try:
+        cpu_decode.set_pool_initializer(lambda: ran.append(threading.get_ident()))
+        got = cpu_decode.run_groups(lambda g: [(g, threading.get_ident())], [0, 1, 2])
+        assert [g for g, _ in got] == [0, 1, 2]
+        assert {t for _, t in got[1:]} <= set(ran) and ran and threading.get_ident() not in ran
+    finally:
+        cpu_decode.set_pool_initializer(None)

@@ -102,6 +102,8 @@ def test_serving_config_parameters():
         schema.ServingConfig.from_parameters({"max_ctx": "lots"})
     with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[1, 8\], got 9"):
         schema.ServingConfig(num_draft_tokens=9)
+    with pytest.raises(ValueError, match=r"compute_nice must be in \[-20, 19\], got -21"):
+        schema.ServingConfig.from_parameters({"compute_nice": "-21"})
 
 
 def test_range_errors_use_wire_names():

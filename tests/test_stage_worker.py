@@ -5,11 +5,12 @@ the later ones, and a bounded stop; and the references a decoupled BLS call leav
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from tandem.serving.backend import SendQueue, requested_only
-from tandem.serving.stage_worker import BarrierRelease, StageWorker
+from tandem.serving.stage_worker import BarrierRelease, StageWorker, set_thread_nice
 
 FINAL = 1
 
@@ -275,3 +276,33 @@ def test_a_death_found_by_one_call_ends_every_call_sent_before_it():
     assert r.output_tensors()[0].value == 2
     forever.set()
     c.stop()
+
+
+def _nice_now(r):
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_the_compute_thread_runs_at_its_nice_value_and_a_refusal_leaves_it_running(monkeypatch):
+    """The compute thread takes ``nice`` before the worker is built (raising a nice value needs no
+    privilege); one the process may not take is reported in ``priority`` and the requests still run."""
+    out = []
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    w = StageWorker(_nice_now, FINAL, out.append, "t", nice=min(base + 3, 19))
+    assert w.priority == f"nice {min(base + 3, 19)}"
+    w.submit([Request(0, out)])
+    _wait(lambda: len(out) == 1)
+    assert out == [(min(base + 3, 19), FINAL)]
+    assert w.stop()
+
+    def refuse(*a):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    assert set_thread_nice(-10) == f"nice {base} (nice -10 refused: Operation not permitted; it needs CAP_SYS_NICE)"
+    w = StageWorker(_nice_now, FINAL, out.append, "t", nice=-10)
+    assert w.priority.startswith(f"nice {base} (nice -10 refused")
+    w.submit([Request(1, out)])
+    _wait(lambda: len(out) == 2)
+    assert out[1] == (base, FINAL)
+    assert w.stop()
+    assert set_thread_nice(0) == f"nice {base}"  # 0 leaves the thread as it is

@@ -26,41 +26,41 @@ PREFIX_BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
-    """Serving defaults and limits (each written once; config.pbtxt ``parameters`` carry the same
-    values, checked by a test). ``num_draft_tokens``: drafts per verify round (MTP) when a request
-    does not say; ``max_num_draft_tokens``: the most a request may ask for;
-    ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft ``block_size - 1`` tokens
-    unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response at most; ``burst_ms``:
-    a burst also ends at the first round boundary after this many ms of rounds (0: by rounds only);
-    ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
-    ``idle_timeout_s``: a session with no turn running for longer (counted from the end of its last
-    turn) is closed; ``max_sessions``: open sessions at most (a new sequence beyond it waits up to
-    ``admission_wait_s`` for one to close, then gets a "no free session" error); ``stage_timeout_s``:
-    a stage call (BLS) that has not answered by then fails the turns waiting on it; ``prefill_chunk``:
-    prime rows per burst of a long prompt (0: all at once), so streams keep getting bursts while it is
-    primed (rows bit-identical for any chunk under CPU ``batch_invariant``, else multiples of ``PREFIX_BLOCK``); ``spec``: the default arm (the fastest measured;
-    without its drafter: ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model
-    repository; ``dtype``: compute dtype of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU with bf16 GEMM
-    inputs, both measured faster, bf16 on CUDA; ``fp32``: fp32 GEMM inputs too); ``device``: where the stage models hold their weights and run (``auto``: ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``;
-    resolved, and refused when absent, at load by :func:`tandem.model.device.resolve_device`);
-    ``prefix_cache_mb``: memory bound of the prefix cache (published prompt blocks: trunk state and DFlash
-    drafter tails), 0 turns it off;
-    ``dflash_checkpoint`` / ``dflash2_checkpoint``: a drafter folder of its own (``config.json`` +
-    ``model.safetensors``, relative to the model repository) instead of ``<checkpoint>/dflash[2]``;
-    ``kernels``: which implementation the stage models take (:data:`KERNEL_MODES`; ``$TANDEM_KERNELS``,
-    :mod:`tandem_kernels.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on the CPU,
-    ``triton`` the Triton kernels everywhere, ``torch`` the pure-torch reference everywhere;
-    ``batch_invariant``: a row's logits bit-identical alone (plain decoding), in a verify block or in a batch of
-    sessions: on the CPU the trunk's verify passes take the row-invariant GEMM (:mod:`tandem.model.cpu_gemm`),
-    which is faster here than MKL, so it is on by default; off, they take MKL, whose rounding depends on the rows;
-    ``colocate``: the ``trunk`` model runs the drafters in its own process (sharing the trunk's embedding and LM
-    head, as in-process; :mod:`tandem.engine.colocated`), so a round is one ``trunk`` ``draft_verify`` call and no
-    hidden rows cross processes; off, the drafters run in the ``drafter_mtp`` / ``drafter_dflash`` models and a
-    round makes a drafter call and a ``trunk`` call; ``run_ahead`` (with ``colocate``; off: no gain measured
-    on 2 cores): the ``trunk`` runs the call it expects next while an answer travels (:mod:`tandem.engine.run_ahead`);
-    ``pipeline`` (``tandem``, with ``colocate``): while the ``trunk`` runs a call, the next one (``draft_verify_next``)
-    already waits in Triton's queue, so the trunk does not idle while answers and calls travel (:mod:`tandem.engine.pipeline`);
-    ``decode_threads`` (``trunk``): plain greedy rounds, and a prime of several sequences, in this many groups side by side.
+    """Serving defaults and limits (each written once; config.pbtxt ``parameters`` carry the same values, checked by a
+    test). ``num_draft_tokens``: drafts per verify round (MTP) when a request does not say; ``max_num_draft_tokens``:
+    the most a request may ask for; ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft
+    ``block_size - 1`` tokens unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response
+    at most; ``burst_ms``: a burst also ends at the first round boundary after this many ms of rounds (0: by rounds
+    only); ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
+    ``idle_timeout_s``: a session with no turn running for longer (counted from the end of its last turn) is closed;
+    ``max_sessions``: open sessions at most (a new sequence beyond it waits up to ``admission_wait_s`` for one to
+    close, then gets a "no free session" error); ``stage_timeout_s``: a stage call (BLS) that has not answered by then
+    fails the turns waiting on it; ``prefill_chunk``: prime rows per burst of a long prompt (0: all at once), so
+    streams keep getting bursts while it is primed (rows bit-identical for any chunk under CPU ``batch_invariant``,
+    else multiples of ``PREFIX_BLOCK``); ``spec``: the default arm (the fastest measured; without its drafter:
+    ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model repository; ``dtype``: compute dtype
+    of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU with bf16 GEMM inputs, both measured faster, bf16
+    on CUDA; ``fp32``: fp32 GEMM inputs too); ``device``: where the stage models hold their weights and run (``auto``:
+    ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``; resolved, and refused when absent,
+    at load by :func:`tandem.model.device.resolve_device`); ``prefix_cache_mb``: memory bound of the prefix cache
+    (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off; ``dflash_checkpoint`` /
+    ``dflash2_checkpoint``: a drafter folder of its own (``config.json`` + ``model.safetensors``, relative to the
+    model repository) instead of ``<checkpoint>/dflash[2]``; ``kernels``: which implementation the stage models take
+    (:data:`KERNEL_MODES`; :mod:`tandem_kernels.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on
+    the CPU, ``triton`` the Triton kernels everywhere, ``torch`` the reference; ``batch_invariant``: a row's logits
+    bit-identical alone (plain decoding), in a verify block or in a batch of sessions: on the CPU the trunk's verify
+    passes take the row-invariant GEMM (:mod:`tandem.model.cpu_gemm`), faster here than MKL, so on by default; off,
+    they take MKL, whose rounding depends on the rows; ``colocate``: the ``trunk`` model runs the drafters in its own
+    process (sharing the trunk's embedding and LM head, as in-process; :mod:`tandem.engine.colocated`), so a round is
+    one ``trunk`` ``draft_verify`` call and no hidden rows cross processes; off, the drafters run in the
+    ``drafter_mtp`` / ``drafter_dflash`` models and a round makes a drafter call and a ``trunk`` call; ``run_ahead``
+    (with ``colocate``; off: no gain measured on 2 cores): the ``trunk`` runs the call it expects next while an answer
+    travels (:mod:`tandem.engine.run_ahead`); ``pipeline`` (``tandem``, with ``colocate``): while the ``trunk`` runs a
+    call, the next one (``draft_verify_next``) already waits in Triton's queue, so the trunk does not idle while
+    answers and calls travel (:mod:`tandem.engine.pipeline`); ``decode_threads`` (``trunk``): plain greedy rounds, and
+    a prime of several sequences, in this many groups side by side; ``compute_nice`` (``trunk``, -20..19, 0: leave
+    them): the nice value of the trunk's compute and decode threads, so the server's other threads and its clients do
+    not time-slice them (needs CAP_SYS_NICE below 0; refused: logged, left).
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
     ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.
@@ -88,6 +88,7 @@ class ServingConfig:
     colocate: bool = True
     run_ahead: bool = False
     decode_threads: int = 2
+    compute_nice: int = -10
     pipeline: bool = True
     kernels: str = "auto"
     demote_below: float = 1.0
@@ -117,6 +118,8 @@ class ServingConfig:
         for name in ("idle_timeout_s", "stage_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not -20 <= self.compute_nice <= 19:
+            raise ValueError(f"compute_nice must be in [-20, 19], got {self.compute_nice}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be 0 (off) or a positive number of rows, got {self.prefill_chunk}")
         for name in ("prefix_cache_mb", "burst_ms", "admission_wait_s", "demote_below", "round_cost_mtp",
@@ -128,8 +131,8 @@ class ServingConfig:
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], **overrides) -> "ServingConfig":
-        """From a model's config.pbtxt ``parameters`` (strings), then ``overrides``. Raises
-        ``ValueError`` naming an unknown parameter or a value that does not parse."""
+        """From a model's config.pbtxt ``parameters`` (strings), then ``overrides``. Raises ``ValueError`` naming an
+        unknown parameter or a value that does not parse."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
         for k, v in params.items():
@@ -181,8 +184,7 @@ SESSION_LOST_MARKER, AT_CAPACITY_MARKER = "[tandem: session lost]", "[tandem: at
 
 
 def sequence_name(sid: int) -> str:
-    """How an error names a sequence: ``"sequence 7"``, or ``"this request (it has no sequence id)"``
-    for a one-turn session (its internal id means nothing to the client)."""
+    """How an error names a sequence: ``"sequence 7"``, or ``"this request (it has no sequence id)"`` for a one-turn session."""
     return "this request (it has no sequence id)" if sid >= ONE_TURN_SEQUENCE_IDS else f"sequence {sid}"
 OUTPUT_IDS, ROUNDS, DRAFTED, ACCEPTED, FINISH_REASON = "OUTPUT_IDS", "ROUNDS", "DRAFTED", "ACCEPTED", "FINISH_REASON"
 PRECEDING_IDS, STOP_STRING = "PRECEDING_IDS", "STOP_STRING"
@@ -308,7 +310,7 @@ TRUNK = ModelSpec(
         TensorSpec("ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"),
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
-                "colocate", "run_ahead", "decode_threads", "max_num_draft_tokens"),
+                "colocate", "run_ahead", "decode_threads", "compute_nice", "max_num_draft_tokens"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next") + HOSTED_OPS,
     decoupled=True,  # one response a request, with the final flag (tandem.serving.stage_worker)
 )
@@ -347,8 +349,7 @@ MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
 
 # -- array helpers of the stage models ------------------------------------------------------------------
 def lengths_of(arrays: Arrays, n_sids: int, total: int, of: str) -> list[int]:
-    """``LENGTHS`` checked against ``n_sids`` entries summing to ``total`` rows of input ``of``.
-    Raises :class:`WireError`."""
+    """``LENGTHS`` checked against ``n_sids`` entries summing to ``total`` rows of input ``of``. Raises :class:`WireError`."""
     lengths = [int(x) for x in get_vector(arrays, _LENGTHS)]
     if len(lengths) != n_sids:
         raise WireError(f"LENGTHS has {len(lengths)} entries for {n_sids} SIDS")
@@ -360,8 +361,7 @@ def lengths_of(arrays: Arrays, n_sids: int, total: int, of: str) -> list[int]:
 
 
 def prefixes_to_wire(prefixes: list[list[int] | None]) -> Arrays:
-    """Per-sequence prefix keys (None = no prefix cache for that sequence) -> ``PREFIX_KEYS`` [sum n]
-    int64 and ``PREFIX_LENGTHS [S]`` int32 (-1 for None)."""
+    """Per-sequence prefix keys (None: no prefix cache) -> ``PREFIX_KEYS [sum n]`` int64, ``PREFIX_LENGTHS [S]`` int32 (-1: None)."""
     return {_PREFIX_KEYS.name: np.array([k for p in prefixes if p for k in p], dtype=np.int64),
             _PREFIX_LENGTHS.name: np.array([-1 if p is None else len(p) for p in prefixes], dtype=np.int32)}
 

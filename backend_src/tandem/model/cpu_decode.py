@@ -246,17 +246,26 @@ def run_groups(fn, groups: list) -> list:
     return out
 
 
-_POOL: list = [None, 0]
+_POOL: list = [None, 0, None]  # the pool, its threads, what each runs first
 
 
 def thread_pool(n: int) -> ThreadPoolExecutor:
     """A pool of ``n`` threads at least, kept for the process (the decode groups' and the prime groups'
-    threads, :meth:`~tandem.model.trunk.Trunk.prime_many`)."""
+    threads, :meth:`~tandem.model.trunk.Trunk.prime_many`); each thread first runs :func:`set_pool_initializer`'s."""
     if _POOL[1] < n:
         if _POOL[0] is not None:
             _POOL[0].shutdown(wait=False)
-        _POOL[0], _POOL[1] = ThreadPoolExecutor(max(n, 1), thread_name_prefix="tandem-decode"), n
+        _POOL[0], _POOL[1] = ThreadPoolExecutor(max(n, 1), thread_name_prefix="tandem-decode", initializer=_POOL[2]), n
     return _POOL[0]
+
+
+def set_pool_initializer(fn) -> None:
+    """``fn()`` runs first on every thread of :func:`thread_pool` from now on (the served trunk sets its compute
+    threads' priority: :func:`tandem.serving.stage_worker.set_thread_nice`); the threads made before go."""
+    _POOL[2] = fn
+    if _POOL[0] is not None:
+        _POOL[0].shutdown(wait=False)
+        _POOL[0], _POOL[1] = None, 0
 
 
 def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_ids: list[tuple[int, ...]], steps: int,

@@ -16,12 +16,27 @@ is unsafe to simply drop: :class:`BarrierRelease` says why and keeps it.
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import sys
 import threading
 import time
 import traceback
 from typing import Any, Callable
+
+
+def set_thread_nice(nice: int) -> str:
+    """Set the calling thread's nice value (on Linux a thread's own; threads it starts later inherit it) to
+    ``nice`` (-20..19: lower is served first when threads compete for a core). Returns what happened, for
+    the log: ``"nice -10"``, or ``"nice 0 (nice -10 refused: ...)"`` when the process may not (below its
+    current value it needs CAP_SYS_NICE); never raises for a refusal. ``0`` leaves the thread as it is."""
+    tid = threading.get_native_id()
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as e:
+            return f"nice {os.getpriority(os.PRIO_PROCESS, tid)} (nice {nice} refused: {e.strerror or e}; it needs CAP_SYS_NICE)"
+    return f"nice {os.getpriority(os.PRIO_PROCESS, tid)}"
 
 
 class StageWorker:
@@ -32,11 +47,15 @@ class StageWorker:
     BLS caller reports "no response"). A response that cannot be sent (the caller's stream is gone) is
     logged and the other requests go on. :meth:`stop` ends both threads, bounded (a model's
     ``finalize`` must end inside the server's exit timeout). :meth:`summary` says how much of the
-    compute thread's time inside ``run`` it spent off the CPU."""
+    compute thread's time inside ``run`` it spent off the CPU. The compute thread runs at ``nice``
+    (:func:`set_thread_nice`; :attr:`priority` says what it got): on a busy machine the server's I/O
+    threads and its clients then do not time-slice the thread that computes every answer."""
 
     def __init__(self, run: Callable[[Any], Any], final_flag: int, log: Callable[[str], None],
-                 name: str = "stage") -> None:
-        self.run, self.final_flag, self.log = run, final_flag, log
+                 name: str = "stage", nice: int = 0) -> None:
+        self.run, self.final_flag, self.log, self.nice = run, final_flag, log, nice
+        self.priority = ""  # the compute thread's nice value, as set_thread_nice says it (set before __init__ returns)
+        self._started = threading.Event()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._calls, self._wall_s, self._cpu_s = 0, 0.0, 0.0  # requests run; seconds inside run, of them on the CPU
@@ -44,6 +63,7 @@ class StageWorker:
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-send", daemon=True)
         self._compute.start()
         self._sender.start()
+        self._started.wait(5.0)
 
     def summary(self) -> dict:
         """``{"calls", "wall_s", "cpu_s", "off_cpu"}``: requests run, seconds inside ``run``, the compute
@@ -59,6 +79,8 @@ class StageWorker:
             self._work.put((r, r.get_response_sender()))
 
     def _compute_loop(self) -> None:
+        self.priority = set_thread_nice(self.nice)
+        self._started.set()
         while (item := self._work.get()) is not None:
             request, sender = item
             w0, c0 = time.perf_counter(), time.thread_time()

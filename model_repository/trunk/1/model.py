@@ -1,6 +1,7 @@
 """Triton adapter for the decoupled `trunk` model: pb_utils tensors <-> tandem.engine.trunk_stage.TrunkStage.handle,
 run in arrival order by the compute thread of tandem.serving.stage_worker.StageWorker."""
 
+import functools
 import json
 
 import triton_python_backend_utils as pb_utils
@@ -9,10 +10,11 @@ from tandem import schema
 from tandem.model.warm import compile_kernels
 from tandem.engine.colocated import StageHost
 from tandem.engine.trunk_stage import TrunkStage
+from tandem.model import cpu_decode
 from tandem.model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
 from tandem.model.device import placement
 from tandem.serving import backend
-from tandem.serving.stage_worker import StageWorker
+from tandem.serving.stage_worker import StageWorker, set_thread_nice
 from tandem.serving.warmup import warm_stage
 
 
@@ -44,8 +46,12 @@ class TritonPythonModel:
                                  f"{', run_ahead' if cfg.colocate and cfg.run_ahead else ''}; "
                                  f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)})")
 
-        # execute only queues: Triton hands this process the next request (a pipelined call) while one runs
-        self.worker = StageWorker(self._run, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, pb_utils.Logger.log_error, "trunk")
+        # execute only queues: Triton hands this process the next request (a pipelined call) while one runs;
+        # the compute thread and the decode threads run ahead of the server's other threads (compute_nice)
+        cpu_decode.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
+        self.worker = StageWorker(self._run, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL, pb_utils.Logger.log_error, "trunk",
+                                  nice=cfg.compute_nice)
+        pb_utils.Logger.log_info(f"trunk: compute thread at {self.worker.priority}")
 
     def _run(self, request):
         response = backend.stage_response(pb_utils, schema.TRUNK, self.stage, request, stats=self.stats, only_requested=True)
