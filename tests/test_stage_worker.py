@@ -278,20 +278,28 @@ def test_a_death_found_by_one_call_ends_every_call_sent_before_it():
     c.stop()
 
 
-def _nice_now(r):
+def _nice_now(r=None):
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def test_the_compute_thread_runs_at_its_nice_value_and_a_refusal_leaves_it_running(monkeypatch):
-    """The compute thread takes ``nice`` before the worker is built (raising a nice value needs no
-    privilege); one the process may not take is reported in ``priority`` and the requests still run."""
+class NiceSender(Sender):
+    def send(self, response=None, flags=0):
+        self.log.append((response, _nice_now()))
+
+
+def test_the_compute_and_send_threads_run_at_their_nice_value_and_a_refusal_leaves_them_running(monkeypatch):
+    """The compute thread takes ``nice`` before the worker is built, the sender thread too (raising a nice
+    value needs no privilege); one the process may not take is reported in ``priority`` and the requests
+    still run."""
     out = []
     base = os.getpriority(os.PRIO_PROCESS, 0)
     w = StageWorker(_nice_now, FINAL, out.append, "t", nice=min(base + 3, 19))
     assert w.priority == f"nice {min(base + 3, 19)}"
-    w.submit([Request(0, out)])
+    req = Request(0, out)
+    req.sender = NiceSender(out)
+    w.submit([req])
     _wait(lambda: len(out) == 1)
-    assert out == [(min(base + 3, 19), FINAL)]
+    assert out == [(min(base + 3, 19), min(base + 3, 19))]  # computed there, sent from there
     assert w.stop()
 
     def refuse(*a):

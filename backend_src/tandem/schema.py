@@ -59,7 +59,7 @@ class ServingConfig:
     call, the next one (``draft_verify_next``) already waits in Triton's queue, so the trunk does not idle while
     answers and calls travel (:mod:`tandem.engine.pipeline`); ``decode_threads`` (``trunk``): plain greedy rounds, and
     a prime of several sequences, in this many groups side by side; ``compute_nice`` (``trunk``, -20..19, 0: leave
-    them): the nice value of the trunk's compute and decode threads, so the server's other threads and its clients do
+    them): the nice value of the trunk's compute, send and decode threads, so the server's other threads and its clients do
     not time-slice them (needs CAP_SYS_NICE below 0; refused: logged, left).
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,

@@ -47,9 +47,10 @@ class StageWorker:
     BLS caller reports "no response"). A response that cannot be sent (the caller's stream is gone) is
     logged and the other requests go on. :meth:`stop` ends both threads, bounded (a model's
     ``finalize`` must end inside the server's exit timeout). :meth:`summary` says how much of the
-    compute thread's time inside ``run`` it spent off the CPU. The compute thread runs at ``nice``
-    (:func:`set_thread_nice`; :attr:`priority` says what it got): on a busy machine the server's I/O
-    threads and its clients then do not time-slice the thread that computes every answer."""
+    compute thread's time inside ``run`` it spent off the CPU. Both threads run at ``nice``
+    (:func:`set_thread_nice`; :attr:`priority` says what the compute thread got): on a busy machine the
+    server's other threads and its clients then do not time-slice the thread that computes every answer,
+    nor delay the one that sends it."""
 
     def __init__(self, run: Callable[[Any], Any], final_flag: int, log: Callable[[str], None],
                  name: str = "stage", nice: int = 0) -> None:
@@ -97,6 +98,7 @@ class StageWorker:
         self._out.put(None)
 
     def _send_loop(self) -> None:
+        set_thread_nice(self.nice)  # its answers leave as soon as they are computed
         while (item := self._out.get()) is not None:
             sender, response = item
             try:
