@@ -59,8 +59,8 @@ class ServingConfig:
     call, the next one (``draft_verify_next``) already waits in Triton's queue, so the trunk does not idle while
     answers and calls travel (:mod:`tandem.engine.pipeline`); ``decode_threads`` (``trunk``): plain greedy rounds, and
     a prime of several sequences, in this many groups side by side; ``compute_nice`` (``trunk``, -20..19, 0: leave
-    them): the nice value of the trunk's compute, send and decode threads, so the server's other threads and its clients do
-    not time-slice them (needs CAP_SYS_NICE below 0; refused: logged, left).
+    them): the nice value of the trunk's compute, send and decode threads, so the server's other threads and its
+    clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused: logged, the threads left as they are).
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
     ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.
