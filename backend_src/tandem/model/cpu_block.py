@@ -93,9 +93,10 @@ def _dense_ffn(s, hc, dense):  # pragma: no cover - numba
     N, n, D = s.shape
     post, comb, x = _hc_in(s, hc)
     g = _gemm(x, w_g)
-    _swiglu(g, _gemm(x, w_u), limit, g)
+    act = np.empty_like(g)
+    _swiglu(g, _gemm(x, w_u), limit, act)
     out = np.empty((N, n, D), _F)
-    _hc_merge(post, comb, _gemm(g, w_d), s, out)
+    _hc_merge(post, comb, _gemm(act, w_d), s, out)
     return out
 
 

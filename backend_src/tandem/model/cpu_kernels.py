@@ -288,14 +288,21 @@ def _layer_norm(x, w, b, eps, out):  # pragma: no cover - numba
             out[r, j] = (x[r, j] - m) * inv * w[j] + b[j]
 
 
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _swiglu_row(g, u, limit, out):  # pragma: no cover - numba
+    # out [I] = silu(min(g, L)) * clamp(u, -L, L) (the experts' and the dense MLP's); g, u, out 1-D contiguous and
+    # apart: LLVM vectorises it (on strided or overlapping arrays it ran scalar: 8 rows 11.7 -> 1.4 us)
+    one = np.float32(1.0)
+    for i in range(out.shape[0]):
+        a = min(g[i], limit)
+        out[i] = a / (one + _exp(-a)) * min(max(u[i], -limit), limit)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu(g, u, limit, out):  # pragma: no cover - numba
-    # out [N, I] = silu(min(g, L)) * clamp(u, -L, L) (the experts' and the dense MLP's); out may be g
-    one = np.float32(1.0)
+    # out [N, I] = _swiglu_row of each row; C-contiguous arrays, out not g or u
     for r in range(g.shape[0]):
-        for i in range(g.shape[1]):
-            a = min(g[r, i], limit)
-            out[r, i] = a / (one + _exp(-a)) * min(max(u[r, i], -limit), limit)
+        _swiglu_row(g[r], u[r], limit, out[r])
 
 
 def _rows_call(kernel, x: torch.Tensor, *args) -> torch.Tensor:

@@ -11,7 +11,7 @@ from numba import njit
 
 from . import cpu_gemm
 from .cpu_gemm import _mmp
-from .cpu_kernels import _F, _swiglu, np_param
+from .cpu_kernels import _F, _swiglu_row, np_param
 
 
 @njit(cache=True, nogil=True)
@@ -88,7 +88,8 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
         if n == 0:
             continue
         _mmp(xs[:n], (up[0][e], up[1][e]), 0, 2 * I, gu[:n])
-        _swiglu(gu[:n, :I], gu[:n, I:], limit, act[:n])
+        for j in range(n):  # gate | up of a row: contiguous halves (vectorised; strided [n, I] views ran scalar)
+            _swiglu_row(gu[j, :I], gu[j, I:], limit, act[j])
         _mmp(act[:n], (down[0][e], down[1][e]), 0, D, h[:n])
         for j in range(n):
             r = rows[j]
