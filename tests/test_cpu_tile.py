@@ -4,7 +4,7 @@ column ranges), and the KDA state passes keep the recurrence's results (against 
 reference) and the identity of a prime's in-place states with a verify's kept states, for head
 sizes with a pass (16, 48, 64) and without one (20). The bfloat16 dot-product tiles (the default for
 bfloat16 weights) give the float32 chain over bfloat16-rounded inputs bit for bit, on the hardware
-(``vdpbf16ps``) and emulated."""
+(``vdpbf16ps``) and emulated. The mHC mixing logits in registers (``hc_mix8``) give the loop's bits."""
 
 import numpy as np
 import pytest
@@ -142,3 +142,24 @@ def test_bf16_pairs_round_to_nearest_even_and_keep_nan():
     assert cpu_gemm.kernel_weight(odd)[0].dtype == np.uint16
     with cpu_gemm.fp32_inputs():
         assert cpu_gemm.kernel_weight(torch.ones(8, 6))[0].dtype == np.uint16
+
+
+@pytest.mark.parametrize("D", [4, 37, 256])
+def test_hc_mixing_in_registers_equals_the_loop(D):
+    # hc_mult 2: eight mixing outputs take hc_mix8 when fn_t is C-contiguous; the same weights in a
+    # Fortran-ordered copy take the loop: post, comb and the normed block input must agree bit for bit
+    n, rng = 2, np.random.default_rng(D)
+    fn_t = rng.standard_normal((n * D, (2 + n) * n)).astype(np.float32)
+    base, scale = rng.standard_normal((2 + n) * n).astype(np.float32), np.float32([0.7, 1.3, 0.9])
+    nw = rng.standard_normal(D).astype(np.float32)
+    got = {}
+    for name, w in (("registers", fn_t), ("loop", np.asfortranarray(fn_t))):
+        for M in (1, 3, 5):
+            s = rng.standard_normal((M, n * D)).astype(np.float32) if name == "registers" else got[("s", M)]
+            got[("s", M)] = s
+            out = (np.empty((M, n), np.float32), np.empty((M, n, n), np.float32), np.empty((M, D), np.float32))
+            cpu_kernels._hc_weights(s, w, base, scale, n, 20, np.float32(1e-6), np.float32(1e-6), nw, np.float32(1e-5), *out)
+            got[(name, M)] = out
+    for M in (1, 3, 5):
+        for a, b in zip(got[("registers", M)], got[("loop", M)]):
+            assert np.array_equal(a, b) and np.isfinite(a).all(), M

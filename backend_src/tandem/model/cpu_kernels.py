@@ -1,19 +1,18 @@
 """CPU kernels for the decode / verify hot path, compiled with numba (no autograd; float32).
 
-On this CPU a torch op costs 3-5 us of dispatch whatever its size, and a decode row of the tiny
-trunk is a few hundred such ops: the per-row glue between the matrix products (mHC weights with
-their Sinkhorn loop and the block norm, the mHC merge, the KDA conv / gates / recurrence / output
-norm (in :mod:`~tandem.model.cpu_kda`), MoE routing / SwiGLU / combine (in :mod:`~tandem.model.cpu_moe`),
-DSA pool selection) is fused into one call each. Every
-kernel has a pure-torch reference it is tested against (``tests/test_cpu_kernels.py``):
-:meth:`~tandem.model.layers.HyperConnection.forward` + RMSNorm, :func:`~tandem.model.layers.hc_merge`,
-:meth:`~tandem.model.kda.LinearAttention.forward_rows`, :meth:`~tandem.model.layers.MoE.forward`,
-:meth:`~tandem.model.mla.Indexer.select`; :func:`reference` runs the model on them.
+On this CPU a torch op costs 3-5 us of dispatch whatever its size, and a decode row of the tiny trunk is
+a few hundred such ops: the per-row glue between the matrix products (mHC weights with their Sinkhorn
+loop and the block norm, the mHC merge, the KDA conv / gates / recurrence / output norm (in
+:mod:`~tandem.model.cpu_kda`), MoE routing / SwiGLU / combine (in :mod:`~tandem.model.cpu_moe`), DSA pool
+selection) is fused into one call each. Every kernel has a pure-torch reference it is tested against
+(``tests/test_cpu_kernels.py``): :meth:`~tandem.model.layers.HyperConnection.forward` + RMSNorm,
+:func:`~tandem.model.layers.hc_merge`, :meth:`~tandem.model.kda.LinearAttention.forward_rows`,
+:meth:`~tandem.model.layers.MoE.forward`, :meth:`~tandem.model.mla.Indexer.select`; :func:`reference`
+runs the model on them.
 
-Each row is computed by the same sequence of float32 operations whatever the number of rows in the
-call (the hot loops' ``exp`` is :func:`_exp`, which vectorises; sums over a row's features run in
-:func:`_dot`'s fixed order), so a row's result is bit-identical alone (plain decoding) or inside a
-verify block.
+Each row is computed by the same sequence of float32 operations whatever the number of rows in the call
+(the hot loops' ``exp`` is :func:`_exp`, which vectorises; sums over a row's features run in :func:`_dot`'s
+fixed order), so a row's result is bit-identical alone (plain decoding) or inside a verify block.
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 from tandem_kernels import dispatch
+
+from .cpu_tile import hc_mix8
 
 
 _F = np.float32
@@ -67,14 +68,13 @@ def _cached(key, p: torch.Tensor, make) -> np.ndarray:
 
 
 def np_param(p: torch.Tensor) -> np.ndarray:
-    """A float32 C-contiguous numpy array of a weight, made once per storage (a view when the weight
-    already is fp32 and contiguous, so in-place loads show through; a copy otherwise)."""
+    """A float32 C-contiguous numpy array of a weight, made once per storage (a view when the weight already is fp32
+    and contiguous, so in-place loads show through; a copy otherwise)."""
     return _cached(id(p), p, lambda: p.detach().float().contiguous().numpy())
 
 
 def np_param_t(p: torch.Tensor) -> np.ndarray:
-    """:func:`np_param` of a 2-D weight ``[O, I]`` transposed: ``[I, O]`` float32 C-contiguous (a copy,
-    made once per storage)."""
+    """:func:`np_param` of a 2-D weight ``[O, I]`` transposed: ``[I, O]`` float32 C-contiguous (a copy, made once per storage)."""
     return _cached(("T", id(p)), p, lambda: np.ascontiguousarray(np_param(p).T))
 
 
@@ -157,14 +157,17 @@ def _hc_weights(streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps,
     for r in range(M):
         x = streams[r]
         inv = one / np.sqrt(_dot(x, x) / np.float32(ND) + norm_eps)
-        # every mixing output as _dot(x, fn[o]) sums it (eight interleaved partial sums, combined in
-        # that order), all outputs at once along a row of fn_t (vectorised: 8 rows 10.0 -> 6.3 us)
-        part[:] = np.float32(0.0)
-        for j in range(0, n8, 8):
-            for k in range(8):
-                xv, w, acc = x[j + k], fn_t[j + k], part[k]
-                for o in range(n_mix):
-                    acc[o] += xv * w[o]
+        # every mixing output as _dot(x, fn[o]) sums it (eight interleaved partial sums, combined in that order), all
+        # outputs at once along a row of fn_t; 8 outputs (hc_mult 2): the same sums in registers, 1.21 -> 0.19 us a row
+        if n_mix == 8 and fn_t.strides[0] == 32 and fn_t.strides[1] == 4:
+            hc_mix8(streams, r, fn_t, part.reshape(1, 64))
+        else:
+            part[:] = np.float32(0.0)
+            for j in range(0, n8, 8):
+                for k in range(8):
+                    xv, w, acc = x[j + k], fn_t[j + k], part[k]
+                    for o in range(n_mix):
+                        acc[o] += xv * w[o]
         for o in range(n_mix):
             acc_o = ((part[0, o] + part[1, o]) + (part[2, o] + part[3, o])) + \
                 ((part[4, o] + part[5, o]) + (part[6, o] + part[7, o]))
@@ -211,17 +214,15 @@ def _hc_weights(streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps,
 
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                iters: int, eps: float, norm_eps: float, norm_w: torch.Tensor, norm_w_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mHC weights of rows ``streams [B, T, N, D]`` (any float dtype): ``post [B,T,N]`` and
-    ``comb [B,T,N,N]`` fp32, and the block's RMSNorm (weight ``norm_w [D]``, eps ``norm_w_eps``) of
-    the collapsed block input, ``[B, T, D]`` in the streams' dtype.
+    """mHC weights of rows ``streams [B, T, N, D]`` (any float dtype): ``post [B,T,N]`` and ``comb [B,T,N,N]`` fp32, and
+    the block's RMSNorm (weight ``norm_w [D]``, eps ``norm_w_eps``) of the collapsed block input, ``[B, T, D]`` in the
+    streams' dtype.
 
     The math of :meth:`tandem.model.layers.HyperConnection.forward` (RMS-normalised streams, the
     ``fn [(2+N)N, N*D]`` mixing, sigmoid / softmax heads, Sinkhorn-Knopp) in one pass per row."""
     b, t, n, d = streams.shape
     s = np_rows(streams.reshape(b * t, n * d))
-    post = np.empty((b * t, n), _F)
-    comb = np.empty((b * t, n, n), _F)
-    col = np.empty((b * t, d), _F)
+    post, comb, col = np.empty((b * t, n), _F), np.empty((b * t, n, n), _F), np.empty((b * t, d), _F)
     _hc_weights(s, np_param_t(fn), np_param(base), np_param(scale), n, iters, _F(eps), _F(norm_eps),
                 np_param(norm_w), _F(norm_w_eps), post, comb, col)
     return (torch.from_numpy(post).view(b, t, n), torch.from_numpy(comb).view(b, t, n, n),

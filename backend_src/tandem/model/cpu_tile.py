@@ -16,7 +16,8 @@ the hardware prefetchers stream, so every row count, one row included, takes the
 unpacked layout one row stays with the blocked kernel: there a tile walks the weights in short runs).
 
 The KDA state passes (decay + ``S'^T k``; delta-rule update + ``S^T q``) keep a head's ``dk``
-accumulators in registers the same way, with the loops' arithmetic in the loops' order.
+accumulators in registers the same way, with the loops' arithmetic in the loops' order, and so do the
+mHC mixing logits' 64 partial sums (:func:`hc_mix8`, hc_mult 2).
 
 Weights are float32 or the uint16 bits of bfloat16 (``bits << 16``, exact), as
 :func:`~tandem.model.cpu_gemm.kernel_weight` makes them. Indices are not checked: the callers keep
@@ -304,3 +305,42 @@ def _state_pass(V: int, update: bool):
 #: the decay and update passes for dk = 16, 32, 48, 64, 128
 decay1, decay2, decay3, decay4, decay8 = (_state_pass(V, False) for V in (1, 2, 3, 4, 8))
 update1, update2, update3, update4, update8 = (_state_pass(V, True) for V in (1, 2, 3, 4, 8))
+
+
+# -- the mHC mixing logits ----------------------------------------------------------------------------
+_PAIR = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * 8 + [1] * 8)
+
+
+@intrinsic
+def hc_mix8(typingctx, xs, r, fn_t, out):
+    """The intrinsic ``hc_mix8(xs, r, fn_t, out)``: the mHC mixing logits' eight interleaved partial sums of row ``r``
+    of ``xs [M, ND]`` against ``fn_t [ND, 8]`` (C-contiguous): ``out[0, 8k + o] = sum_b xs[r, 8b + k] * fn_t[8b + k, o]``
+    over ``b < ND // 8`` in order from 0, a multiply then an add each (no fma), for ``k, o < 8`` (``out [1, 64]``
+    float32): :func:`~tandem.model.cpu_kernels._hc_weights`'s loop with its 64 accumulators in four registers."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 for a in (xs, fn_t, out)):
+        return None
+    sig = types.void(xs, types.int64, fn_t, out)
+
+    def codegen(context, builder, sig, args):
+        xt, _, wt, ot = sig.args
+        xv, r0, wv, ov = args
+        xa, wa, oa = (context.make_array(t)(context, builder, v) for t, v in ((xt, xv), (wt, wv), (ot, ov)))
+        i64 = _I64
+        n = builder.sdiv(cgutils.unpack_tuple(builder, xa.shape, 2)[1], ir.Constant(i64, 8))
+
+        def body(b, acc):
+            new = []
+            for v in range(4):  # inputs 8b + 2v and 8b + 2v + 1: their weight rows are 16 consecutive floats
+                j = builder.add(builder.mul(b, ir.Constant(i64, 8)), ir.Constant(i64, 2 * v))
+                w = builder.load(builder.bitcast(_ptr(context, builder, wa, wt, j, ir.Constant(i64, 0)), _VTY.as_pointer()), align=4)
+                x2 = ir.Constant(ir.VectorType(ir.FloatType(), 2), ir.Undefined)
+                for h in range(2):
+                    xe = builder.load(_ptr(context, builder, xa, xt, r0, builder.add(j, ir.Constant(i64, h))))
+                    x2 = builder.insert_element(x2, xe, ir.Constant(ir.IntType(32), h))
+                xb = builder.shuffle_vector(x2, ir.Constant(ir.VectorType(ir.FloatType(), 2), ir.Undefined), _PAIR)
+                new.append(builder.fadd(acc[0][v], builder.fmul(xb, w)))
+            return [new]
+
+        return _acc_loop(context, builder, n, 1, body, (oa, ot, ir.Constant(i64, 0), ir.Constant(i64, 0)))
+
+    return sig, codegen
