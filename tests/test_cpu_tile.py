@@ -4,14 +4,15 @@ column ranges), and the KDA state passes keep the recurrence's results (against 
 reference) and the identity of a prime's in-place states with a verify's kept states, for head
 sizes with a pass (16, 48, 64) and without one (20). The bfloat16 dot-product tiles (the default for
 bfloat16 weights) give the float32 chain over bfloat16-rounded inputs bit for bit, on the hardware
-(``vdpbf16ps``) and emulated. The mHC mixing logits in registers (``hc_mix8``) give the loop's bits."""
+(``vdpbf16ps``) and emulated. The mHC mixing logits in registers (``hc_mix8``) and the MLA kernels' contracted dot product
+(``cpu_attention.dot_fma``) give the loops' bits."""
 
 import numpy as np
 import pytest
 import torch
 from numba import njit
 
-from tandem.model import cpu_gemm, cpu_kernels, cpu_pairs, cpu_tile
+from tandem.model import cpu_attention, cpu_gemm, cpu_kernels, cpu_pairs, cpu_tile
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
 from tandem.model.trunk import Trunk
@@ -163,3 +164,21 @@ def test_hc_mixing_in_registers_equals_the_loop(D):
     for M in (1, 3, 5):
         for a, b in zip(got[("registers", M)], got[("loop", M)]):
             assert np.array_equal(a, b) and np.isfinite(a).all(), M
+
+
+@njit(fastmath={"contract"})
+def _dots(a, b):
+    return cpu_kernels._dot(a, b), cpu_attention._dotc(a, b), cpu_attention._dotc(a[::1], b[::-1][::-1])
+
+
+def test_contracted_dot_in_a_register_equals_the_loop():
+    # _dotc takes dot_fma for contiguous vectors (the third call passes a strided view: the loop), against
+    # _dot in the same fastmath "contract" kernel; lengths around the steps of 8, magnitudes over 6 decades
+    rng = np.random.default_rng(3)
+    for n in [*range(0, 20), 31, 32, 33, 64, 65, 200, 515]:
+        for _ in range(20):
+            a = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3)).astype(np.float32)
+            b = rng.standard_normal(n).astype(np.float32)
+            ref, fast, loop = _dots(a, b)
+            assert ref == fast == loop, (n, ref, fast, loop)
+    assert _dots(np.ones(9, np.float32), np.full(9, 2.0, np.float32))[1] == 18.0
