@@ -151,16 +151,15 @@ def _hc_weights(streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps,
     D = ND // n
     n_mix = fn_t.shape[1]
     n8 = ND - ND % 8
-    mix = np.empty(n_mix, np.float32)
-    part = np.empty((8, n_mix), np.float32)
-    one = np.float32(1.0)
+    mix, part, one = np.empty(n_mix, np.float32), np.empty((8, n_mix), np.float32), np.float32(1.0)
+    in_regs, part64 = n_mix == 8 and fn_t.strides[0] == 32 and fn_t.strides[1] == 4, part.reshape(1, 8 * n_mix)
     for r in range(M):
         x = streams[r]
         inv = one / np.sqrt(_dot(x, x) / np.float32(ND) + norm_eps)
         # every mixing output as _dot(x, fn[o]) sums it (eight interleaved partial sums, combined in that order), all
         # outputs at once along a row of fn_t; 8 outputs (hc_mult 2): the same sums in registers, 1.21 -> 0.19 us a row
-        if n_mix == 8 and fn_t.strides[0] == 32 and fn_t.strides[1] == 4:
-            hc_mix8(streams, r, fn_t, part.reshape(1, 64))
+        if in_regs:
+            hc_mix8(streams, r, fn_t, part64)
         else:
             part[:] = np.float32(0.0)
             for j in range(0, n8, 8):
