@@ -12,7 +12,7 @@ import pytest
 import torch
 from numba import njit
 
-from tandem.model import cpu_attention, cpu_gemm, cpu_kernels, cpu_pairs, cpu_tile
+from tandem.model import cpu_amx, cpu_attention, cpu_gemm, cpu_kernels, cpu_pairs, cpu_tile
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
 from tandem.model.trunk import Trunk
@@ -100,11 +100,19 @@ def _emulated(xp, w, out):
         cpu_tile.epair1(xp, w, r, out, 0)
 
 
+@pytest.fixture
+def no_amx():
+    """The AVX512-BF16 tiles (on a CPU with AMX the bfloat16 pairs take AMX's, tests/test_cpu_amx.py)."""
+    before = cpu_amx.set_amx(False)
+    yield
+    cpu_amx.set_amx(before)
+
+
 @pytest.mark.parametrize("D,O", [(2, 64), (38, 130), (256, 517), (40, 5)])
-def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, O):
-    """bfloat16 weights by default take the pair layout; mm_rows on it equals the float32 chain over
-    bfloat16-rounded inputs bit for bit, for 1-9 rows and strip-aligned column ranges (each row equal
-    alone and in the batch), and the emulated tiles equal the hardware's (where it has vdpbf16ps)."""
+def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, O, no_amx):
+    """bfloat16 weights by default take the pair layout; mm_rows on it (AMX off) equals the float32 chain
+    over bfloat16-rounded inputs bit for bit, for 1-9 rows and strip-aligned column ranges (each row
+    equal alone and in the batch), and the emulated tiles equal the hardware's (where it has vdpbf16ps)."""
     g = np.random.default_rng(D * O)
     w = torch.from_numpy(g.standard_normal((O, D)).astype(np.float32)).to(torch.bfloat16).float()  # input-major
     wf = w.t().contiguous().numpy()

@@ -3,9 +3,8 @@ defaults and limits, and the array helpers both sides of a BLS call use. Written
 ``config.pbtxt`` files are checked against it (``tests/test_schema.py``) and the engine, the
 serving layer, the client, the load test and the tests read names and defaults from it.
 
-numpy only (no torch, no Triton): the client imports it. Sequence ids are Triton correlation ids
-(uint64); between tandem's own models they travel as int64 with the same 64 bits (:func:`sids_to_wire`).
-"""
+numpy only (no torch, no Triton): the client imports it. Sequence ids are Triton correlation ids (uint64);
+between tandem's own models they travel as int64 with the same 64 bits (:func:`sids_to_wire`)."""
 
 from __future__ import annotations
 
@@ -60,11 +59,11 @@ class ServingConfig:
     answers and calls travel (:mod:`tandem.engine.pipeline`); ``decode_threads`` (``trunk``): plain greedy rounds, and
     a prime of several sequences, in this many groups side by side; ``compute_nice`` (``trunk``, -20..19, 0: leave
     them): the nice value of the trunk's compute, send and decode threads, so the server's other threads and its
-    clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused: logged, the threads left as they are).
+    clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused: logged, the threads left as they are);
+    ``amx`` (stage models): bfloat16 GEMMs on Intel AMX tiles where the CPU has them (:mod:`tandem.model.cpu_amx`).
 
-    The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``,
-    ``demote_load_slope``, ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`.
-    """
+    The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``, ``demote_load_slope``,
+    ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`."""
 
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
@@ -90,6 +89,7 @@ class ServingConfig:
     decode_threads: int = 2
     compute_nice: int = -10
     pipeline: bool = True
+    amx: bool = True
     kernels: str = "auto"
     demote_below: float = 1.0
     promote_above: float = 1.15
@@ -310,7 +310,7 @@ TRUNK = ModelSpec(
         TensorSpec("ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"),
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
-                "colocate", "run_ahead", "decode_threads", "compute_nice", "max_num_draft_tokens"),
+                "colocate", "run_ahead", "decode_threads", "compute_nice", "amx", "max_num_draft_tokens"),
     ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next") + HOSTED_OPS,
     decoupled=True,  # one response a request, with the final flag (tandem.serving.stage_worker)
 )
@@ -325,7 +325,7 @@ DRAFTER_MTP = ModelSpec(
         _NUM_DRAFTS,
     ),
     outputs=(_DRAFTS, _DRAFT_LENGTHS),
-    parameters=("checkpoint", "dtype", "device", "kernels", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dtype", "device", "kernels", "amx", "max_num_draft_tokens"),
     ops=("open", "close", "draft"),
 )
 
@@ -341,7 +341,7 @@ DRAFTER_DFLASH = ModelSpec(
         _PREFIX_KEYS, _PREFIX_LENGTHS,
     ),
     outputs=(_DRAFTS, _DRAFT_LENGTHS, _NBYTES),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "amx", "max_num_draft_tokens"),
     ops=("open", "close", "draft", "publish", "evict"),
 )
 

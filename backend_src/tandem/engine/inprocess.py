@@ -40,12 +40,12 @@ class Engine:
                  model: Trunk | None = None, tokenizer: ChatTokenizer | None = None, dflash: dict | None = None,
                  **config) -> None:
         dt = dtype
+        self.config = dataclasses.replace(schema.DEFAULTS, **config)
         if isinstance(dtype, str):
             dt = parse_dtype(dtype)
-            gemm_inputs(dtype)
+            gemm_inputs(dtype, self.config.amx)
         self.model = model if model is not None else load_trunk(checkpoint, dt)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
-        self.config = dataclasses.replace(schema.DEFAULTS, **config)
         if dflash is None:
             dflash = {arm: load_dflash(checkpoint, arm, self.model.dtype) for arm in dflash_arms(checkpoint)}
         feature_layers = next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)

@@ -10,10 +10,8 @@ rows, their position or their neighbours: a row is bit-identical in any batch by
 any CPU. The serving parameter ``batch_invariant`` routes the trunk's verify passes here
 (:func:`rows_mode`); the reference is ``x @ w.T`` (``tests/test_cpu_gemm.py``).
 
-Speed, fp32, one thread, AMD EPYC (AVX-512), MKL in brackets: ``[M, 256] x [256, 2560]`` (an MoE
-layer's gate | up) M=1 32 us (48), M=8 109 (172), M=16 157 (291); the LM head ``[256, 8192]`` M=1
-102 (166), M=8 334 (888), M=64 2671 (4360) (fp32 weights, before the four-row block's input
-dimension went in steps of 4). Rows go in fours with the input dimension in steps of 4 (one
+Speed, fp32, one thread, AMD EPYC, MKL in brackets: the LM head ``[256, 8192]`` M=1 102 us (166),
+M=8 334 (888), M=64 2671 (4360). Rows go in fours with the input dimension in steps of 4 (one
 accumulator load and store per 4 fmas, every operand in a register), the last three as four with a
 zero row, or the last two or one in one block with steps of 8 (a weight slice is read once per block).
 For two or more rows, whole 64-column strips take the register tiles of :mod:`~tandem.model.cpu_tile`
@@ -21,18 +19,16 @@ instead (accumulators in registers over the whole input dimension; the same fma 
 bits): an MoE layer's experts on 8 rows ran 175 -> 134 us, a KDA + MoE block on 8 rows 480 -> 397 us.
 
 Serving's weights are strip-packed (:func:`kernel_weight`, :func:`pack_strips`): each 64-column strip
-``[D, 64]`` one contiguous run, read front to back by the tiles for every row count (:func:`_mmp`).
-Unpacked, a strip's rows lie ``O`` elements apart and the reads come in 128-byte (or, blocked, 1 KB)
-pieces that the hardware prefetchers do not follow; once a token's 19 MiB of weights outgrow what the
-cache keeps between layers, a 1.8 MB weight streamed at 12.5 GB/s unpacked and 34 GB/s packed (16
-distinct weights in turn, one row), the six KDA + MoE blocks of a decode row took ~100 us each instead of
-~280, plain decoding 1.25-1.37x faster.
+``[D, 64]`` one contiguous run, read front to back by the tiles for every row count (:func:`_mmp`);
+unpacked, the reads come in pieces the hardware prefetchers do not follow (a 1.8 MB weight streamed
+at 12.5 GB/s unpacked, 34 GB/s packed; plain decoding 1.25-1.37x faster packed).
 
 bfloat16 weights with an even input dimension (the shipped checkpoint's) are packed as bfloat16 pairs
 by default (:func:`~tandem.model.cpu_pairs.pack_pairs`): the GEMM rounds its input rows to bfloat16 and
 runs AVX512-BF16 dot products with float32 accumulation, ~2x the float32 tiles (a bf16 GEMM's
-numerics, one fixed chain per element, so as row-invariant as the float32 path; :mod:`~tandem.model.cpu_pairs`).
-:func:`fp32_inputs` keeps the float32 inputs.
+numerics, one fixed chain per element, so as row-invariant as the float32 path), or on a CPU with
+AMX its tiles (:mod:`~tandem.model.cpu_amx`, :func:`~tandem.model.cpu_amx.set_amx`: the strips
+viewed as int32). :func:`fp32_inputs` keeps the float32 inputs.
 """
 
 from __future__ import annotations
@@ -46,13 +42,13 @@ import torch.nn.functional as F
 from numba import njit, types
 from numba.extending import overload
 
+from .cpu_amx import ON as _AMX, amx_gemm
 from .cpu_pairs import _pair_tail, _pair_tiles, bf16_pairs, pack_pairs
 from .cpu_tile import TILE, _f32, tile1, tile2, tile3, tile4
 
 #: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
 _BLOCK = 512
-_DEPTH = [0]
-_DEPTH_LOCK = threading.Lock()
+_DEPTH, _DEPTH_LOCK = [0], threading.Lock()
 #: the GEMM inputs of bfloat16 weights: "bf16" (pairs, :func:`pack_pairs`) or "fp32" (:func:`fp32_inputs`); the last entry
 _INPUTS = ["bf16"]
 
@@ -247,9 +243,16 @@ def _pairs_impl(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
         _pair_tail(xp, tail, done - S * TILE, c1 - S * TILE, out, done - c0)
 
 
+def _amx_impl(x, strips, tail, c0, c1, out):  # pragma: no cover - numba (an @overload returns a Python function)
+    amx_gemm(x, strips, tail, c0, c1, out)
+
+
 @overload(_strips_gemm)
 def _packed_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
-    # _mmp's body for float32 / bfloat16-bit strips (pack_strips) or bfloat16 pairs (pack_pairs)
+    # _mmp's body for float32 / bfloat16-bit strips (pack_strips), bfloat16 pairs (pack_pairs: uint32) or
+    # the same pairs for the AMX tiles (int32: kernel_weight under set_amx)
+    if strips.dtype == types.int32:
+        return _amx_impl
     return _pairs_impl if strips.dtype == types.uint32 else _strips_impl
 
 
@@ -292,7 +295,7 @@ def mm_rows(x: np.ndarray, wt, c0: int = 0, c1: int | None = None) -> np.ndarray
 
 def is_bf16(pw) -> bool:
     """Whether a kernel weight (packed or not) holds bfloat16 bits."""
-    return (pw[0] if isinstance(pw, tuple) else pw).dtype in (np.uint16, np.uint32)
+    return (pw[0] if isinstance(pw, tuple) else pw).dtype in (np.uint16, np.uint32, np.int32)
 
 
 _W: dict[tuple, tuple] = {}
@@ -309,7 +312,7 @@ def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> 
     bf16 x bf16 products accumulated in float32, ~2x the fp32 tiles' speed) unless within
     :func:`fp32_inputs`. Made once per weight tensor, layout and input mode (again after an in-place
     change: ``_version``); ``w`` must outlive its use (parameters and the serving layout's fused buffers)."""
-    key = (id(w), transpose, experts, _INPUTS[-1])
+    key = (id(w), transpose, experts, _INPUTS[-1], _AMX[0])
     hit = _W.get(key)
     if hit is not None and hit[0] is w and hit[1] == (w.data_ptr(), w._version):
         return hit[2]
@@ -321,8 +324,11 @@ def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> 
     if len(_W) > 4096:  # not a cache of temporaries
         _W.clear()
     pairs = arr.dtype == np.uint16 and arr.shape[-2] % 2 == 0 and _INPUTS[-1] == "bf16"
-    _W[key] = (w, (w.data_ptr(), w._version), (pack_pairs if pairs else pack_strips)(arr))
-    return _W[key][2]
+    packed = (pack_pairs if pairs else pack_strips)(arr)
+    if pairs and _AMX[0]:  # the same bits as int32: _mmp takes the AMX tiles
+        packed = (packed[0].view(np.int32), packed[1])
+    _W[key] = (w, (w.data_ptr(), w._version), packed)
+    return packed
 
 
 def set_inputs(mode: str) -> None:

@@ -63,17 +63,19 @@ def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
     dispatch.configure(cfg.kernels)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
-    gemm_inputs(cfg.dtype)
+    gemm_inputs(cfg.dtype, cfg.amx)
     return dev, parse_dtype(cfg.dtype, dev)
 
 
-def gemm_inputs(name: str) -> None:
+def gemm_inputs(name: str, amx: bool = schema.DEFAULTS.amx) -> None:
     """The CPU serving GEMM's inputs for the ``dtype`` parameter ``name``: ``auto`` bfloat16 inputs on
     bfloat16 weights (:mod:`tandem.model.cpu_pairs`, the faster by measurement), ``fp32`` float32
-    inputs throughout (:func:`tandem.model.cpu_gemm.set_inputs`); ``bf16`` computes in torch bf16."""
-    from . import cpu_gemm
+    inputs throughout (:func:`tandem.model.cpu_gemm.set_inputs`); ``bf16`` computes in torch bf16.
+    ``amx`` (the parameter): bfloat16 pairs on AMX tiles where the CPU has them (:func:`tandem.model.cpu_amx.set_amx`)."""
+    from . import cpu_amx, cpu_gemm
 
     cpu_gemm.set_inputs("fp32" if name == "fp32" else "bf16")
+    cpu_amx.set_amx(amx)
 
 
 def check_kernels(kernels: str, device: torch.device) -> None:
