@@ -15,6 +15,7 @@ import torch
 
 from .. import schema
 from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, parse_dtype
+from ..model.cpu_amx import set_amx
 from ..model.device import gemm_inputs
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
@@ -33,7 +34,8 @@ class Engine:
     ``model``/``tokenizer`` to share loaded ones; ``dflash`` — arm -> drafter to use instead of the
     checkpoint's (e.g. a freshly trained one);
     ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.
-    ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``).
+    ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``; ``amx`` applies to the whole process:
+    the last Engine made sets it).
     """
 
     def __init__(self, checkpoint: str | Path = DEFAULT_CHECKPOINT, dtype: str | torch.dtype = schema.DEFAULTS.dtype,
@@ -43,7 +45,8 @@ class Engine:
         self.config = dataclasses.replace(schema.DEFAULTS, **config)
         if isinstance(dtype, str):
             dt = parse_dtype(dtype)
-            gemm_inputs(dtype, self.config.amx)
+            gemm_inputs(dtype)
+        set_amx(self.config.amx)  # the process's GEMM tiles: the last Engine made sets them
         self.model = model if model is not None else load_trunk(checkpoint, dt)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         if dflash is None:

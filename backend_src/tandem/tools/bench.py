@@ -124,6 +124,8 @@ def main(
     dtype: str = typer.Option(schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     threads: int = typer.Option(1, help="torch threads in-process (the served models use 1 each)"),
+    amx: bool = typer.Option(schema.DEFAULTS.amx, "--amx/--no-amx", help="bf16 GEMMs on AMX tiles where the CPU has "
+                             "them, in-process and served (the serving parameter amx)"),
     served: bool = typer.Option(True, help="include the served rows (starts a tritonserver)"),
     hf: bool = typer.Option(True, "--transformers/--no-transformers", help="include transformers generate"),
     quick: bool = typer.Option(False, help="SMOKE RUN (3 prompts x 32 tokens): checks the bench runs; its figures mean nothing"),
@@ -138,6 +140,8 @@ def main(
 
     from ..engine.inprocess import Engine
     from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
+    from ..model.cpu_amx import HW_AMX, set_amx
+    from ..model.cpu_tile import HW_BF16
     from .bench_limits import limits, print_limits
     from .bench_load import print_long_prompt, print_scaling, run_long_prompt, run_scaling
     from .bench_prefix import run_prefix_section
@@ -151,6 +155,7 @@ def main(
         console.print("[bold yellow]QUICK: a smoke run; its figures are too few to mean anything[/]")
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     torch.set_num_threads(threads)
+    set_amx(amx)  # (every Engine below gets amx too: an Engine sets it for the process)
     dt = parse_dtype(dtype)
     have = set(dflash_arms(checkpoint)) | {schema.MTP, schema.OFF}
     arm_list = [a for a in map(parse_arm, arms.split(",")) if a[1] in have and a[1] != schema.OFF]
@@ -161,8 +166,8 @@ def main(
     seen = used_sharegpt_turns(checkpoint)  # the drafters' distillation prompts: never benchmarked
     texts = sharegpt_prompts(prompts, seed=seed, exclude=seen) + (
         humaneval_prompts(humaneval, seed=seed) if humaneval else [])
-    plain_eng = Engine(checkpoint, dtype=dt, prefix_cache_mb=0)
-    share = {"model": plain_eng.model, "tokenizer": plain_eng.tokenizer, "prefix_cache_mb": 0}
+    plain_eng = Engine(checkpoint, dtype=dt, prefix_cache_mb=0, amx=amx)
+    share = {"model": plain_eng.model, "tokenizer": plain_eng.tokenizer, "prefix_cache_mb": 0, "amx": amx}  # (amx: the process's)
     if any(a in schema.DFLASH_ARMS for _, a, _ in arm_list):
         share["dflash"] = {a: plain_eng.drafters[a].drafters[a] for a in dflash_arms(checkpoint)}
     engs = {label: Engine(**share, **({"num_draft_tokens": k} if k else {})) for label, arm, k in arm_list}
@@ -182,7 +187,7 @@ def main(
 
         from ..serving.serve import running_server
 
-        env = {"TANDEM_CHECKPOINT": str(checkpoint), "TANDEM_DTYPE": dtype, "TANDEM_PREFIX_CACHE_MB": "0"}
+        env = {"TANDEM_CHECKPOINT": str(checkpoint), "TANDEM_DTYPE": dtype, "TANDEM_PREFIX_CACHE_MB": "0", "TANDEM_AMX": str(amx)}
         console.print("starting tritonserver for the served rows ...")
         server_log = Path(tempfile.mkstemp(prefix="bench-tritonserver-", suffix=".log")[1])
         server_ctx = running_server(env=env, log_path=server_log)
@@ -223,7 +228,7 @@ def main(
         rss_server = _rss_mb(_tree_pids(server.proc.pid)) if server is not None else None
         pre_arm = next((a for _, a, _ in arm_list if a in schema.DFLASH_ARMS), None)
         if prefix_pairs and pre_arm:
-            peng = Engine(model=plain_eng.model, tokenizer=tok, dflash=share.get("dflash"))
+            peng = Engine(model=plain_eng.model, tokenizer=tok, dflash=share.get("dflash"), amx=amx)
             qs = sharegpt_prompts(2 * prefix_pairs, seed=seed + 1, exclude=seen, max_chars=400)
             with Progress(console=console) as prog:
                 task = prog.add_task(f"prefix cache warm vs cold ({pre_arm})", total=4 * prefix_pairs)
@@ -268,16 +273,16 @@ def main(
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,
                  f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens x {reps} reps, {dtype}, {threads} thread(s), "
-                 "interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
+                 f"{'AMX' if amx and HW_AMX else 'AVX512-BF16' if HW_BF16 else 'fp32 FMA'} GEMM tiles, interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
     print_limits(console, lim)
     print_scaling(console, scaling)
     if "long_prompt" in profile:
         print_long_prompt(console, profile["long_prompt"])
     report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                          "torch": torch.__version__, "threads": threads},
+                          "torch": torch.__version__, "threads": threads, "amx": HW_AMX, "avx512_bf16": HW_BF16},
               "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval, "quick": quick,
                            "max_tokens": max_tokens, "reps": reps, "arms": arms, "served_arms": served_arms, "dtype": dtype,
-                           "seed": seed, "checkpoint": str(checkpoint)},
+                           "amx": amx, "seed": seed, "checkpoint": str(checkpoint)},
               "rows": out_rows, "ratios": ratios, "profile": profile, "runs": raw}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
