@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_amx, cpu_gemm
+from tandem.model import cpu_amx, cpu_gemm, cpu_tile
 
 needs_amx = pytest.mark.skipif(not cpu_amx.HW_AMX, reason="the CPU has no AMX-BF16 (or Linux did not lend the tiles)")
 
@@ -77,9 +77,10 @@ def test_amx_setting_chooses_the_packing_only_where_the_cpu_has_tiles():
     w = _bf16_weight(130, 38, seed=1)
     before = cpu_amx.set_amx(True)
     try:
-        assert cpu_amx.ON[0] == cpu_amx.HW_AMX
+        assert cpu_amx.ON[0] == cpu_amx.HW_AMX and (cpu_amx.gemm_tiles() == "AMX") == cpu_amx.HW_AMX
         assert cpu_gemm.kernel_weight(w)[0].dtype == (np.int32 if cpu_amx.HW_AMX else np.uint32)
         assert cpu_amx.set_amx(False) == cpu_amx.HW_AMX
         assert cpu_gemm.kernel_weight(w)[0].dtype == np.uint32 and not cpu_amx.ON[0]
+        assert cpu_amx.gemm_tiles() == ("AVX512-BF16" if cpu_tile.HW_BF16 else "fp32 FMA")
     finally:
         cpu_amx.set_amx(before)

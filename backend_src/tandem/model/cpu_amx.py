@@ -38,6 +38,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .cpu_pairs import _pair_tail, bf16_pairs
+from .cpu_tile import HW_BF16
 
 _ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM, _XTILEDATA, _SYS_ARCH_PRCTL = 0x1022, 0x1023, 18, 158
 
@@ -76,6 +77,12 @@ def set_amx(on: bool) -> bool:
         ON[0] = now
         cpu_block.relayout()
     return prev
+
+def gemm_tiles() -> str:
+    """Which tiles this process's bfloat16-pair GEMMs run on: ``"AMX"``, ``"AVX512-BF16"`` or ``"fp32 FMA"``
+    (``vdpbf16ps``' chain emulated on a CPU without AVX512-BF16); for logs and reports."""
+    return "AMX" if ON[0] else "AVX512-BF16" if HW_BF16 else "fp32 FMA"
+
 
 #: rows of a tile (``A`` and ``C``), pairs of a chunk of the input dimension
 ROWS, PAIRS = 16, 16

@@ -140,7 +140,7 @@ def main(
 
     from ..engine.inprocess import Engine
     from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
-    from ..model.cpu_amx import HW_AMX, set_amx
+    from ..model.cpu_amx import HW_AMX, gemm_tiles, set_amx
     from ..model.cpu_tile import HW_BF16
     from .bench_limits import limits, print_limits
     from .bench_load import print_long_prompt, print_scaling, run_long_prompt, run_scaling
@@ -273,7 +273,7 @@ def main(
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,
                  f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens x {reps} reps, {dtype}, {threads} thread(s), "
-                 f"{'AMX' if amx and HW_AMX else 'AVX512-BF16' if HW_BF16 else 'fp32 FMA'} GEMM tiles, interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
+                 f"{gemm_tiles()} GEMM tiles, interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
     print_limits(console, lim)
     print_scaling(console, scaling)
     if "long_prompt" in profile:

@@ -12,6 +12,7 @@ from tandem.engine.colocated import StageHost
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.model import cpu_decode
 from tandem.model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
+from tandem.model.cpu_amx import gemm_tiles
 from tandem.model.device import placement
 from tandem.serving import backend
 from tandem.serving.stage_worker import StageWorker, set_thread_nice
@@ -40,7 +41,8 @@ class TritonPythonModel:
             if cfg.run_ahead:  # the speculative call's thread yields the GIL to the stub's soon
                 backend.share_the_gil()
         warm = warm_stage(self.stage, cfg)  # the first client turn finds the kernels' layouts built
-        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}), "
+        pb_utils.Logger.log_info(f"trunk: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
+                                 f"{gemm_tiles()}), "
                                  f"DFlash features from layers {list(features)}, drafters hosted: "
                                  f"{sorted(getattr(self.stage, 'drafters', {})) if cfg.colocate else 'none (colocate off)'}"
                                  f"{', run_ahead' if cfg.colocate and cfg.run_ahead else ''}; "
