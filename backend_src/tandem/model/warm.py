@@ -1,6 +1,6 @@
 """Compile the numba serving kernels (:mod:`tandem.model.cpu_kernels`) ahead of the first request:
 ``python -m tandem.model.warm`` (``make setup`` runs it), and the ``trunk`` and ``drafter_mtp``
-models at load (a disk-cache hit then, ~1 s)."""
+models at load (disk-cache hits then, ~5-7 s here)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_amx, cpu_kernels
 from .checkpoint import cast_trunk, init_weights, is_fp32_param
 from .config import TrunkConfig
 from .layers import input_major_linears
@@ -21,7 +21,8 @@ def compile_kernels() -> float:
     machine pays: ~100 s on 2 cores) by running tiny random trunks through primes and two-sequence
     verifies (and, row-invariant, decode steps in one call): the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
     with bf16-exact weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each
-    a set of argument types of the fused blocks). Returns the seconds it took."""
+    a set of argument types of the fused blocks), on a CPU with AMX for both GEMM tiles (:mod:`~tandem.model.cpu_amx`:
+    the ``amx`` parameter picks one). Returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = TrunkConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=2,
                       num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
@@ -53,12 +54,18 @@ def compile_kernels() -> float:
                 for c in cs:
                     c.commit(1)
 
-    with torch.no_grad():
-        run(trunk("fp32"))  # the plain layout, BLAS GEMMs
-        for weights in ("fp32", "shipped", "bf16"):  # the serving layout (fused linears and experts: cpu_block.py)
-            model = input_major_linears(trunk(weights))
-            model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py), the fused blocks
-            run(model)
+    before = cpu_amx.ON[0]
+    try:
+        with torch.no_grad():
+            run(trunk("fp32"))  # the plain layout, BLAS GEMMs
+            for amx in (True, False) if cpu_amx.HW_AMX else (before,):  # both tiles where the `amx` parameter picks one
+                cpu_amx.set_amx(amx)
+                for weights in ("fp32", "shipped", "bf16"):  # the serving layout (fused linears and experts: cpu_block.py)
+                    model = input_major_linears(trunk(weights))
+                    model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py), the fused blocks
+                    run(model)
+    finally:
+        cpu_amx.set_amx(before)
     return time.perf_counter() - t0
 
 
