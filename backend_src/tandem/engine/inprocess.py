@@ -45,8 +45,9 @@ class Engine:
         self.config = dataclasses.replace(schema.DEFAULTS, **config)
         if isinstance(dtype, str):
             dt = parse_dtype(dtype)
-            gemm_inputs(dtype)
-        set_amx(self.config.amx)  # the process's GEMM tiles: the last Engine made sets them
+            gemm_inputs(dtype, self.config.amx)
+        else:
+            set_amx(self.config.amx)  # the process's GEMM tiles: the last Engine made sets them
         self.model = model if model is not None else load_trunk(checkpoint, dt)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         if dflash is None:

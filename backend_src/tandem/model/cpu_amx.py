@@ -78,6 +78,7 @@ def set_amx(on: bool) -> bool:
         cpu_block.relayout()
     return prev
 
+
 def gemm_tiles() -> str:
     """Which tiles this process's bfloat16-pair GEMMs run on: ``"AMX"``, ``"AVX512-BF16"`` or ``"fp32 FMA"``
     (``vdpbf16ps``' chain emulated on a CPU without AVX512-BF16); for logs and reports."""

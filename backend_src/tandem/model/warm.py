@@ -59,9 +59,9 @@ def compile_kernels() -> float:
         with torch.no_grad():
             run(trunk("fp32"))  # the plain layout, BLAS GEMMs
             for amx in (True, False) if cpu_amx.HW_AMX else (before,):  # both tiles where the `amx` parameter picks one
-                cpu_amx.set_amx(amx)
-                for weights in ("fp32", "shipped", "bf16"):  # the serving layout (fused linears and experts: cpu_block.py)
-                    model = input_major_linears(trunk(weights))
+                cpu_amx.set_amx(amx)  # (fp32 weights take neither: once)
+                for weights in ("fp32", "shipped", "bf16") if amx == before else ("shipped", "bf16"):
+                    model = input_major_linears(trunk(weights))  # the serving layout (fused linears and experts: cpu_block.py)
                     model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py), the fused blocks
                     run(model)
     finally:
