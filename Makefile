@@ -22,15 +22,17 @@ $(BACKEND): $(STAMP)
 	$(VPY) -m tandem.model.warm
 	@touch $(BACKEND)
 
-# HAProxy for `make serve-cluster` and its tests: Debian 12's haproxy 2.6 + the libraries it lacks here,
-# fetched with apt-get download and unpacked under triton_backends/haproxy (no root install; once)
+# HAProxy for the bounded HTTP front of every server (`make serve`, the test servers) and for `make serve-cluster`:
+# Debian 12's haproxy 2.6 + the libraries it lacks here, fetched with apt-get download and unpacked under
+# triton_backends/haproxy (no root install; once)
 HAPROXY := triton_backends/haproxy/.stamp
 $(HAPROXY): $(STAMP)
 	$(VPY) -m tandem.serving.cluster install-haproxy
 
 setup: $(STAMP) $(BACKEND) $(HAPROXY)
 
-# Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics); CHECKPOINT=dir overrides the weights
+# Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics), HTTP and metrics through the bounded HAProxy
+# front (tandem.serving.http_front); CHECKPOINT=dir overrides the weights
 serve: setup
 	$(VPY) -m tandem.serving.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 

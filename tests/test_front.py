@@ -118,10 +118,14 @@ def test_parse_turn():
     assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end, t.stop_token_ids) == ([], None, 2, True, True, (7, 9))
     assert (fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start, fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7,
                                                                                        schema.FLAG_END).end) == (False, True)
-    # no sequence id (HTTP generate): a one-turn session of its own, ids from 2**63 up, never reused
+    # no sequence id (HTTP generate): a one-turn session of its own, ids from 2**63 up with 63 random bits (a
+    # CANCEL names the id, so one turn's id must not tell another's)
     a, b = (fr.parse_turn({"MAX_TOKENS": np.array([1]), "STREAM": np.array([False]),
                            "STOP": np.array([b"\n\n", "é".encode()], object)}, 0, 0) for _ in range(2))
-    assert a.sid >= 2**63 and b.sid == a.sid + 1 and (a.start, a.end, a.stream, a.stop) == (True, True, False, ("\n\n", "é"))
+    assert a.sid >= 2**63 and b.sid >= 2**63 and (a.start, a.end, a.stream, a.stop) == (True, True, False, ("\n\n", "é"))
+    ids = [fr.parse_turn({"MAX_TOKENS": np.array([1])}, 0, 0).sid - 2**63 for _ in range(200)]
+    assert len(set(ids)) == 200 and max(abs(x - y) for x, y in zip(ids, ids[1:])) > 2**40
+    assert 0.4 < np.mean([bin(x).count("1") / 63 for x in ids]) < 0.6  # the low 63 bits are random
     for inputs, corr, msg in [({"MAX_TOKENS": np.array([1])}, 2**63, r"sequence_id must be below 2\*\*63 .*one-turn"),
                               ({"MAX_TOKENS": np.array([1])}, "chat-1", "sequence_id: sequence ids are unsigned integers, "
                                "got the string 'chat-1'"),
@@ -132,9 +136,22 @@ def test_parse_turn():
                               ({"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros((1, 2))}, 1,
                                "STOP_TOKEN_IDS must be 1-D"),
                               ({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([1, 2])}, 1,
-                               "NUM_DRAFT_TOKENS must hold exactly 1 value")]:
+                               "NUM_DRAFT_TOKENS must hold exactly 1 value"),
+                              # sizes are refused before anything is decoded, naming the field and the limit
+                              ({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros(4097, np.int32)}, 1,
+                               "INPUT_IDS has 4097 elements, over the limit of 4096"),
+                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([b"a"] * 9, object)}, 1,
+                               "STOP has 9 elements, over the limit of 8"),
+                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([b"a" * 257], object)}, 1,
+                               "STOP: a string of 257 bytes is over the limit of 256 bytes"),
+                              ({"MAX_TOKENS": np.array([1]), "SPEC": np.array([b"x" * 10**6], object)}, 1,
+                               "SPEC: a string of 1000000 bytes is over the limit of 256 bytes"),
+                              ({"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros(17, np.int32)}, 1,
+                               "STOP_TOKEN_IDS has 17 elements, over the limit of 16")]:
         with pytest.raises(schema.WireError, match=msg):
             fr.parse_turn(inputs, corr, schema.FLAG_START | schema.FLAG_END)
+    with pytest.raises(schema.WireError, match="INPUT_IDS has 65 elements, over the limit of 64"):  # the server's max_ctx
+        fr.parse_turn({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros(65, np.int32)}, 1, 0, max_ctx=64)
 
 
 def _run(front, req):

@@ -41,9 +41,17 @@ def test_imports_run_downward(path):
         assert _layer(mod) <= _layer(own), f"{path.relative_to(PKG)} imports {mod} (a higher layer)"
 
 
-def test_no_source_file_over_400_lines():
+#: a source file's line budget: none may pass ``HARD_LINES``; one over ``LISTED_LINES`` must be listed in
+#: ``LONG_FILES`` with the reason it stays whole (code is split by responsibility, never by a line count)
+HARD_LINES, LISTED_LINES = 800, 500
+LONG_FILES: dict[str, str] = {}
+
+
+def test_source_files_keep_their_line_budget():
     root = PKG.parents[1]
     files = [p for d in ("backend_src", "client", "loadtest", "model_repository", "tests", "kernels")
              for p in (root / d).rglob("*.py")]
-    long = {str(p.relative_to(root)): n for p in files if (n := len(p.read_text().splitlines())) > 400}
-    assert long == {}
+    lines = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in files}
+    assert {f: n for f, n in lines.items() if n > HARD_LINES} == {}
+    assert {f: n for f, n in lines.items() if n > LISTED_LINES and f not in LONG_FILES} == {}
+    assert [f for f in LONG_FILES if lines.get(f, 0) <= LISTED_LINES] == []  # the list holds only long files

@@ -1,6 +1,7 @@
 """Prefix capture and the prefix cache (README, "The prefix cache"): the session's prefix members,
 warm == cold, published state that never changes, the tparallel gate after a warm start, LRU
-eviction, and the same over the stages' wire form."""
+eviction, and the same over the stages' wire form; keyed block keys, hits confirmed by tokens (a
+forced hash collision is a counted miss, served cold), and cache-salt namespaces."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tandem import schema
 from tandem.engine.gate import tparallel_gate
 from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import Rows
-from tandem.engine.prefix import PrefixIndex, block_keys, reusable_blocks, split_points
+from tandem.engine.prefix import KeyedHasher, PrefixIndex, reusable_blocks, split_points
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.serving import front as fr
 
@@ -43,17 +44,119 @@ def _run(sched, sid, ids, n, spec, check=None, end=True):
     return [t for r, _ in got for t in r.tokens], [r for r, _ in got]
 
 
+class _Constant:
+    """A degenerate hasher: every chain digest is the same, so every block of every prompt has one key."""
+
+    def digest(self, data: bytes) -> bytes:
+        return bytes(16)
+
+
+def _run_many(sched, turns):
+    """Admit ``(sid, ids, n, spec)`` turns together and run them to completion: tokens per sid."""
+    got: dict[int, list] = {sid: [] for sid, *_ in turns}
+    sched.admit([Turn(sid, ids, n, lambda r, e, f, sid=sid: got[sid].append((r, e)), spec=spec)
+                 for sid, ids, n, spec in turns])
+    while any(sid in sched.turns for sid in got):
+        sched.burst()
+    assert not [e for v in got.values() for _, e in v if e]
+    return {sid: [t for r, _ in v for t in r.tokens] for sid, v in got.items()}
+
+
 def test_keys_blocks_and_split_points():
+    idx = PrefixIndex(1 << 20)
     a, b = _ids(200, 1), _ids(200, 1)
     b[150] += 1  # differs in block 2 only
-    ka, kb = block_keys(a, 3), block_keys(b, 3)
+    ka, kb = idx.keys(a, 3), idx.keys(b, 3)
     assert ka[:2] == kb[:2] and ka[2] != kb[2] and len(set(ka)) == 3
-    assert block_keys(a, 2) == ka[:2]  # a key names the whole prefix up to its block's end
+    assert idx.keys(a, 2) == ka[:2]  # a key names the whole prefix up to its block's end
+    assert all(-(2**63) <= k < 2**63 for k in ka)  # int64 on the wire
     assert [reusable_blocks(n) for n in (1, C, C + 1, 2 * C, 2 * C + 1)] == [0, 0, 1, 1, 2]
     assert split_points(10, 140) == [10, C, 2 * C, 140] and split_points(0, C) == [0, C]
     assert split_points(C, C + 1) == [C, C + 1]
     with pytest.raises(ValueError, match="need"):
-        block_keys(a[:100], 2)
+        idx.keys(a[:100], 2)
+
+
+def test_keys_are_keyed_by_a_secret_and_salted():
+    a = _ids(3 * C, 2)
+    one, two = PrefixIndex(1 << 20), PrefixIndex(1 << 20)
+    assert set(one.keys(a, 3)).isdisjoint(two.keys(a, 3))  # each index draws its own secret
+    assert set(one.keys(a, 3)).isdisjoint(one.keys(a, 3, salt="tenant-a"))
+    assert set(one.keys(a, 3, salt="tenant-a")).isdisjoint(one.keys(a, 3, salt="tenant-b"))
+    assert one.keys(a, 3, salt="x") == one.keys(a, 3, salt="x")
+    secret = bytes(range(32))
+    same = [PrefixIndex(1 << 20, KeyedHasher(secret)).keys(a, 2) for _ in range(2)]
+    assert same[0] == same[1]  # the same secret gives the same keys: they are a function of it
+    with pytest.raises(ValueError, match="16 to 64 bytes"):
+        KeyedHasher(bytes(8))
+
+
+def test_a_collision_is_a_counted_miss_and_never_published():
+    idx = PrefixIndex(1 << 20, hasher=_Constant())
+    p, q = idx.capture(_ids(2 * C + 1, 3)), idx.capture(_ids(2 * C + 1, 4))
+    assert p.keys == q.keys and p.blocks != q.blocks  # a forced collision: same keys, other tokens
+    assert idx.lookup(p, "off") == 0
+    r = idx.reserve(p, "off")
+    assert r.chain == r.trunk == p.keys[:1]  # block 1 has block 0's key: held by another block, not publishable
+    idx.fill(r, 100, [], 0)
+    assert idx.lookup(q, "off") == 0 and idx.stats["collisions"] == 1 and idx.stats["misses"] == 2
+    assert idx.reserve(q, "off").chain == []  # the entry of p stays p's
+    assert idx.lookup(p, "off") == 1 and idx.stats["hits"] == 1
+    salted = idx.capture(_ids(2 * C + 1, 3), salt="b")
+    assert salted.keys == p.keys and idx.lookup(salted, "off") == 0  # same tokens, other namespace: not p's root
+    assert idx.stats["collisions"] == 3 and idx.reserve(salted, "off").chain == []
+
+
+@pytest.mark.parametrize("arm", ["dflash", "off"])
+def test_forced_collision_is_served_cold(tiny, arm):  # noqa: F811
+    """Every key equal (a degenerate hasher): prompts whose keys collide are told apart by their tokens,
+    each is served what a cold prime computes, and the published state of the first stays in place."""
+    eng = _engine(tiny, burst_rounds=2)
+    eng.sched.prefix = PrefixIndex(eng.sched.prefix.capacity, hasher=_Constant())
+    p, q, r = _ids(2 * C + 30, 51), _ids(2 * C + 30, 52), _ids(2 * C + 30, 53)
+    plain = _engine(tiny, burst_rounds=2, prefix_cache_mb=0).sched
+    ref = {sid: _run(plain, sid, ids, 30, arm)[0] for sid, ids in ((1, p), (2, q), (3, r))}
+    assert _run(eng.sched, 1, p, 30, arm)[0] == ref[1]
+    st = eng.sched.prefix.stats
+    assert st["blocks"] == 1 and len(eng.trunk.blocks) == 1  # block 1 shares block 0's key: not published
+    (key, held), = eng.trunk.blocks.items()
+    before = {i: {n: t.clone() for n, t in d.items()} for i, d in held.mla.items()}
+    assert _run(eng.sched, 2, q, 30, arm)[0] == ref[2]  # a colliding prompt: a counted miss, served cold
+    assert st["collisions"] == 1 and st["hits"] == 0 and st["misses"] == 2 and st["rows_skipped"] == 0
+    got = _run_many(eng.sched, [(4, q, 30, arm), (5, r, 30, arm)])  # two colliders published in one burst
+    assert got == {4: ref[2], 5: ref[3]} and st["collisions"] == 3
+    assert list(eng.trunk.blocks) == [key] and eng.trunk.blocks[key] is held  # p's block was never overwritten
+    assert all(torch.equal(t, before[i][n]) for i, d in held.mla.items() for n, t in d.items())
+    assert _run(eng.sched, 6, p, 30, arm)[0] == ref[1]  # p still hits its own block
+    assert st["hits"] == 1 and st["rows_skipped"] == C
+
+
+def test_cache_salt_isolates_namespaces(tiny):  # noqa: F811
+    eng = _engine(tiny, burst_rounds=2)
+    ids = _ids(2 * C + 20, 61)
+    st = eng.sched.prefix.stats
+    cold = eng.generate(ids, 24, spec="dflash", cache_salt="tenant-a")
+    assert st["misses"] == 1 and st["blocks"] == 2
+    for salt in ("tenant-b", ""):  # another namespace (or the shared one) does not see tenant a's blocks
+        assert eng.generate(ids, 24, spec="dflash", cache_salt=salt)["token_ids"] == cold["token_ids"]
+    assert st["hits"] == 0 and st["misses"] == 3 and st["collisions"] == 0 and st["blocks"] == 6
+    warm = eng.generate(ids, 24, spec="dflash", cache_salt="tenant-a")
+    assert warm["token_ids"] == cold["token_ids"] and st["hits"] == 1 and st["rows_skipped"] == 2 * C
+    with pytest.raises(ValueError, match=f"{schema.CACHE_SALT}: at most {schema.MAX_CACHE_SALT_BYTES} bytes"):
+        eng.generate(ids, 4, spec="off", cache_salt="x" * (schema.MAX_CACHE_SALT_BYTES + 1))
+
+
+def test_a_later_turn_keeps_the_salt_of_the_prime(tiny):  # noqa: F811
+    eng = _engine(tiny, burst_rounds=2)
+    sched, ids, got = eng.sched, _ids(C + 20, 71), []
+    sched.admit([Turn(1, ids, 4, lambda r, e, f: got.append(e), spec="off", end=False, cache_salt="a")])
+    while 1 in sched.turns:
+        sched.burst()
+    sched.admit([Turn(1, [5, 6], 4, lambda r, e, f: got.append(e), start=False, cache_salt="b")])
+    while 1 in sched.turns:
+        sched.burst()
+    assert not [e for e in got if e] and sched.prefix.stats["misses"] == 1  # the later turn looks nothing up
+    assert eng.generate(ids, 4, spec="off", cache_salt="a")["finish_reason"] and sched.prefix.stats["hits"] == 1
 
 
 @pytest.mark.parametrize("arm", ["dflash", "dflash2", "off"])
@@ -96,7 +199,7 @@ def test_prefix_members_follow_the_contract(tiny):  # noqa: F811
     assert tail is not None and tail[0][0].shape[2] == C
     assert s.export_draft_tail(len(s.committed) + 1) is None  # more rows than the drafter covers
     cap = s.take_prefix_capture()
-    assert cap.keys == block_keys(ids, 1) and s.take_prefix_capture() is None and not s.prefix_capture_ready()
+    assert cap.keys == sched.prefix.keys(ids, 1) and s.take_prefix_capture() is None and not s.prefix_capture_ready()
     # the native MTP arm keeps no capture and exports no tail
     sched.admit([Turn(2, ids, 12, lambda r, e, f: got.append(e), spec="mtp", end=False)])
     m = sched.sessions[2]
@@ -156,12 +259,21 @@ def test_lru_eviction_keeps_the_stores_in_step(tiny):  # noqa: F811
 
 def test_index_lookup_needs_the_arms_tail():
     idx = PrefixIndex(1 << 20)
-    keys = block_keys(_ids(3 * C, 1), 3)
-    assert idx.add(keys[:2], 200, "off", [], 0, keys[:2]) == []
-    assert idx.lookup(keys, "off") == 2 and idx.lookup(keys, "dflash") == 0
-    idx.add([], 0, "dflash", keys[:1], 50, keys[:1])
-    assert idx.lookup(keys, "dflash") == 1 and idx.lookup(keys, "dflash2") == 0
+    cap = idx.capture(_ids(3 * C + 1, 1))
+    two = idx.capture(_ids(3 * C + 1, 1)[:2 * C + 1])
+    r = idx.reserve(two, "off")
+    assert r.trunk == r.chain == cap.keys[:2] and r.tails == []
+    idx.fill(r, 200, [], 0)
+    assert idx.shrink() == []
+    assert idx.lookup(cap, "off") == 2 and idx.lookup(cap, "dflash") == 0
+    r = idx.reserve(idx.capture(_ids(C + 1, 1)), "dflash")
+    assert r.trunk == [] and r.tails == r.chain == cap.keys[:1]
+    idx.fill(r, 0, r.tails, 50)
+    idx.shrink()
+    assert idx.lookup(cap, "dflash") == 1 and idx.lookup(cap, "dflash2") == 0
     assert idx.stats["hits"] == 2 and idx.stats["misses"] == 2 and idx.stats["bytes"] == 250
+    idx.release(idx.reserve(cap, "off"))  # a failed publication leaves the index as it was
+    assert set(idx.entries) == set(cap.keys[:2])
 
 
 def test_warm_start_over_the_wire_equals_cold(tiny):  # noqa: F811

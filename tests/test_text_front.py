@@ -61,7 +61,7 @@ def cli_reply(server):
 
 
 def test_curl_generate_stream_equals_tandem_generate(server, cli_reply):
-    """Must-show 1: the README's curl command streams readable text over SSE, several events, and the
+    """The README's curl command streams readable text over SSE, several events, and the
     greedy text equals `tandem generate`'s; the last event carries usage and the finish reason."""
     curl = shutil.which("curl")
     assert curl, "curl is needed for the README's example"
@@ -119,6 +119,7 @@ def test_bad_text_requests_name_the_field(server):
                       ({"text_input": "hi", "max_tokens": 0}, "MAX_TOKENS must be in [1, "),
                       ({"text_input": "hi", "stop": ["x" * 65]}, "STOP: each stop string must have 1 to 64 characters"),
                       ({"text_input": "hi", "temperature": -1.0}, "TEMPERATURE must be in"),
+                      ({"text_input": "hi", "cache_salt": "x" * 257}, "CACHE_SALT: a string of 257 bytes is over"),
                       ({"text_input": "hi", "spec": "off", "num_draft_tokens": 3},
                        "NUM_DRAFT_TOKENS: this request (it has no sequence id) decodes plain")]:
         for endpoint in ("generate", "generate_stream"):

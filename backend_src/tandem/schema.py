@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .wire import (NUMPY, Arrays, ModelSpec, TensorSpec, WireError, check_range, check_tokens, describe,  # noqa: F401
-                   get_scalar, get_string, get_strings, get_vector, sids_from_wire, sids_to_wire, split_rows, string_array)
+from .wire import (NUMPY, Arrays, ModelSpec, TensorSpec, WireError, check_range, check_size, check_tokens,  # noqa: F401
+                   describe, get_scalar, get_string, get_strings, get_vector, sids_from_wire, sids_to_wire, split_rows,
+                   string_array)
 
 #: Tokens per prefix-cache block: prompts are published and reused in whole blocks, and with the
 #: prefix cache on every prime and DFlash ingest is computed in pieces ending at multiples of it (a
@@ -163,6 +164,8 @@ STOP_TOKEN_IDS = "STOP_TOKEN_IDS"
 MAX_STOP_TOKEN_IDS = 16  # stop token ids a turn may add to the template's
 STOP, STREAM, CANCEL, SESSION_ID = "STOP", "STREAM", "CANCEL", "SESSION_ID"
 MAX_STOPS, MAX_STOP_CHARS = 8, 64  # stop strings per turn, and characters per stop string, at most
+#: the prefix-cache namespace of a sequence (:mod:`tandem.engine.prefix`), at most this many UTF-8 bytes
+CACHE_SALT, MAX_CACHE_SALT_BYTES = "CACHE_SALT", 256
 #: ``PRECEDING_IDS``: the turn's tokens sent before a response's, at most this many (a detokenizer's
 #: context: a UTF-8 character spans at most 4 byte-level tokens)
 DETOKENIZE_WINDOW = 6
@@ -211,16 +214,18 @@ SAMPLING_INPUTS = (
 TANDEM = ModelSpec(
     name="tandem",
     inputs=(
-        TensorSpec(INPUT_IDS, "TYPE_INT32", (-1,), optional=True, default=(), doc="new tokens of this turn"),
+        TensorSpec(INPUT_IDS, "TYPE_INT32", (-1,), optional=True, default=(), max_items=DEFAULTS.max_ctx,
+                   doc="new tokens of this turn (at most max_ctx)"),
         TensorSpec(MAX_TOKENS, "TYPE_INT32", (1,), lo=1, hi=DEFAULTS.max_ctx, doc="tokens to generate at most"),
         TensorSpec(SPEC, "TYPE_STRING", (1,), optional=True, doc=" | ".join(SPECS) + f" (default {DEFAULTS.spec}; "
                    "later turns keep the sequence's arm)"),
         TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), optional=True, default=DEFAULTS.num_draft_tokens,
                    lo=1, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per verify round"),
         *SAMPLING_INPUTS,
-        TensorSpec(STOP_TOKEN_IDS, "TYPE_INT32", (-1,), optional=True, default=(),
+        TensorSpec(STOP_TOKEN_IDS, "TYPE_INT32", (-1,), optional=True, default=(), max_items=MAX_STOP_TOKEN_IDS,
                    doc=f"token ids that also end this turn (emitted, nothing after them; at most {MAX_STOP_TOKEN_IDS})"),
-        TensorSpec(STOP, "TYPE_STRING", (-1,), optional=True, default=(),
+        TensorSpec(STOP, "TYPE_STRING", (-1,), optional=True, default=(), max_items=MAX_STOPS,
+                   max_bytes=4 * MAX_STOP_CHARS,
                    doc=f"stop strings (at most {MAX_STOPS} of 1-{MAX_STOP_CHARS} characters): the ids run through the "
                    "token completing one, the text ends before it"),
         TensorSpec(STREAM, "TYPE_BOOL", (1,), optional=True, default=True,
@@ -228,6 +233,9 @@ TANDEM = ModelSpec(
         TensorSpec(CANCEL, "TYPE_BOOL", (1,), optional=True, default=False,
                    doc="true: cancel the running turn of the session SESSION_ID names (the request's sequence id); "
                    "answered at once with an empty final response (postprocessing sends it for a client that left)"),
+        TensorSpec(CACHE_SALT, "TYPE_STRING", (1,), optional=True, default="", max_bytes=MAX_CACHE_SALT_BYTES,
+                   doc=f"prefix-cache namespace (at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes): only sequences primed "
+                   "with the same salt share cached prompt blocks; '' (default) = the shared namespace"),
     ),
     outputs=(
         TensorSpec(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
@@ -255,6 +263,9 @@ TANDEM = ModelSpec(
 
 # -- stage models (called by tandem over BLS; one batched op over many sequences per call) ---------------------
 _OP, _SIDS = TensorSpec("OP", "TYPE_STRING", (1,)), TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)")
+#: every stage request carries the server's internal key (:mod:`tandem.serving.internal_key`); one without it is
+#: refused before it touches state: the stage models answer only tandem's own models
+_AUTH = TensorSpec("AUTH", "TYPE_STRING", (1,), optional=True, doc="the server's internal key (tandem's own calls only)")
 _LENGTHS = TensorSpec("LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="rows per sequence")
 _PREFIX_KEYS = TensorSpec("PREFIX_KEYS", "TYPE_INT64", (-1,), optional=True,
                           doc="prefix-cache block keys (hash chain), concatenated over sequences")
@@ -282,7 +293,7 @@ HOSTED_OPS = ("drafter_mtp.open", "drafter_mtp.close", "drafter_dflash.open", "d
 TRUNK = ModelSpec(
     name="trunk",
     inputs=(
-        _OP, _SIDS,
+        _OP, _SIDS, _AUTH,
         TensorSpec("TOKENS", "TYPE_INT64", (-1,), optional=True, doc="rows of every sequence, concatenated"),
         _LENGTHS,
         TensorSpec("N_ROWS", "TYPE_INT32", (-1,), optional=True, lo=0,
@@ -318,7 +329,7 @@ TRUNK = ModelSpec(
 DRAFTER_MTP = ModelSpec(
     name="drafter_mtp",
     inputs=(
-        _OP, _SIDS,
+        _OP, _SIDS, _AUTH,
         TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, hidden_size] trunk hidden to ingest"),
         TensorSpec("NEXT_TOKENS", "TYPE_INT64", (-1,), optional=True, doc="token after each ingested row"),
         _LENGTHS,
@@ -332,7 +343,7 @@ DRAFTER_MTP = ModelSpec(
 DRAFTER_DFLASH = ModelSpec(
     name="drafter_dflash",
     inputs=(
-        _OP, _SIDS,
+        _OP, _SIDS, _AUTH,
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, n_target * hidden_size] to ingest"),
         _LENGTHS,
         TensorSpec("ANCHORS", "TYPE_INT64", (-1,), optional=True, doc="the anchor token per sequence"),

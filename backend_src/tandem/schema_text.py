@@ -2,7 +2,7 @@
 that chains ``preprocessing -> tandem -> postprocessing`` (text in, text out), with the conventional
 names of Triton's LLM backends (TensorRT-LLM's and vLLM's ``text_input``, ``max_tokens``,
 ``stream``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``text_output``) and tandem's
-own fields (``spec``, ``num_draft_tokens``, ``sampling``) under the lowercase names of the
+own fields (``spec``, ``num_draft_tokens``, ``sampling``, ``cache_salt``) under the lowercase names of the
 ``tandem`` tensors they feed. Written once here; the config.pbtxt files are checked against it.
 
 numpy only, like :mod:`tandem.schema`.
@@ -22,15 +22,19 @@ DEFAULT_MAX_TOKENS = 128
 
 #: ``tandem`` inputs an ensemble request may send straight through (optional; absent: tandem's default)
 DIRECT_INPUTS = (schema.TEMPERATURE, schema.TOP_P, schema.TOP_K, schema.SEED, schema.STOP, schema.SPEC,
-                 schema.NUM_DRAFT_TOKENS, schema.SAMPLING)
+                 schema.NUM_DRAFT_TOKENS, schema.SAMPLING, schema.CACHE_SALT)
 #: ``tandem`` outputs that ``postprocessing`` passes through under their lowercase names
 PASSED_THROUGH = (schema.FINISH_REASON, schema.STOP_STRING, schema.ROUNDS, schema.DRAFTED, schema.ACCEPTED,
                   schema.PROMPT_TOKENS, schema.COMPLETION_TOKENS, schema.TOTAL_ROUNDS, schema.MEAN_ACCEPTANCE_LENGTH)
 
 #: optional on the wire so that a request without it gets preprocessing's error (Triton answers an ensemble
 #: request lacking a required input with no response at all on HTTP generate / generate_stream)
-_TEXT_IN = TensorSpec(TEXT_INPUT, "TYPE_STRING", (1,), optional=True,
-                      doc="the user message, required (rendered with the chat template)")
+#: bytes of ``text_input`` at most, whatever the context; ``preprocessing`` refuses any text longer than
+#: ``max_ctx`` tokens could cover before it tokenizes (:class:`tandem.serving.text.Preprocessor`)
+MAX_TEXT_BYTES = 1 << 20
+_TEXT_IN = TensorSpec(TEXT_INPUT, "TYPE_STRING", (1,), optional=True, max_bytes=MAX_TEXT_BYTES,
+                      doc="the user message, required (rendered with the chat template; at most max_ctx x the "
+                      "longest token's bytes)")
 #: genai-perf's tensorrtllm requests send it; tandem never echoes the prompt, so only true is accepted
 EXCLUDE_INPUT = "exclude_input_in_output"
 _EXCLUDE = TensorSpec(EXCLUDE_INPUT, "TYPE_BOOL", (1,), optional=True, default=True,

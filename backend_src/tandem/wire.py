@@ -28,7 +28,9 @@ class WireError(ValueError):
 class TensorSpec:
     """One input or output: ``name``, Triton ``dtype`` (``"TYPE_INT32"`` ...), ``dims`` (``-1`` =
     variable), ``optional``, ``default`` (value used when an optional input is absent) and a value
-    range ``lo..hi`` (None = unbounded; inclusive, but for ``lo`` itself when ``lo_open``)."""
+    range ``lo..hi`` (None = unbounded; inclusive, but for ``lo`` itself when ``lo_open``). Size limits,
+    checked before an input is decoded (:func:`check_size`): ``max_items`` elements of a variable-length
+    input at most, ``max_bytes`` bytes per ``TYPE_STRING`` element at most (None: :data:`MAX_STRING_BYTES`)."""
 
     name: str
     dtype: str
@@ -40,6 +42,8 @@ class TensorSpec:
     doc: str = ""
     #: the lower bound itself is outside the range (``(lo, hi]``)
     lo_open: bool = False
+    max_items: int | None = None
+    max_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,26 @@ class ModelSpec:
         return tuple(t.name for t in self.outputs)
 
 
+#: bytes per element of a ``TYPE_STRING`` input whose spec names no ``max_bytes`` (an arm, a mode, a key)
+MAX_STRING_BYTES = 256
+
+
 # -- array helpers (generic) -------------------------------------------------------------------------------------------
+def check_size(a: np.ndarray, spec: TensorSpec, max_items: int | None = None) -> None:
+    """Refuse input ``a`` of ``spec`` before any work on its content: more than ``max_items`` elements
+    (default ``spec.max_items``; None: any number), or a ``TYPE_STRING`` element over ``spec.max_bytes``
+    (:data:`MAX_STRING_BYTES` when None). Raises :class:`WireError` naming the field and the limit."""
+    limit = spec.max_items if max_items is None else max_items
+    if limit is not None and a.size > limit:
+        raise WireError(f"{spec.name} has {a.size} elements, over the limit of {limit}")
+    if spec.dtype == "TYPE_STRING":
+        cap = MAX_STRING_BYTES if spec.max_bytes is None else spec.max_bytes
+        for v in a.reshape(-1)[:limit if limit is not None else None]:
+            n = len(v) if isinstance(v, (bytes, np.bytes_, str)) else 0
+            if n > cap:
+                raise WireError(f"{spec.name}: a string of {n} bytes is over the limit of {cap} bytes")
+
+
 def string_array(s: str) -> np.ndarray:
     """A ``[1]`` TYPE_STRING tensor (numpy ``object`` array of ``bytes``)."""
     return np.array([s.encode()], dtype=np.object_)
@@ -86,13 +109,15 @@ def _single(arrays: Arrays, spec: TensorSpec, what: str):
     a = np.asarray(a).reshape(-1)
     if a.size != 1:
         raise WireError(f"{spec.name} must hold exactly 1 {what}, got {a.size}")
+    check_size(a, spec)
     return a[0]
 
 
 def get_string(arrays: Arrays, spec: TensorSpec) -> str:
     """The single string of input ``spec`` (its default when absent and optional).
 
-    Raises :class:`WireError` naming the field when it is missing or not exactly one element."""
+    Raises :class:`WireError` naming the field when it is missing, not exactly one element or over its
+    size limit (:func:`check_size`)."""
     v = _single(arrays, spec, "string")
     if v is None:
         return spec.default
@@ -117,13 +142,15 @@ def get_scalar(arrays: Arrays, spec: TensorSpec) -> int | float | None:
 
 def get_strings(arrays: Arrays, spec: TensorSpec) -> tuple[str, ...]:
     """The strings of the 1-D ``TYPE_STRING`` input ``spec`` (UTF-8; its default when absent).
-    Raises :class:`WireError` naming the field for another rank or invalid UTF-8."""
+    Raises :class:`WireError` naming the field for another rank, invalid UTF-8 or a size over its limits
+    (:func:`check_size`)."""
     a = arrays.get(spec.name)
     if a is None:
         return tuple(spec.default or ())
     a = np.asarray(a)
     if a.ndim != 1:
         raise WireError(f"{spec.name} must be 1-D, got shape {list(a.shape)}")
+    check_size(a, spec)
     try:
         return tuple(v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v) for v in a.tolist())
     except UnicodeDecodeError as e:
@@ -185,6 +212,10 @@ def describe(spec: ModelSpec) -> str:
     for io, ts in (("in", spec.inputs), ("out", spec.outputs)):
         for t in ts:
             rng = "" if t.lo is None and t.hi is None else f"{'' if t.lo is None else t.lo}..{'' if t.hi is None else t.hi}"
+            if io == "in" and t.max_items is not None:
+                rng += f"{'; ' if rng else ''}at most {t.max_items} elements"
+            if io == "in" and t.dtype == "TYPE_STRING":
+                rng += f"{'; ' if rng else ''}at most {MAX_STRING_BYTES if t.max_bytes is None else t.max_bytes} bytes each"
             rows.append(f"| `{t.name}` | {io} | {t.dtype[5:]} | {list(t.dims)} | {'yes' if t.optional else ''} | "
                         f"{'' if t.default in (None, ()) else t.default} | {rng} | {t.doc} |")
     return "\n".join(rows)

@@ -94,6 +94,16 @@ _SAMPLING_HELP = ("speculative sampling: " + " | ".join(schema.SAMPLING_MODES)
                   + f" [default: {schema.REJECTION}; {schema.COUPLED} equals --spec off token for token]")
 
 
+_SALT_HELP = (f"prefix-cache namespace (at most {schema.MAX_CACHE_SALT_BYTES} UTF-8 bytes): only requests with the "
+              "same salt share cached prompt blocks [default: the shared namespace]")
+
+
+def check_salt(salt: str | None) -> None:
+    """Raises ``ValueError`` for a ``--cache-salt`` over :data:`tandem.schema.MAX_CACHE_SALT_BYTES` bytes."""
+    if salt is not None and len(salt.encode()) > schema.MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"--cache-salt: at most {schema.MAX_CACHE_SALT_BYTES} bytes, got {len(salt.encode())}")
+
+
 @app.command("generate")
 def generate_cmd(
     prompt: Optional[str] = typer.Argument(None, help="user message (wrapped in the chat template); - reads stdin"),
@@ -116,6 +126,7 @@ def generate_cmd(
                                             f"(repeatable, at most {schema.MAX_STOP_TOKEN_IDS})"),
     stop: list[str] = typer.Option([], "--stop", help="a string that ends the reply (not printed; repeatable, at most "
                                    f"{schema.MAX_STOPS} of 1-{schema.MAX_STOP_CHARS} characters)"),
+    cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help=_SALT_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
     smp = {schema.TEMPERATURE: temperature, schema.TOP_K: top_k, schema.TOP_P: top_p, schema.SEED: seed,
@@ -128,6 +139,7 @@ def generate_cmd(
             raise ValueError(f"--stop-token-id: at most {schema.MAX_STOP_TOKEN_IDS}, got {len(stop_token_id)}")
         if any(x < 0 for x in stop_token_id):
             raise ValueError(f"--stop-token-id must be >= 0, got {min(stop_token_id)}")
+        check_salt(cache_salt)
         if len(stop) > schema.MAX_STOPS:
             raise ValueError(f"--stop: at most {schema.MAX_STOPS} stop strings, got {len(stop)}")
         bad = next((x for x in stop if not 1 <= len(x) <= schema.MAX_STOP_CHARS), None)
@@ -149,7 +161,7 @@ def generate_cmd(
     try:
         res = generate(ids, max_tokens=max_tokens, url=url, spec=spec, num_draft_tokens=num_draft_tokens,
                        on_tokens=None if as_json else on_tokens, timeout_s=timeout_s, sampling=smp,
-                       stop_token_ids=stop_token_id or None, stop=stop or None)
+                       stop_token_ids=stop_token_id or None, stop=stop or None, cache_salt=cache_salt)
     except TandemClientError as e:
         typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
         raise typer.Exit(2 if isinstance(e, ServerUnreachable) else 1)
@@ -175,6 +187,7 @@ def chat_cmd(
     system: Optional[str] = typer.Option(None, "--system", help="optional system message (first turn)"),
     timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait between responses"),
     stats: bool = typer.Option(False, "--stats", help="print each reply's stats line on stderr"),
+    cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help=_SALT_HELP),
 ) -> None:
     """A conversation on one sequence: each line you type is a turn; the server keeps the context.
     An empty line or end of input (Ctrl-D) ends the session."""
@@ -182,6 +195,7 @@ def chat_cmd(
     try:
         check_flags(max_tokens, spec, num_draft_tokens, {})
         check_url(url)
+        check_salt(cache_salt)
     except (ValueError, TandemClientError) as e:
         _fail(str(e), 2)
     tok = _tokenizer(checkpoint or default_checkpoint())
@@ -207,7 +221,8 @@ def chat_cmd(
             res = generate(tok.chat_prompt(line.rstrip("\n"), system=system if first else None, later=not first),
                            max_tokens=max_tokens,
                            url=url, spec=spec if first else None, num_draft_tokens=num_draft_tokens, sequence_id=sid,
-                           sequence_start=first, sequence_end=False, on_tokens=on_tokens, timeout_s=timeout_s)
+                           sequence_start=first, sequence_end=False, on_tokens=on_tokens, timeout_s=timeout_s,
+                           cache_salt=cache_salt if first else None)
         except TandemClientError as e:
             typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
             raise typer.Exit(2 if isinstance(e, ServerUnreachable) else 1)

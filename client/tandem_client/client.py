@@ -169,7 +169,7 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
              on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
              connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True,
              sampling: dict | None = None, stop_token_ids: list[int] | None = None,
-             stop: list[str] | None = None, start_retries: int = 0) -> dict:
+             stop: list[str] | None = None, start_retries: int = 0, cache_salt: str | None = None) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
@@ -184,7 +184,9 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
     stop strings (the ids run through the token completing one; the text ends before it, see
     :class:`IncrementalDecoder`'s ``stops``); ``start_retries`` — a first turn on a fresh sequence id
     (``sequence_id`` None) refused :class:`AtCapacity` is sent again this many times, each under a new id
-    (through a proxy, routed by load). The stream carries the routing header
+    (through a proxy, routed by load); ``cache_salt`` — the prefix-cache namespace of a first turn (only
+    sequences primed with the same salt share cached prompt blocks, so their hits stay invisible to other
+    tenants; None: the shared namespace). The stream carries the routing header
     (:data:`tandem.schema.ROUTING_HEADER`: the sequence id) for a proxy.
 
     Returns ``token_ids``, ``rounds``, ``drafted``, ``accepted``, ``mean_acceptance_length``
@@ -235,6 +237,8 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
             add(schema.STOP_TOKEN_IDS, np.asarray(stop_token_ids, dtype=np.int32).reshape(-1), "INT32")
         if stop:
             add(schema.STOP, np.array([x.encode() for x in stop], dtype=np.object_), "BYTES")
+        if cache_salt:
+            add(schema.CACHE_SALT, np.array([cache_salt.encode()], dtype=np.object_), "BYTES")
         for t in schema.SAMPLING_INPUTS:
             v = (sampling or {}).get(t.name)
             if v is not None:

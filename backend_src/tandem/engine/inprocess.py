@@ -63,7 +63,7 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget every published prefix (index and stores): the next prompts start cold."""
         if self.sched.prefix is not None:
-            self.sched.prefix = PrefixIndex(self.sched.prefix.capacity)
+            self.sched.prefix = PrefixIndex(self.sched.prefix.capacity, self.sched.prefix.hasher)
         self.trunk.blocks.clear()
         for stage in {id(d): d for d in self.drafters.values()}.values():
             getattr(stage, "tails", {}).clear()
@@ -71,10 +71,11 @@ class Engine:
     def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str | None = None,
                  num_draft_tokens: int | None = None, on_burst=None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, sampling: str = schema.REJECTION,
-                 stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = ()) -> dict:
+                 stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = (), cache_salt: str = "") -> dict:
         """Generate one turn in a fresh sequence (``temperature`` 0: greedy; else sampled with
         ``top_k``, ``top_p``, ``seed`` — None: a fresh one — and ``sampling`` mode, see
-        :mod:`tandem.engine.sampling`; ``stop_token_ids`` and ``stop`` strings end the turn too). Returns ``token_ids``, ``rounds``, ``drafted``,
+        :mod:`tandem.engine.sampling`; ``stop_token_ids`` and ``stop`` strings end the turn too; ``cache_salt``: the
+        prefix-cache namespace, see :mod:`tandem.engine.prefix`). Returns ``token_ids``, ``rounds``, ``drafted``,
         ``accepted``, ``accepted_at``, ``mean_acceptance_length`` (None without verify rounds),
         ``finish_reason``, ``ttft_s``, ``elapsed_s``, ``tokens_per_s``, ``bursts`` and ``top2_gaps``;
         ``on_burst(receipt)`` sees each burst.
@@ -108,7 +109,8 @@ class Engine:
                 on_burst(r)
 
         self.sched.admit([Turn(sid, list(prompt_ids), max_tokens, emit, spec=spec, num_draft_tokens=num_draft_tokens,
-                               sampling=params, stop_token_ids=tuple(stop_token_ids), stop=tuple(stop))])
+                               sampling=params, stop_token_ids=tuple(stop_token_ids), stop=tuple(stop),
+                               cache_salt=cache_salt)])
         while sid in self.sched.turns:
             self.sched.burst()
         if out["error"]:

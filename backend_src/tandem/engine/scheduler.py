@@ -17,7 +17,7 @@ from .accept import Walk, accept_walk
 from .demotion import Demotion
 from .lifecycle import Lifecycle
 from .prefill import Prefill
-from .prefix import PrefixCapture, PrefixIndex, block_keys, publish_ready, reusable_blocks
+from .prefix import PrefixIndex, publish_ready, reusable_blocks
 from .hosted import HostedRounds
 from .plain_rounds import PlainRounds
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
@@ -101,6 +101,8 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             return f"{schema.STOP_TOKEN_IDS}: token ids must be in [0, {vocab}), got {bad}"
         if (err := validate_stops(t.stop, self.decode)) is not None:
             return err
+        if len(salt := t.cache_salt.encode("utf-8")) > schema.MAX_CACHE_SALT_BYTES:
+            return f"{schema.CACHE_SALT}: at most {schema.MAX_CACHE_SALT_BYTES} bytes, got {len(salt)}"
         if not t.start and s is None:
             return (f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid} (set {schema.SEQUENCE_START} on the first turn) "
                     f"{schema.SESSION_LOST_MARKER}")
@@ -157,7 +159,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             rows = ([s.anchor] if s.anchor is not None and not drop else []) + list(t.tokens)
             if drop and s.ingest is not None:  # the last committed row is followed by this turn's first token
                 s.ingest = (s.ingest[0], s.ingest[1][:-1] + rows[:1])
-            item = self._prefix_rows(s, rows)
+            item = self._prefix_rows(s, rows, t.cache_salt)
             item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
             item.sampling = s.sampling = t.sampling
             s.stop_ids = self.stop_ids + tuple(x for x in t.stop_token_ids if x not in self.stop_ids)
@@ -211,16 +213,17 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         (A turn's own ``stop_token_ids`` are ordinary text: such an anchor stays context.)"""
         return s.anchor is not None and s.finish_reason == "stop" and s.anchor in self.stop_ids
 
-    def _prefix_rows(self, s: SpecSession, rows: list[int]) -> Rows:
+    def _prefix_rows(self, s: SpecSession, rows: list[int], salt: str = "") -> Rows:
         """The prime item of a turn: with the prefix cache on, a new session's prompt (plain or DFlash
-        arm) is looked up block by block and captured; its published leading blocks are skipped."""
+        arm) is looked up block by block in the namespace of its turn's cache ``salt`` and captured; its
+        published leading blocks are skipped."""
         if self.prefix is None or s.committed or s.arm == schema.MTP or reusable_blocks(len(rows)) == 0:
             return Rows(s.sid, rows)
-        keys = block_keys(rows, reusable_blocks(len(rows)))
-        hit = self.prefix.lookup(keys, s.arm)
-        s.prefix_capture, s.warm_rows = PrefixCapture(keys), hit * schema.PREFIX_BLOCK
+        cap = self.prefix.capture(rows, salt)
+        hit = self.prefix.lookup(cap, s.arm)
+        s.prefix_capture, s.warm_rows = cap, hit * schema.PREFIX_BLOCK
         s.drafter_rows = s.warm_rows if s.arm in schema.DFLASH_ARMS else 0
-        return Rows(s.sid, rows[s.warm_rows:], keys[:hit])
+        return Rows(s.sid, rows[s.warm_rows:], cap.keys[:hit])
 
     def _after_prime(self, s: SpecSession, item: Rows, out: VerifyOut, max_tokens: int) -> Receipt:
         rows = item.tokens

@@ -195,3 +195,6 @@ class Turn:
     #: the turn as one response (the front merges its bursts)
     stop: tuple[str, ...] = ()
     stream: bool = True
+    #: the prefix-cache namespace (:mod:`tandem.engine.prefix`): only prompts primed with the same salt share
+    #: cached blocks ("": the shared default); a later turn's salt is not used (its sequence is primed)
+    cache_salt: str = ""

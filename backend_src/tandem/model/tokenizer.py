@@ -11,6 +11,7 @@ falls back to it). Only the template inserts control ids (:class:`ChatTokenizer`
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -87,6 +88,20 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token covers (an upper bound), so that a text of more than
+        ``n * max_token_bytes`` bytes is known to exceed ``n`` tokens without encoding it: a byte-level
+        vocabulary spells each byte as one character, so a token covers as many bytes as its string has
+        characters; otherwise a token's UTF-8 length bounds it (text is encoded without a normalizer
+        that could shrink it; with one, the bound is taken 4 times)."""
+        spec = json.loads(self.tok.to_str())
+        vocab = self.tok.get_vocab(with_added_tokens=False)
+        byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel" or \
+            (spec.get("decoder") or {}).get("type") == "ByteLevel"
+        longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1)
+        return longest * (1 if spec.get("normalizer") is None else 4)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` as ordinary text (``"<|user|>"`` in it gives the characters' ids,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import schema
+from . import internal_key
 
 
 def model_parameters(model_config: dict) -> dict[str, str]:
@@ -236,6 +237,8 @@ def stage_response(pb_utils, spec: schema.ModelSpec, stage, r, unavailable: str 
     error when its ensemble request was cancelled leaves that ensemble request in flight in Triton
     2.51 for good: the server's exit then times out, measured). ``stats`` gets the seconds inside
     ``handle`` as ``<model>.<OP>`` (the bench subtracts them from ``tandem``'s BLS round trips).
+    A model whose inputs include ``AUTH`` (the stage models) refuses a request without this server's key
+    (:func:`tandem.serving.internal_key.check`) before anything else.
     ``only_requested`` (a decoupled model's response, sent by ``ResponseSender.send``): leave out the
     outputs the caller did not request, since ``send`` would drop them itself, freeing their arrays
     without the GIL in Triton 2.51's Python backend (see :class:`~tandem.serving.stage_worker.BarrierRelease`)."""
@@ -243,6 +246,9 @@ def stage_response(pb_utils, spec: schema.ModelSpec, stage, r, unavailable: str 
         if unavailable is not None:
             raise schema.WireError(unavailable)
         arrays = tensors_by_name(r.inputs(), spec.input_names)
+        if internal_key.AUTH in spec.input_names:  # an internal model: tandem's own calls only, checked first
+            internal_key.check(arrays, spec.name, internal_key.server_key())
+            del arrays[internal_key.AUTH]
         if on_cancelled is not None and r.is_cancelled():
             on_cancelled(arrays)
         t0 = time.perf_counter()
@@ -253,7 +259,8 @@ def stage_response(pb_utils, spec: schema.ModelSpec, stage, r, unavailable: str 
             out = requested_only(out, r.requested_output_names())
         return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()])
     except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
-        msg = str(e) if isinstance(e, schema.WireError) else f"internal error: {type(e).__name__}: {e}"
+        msg = str(e) if isinstance(e, (schema.WireError, internal_key.Unauthorized)) else \
+            f"internal error: {type(e).__name__}: {e}"
         return pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg))
 
 

@@ -1,4 +1,5 @@
-"""HAProxy for tandem's replicas: the binary (Debian's package, unpacked without root) and its config.
+"""HAProxy for tandem's replicas and for each server's bounded HTTP front (:mod:`tandem.serving.http_front`):
+the binary (Debian's package, unpacked without root) and the replicas' config.
 
 :func:`ensure_haproxy` fetches Debian 12's ``haproxy`` (2.6) with ``apt-get download``, plus each
 library package it links that this machine lacks (found with ``ldd``), and unpacks them with

@@ -18,6 +18,7 @@ from .. import schema
 from ..engine import sampling
 from ..engine.protocols import Commit, DecodedRounds, DraftRequest, RoundsPlan, Rows, VerifyOut
 from ..schema import Arrays, WireError
+from . import internal_key
 from .backend import CallStats, tensors_by_name
 from .stage_worker import BarrierRelease, DecoupledCaller, StageDied
 
@@ -117,6 +118,7 @@ class BLSTransport:
     def __init__(self, pb_utils, timeout_us: int = 0) -> None:
         self.pb = pb_utils
         self.timeout_us = timeout_us
+        self.auth = internal_key.key_array(internal_key.server_key())  # every stage call carries the server's key
         self.stats = CallStats()
         self.held = BarrierRelease()
         self.decoupled = DecoupledCaller(self.held)
@@ -144,7 +146,7 @@ class BLSTransport:
 
     def _request(self, model: schema.ModelSpec, op: str, arrays: Arrays):
         pb = self.pb
-        tensors = [pb.Tensor("OP", schema.string_array(op))]
+        tensors = [pb.Tensor("OP", schema.string_array(op)), pb.Tensor(internal_key.AUTH, self.auth)]
         tensors += [pb.Tensor(k, np.ascontiguousarray(v)) for k, v in arrays.items()]
         kw = {"timeout": self.timeout_us} if self.timeout_us else {}
         return pb.InferenceRequest(model_name=model.name, inputs=tensors,

@@ -4,7 +4,9 @@ The wheel ships ``tritonserver`` 2.51.0, the Python backend and one backend stub
 version, but not laid out as a backend folder. :func:`ensure_backend_dir` assembles
 ``triton_backends/python/`` (repo root, gitignored) from it; :func:`server_command_and_env` builds
 the argv and environment (README, "Running tritonserver from the wheel"); :func:`running_server` starts a server for tests and
-always stops it; ``python -m tandem.serving.serve serve`` runs one in the foreground.
+always stops it; ``python -m tandem.serving.serve serve`` runs one in the foreground. Both put the bounded
+HTTP front (:mod:`tandem.serving.http_front`) on the public HTTP and metrics ports: Triton 2.51 crashes on
+an HTTP request body of ~4.2 MB, so its own HTTP and metrics services listen on loopback behind it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from typing import Iterator, Optional
 import typer
 
 from .. import schema, schema_text
+from . import internal_key
+from .haproxy import HaproxyError
 from .host import busy_ports, free_ports, new_shm_prefix, remove_shm
+from .http_front import MAX_BODY_BYTES, Front, FrontError, start_front, wait_front
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -97,10 +102,12 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
                            model_repository: str | Path = MODEL_REPOSITORY, models: tuple[str, ...] = MODELS,
                            exit_timeout_s: int = 10, log_verbose: int = 0,
                            env_overrides: dict[str, str] | None = None,
-                           host: str = "127.0.0.1", shm_prefix: str | None = None) -> tuple[list[str], dict[str, str]]:
+                           host: str = "127.0.0.1", shm_prefix: str | None = None, http_host: str | None = None,
+                           metrics_host: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The ``tritonserver`` argv and environment for ``model_repository``.
 
-    Binds HTTP/gRPC/metrics to ``host`` (127.0.0.1 unless told) on the given ports, loads ``models`` explicitly, passes
+    Binds HTTP/gRPC/metrics to ``host`` (127.0.0.1 unless told; ``http_host`` / ``metrics_host`` override it for
+    HTTP / metrics: the bounded front's internal ports) on the given ports, loads ``models`` explicitly, passes
     ``--exit-timeout-secs``; ``LD_LIBRARY_PATH`` gets the wheel's ``nvidia_pytriton.libs`` and the
     interpreter's ``LIBDIR`` (for ``libpython``) in front, ``PATH`` the virtual environment's
     ``bin`` first (the stub's embedded interpreter finds the venv from it). ``env_overrides``
@@ -115,9 +122,9 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
         f"--backend-directory={backend_dir}",
         "--model-control-mode=explicit",
         *[f"--load-model={m}" for m in models],
-        f"--http-address={host}", f"--http-port={http_port}",
+        f"--http-address={http_host or host}", f"--http-port={http_port}",
         f"--grpc-address={host}", f"--grpc-port={grpc_port}",
-        f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+        f"--metrics-address={metrics_host or host}", f"--metrics-port={metrics_port}",
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={exit_timeout_s}",
         f"--log-verbose={log_verbose}",
@@ -130,6 +137,7 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
     venv_bin = str(Path(sys.prefix) / "bin")
     env["PATH"] = ":".join([venv_bin] + [x for x in env.get("PATH", "").split(":") if x and x != venv_bin])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[internal_key.ENV] = internal_key.new_key()  # a key of this server's own: its stage models answer only it
     env.update(env_overrides or {})
     return argv, env
 
@@ -222,15 +230,21 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 30.0) -> int | None:
 
 
 class RunningServer:
-    """Handle yielded by :func:`running_server`: ``http_port``, ``grpc_port``, ``metrics_port``,
-    ``grpc_url`` (``127.0.0.1:port``), ``proc``, ``log_path``, ``ready_s``, ``shm_prefix``."""
+    """Handle yielded by :func:`running_server`: ``http_port``, ``grpc_port``, ``metrics_port`` (the public
+    ports: HTTP and metrics are the bounded front's, gRPC is Triton's own), ``internal_http_port`` /
+    ``internal_metrics_port`` (Triton's own HTTP / metrics on 127.0.0.1, behind the front), ``front`` (the
+    :class:`~tandem.serving.http_front.Front`), ``grpc_url`` (``127.0.0.1:port``), ``proc`` (tritonserver),
+    ``log_path``, ``ready_s``, ``shm_prefix``, ``internal_key`` (bytes: what a call to a stage model must
+    carry as ``AUTH``)."""
 
     def __init__(self, proc: subprocess.Popen, ports: tuple[int, int, int], log_path: Path, ready_s: float,
-                 shm_prefix: str = "") -> None:
-        self.proc, self.shm_prefix = proc, shm_prefix
+                 shm_prefix: str = "", internal_ports: tuple[int, int] = (0, 0), front: Front | None = None) -> None:
+        self.proc, self.shm_prefix, self.front = proc, shm_prefix, front
         self.http_port, self.grpc_port, self.metrics_port = ports
+        self.internal_http_port, self.internal_metrics_port = internal_ports
         self.log_path = log_path
         self.ready_s = ready_s
+        self.internal_key = b""
 
     @property
     def grpc_url(self) -> str:
@@ -245,38 +259,61 @@ class RunningServer:
 def running_server(http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
                    model_repository: str | Path = MODEL_REPOSITORY, env: dict[str, str] | None = None,
                    models: tuple[str, ...] = MODELS, ready_timeout_s: float = 180.0,
-                   log_path: str | Path | None = None, shm_prefix: str | None = None) -> Iterator[RunningServer]:
-    """Start ``tritonserver`` (free ports where not given), wait until ready and every model is
-    READY, yield a :class:`RunningServer`, then always stop it (SIGINT, then SIGKILL of its
-    process group) and remove the shared-memory files of its own prefix (``shm_prefix``, default a new one).
-    The server log goes to ``log_path`` (default: a temporary file, deleted after a clean run and
-    kept, with its path in ``RunningServer.log_path``, after a failure).
+                   log_path: str | Path | None = None, shm_prefix: str | None = None,
+                   max_body_bytes: int = MAX_BODY_BYTES) -> Iterator[RunningServer]:
+    """Start ``tritonserver`` (free ports where not given) behind its bounded HTTP front
+    (:mod:`tandem.serving.http_front`: HAProxy on the public HTTP and metrics ports, refusing a request
+    body over ``max_body_bytes`` with 413; Triton's HTTP and metrics on 127.0.0.1 at internal free ports),
+    wait until ready and every model is READY, yield a :class:`RunningServer`, then always stop both
+    (tritonserver: SIGINT, then SIGKILL of its process group; the front after it) and remove the
+    shared-memory files of its own prefix (``shm_prefix``, default a new one). A tritonserver that exits
+    takes the front down with it. The server log goes to ``log_path`` (default: a temporary file, deleted
+    after a clean run and kept, with its path in ``RunningServer.log_path``, after a failure).
 
     ``env``: environment overrides (e.g. ``{"TANDEM_CHECKPOINT": "/tmp/ckpt"}``). Raises
     :class:`ServerError` (with the server log) when it does not become ready within
-    ``ready_timeout_s`` seconds.
+    ``ready_timeout_s`` seconds or the front does not start.
     """
-    ports = free_ports(3)
-    ports = (http_port or ports[0], grpc_port or ports[1], metrics_port or ports[2])
+    picked = free_ports(7)
+    ports = (http_port or picked[0], grpc_port or picked[1], metrics_port or picked[2])
+    internal = tuple([p for p in picked[3:] if p not in ports][:2])
     shm_prefix = shm_prefix or new_shm_prefix()
-    argv, full_env = server_command_and_env(*ports, model_repository=model_repository, models=models,
-                                            env_overrides=env, shm_prefix=shm_prefix)
+    argv, full_env = server_command_and_env(internal[0], ports[1], internal[1], model_repository=model_repository,
+                                            models=models, env_overrides=env, shm_prefix=shm_prefix,
+                                            http_host="127.0.0.1", metrics_host="127.0.0.1")
+    try:
+        front = start_front([("http", ports[0], internal[0]), ("metrics", ports[2], internal[1])],
+                            max_body_bytes=max_body_bytes)
+    except HaproxyError as e:
+        raise ServerError(f"the HTTP front did not start: {e}") from e
     own_log = log_path is None
     if own_log:
         fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
         os.close(fd)
         log_path = Path(name)
     log_path = Path(log_path)
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(argv, env=full_env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+    try:
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(argv, env=full_env, stdout=logf, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        front.stop()
+        raise
+    front.follow(proc)
     clean = False
     try:
-        ready_s = wait_ready(proc, ports[0], models, ready_timeout_s, log_path, metrics_port=ports[2])
-        yield RunningServer(proc, ports, log_path, ready_s, shm_prefix)
+        ready_s = wait_ready(proc, internal[0], models, ready_timeout_s, log_path, metrics_port=internal[1])
+        try:
+            wait_front(front, ports[0])
+        except FrontError as e:
+            raise ServerError(str(e)) from e
+        srv = RunningServer(proc, ports, log_path, ready_s, shm_prefix, internal, front)
+        srv.internal_key = bytes.fromhex(full_env[internal_key.ENV])  # what a test calling a stage model must send
+        yield srv
         clean = True
     finally:
         stop_server(proc)
+        front.stop()
         remove_shm(shm_prefix)
         if own_log and clean:  # keep the log of a failed run for inspection
             with contextlib.suppress(OSError):
@@ -292,6 +329,9 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
           metrics_port: int = typer.Option(8002, help="Prometheus metrics port"),
           host: str = typer.Option("127.0.0.1", help="address every port binds; anything but loopback exposes an "
                                    "unauthenticated server (README, 'Deploying safely')"),
+          max_body_bytes: int = typer.Option(MAX_BODY_BYTES, help="largest HTTP request body (Content-Length, bytes) "
+                                             "the HTTP and metrics ports pass on; a larger one is answered 413 "
+                                             "(tritonserver 2.51 crashes on bodies of ~4.2 MB)"),
           model_repository: Path = typer.Option(MODEL_REPOSITORY, help="Triton model repository"),
           checkpoint: str = typer.Option("", help="checkpoint folder; default: config.pbtxt's (weights/tandem-tiny)"),
           dflash2_checkpoint: str = typer.Option("", help="a DFlash2 drafter folder of its own (config.json + "
@@ -310,7 +350,9 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
                                          "README, 'Serve options')"),
           ready_timeout_s: float = typer.Option(300.0, help="seconds to wait for every model READY"),
           log_verbose: int = typer.Option(0, help="tritonserver --log-verbose")) -> None:
-    """Run tritonserver in the foreground (server log on stdout); Ctrl-C stops it."""
+    """Run tritonserver in the foreground (server log on stdout) behind its bounded HTTP front (HAProxy on
+    the HTTP and metrics ports, :mod:`tandem.serving.http_front`); Ctrl-C stops both, and either one
+    exiting stops the other."""
     from .backend import parameter_overrides, parse_settings
 
     try:
@@ -325,9 +367,15 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"tandem: WARNING: binding {host}: the server has no authentication; put an authenticating TLS "
               f"proxy in front (README, 'Deploying safely')", file=sys.stderr, flush=True)
+    if max_body_bytes < 1:
+        print(f"tandem: --max-body-bytes must be >= 1, got {max_body_bytes}", file=sys.stderr, flush=True)
+        raise typer.Exit(2)
     shm_prefix = new_shm_prefix()
-    argv, env = server_command_and_env(http_port, grpc_port, metrics_port, model_repository, log_verbose=log_verbose,
-                                       env_overrides=overrides, host=host, shm_prefix=shm_prefix)
+    # Triton's own HTTP and metrics services: loopback, internal free ports, behind the front
+    internal = [p for p in free_ports(4) if p not in (http_port, grpc_port, metrics_port)][:2]
+    argv, env = server_command_and_env(internal[0], grpc_port, internal[1], model_repository, log_verbose=log_verbose,
+                                       env_overrides=overrides, host=host, shm_prefix=shm_prefix,
+                                       http_host="127.0.0.1", metrics_host="127.0.0.1")
     busy = busy_ports({"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
     if busy:  # before loading anything: a second server would load every model, then fail to bind
         print(f"tandem: {busy} (is another tandem / tritonserver running? stop it, or pass other --*-port "
@@ -341,22 +389,42 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     # `kill -INT`) would otherwise leave tritonserver running
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _on_term)
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
-    asked_to_stop = False
     try:
-        waited = wait_ready(proc, http_port, MODELS, ready_timeout_s, metrics_port=metrics_port)
+        front = start_front([("http", http_port, internal[0]), ("metrics", metrics_port, internal[1])], host=host,
+                            max_body_bytes=max_body_bytes)
+    except HaproxyError as e:
+        print(f"tandem: the HTTP front did not start: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(1)
+    try:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    except BaseException:
+        front.stop()
+        raise
+    asked_to_stop = front_died = False
+    try:
+        waited = wait_ready(proc, internal[0], MODELS, ready_timeout_s, metrics_port=internal[1])
+        wait_front(front, http_port, host=host)
         print(f"tandem: ready in {waited:.1f} s — gRPC {host}:{grpc_port}, HTTP {host}:{http_port}, "
               f"metrics {host}:{metrics_port}, models {', '.join(MODELS)}"
               + (f"; parameters {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""), flush=True)
-        proc.wait()
+        while proc.poll() is None:
+            if front.proc.poll() is not None:
+                front_died = True
+                print(f"tandem: the HTTP front (haproxy) exited with code {front.proc.returncode}; stopping "
+                      f"tritonserver\n{front.output()}", file=sys.stderr, flush=True)
+                break
+            time.sleep(0.5)
     except KeyboardInterrupt:
         asked_to_stop = True
-    except ServerError as e:
+    except (ServerError, FrontError) as e:
         print(f"tandem: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(1)
     finally:
         stop_server(proc)
+        front.stop()
         remove_shm(shm_prefix)
+    if front_died:
+        raise typer.Exit(1)
     if asked_to_stop:
         # the stop was ours and everything is cleaned up: report success whatever Triton's exit code
         if proc.returncode:

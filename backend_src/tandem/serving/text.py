@@ -43,20 +43,32 @@ def postprocess(decode: Callable[[list[int]], str], arrays: Arrays) -> Arrays:
     return out
 
 
-def preprocess(render: Callable[[str], list[int]], arrays: Arrays) -> Arrays:
+def preprocess(render: Callable[[str], list[int]], arrays: Arrays, max_ctx: int | None = None,
+               max_text_bytes: int | None = None) -> Arrays:
     """One ``preprocessing`` response (names of :data:`tandem.schema_text.PREPROCESSING`): the user
     message ``text_input`` rendered and tokenized by ``render`` (``str -> list[int]``, e.g.
     ``ChatTokenizer.chat_prompt``) as ``INPUT_IDS [n]`` int32; ``max_tokens`` and ``stream`` as
     ``MAX_TOKENS [1]`` int32 and ``STREAM [1]`` bool, with their defaults when absent (ranges are
-    ``tandem``'s to check). Raises :class:`~tandem.schema.WireError` naming the field (also for a
-    missing ``text_input`` and for ``exclude_input_in_output`` false)."""
+    ``tandem``'s to check). A text of more than ``max_text_bytes`` bytes is refused before it is decoded
+    or tokenized (it cannot fit the context: see :attr:`ChatTokenizer.max_token_bytes`), and a prompt of
+    more than ``max_ctx`` tokens after it (None: no check). Raises :class:`~tandem.schema.WireError`
+    naming the field and the limit (also for a missing ``text_input`` and for ``exclude_input_in_output``
+    false)."""
     spec = schema_text.PREPROCESSING
     if schema_text.TEXT_INPUT not in arrays:
         raise WireError(f"{schema_text.TEXT_INPUT} is required (the user message, a string)")
+    raw = np.asarray(arrays[schema_text.TEXT_INPUT]).reshape(-1)
+    if max_text_bytes is not None and raw.size == 1 and isinstance(raw[0], (bytes, np.bytes_)) \
+            and len(raw[0]) > max_text_bytes:
+        raise WireError(f"{schema_text.TEXT_INPUT}: {len(raw[0])} bytes is over the limit of {max_text_bytes} bytes "
+                        f"(a longer text cannot fit the context of {max_ctx} tokens)")
     if not schema.get_scalar(arrays, spec.input(schema_text.EXCLUDE_INPUT)):
         raise WireError(f"{schema_text.EXCLUDE_INPUT} must be true: tandem's output never repeats the prompt")
     text = schema.get_string(arrays, spec.input(schema_text.TEXT_INPUT))
     ids = render(text)
+    if max_ctx is not None and len(ids) > max_ctx:
+        raise WireError(f"{schema_text.TEXT_INPUT}: the prompt is {len(ids)} tokens, over the limit of {max_ctx} "
+                        f"(max_ctx: tokens per session)")
     out = {schema.INPUT_IDS: np.asarray(ids, dtype=np.int32),
            schema.MAX_TOKENS: np.array([schema.get_scalar(arrays, spec.input(schema_text.MAX_TOKENS_IN))], np.int32),
            schema.STREAM: np.array([schema.get_scalar(arrays, spec.input(schema_text.STREAM_IN))], np.bool_)}
@@ -67,15 +79,18 @@ def preprocess(render: Callable[[str], list[int]], arrays: Arrays) -> Arrays:
 class Preprocessor:
     """The ``preprocessing`` model's ``handle(arrays, correlation_id, flags) -> arrays``
     (:func:`preprocess`) over a checkpoint's tokenizer and chat template (``tokenizer`` a
-    ``ChatTokenizer``). The ensemble passes its request's sequence id and flags to this step: a
+    ``ChatTokenizer``; ``max_ctx``: the server's tokens per session, which bounds the text it tokenizes).
+    The ensemble passes its request's sequence id and flags to this step: a
     turn of a sequence without ``sequence_start`` is a later turn (the template's preamble left out)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, max_ctx: int = schema.DEFAULTS.max_ctx) -> None:
+        self.tokenizer, self.max_ctx = tokenizer, max_ctx
+        self.max_text_bytes = max_ctx * tokenizer.max_token_bytes
 
     def handle(self, arrays: Arrays, correlation_id=0, flags: int = 0) -> Arrays:
         later = bool(correlation_id) and not flags & schema.FLAG_START
-        return preprocess(lambda text: self.tokenizer.chat_prompt(text, later=later), arrays)
+        return preprocess(lambda text: self.tokenizer.chat_prompt(text, later=later), arrays, self.max_ctx,
+                          self.max_text_bytes)
 
 
 class Postprocessor:

@@ -5,7 +5,7 @@ decoded into a :class:`TurnRequest` (:func:`parse_turn`), and a burst's receipt 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import secrets
 
 import numpy as np
 
@@ -33,11 +33,30 @@ def parse_sampling(arrays: Arrays) -> SamplingParams | None:
     return SamplingParams.create(kw[schema.TEMPERATURE], kw[schema.TOP_K], kw[schema.TOP_P], kw[schema.SEED], mode)
 
 
-#: ids of one-turn sessions (requests without a sequence id), from :data:`tandem.schema.ONE_TURN_SEQUENCE_IDS` up
-_one_turn_ids = itertools.count(schema.ONE_TURN_SEQUENCE_IDS)
+def parse_cache_salt(arrays: Arrays) -> str:
+    """The turn's ``CACHE_SALT`` ("" when absent: the shared prefix-cache namespace). Raises
+    :class:`~tandem.schema.WireError` naming the field for more than one string, one over
+    :data:`tandem.schema.MAX_CACHE_SALT_BYTES` bytes (checked before decoding) or one that is not UTF-8."""
+    t = schema.TANDEM.input(schema.CACHE_SALT)
+    if t.name not in arrays:
+        return ""
+    a = np.asarray(arrays[t.name], dtype=object).reshape(-1)
+    schema.check_size(a, t, max_items=1)
+    v = a[0] if a.size else b""
+    try:
+        return v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v)
+    except UnicodeDecodeError as e:
+        raise WireError(f"{t.name} must be UTF-8 text: {e}") from None
 
 
-def parse_turn(arrays: Arrays, correlation_id, flags: int) -> Turn:
+def one_turn_id() -> int:
+    """A new one-turn session's id (a request without a sequence id): :data:`tandem.schema.ONE_TURN_SEQUENCE_IDS`
+    plus 63 random bits. The id is what a ``CANCEL`` names, so it must not be guessable from another turn's
+    (only the turn's own responses carry it, as ``SESSION_ID``)."""
+    return schema.ONE_TURN_SEQUENCE_IDS | secrets.randbits(63)
+
+
+def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema.DEFAULTS.max_ctx) -> Turn:
     """Decode a ``tandem`` request: its tensors (absent optional inputs left out of ``arrays``), its
     correlation id (tritonclient's ``sequence_id``: an unsigned integer below
     :data:`tandem.schema.ONE_TURN_SEQUENCE_IDS`; 0, as Triton's HTTP generate endpoint and a client
@@ -45,7 +64,9 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int) -> Turn:
     (:data:`tandem.schema.FLAG_START` / :data:`tandem.schema.FLAG_END`: ``sequence_start`` /
     ``sequence_end``). Value ranges are checked once, by :meth:`Scheduler.validate`. Raises
     :class:`~tandem.schema.WireError` naming the field when a tensor has the wrong shape, a required
-    one is missing or the sequence id is a string or in tandem's one-turn range.
+    one is missing or the sequence id is a string or in tandem's one-turn range, and before decoding
+    anything, when an input is over its size limit (``INPUT_IDS``: ``max_ctx`` tokens; strings and lists:
+    :func:`tandem.schema.check_size`).
     """
     spec = schema.TANDEM
     if isinstance(correlation_id, str):
@@ -55,10 +76,15 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int) -> Turn:
         raise WireError(f"{schema.SEQUENCE_ID} must be below 2**63 (ids from there up are tandem's one-turn "
                         f"sessions), got {sid}")
     if sid == 0:  # no sequence: a session for this one turn
-        sid, flags = next(_one_turn_ids), schema.FLAG_START | schema.FLAG_END
+        sid, flags = one_turn_id(), schema.FLAG_START | schema.FLAG_END
     ids = arrays.get(schema.INPUT_IDS)
     if ids is not None and np.asarray(ids).ndim != 1:
         raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
+    if ids is not None:
+        schema.check_size(np.asarray(ids), spec.input(schema.INPUT_IDS), max_items=max_ctx)
+    for name in (schema.STOP_TOKEN_IDS, schema.STOP):  # sizes first: nothing below decodes an oversize input
+        if name in arrays:
+            schema.check_size(np.asarray(arrays[name]), spec.input(name))
     tokens = [] if ids is None else np.asarray(ids).astype(np.int64).tolist()
     stops = arrays.get(schema.STOP_TOKEN_IDS)
     if stops is not None and np.asarray(stops).ndim != 1:
@@ -70,7 +96,7 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int) -> Turn:
                        else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), sampling=parse_sampling(arrays),
                        stop_token_ids=() if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()),
                        stop=schema.get_strings(arrays, spec.input(schema.STOP)),
-                       stream=schema.get_scalar(arrays, spec.input(schema.STREAM)))
+                       stream=schema.get_scalar(arrays, spec.input(schema.STREAM)), cache_salt=parse_cache_salt(arrays))
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ class TritonPythonModel:
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"], require_weights=False)
         tcfg = TrunkConfig.load(ckpt)
         cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, tcfg.max_position_embeddings))
+        self.max_ctx = cfg.max_ctx
         log = pb_utils.Logger.log_error
         self.bls = front.BLSTransport(pb_utils)
         watch = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
@@ -68,7 +69,7 @@ class TritonPythonModel:
                 self.front.cancel_session(int(request.correlation_id()), send)
                 continue
             try:
-                turn = front.parse_turn(arrays, request.correlation_id(), request.flags())
+                turn = front.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)
             except schema.WireError as e:
                 self.front.reject(send, str(e))
                 continue
