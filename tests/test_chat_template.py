@@ -45,7 +45,7 @@ def _transformers(folder, messages):
 
 @pytest.mark.parametrize("template", [None, OTHER_TEMPLATE], ids=["shipped", "other"])
 def test_rendered_prompt_equals_transformers(tmp_path, template):
-    """Must-show 3 (in-process half): a two-turn conversation rendered by the folder's own template
+    """In-process: a two-turn conversation rendered by the folder's own template
     equals transformers' apply_chat_template, text and token ids."""
     folder = _folder(tmp_path, template)
     tok = ChatTokenizer(folder / "tokenizer.json")
@@ -107,7 +107,7 @@ def served_folder(tmp_path_factory):
 
 
 def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
-    """Must-show 3: tritonserver serves the sharded random-weight folder (TANDEM_CHECKPOINT, what `make
+    """tritonserver serves the sharded random-weight folder (TANDEM_CHECKPOINT, what `make
     serve CHECKPOINT=...` sets) and `tandem generate --checkpoint` streams from it with the folder's
     template; the server's own text front renders the same prompt (the ensemble's prompt_tokens); its
     DFlash2 drafter loads from a folder of its own (TANDEM_DFLASH2_CHECKPOINT, `--dflash2-checkpoint`)

@@ -1,4 +1,4 @@
-"""Integration (issue 13): two tritonservers behind HAProxy on loopback (``running_cluster``).
+"""Integration: two tritonservers behind HAProxy on loopback (``running_cluster``).
 
 Which server served a request is read from two independent places: HAProxy's log (one line per
 stream: the ``x-tandem-session`` key and the server name) and each server's own Prometheus counters

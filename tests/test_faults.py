@@ -1,4 +1,4 @@
-"""Stage faults and session bounds without Triton (issue 10, cases 2 and 9): a stage call that hangs
+"""Stage faults and session bounds without Triton: a stage call that hangs
 past ``stage_timeout_s``, a stage whose process died (restarted, then used again), sessions bounded by
 ``max_sessions`` with a bounded wait, and the gauges that show it. The same faults against a real
 server are in tests/test_faults_served.py."""

@@ -1,4 +1,4 @@
-"""Integration (issue 10): session lifecycle against a real tritonserver, watched through the metrics
+"""Integration: session lifecycle against a real tritonserver, watched through the metrics
 port (each stage's ``tandem_stage_sequences``, tandem's session gauges) and the processes' memory.
 
 One server with short limits (idle 3 s, stage deadline 1.5 s, 16 sessions, 1 s admission wait):
@@ -134,7 +134,7 @@ class Stream:
 
 
 def test_metrics_count_exactly_what_clients_saw(srv):
-    """Issue 11: after known requests, the counters and histogram counts on the metrics port equal
+    """After known requests, the counters and histogram counts on the metrics port equal
     the sums of what the clients received (tokens, rounds, drafts, acceptances, turns, errors)."""
     before = scrape(srv.metrics_port)
     res = [generate(PROMPT, max_tokens=n, url=srv.grpc_url, spec=s)

@@ -1,4 +1,4 @@
-"""Session lifecycle faults (issue 10's cases, each kept as the test of its kind): turn boundaries
+"""Session lifecycle faults (each case kept as the test of its kind): turn boundaries
 follow the chat template and keep the drafter level with the trunk; user text cannot inject control
 tokens; a refused END still ends the sequence; the launcher stops on a hangup and checks its ports."""
 

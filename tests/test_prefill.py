@@ -1,4 +1,4 @@
-"""Chunked prefill (issue 11): a long prompt primed ``prefill_chunk`` rows per burst gives the same
+"""Chunked prefill: a long prompt primed ``prefill_chunk`` rows per burst gives the same
 greedy output as one prime on every arm (with and without the prefix cache), and a session already
 streaming gets bursts while the long prompt is primed."""
 

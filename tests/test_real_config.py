@@ -37,7 +37,7 @@ def test_defaults_are_transformers_defaults():
 
 
 def test_full_size_layout_on_meta():
-    """Must-show 1: tandem's trunk from the real default config (45 layers, hidden 4096, 288 experts)
+    """tandem's trunk from the real default config (45 layers, hidden 4096, 288 experts)
     has exactly transformers' Glm5NextTextModel parameter names and shapes, built on the meta device
     (no memory); its MTP layer at layers.45 is a decoder layer in the same layout plus GLM's
     eh_proj / enorm / hnorm / shared_head.{norm, head}."""
@@ -94,7 +94,7 @@ def sharded(tmp_path_factory):
 
 
 def test_random_weights_in_two_shards_match_transformers(sharded):
-    """Must-show 2: the 2-shard checkpoint loads into tandem (through the index) and transformers;
+    """The 2-shard checkpoint loads into tandem (through the index) and transformers;
     fp32 logits agree within 1e-4 with dense DSA."""
     from transformers import Glm5NextTextModel
     from transformers.utils import logging as hf_logging
@@ -176,7 +176,7 @@ def test_transformers_aliases_are_converted():
 
 
 def test_a_checkpoint_too_large_is_refused_before_loading(tmp_path):
-    """Must-show 4: the real default config (no weights needed: one placeholder shard) is refused by
+    """The real default config (no weights needed: one placeholder shard) is refused by
     the memory check before anything is allocated, with the estimate and the free memory."""
     from safetensors.torch import save_file
 

@@ -4,8 +4,8 @@ from wherever call N leaves them (the trunk's process knows each one's next anch
 budget and room: :func:`~tandem.engine.run_ahead.next_call`). The decoupled ``trunk`` model takes it in
 while N runs (:class:`~tandem.serving.stage_worker.StageWorker`) and starts it the moment N is done, so
 the trunk does not idle while N's answer travels to ``tandem``, is replayed and published, and the next
-call travels back (~2.2 ms a call measured on these machines, 5-11 calls a 128-token turn: README,
-Serving). The ``tandem`` process replays N+1 exactly like any call (:mod:`tandem.engine.hosted`):
+call travels back (a few milliseconds a call, several calls a turn; docs/serving.md). The ``tandem``
+process replays N+1 exactly like any call (:mod:`tandem.engine.hosted`):
 the anchors are checked, the tokens are the same.
 
 Both sides:

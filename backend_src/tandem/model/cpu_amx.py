@@ -6,9 +6,9 @@ four rows: its cost grows with the rows, so a verify block of 8 rows or a batch 
 ~2-4x one row. An AMX tile multiply takes up to 16 rows at once: ``tdpbf16ps`` adds ``A [m, 16 pairs]
 x B [16 pairs, 16 columns]`` into a float32 tile ``C [m, 16]``, 8,192 multiply-adds an instruction,
 and the weights reach it as tile loads of the same strip layout (a strip's ``D/2`` pair rows of 64
-columns, 256 bytes apart). Measured on an Intel Xeon with AMX (one thread, the shipped LM head ``[256,
-8192]``): 1 row 161 us (AVX512-BF16 tiles 144), 8 rows 169 (327), 16 rows 180 (614): the weight
-stream, not the arithmetic, sets the time at any row count up to 16.
+columns, 256 bytes apart). So the weight stream, not the arithmetic, sets the time at any row count up
+to 16: a batch of sessions or a verify block costs about what one row does, while one row costs a little
+more than on the AVX512-BF16 tiles (tile loads, and the core's power licence for the matrix unit).
 
 **Row invariance.** A tile's row ``r`` depends only on row ``r`` of ``A`` and on ``B``: the same bits
 for 1 to 16 rows, alone or among others (measured; ``tests/test_cpu_amx.py``), and every call walks

@@ -10,23 +10,22 @@ rows, their position or their neighbours: a row is bit-identical in any batch by
 any CPU. The serving parameter ``batch_invariant`` routes the trunk's verify passes here
 (:func:`rows_mode`); the reference is ``x @ w.T`` (``tests/test_cpu_gemm.py``).
 
-Speed, fp32, one thread, AMD EPYC, MKL in brackets: the LM head ``[256, 8192]`` M=1 102 us (166),
-M=8 334 (888), M=64 2671 (4360). Rows go in fours with the input dimension in steps of 4 (one
-accumulator load and store per 4 fmas, every operand in a register), the last three as four with a
-zero row, or the last two or one in one block with steps of 8 (a weight slice is read once per block).
-For two or more rows, whole 64-column strips take the register tiles of :mod:`~tandem.model.cpu_tile`
-instead (accumulators in registers over the whole input dimension; the same fma chain, so the same
-bits): an MoE layer's experts on 8 rows ran 175 -> 134 us, a KDA + MoE block on 8 rows 480 -> 397 us.
+It is also faster than MKL for these few-row shapes. Rows go in fours with the input dimension in
+steps of 4 (one accumulator load and store per 4 fmas, every operand in a register), the last three as
+four with a zero row, or the last two or one in one block with steps of 8 (a weight slice is read once
+per block). For two or more rows, whole 64-column strips take the register tiles of
+:mod:`~tandem.model.cpu_tile` instead (accumulators in registers over the whole input dimension; the
+same fma chain, so the same bits).
 
 Serving's weights are strip-packed (:func:`kernel_weight`, :func:`pack_strips`): each 64-column strip
 ``[D, 64]`` one contiguous run, read front to back by the tiles for every row count (:func:`_mmp`);
-unpacked, the reads come in pieces the hardware prefetchers do not follow (a 1.8 MB weight streamed
-at 12.5 GB/s unpacked, 34 GB/s packed; plain decoding 1.25-1.37x faster packed).
+unpacked, the reads come in pieces the hardware prefetchers do not follow, and a weight that does not
+stay in the cache streams at a fraction of the memory bandwidth.
 
 bfloat16 weights with an even input dimension (the shipped checkpoint's) are packed as bfloat16 pairs
 by default (:func:`~tandem.model.cpu_pairs.pack_pairs`): the GEMM rounds its input rows to bfloat16 and
-runs AVX512-BF16 dot products with float32 accumulation, ~2x the float32 tiles (a bf16 GEMM's
-numerics, one fixed chain per element, so as row-invariant as the float32 path), or on a CPU with
+runs AVX512-BF16 dot products with float32 accumulation, about twice the float32 tiles' rate (a bf16
+GEMM's numerics, one fixed chain per element, so as row-invariant as the float32 path), or on a CPU with
 AMX its tiles (:mod:`~tandem.model.cpu_amx`, :func:`~tandem.model.cpu_amx.set_amx`: the strips
 viewed as int32). :func:`fp32_inputs` keeps the float32 inputs.
 """

@@ -17,8 +17,7 @@ from .config import TrunkConfig
 def input_major_linears(module: nn.Module) -> nn.Module:
     """Serving layout of every ``nn.Linear`` weight ``[out, in]``: stored input-major (an ``[in, out]``
     contiguous buffer viewed as ``[out, in]``), values and names unchanged, so ``F.linear`` calls a
-    non-transposed GEMM, which this CPU runs faster for the few rows of decode and verify (fp32,
-    one thread: ``[8, 256] x [256, 8192]`` 1.35 -> 0.63 ms, ``[1, 256] x [256, 256]`` 11.6 -> 7.6 us).
+    non-transposed GEMM, which the CPU runs faster for the few rows of decode and verify.
 
     Linears (or ``[out, in]`` parameters) that read the same input are fused: a module's
     ``FUSED = {attr: (names...)}`` gets

@@ -121,7 +121,7 @@ def _stream_with_arrival(engine, prompts: list[list[int]], max_tokens: int, spec
 def run_long_prompt(engine, prompts: list[list[int]], long_prompt: list[int], max_tokens: int, spec: str) -> dict:
     """The streaming sessions' p90 inter-token latency alone, and with ``long_prompt`` arriving
     mid-stream primed in chunks (the engine's ``prefill_chunk``) and all at once; the long turn's
-    TTFT each way. Ratios are p90 with / p90 alone (issue 11: at most 2x chunked)."""
+    TTFT each way. Ratios are p90 with / p90 alone (the aim: at most 2x chunked)."""
     import dataclasses
 
     import numpy as np
