@@ -32,12 +32,14 @@ $(HAPROXY): $(STAMP)
 setup: $(STAMP) $(BACKEND) $(HAPROXY)
 
 # Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics), HTTP and metrics through the bounded HAProxy
-# front (tandem.serving.http_front); CHECKPOINT=dir overrides the weights
+# front (tandem.serving.http_front), so even one server needs HAProxy: setup installs it; CHECKPOINT=dir overrides
+# the weights
 serve: setup
 	$(VPY) -m tandem.serving.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
-# REPLICAS tritonservers (server i: HTTP 9100+3i, gRPC +1, metrics +2) behind HAProxy on 127.0.0.1:9001,
-# sessions routed by the x-tandem-session header; Ctrl-C stops everything (README, "Deploying replicas")
+# REPLICAS tritonservers (server i: HTTP 9100+3i, gRPC +1, metrics +2) behind HAProxy on 127.0.0.1:9001 (installed
+# by setup), sessions routed by a consistent hash of the x-tandem-session header; Ctrl-C stops everything
+# (docs/deploying.md, "Replicas")
 REPLICAS ?= 2
 .PHONY: serve-cluster
 serve-cluster: setup
@@ -68,8 +70,10 @@ loadtest: setup
 	$(VPY) -m loadtest.run --users $(USERS) --step-seconds $(STEP_SECONDS) --max-tokens $(MAX_TOKENS) \
 		$(if $(URL),--url $(URL)) $(ARGS)
 
-# soak: USERS users for SOAK_MINUTES with cancelled turns, multi-turn sessions and bad requests mixed in;
-# fails on an unexpected error, a state gauge off baseline afterwards, or growing memory (reports/soak-<UTC time>/)
+# soak: USERS users for SOAK_MINUTES with cancelled turns, multi-turn sessions and bad requests mixed in, plus one
+# client cycling edge kinds (empty later turns, reused ids with cancels, cancels during prefill, long prompts beside
+# short ones, max_tokens 1); fails on an unexpected error, a state gauge off baseline afterwards, or growing memory
+# (reports/soak-<UTC time>/)
 SOAK_MINUTES ?= 5
 soak: setup
 	$(VPY) -m loadtest.soak --minutes $(SOAK_MINUTES) --users $(USERS) $(ARGS)

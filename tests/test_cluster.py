@@ -3,11 +3,14 @@
 Which server served a request is read from two independent places: HAProxy's log (one line per
 stream: the ``x-tandem-session`` key and the server name) and each server's own Prometheus counters
 (sessions opened, turns finished). Affinity: 8 sessions x 3 turns, each session's turns on one server,
-both servers used. Server loss: server A killed (SIGKILL of its process group) cuts its streaming turn
-with ``SessionLost`` and answers its sessions' next turns with ``SessionLost`` within 5 s, while B's
-sessions stream on; re-primed conversations equal an uninterrupted run token for token. Server return:
-A restarted; re-primed sessions stay on B, new sessions reach A. Capacity: a full server refuses a
-first turn "at capacity"; the client retries under a new id and the proxy sends it to the other server.
+both servers used. Deterministic routing: a second proxy and a restarted one send 8 of 8 live sessions
+to the servers holding them. A client without the routing header gets an error naming it. A stall: a
+server's tritonserver paused (SIGSTOP) for 3.2 s keeps every stream and session. Server loss: server
+A killed (SIGKILL of its process group) cuts its streaming turn with ``SessionLost`` and answers its
+sessions' next turns with ``SessionLost`` within 5 s, while B's sessions stream on; re-primed
+conversations equal an uninterrupted run token for token. Server return: A restarted; re-primed
+sessions stay on B (the proxy's stick table), new sessions reach A. Capacity: a full server refuses a
+first turn "at capacity"; the client retries under a new id, which may hash to the other server.
 ``make serve-cluster``'s command stops everything on SIGINT. Without a server: the HAProxy config, the
 client's error typing and Conversation's transcript.
 """
@@ -15,6 +18,8 @@ client's error typing and Conversation's transcript.
 from __future__ import annotations
 
 import os
+import queue
+import signal
 import threading
 import time
 
@@ -67,12 +72,39 @@ def streams(c) -> dict[str, list[str]]:
     return out
 
 
+def probe(url: str, sid: int) -> None:
+    """One liveness call through the proxy at ``url`` carrying ``sid`` as the routing header."""
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        assert c.is_server_live(headers={schema.ROUTING_HEADER: str(sid)}, client_timeout=5.0)
+    finally:
+        c.close()
+
+
+def sids_per_server(c, n: int) -> dict[str, list[int]]:
+    """``n`` fresh sequence ids per server of cluster ``c``, each sorted by where the proxy routes its header
+    (one liveness call per candidate id: routing depends on the header value alone)."""
+    got: dict[str, list[int]] = {name: [] for name in c.names}
+    for _ in range(64 * n):
+        if min(len(v) for v in got.values()) >= n:
+            return got
+        sid = new_sequence_id()
+        probe(c.url, sid)
+        server, _ = wait_for(lambda: next((r["server"] for r in c.routed() if r["key"] == str(sid)), None), 5.0)
+        if len(got[server]) < n:
+            got[server].append(sid)
+    raise AssertionError(f"no {n} ids per server after {64 * n} tries: {got}")
+
+
 def test_each_session_stays_on_one_server(cluster, tokenizer):
-    """8 sessions x 3 turns at once through the proxy: HAProxy routed every turn of a session (and its
-    liveness calls) to one server, both servers took sessions, and each server's own counters show
+    """8 sessions x 3 turns at once through the proxy (4 whose ids route to each server): HAProxy routed
+    every turn of a session (and its liveness calls) to one server, and each server's own counters show
     exactly the sessions and turns the log gives it."""
+    picked = sids_per_server(cluster, 4)
     before = [counters(cluster, i) for i in range(2)]
-    sids, errors = [new_sequence_id() for _ in range(8)], []
+    sids, errors = [sid for name in cluster.names for sid in picked[name]], []
 
     def session(k: int) -> None:
         try:
@@ -93,13 +125,175 @@ def test_each_session_stays_on_one_server(cluster, tokenizer):
     per = {k: set(routed[k]) for k in keys}
     assert all(len(v) == 1 for v in per.values()), per
     live = [r for r in cluster.routed() if r["key"] in keys and r["path"].endswith("/ServerLive")]
-    assert len(live) == 24 and all({r["server"]} == per[r["key"]] for r in live)
+    assert len(live) == 24 + 8 and all({r["server"]} == per[r["key"]] for r in live)  # (8: the probes)
     count = {n: sum(per[k] == {n} for k in keys) for n in cluster.names}
-    assert min(count.values()) >= 1 and sum(count.values()) == 8, count
+    assert count == {n: 4 for n in cluster.names}, count
+    assert all(per[str(sid)] == {name} for name in cluster.names for sid in picked[name])
     for i, name in enumerate(cluster.names):  # the servers' own view (published once a second)
         want = (before[i][0] + count[name], before[i][1] + 3 * count[name])
         wait_for(lambda: counters(cluster, i) == want, 5.0)
     print(f"affinity: sessions per server {count}")
+
+
+def test_a_second_proxy_and_a_restarted_one_route_every_live_session_to_its_server(cluster, tokenizer):
+    """8 sessions open through the proxy (first turn); their second turns through a second HAProxy with
+    the same config and their third turns through the first proxy restarted (its stick table gone) all
+    complete: 8 of 8 reach the server that holds them, none is lost."""
+    sids = [new_sequence_id() for _ in range(8)]
+    for k, sid in enumerate(sids):
+        generate(tokenizer.chat_prompt(TEXTS[k % len(TEXTS)]), 4, url=cluster.url, sequence_id=sid,
+                 sequence_end=False)
+    keys = [str(sid) for sid in sids]
+    wait_for(lambda: all(k in streams(cluster) for k in keys), 5.0)
+    home = {k: streams(cluster)[k][0] for k in keys}
+    second = cluster.add_proxy()
+    try:
+        lost = []
+        for sid in sids:
+            try:
+                generate(tokenizer.chat_prompt(LATER[0], later=True), 4, url=second.url, sequence_id=sid,
+                         sequence_start=False, sequence_end=False)
+            except TandemClientError as e:
+                lost.append(str(e))
+        assert not lost
+
+        def via_second() -> dict[str, str]:
+            return {r["key"]: r["server"] for r in second.routed() if r["path"].endswith("/ModelStreamInfer")}
+        wait_for(lambda: all(k in via_second() for k in keys), 5.0)
+        assert {k: via_second()[k] for k in keys} == home
+    finally:
+        second.stop()
+    cluster.restart_proxy()
+    for sid in sids:
+        generate(tokenizer.chat_prompt(LATER[1], later=True), 4, url=cluster.url, sequence_id=sid,
+                 sequence_start=False, sequence_end=True)
+    wait_for(lambda: all(len(streams(cluster)[k]) == 2 for k in keys), 5.0)
+    s = streams(cluster)
+    assert all(s[k] == [home[k]] * 2 for k in keys), {k: s[k] for k in keys}  # turns 1 and 3 (turn 2: second)
+    print(f"second proxy and restarted proxy: 8 of 8 sessions on their servers ({sorted(home.values())})")
+
+
+def raw_turn(url: str, ids: list[int], sid: int, start: bool, end: bool, max_tokens: int = 4) -> str | None:
+    """One turn of the ``tandem`` model over tritonclient's stream without the routing header (a client
+    that does not know it); returns the server's error text, None when the turn completed."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    c, q = grpcclient.InferenceServerClient(url), queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        inputs = []
+        arrays = {schema.INPUT_IDS: np.asarray(ids, np.int32), schema.MAX_TOKENS: np.array([max_tokens], np.int32)}
+        for name, arr in arrays.items():
+            x = grpcclient.InferInput(name, list(arr.shape), "INT32")
+            x.set_data_from_numpy(arr)
+            inputs.append(x)
+        c.async_stream_infer(schema.TANDEM.name, inputs, sequence_id=sid, sequence_start=start, sequence_end=end,
+                             enable_empty_final_response=True)
+        while True:
+            result, error = q.get(timeout=60)
+            if error is not None:
+                return str(error)
+            params = result.get_response().parameters
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                return None
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def test_a_client_without_the_routing_header_is_told_to_send_it(cluster, tokenizer):
+    """4 two-turn conversations over plain tritonclient streams, no routing header: the proxy spreads
+    them round robin, so second turns reach a server that does not hold the session; each such turn's
+    error names the header (and carries the session-lost marker the client types on)."""
+    errors = []
+    for k in range(4):
+        sid = new_sequence_id()
+        assert raw_turn(cluster.url, tokenizer.chat_prompt(TEXTS[k]), sid, True, False) is None
+        err = raw_turn(cluster.url, tokenizer.chat_prompt(LATER[0], later=True), sid, False, True)
+        if err is not None:
+            errors.append(err)
+    assert errors, "no second turn reached another server"
+    for err in errors:
+        assert "unknown sequence id" in err and schema.ROUTING_HEADER in err and schema.SESSION_LOST_MARKER in err
+    print(f"no header: {len(errors)} of 4 second turns on another server, each told: {errors[0]}")
+
+
+def test_a_stall_cuts_no_stream(cluster, tokenizer):
+    """Each server streams a long turn and holds an idle session; server A's tritonserver is paused
+    (SIGSTOP) for 3.2 s, and a turn of A's idle session is sent meanwhile. After SIGCONT both streams go
+    on, the waiting turn completes on A (its session kept), and the proxy never marked A down."""
+    picked = sids_per_server(cluster, 2)
+    name_a = cluster.names[0]
+    for name in cluster.names:
+        generate(tokenizer.chat_prompt(TEXTS[0]), 4, url=cluster.url, sequence_id=picked[name][1], sequence_end=False)
+    prompt, walk_away = list(long_turn_prompt(3000)), threading.Event()
+    got = {name: [] for name in cluster.names}
+    box: dict = {}
+
+    class Enough(Exception):
+        pass
+
+    def stream(name: str) -> None:
+        def on_tokens(ids):
+            got[name].append(time.monotonic())
+            if walk_away.is_set():
+                raise Enough
+        try:
+            generate(prompt, 3000, url=cluster.url, sequence_id=picked[name][0], spec="off", on_tokens=on_tokens)
+            box[name] = "ended before the client walked away"
+        except Enough:
+            pass
+        except TandemClientError as e:
+            box[name] = str(e)
+    threads = [threading.Thread(target=stream, args=(name,)) for name in cluster.names]
+    for th in threads:
+        th.start()
+    wait_for(lambda: all(got.values()), 60.0)
+    log_before = cluster.proxy_log.read_text(errors="replace")
+    later: dict = {}
+
+    def later_turn() -> None:
+        try:
+            later["res"] = generate(tokenizer.chat_prompt(LATER[0], later=True), 4, url=cluster.url,
+                                    sequence_id=picked[name_a][1], sequence_start=False, sequence_end=True)
+        except TandemClientError as e:
+            later["err"] = str(e)
+    pid = cluster.servers[0].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        lt = threading.Thread(target=later_turn)
+        lt.start()
+        time.sleep(3.2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    t_cont = time.monotonic()
+    done = "ended before the client walked away"
+
+    def went_on(name: str) -> bool:  # streaming 1 s past SIGCONT, or ended as a turn ends (never cut)
+        ts = got[name]
+        return box.get(name) == done if name in box else ts[-1] > t_cont + 1.0
+
+    try:  # both streams go on; the paused server's resumes after SIGCONT
+        wait_for(lambda: all(went_on(n) for n in got) and got[name_a][-1] > t_cont, 20.0)
+    except AssertionError:
+        raise AssertionError(f"streams stopped: {box}, later turn {later}, last token at "
+                             f"{ {n: round(ts[-1] - t_cont, 2) if ts else None for n, ts in got.items()} } s "
+                             f"after SIGCONT") from None
+    lt.join(30)
+    assert later.get("res") and not later.get("err"), later
+    walk_away.set()
+    for th in threads:
+        th.join(60)
+    assert all(v == done for v in box.values()), box
+    generate(tokenizer.chat_prompt("Thanks.", later=True), 1, url=cluster.url, sequence_id=picked[cluster.names[1]][1],
+             sequence_start=False)
+    log = cluster.proxy_log.read_text(errors="replace")[len(log_before):]
+    assert " is DOWN" not in log, log[-2000:]
+    wait_for(lambda: len(streams(cluster).get(str(picked[name_a][1]), [])) == 2, 5.0)
+    assert streams(cluster)[str(picked[name_a][1])] == [name_a, name_a]
+    gap = max(b - a for a, b in zip(got[name_a], got[name_a][1:]))
+    print(f"stall: 3.2 s SIGSTOP of {name_a}; its stream's longest gap {gap:.2f} s, no stream cut, not marked down")
 
 
 def _reference(url: str, tokenizer, text: str) -> list[list[int]]:
@@ -115,14 +309,16 @@ def test_server_loss_gives_session_lost_and_reprime_equals_reference(cluster, to
     re-primed conversations (a new sequence id carrying the transcript) reach B and every turn's greedy
     output equals an uninterrupted run's."""
     refs = [_reference(cluster.url, tokenizer, text) for text in TEXTS]
-    convs = [Conversation(cluster.url, stop_ids=tokenizer.stop_ids) for _ in TEXTS]
-    for conv, text, ref in zip(convs, TEXTS, refs):
-        assert conv.turn(tokenizer.chat_prompt(text), 12)["token_ids"] == ref[0]
-    on = {}
-    wait_for(lambda: all(len(streams(cluster).get(str(c.sequence_id), [])) == 1 for c in convs), 5.0)
-    for k, conv in enumerate(convs):
-        on[k] = streams(cluster)[str(conv.sequence_id)][0]
-    assert set(on.values()) == set(cluster.names), on
+    convs, texts, on = [], [], {}
+    while len(convs) < len(TEXTS) or set(on.values()) != set(cluster.names):  # (ids hash: both servers hold some)
+        assert len(convs) < 4 * len(TEXTS), on
+        k = len(convs)
+        conv = Conversation(cluster.url, stop_ids=tokenizer.stop_ids)
+        assert conv.turn(tokenizer.chat_prompt(TEXTS[k % len(TEXTS)]), 12)["token_ids"] == refs[k % len(TEXTS)][0]
+        convs.append(conv)
+        texts.append(k % len(TEXTS))
+        on[k] = wait_for(lambda: streams(cluster).get(str(conv.sequence_id)), 5.0)[0][0]
+    refs = [refs[t] for t in texts]
     # a long turn streaming when its server dies; its server (by the servers' own turns_running gauge) is A
     box, first = {}, threading.Event()
 
@@ -184,7 +380,10 @@ def test_server_return_takes_new_sessions_only(cluster, tokenizer):
     for conv in convs:
         conv.turn(tokenizer.chat_prompt("Thanks.", later=True), 4, end=True)
     new = [generate(tokenizer.chat_prompt(TEXTS[k]), 4, url=cluster.url)["sequence_id"] for k in range(6)]
-    wait_for(lambda: all(str(s) in streams(cluster) for s in new), 5.0)
+    while not any(streams(cluster).get(str(sid)) == [name_a] for sid in new):  # (ids hash: some reach A)
+        assert len(new) < 24, "no new session reached the returned server"
+        new.append(generate(tokenizer.chat_prompt(TEXTS[len(new) % len(TEXTS)]), 4, url=cluster.url)["sequence_id"])
+        wait_for(lambda: str(new[-1]) in streams(cluster), 5.0)
     s = streams(cluster)
     assert all(s[k][-1] == name_b and len(s[k]) >= 2 for k in old), {k: s[k] for k in old}
     got = {str(sid): s[str(sid)][0] for sid in new}
@@ -196,8 +395,9 @@ def test_server_return_takes_new_sessions_only(cluster, tokenizer):
 
 def test_full_server_refuses_at_capacity_and_the_retry_goes_elsewhere(cluster, tokenizer):
     """Server 0 holds MAX_SESSIONS idle sessions (opened on its own port): a first turn there is
-    refused "at capacity" (AtCapacity); through the proxy, first turns retried under new ids all
-    complete, on server 1, and server 0 counts its refusals."""
+    refused "at capacity" (AtCapacity); through the proxy, first turns retried under new ids (each id
+    hashed afresh, so half of them route to server 0) all complete, on server 1, and server 0 counts its
+    refusals."""
     direct = f"127.0.0.1:{cluster.ports[0][1]}"
     held = [new_sequence_id() for _ in range(MAX_SESSIONS)]
     for sid in held:
@@ -205,7 +405,7 @@ def test_full_server_refuses_at_capacity_and_the_retry_goes_elsewhere(cluster, t
     with pytest.raises(AtCapacity, match=r"at capacity"):
         generate([5, 6, 7], 1, url=direct, spec="off")
     refused0 = tandem_metrics(cluster.ports[0][2])["tandem"].get("sessions_refused_full", 0)
-    done = [generate(tokenizer.chat_prompt(TEXTS[k]), 4, url=cluster.url, start_retries=3) for k in range(4)]
+    done = [generate(tokenizer.chat_prompt(TEXTS[k]), 4, url=cluster.url, start_retries=12) for k in range(4)]
     assert all(len(r["token_ids"]) >= 1 for r in done)
     s = streams(cluster)
     assert all(s[str(r["sequence_id"])] == [cluster.names[1]] for r in done)
@@ -254,17 +454,22 @@ def test_serve_cluster_runs_in_the_foreground_and_ctrl_c_cleans_up(tokenizer):
 
 def test_haproxy_config_is_valid_and_keys_on_the_routing_header(tmp_path):
     """The config ``make serve-cluster`` writes passes ``haproxy -c`` and holds what routing needs: h2
-    on both sides, a stick table on the header, leastconn, health checks on each HTTP port, redispatch."""
-    from tandem.serving.haproxy import ensure_haproxy, haproxy_config
+    on both sides, a consistent hash of the header (fixed server ids and weights, so every proxy builds the
+    same ring), a stick table on it, health checks on each HTTP port that tolerate a stall of 10 s or more
+    and leave a server's streams alone when it is marked down, redispatch."""
+    from tandem.serving.haproxy import check_tolerance_s, ensure_haproxy, haproxy_config
 
     text = haproxy_config([("tandem0", 9101, 9100), ("tandem1", 9104, 9103)], 9001)
     (tmp_path / "haproxy.cfg").write_text(text)
     ensure_haproxy().check(tmp_path / "haproxy.cfg")
-    for line in ("bind 127.0.0.1:9001 proto h2", f"stick on req.hdr({schema.ROUTING_HEADER})", "balance leastconn",
-                 "option httpchk GET /v2/health/ready", "option redispatch",
-                 "server tandem0 127.0.0.1:9101 proto h2 check port 9100",
-                 "server tandem1 127.0.0.1:9104 proto h2 check port 9103"):
+    for line in ("bind 127.0.0.1:9001 proto h2", f"balance hdr({schema.ROUTING_HEADER})\n",
+                 "hash-type consistent sdbm avalanche\n", f"stick on req.hdr({schema.ROUTING_HEADER})",
+                 "option httpchk GET /v2/health/ready", "option redispatch", "observe layer4 error-limit 1 "
+                 "on-error mark-down", "server tandem0 127.0.0.1:9101 id 1 weight 100 proto h2 check port 9100",
+                 "server tandem1 127.0.0.1:9104 id 2 weight 100 proto h2 check port 9103"):
         assert line in text, line
+    assert "shutdown-sessions" not in text and "leastconn" not in text
+    assert check_tolerance_s() >= 10.0
 
 
 def test_client_types_errors_by_marker_and_transport():

@@ -199,7 +199,8 @@ def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sh
     burst (scheduler) or the ``draft_verify`` (co-located host): no short second call for the rest,
     which was mostly its fixed cost (calls of 2-3 rounds between paced ones, 62 calls for 8 turns of
     128 tokens instead of 39)."""
-    eng = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512, burst_ms=50.0, burst_rounds=32)
+    eng = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512, burst_ms=50.0, burst_rounds=32,
+                 prefill_budget=0)  # the prompt primed whole at admission: every burst's call runs rounds
     calls, bursts = [], []
     real, burst = eng.trunk.decode_rows, eng.sched.burst
     monkeypatch.setattr(eng.trunk, "decode_rows", lambda *a: calls.append(a[1]) or real(*a))

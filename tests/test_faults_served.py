@@ -35,9 +35,9 @@ STAGE_TIMEOUT_S = 1.5
 #: the past-deadline case's own server: well under a 4,000-token prime (~2.2 s in-process here, ~3 s
 #: before the register tiles), so it has time to look around before the late answer
 SHORT_TIMEOUT_S = 0.3  # far under the 4,000-token prime (~1.4 s here): the test keeps a margin on faster machines
-# prefill_chunk 0: a long prompt is one trunk call, the stage call that outlives the deadline below
+# prefill_budget 0: a long prompt is one trunk call, the stage call that outlives the deadline below
 LIMITS = {"TANDEM_IDLE_TIMEOUT_S": "3", "TANDEM_STAGE_TIMEOUT_S": str(STAGE_TIMEOUT_S), "TANDEM_MAX_SESSIONS": "16",
-          "TANDEM_ADMISSION_WAIT_S": "1", "TANDEM_PREFILL_CHUNK": "0"}
+          "TANDEM_ADMISSION_WAIT_S": "1", "TANDEM_PREFILL_BUDGET": "0"}
 STAGES = ("trunk", "drafter_mtp", "drafter_dflash")
 PROMPT = [9, 120, 431, 77, 1500, 32, 8, 640, 91, 12]
 
@@ -92,18 +92,21 @@ def _settled(request):
 
 
 class Stream:
-    """One turn on a gRPC stream of its own, with ``cancel()`` (``stop_stream(cancel_requests=True)``)."""
+    """One turn on a gRPC stream of its own, with ``cancel()`` (``stop_stream(cancel_requests=True)``);
+    ``tokens`` None leaves ``INPUT_IDS`` out; ``extra``: more ``(name, array, datatype)`` inputs."""
 
-    def __init__(self, url, sid, max_tokens, spec="mtp", start=True, end=True, tokens=PROMPT):
+    def __init__(self, url, sid, max_tokens, spec="mtp", start=True, end=True, tokens=PROMPT, extra=()):
         import tritonclient.grpc as grpcclient
 
         self.c = grpcclient.InferenceServerClient(url)
         self.q: queue.Queue = queue.Queue()
         self.c.start_stream(callback=lambda result, error: self.q.put((result, error)))
         ins = []
-        for name, a, dt in ((schema.INPUT_IDS, np.array(tokens, np.int32), "INT32"),
+        for name, a, dt in ((schema.INPUT_IDS, np.array(tokens or [], np.int32), "INT32"),
                             (schema.MAX_TOKENS, np.array([max_tokens], np.int32), "INT32"),
-                            (schema.SPEC, np.array([spec.encode()], np.object_), "BYTES")):
+                            (schema.SPEC, np.array([spec.encode()], np.object_), "BYTES"), *extra):
+            if name == schema.INPUT_IDS and tokens is None:  # (INPUT_IDS is optional)
+                continue
             x = grpcclient.InferInput(name, list(a.shape), dt)
             x.set_data_from_numpy(a)
             ins.append(x)
@@ -177,13 +180,71 @@ def test_cancelled_turn_frees_state_within_a_second(srv, spec):
     s = Stream(srv.grpc_url, sid, 3000, spec, tokens=list(long_turn_prompt(3000)))
     s.first()
     wait_for(lambda: state(srv)["turns"] == 1 and state(srv)["trunk"] == 1, 1.0)  # gauges follow each burst
+    before = scrape(srv.metrics_port)
     s.cancel()
     t0 = time.monotonic()
     _, waited = wait_for(lambda: state(srv) == BASELINE, 1.0 + 0.5)
     assert time.monotonic() - t0 <= 1.5 and waited <= 1.0 + 0.5
+    # a client's cancel is counted once, as on every path: a turn that finished as cancelled, no error
+    cancelled = ("tandem_request_success_total", frozenset({("model", "tandem"), ("finished_reason", "cancelled")}))
+    errors = ("tandem_request_errors_total", frozenset({("model", "tandem")}))
+    now, _ = wait_for(lambda: (m := scrape(srv.metrics_port)).get(cancelled, 0) > before.get(cancelled, 0) and m, 3.0)
+    assert now[cancelled] == before.get(cancelled, 0) + 1 and now.get(errors, 0) == before.get(errors, 0)
     res = generate(PROMPT, max_tokens=4, url=srv.grpc_url, sequence_id=sid, spec=spec)  # the id can be reused
     assert len(res["token_ids"]) == 4
     s.close()
+
+
+@pytest.mark.parametrize("empty", ["INPUT_IDS []", "no INPUT_IDS"])
+def test_an_empty_turn_after_a_stop_keeps_the_session(srv, empty):
+    """Turn 1 (sampled, seed 6) ends at the template's stop token; turn 2 sends no tokens (INPUT_IDS
+    empty, or left out: it is optional) and generates after the kept context; turn 3 works."""
+    sid, sampling = new_sequence_id(), {schema.TEMPERATURE: 1.0, schema.SEED: 6}
+    first = generate(PROMPT, max_tokens=64, url=srv.grpc_url, sequence_id=sid, sequence_end=False, sampling=sampling)
+    assert first["finish_reason"] == "stop"
+    if empty == "no INPUT_IDS":  # (generate leaves INPUT_IDS out when it has no tokens)
+        second = generate([], max_tokens=4, url=srv.grpc_url, sequence_id=sid, sequence_start=False,
+                          sequence_end=False, sampling=sampling)
+    else:
+        s = Stream(srv.grpc_url, sid, 4, "off", start=False, end=False, tokens=[])
+        n, err = s.outcome()
+        s.close()
+        assert err is None and n >= 1
+        second = {"token_ids": [0] * n}
+    assert 1 <= len(second["token_ids"]) <= 4
+    third = generate(PROMPT[:3], max_tokens=4, url=srv.grpc_url, sequence_id=sid, sequence_start=False)
+    assert len(third["token_ids"]) >= 1
+
+
+def _settled_scrape(srv, interval_s: float = 1.2) -> dict:
+    """The metrics once two scrapes a publishing interval apart agree (nothing still in flight)."""
+    before = scrape(srv.metrics_port)
+    while True:
+        time.sleep(interval_s)
+        now = scrape(srv.metrics_port)
+        if now == before:
+            return now
+        before = now
+
+
+def test_timing_follows_token_production_streamed_or_not(srv):
+    """A non-streamed turn (one response) is timed as its tokens are produced: time to first token is
+    the prime's, not the whole turn's, and TTFT plus the inter-token gaps add up to the turn's time."""
+    hist = {n: (f"tandem_{n}_seconds_sum", frozenset({("model", "tandem")})) for n in ("time_to_first_token",
+                                                                                       "inter_token_latency")}
+    before = _settled_scrape(srv)  # an earlier test's samples may still be on their way to the scrape
+    t0 = time.monotonic()
+    s = Stream(srv.grpc_url, new_sequence_id(), 400, "off", extra=[(schema.STREAM, np.array([False]), "BOOL")])
+    n, err = s.outcome()
+    e2e = time.monotonic() - t0
+    s.close()
+    assert err is None and n == 400
+    wait_for(lambda: scrape(srv.metrics_port).get(hist["inter_token_latency"], 0) > before.get(hist["inter_token_latency"], 0),
+             3.0)
+    time.sleep(1.2)  # (a flush's IPCs run one by one)
+    now = scrape(srv.metrics_port)
+    ttft, itl = (now[hist[k]] - before.get(hist[k], 0.0) for k in ("time_to_first_token", "inter_token_latency"))
+    assert ttft < 0.5 * e2e and 0.8 * e2e < ttft + itl <= e2e, (ttft, itl, e2e)
 
 
 def test_dropped_connection_frees_state(srv):
@@ -302,6 +363,129 @@ def test_a_thousand_sessions_leak_nothing(srv):
     print(f"\n1,000 sessions in {elapsed:.0f} s {outcomes}; RSS growth: all processes {100 * total:+.2f}%, "
           + ", ".join(f"{k} {100 * g:+.1f}% ({(after[k] - before[k]) / 2**20:+.1f} MB)" for k, g in growth.items()))
     assert before.keys() == after.keys() and total < 0.05
+    # each process within 5%, or 8 MB for the small tritonserver process (allocator arenas, gRPC buffers)
+    assert all(g < 0.05 or after[k] - before[k] < 8 * 2**20 for k, g in growth.items()), growth
+
+
+def _sse(port: int, body: dict, out: list, i: int) -> None:
+    """One HTTP ``generate_stream`` request to the ensemble; ``out[i]`` = (seconds to the first event or the
+    error, the error text or None, the connection, still open when the turn streams)."""
+    import http.client
+    import json
+
+    t0 = time.monotonic()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    c.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps(body),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        out[i] = (time.monotonic() - t0, r.read().decode(errors="replace"), None)
+        c.close()
+        return
+    for line in r:
+        if line.startswith(b"data: "):
+            ev = json.loads(line[len(b"data: "):])
+            out[i] = (time.monotonic() - t0, ev.get("error"), c if "error" not in ev else None)
+            if "error" in ev:
+                c.close()
+            return
+    out[i] = (time.monotonic() - t0, "stream ended without an event", None)
+    c.close()
+
+
+def test_a_flood_is_refused_within_the_admission_wait(srv):
+    """40 concurrent HTTP generate_stream turns against 16 sessions (admission_wait_s 1): each turn beyond
+    the open sessions gets its "no free session" refusal within admission_wait_s + 1 s of its request,
+    however busy the worker is priming the others; the state frees once the streams are dropped."""
+    from conftest import LONG_TURN_TEXTS
+    from tandem.model.tokenizer import ChatTokenizer
+
+    ids, tok = list(long_turn_prompt(3000)), ChatTokenizer(CHECKPOINT / "tokenizer.json")
+    text = next(t for t in LONG_TURN_TEXTS if tok.chat_prompt(t) == ids)  # its greedy turn does not stop early
+    out: list = [None] * 40
+    ts = [threading.Thread(target=_sse, args=(srv.http_port, {"text_input": text, "max_tokens": 3000, "spec": "off"},
+                                             out, i)) for i in range(40)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    try:
+        refused = [(s, e) for s, e, _ in out if e is not None]
+        assert len(out) - len(refused) <= 16 and len(refused) >= 40 - 16, out
+        assert all("no free session" in e and "max_sessions" in e for _, e in refused), refused[:3]
+        assert max(s for s, _ in refused) <= 1.0 + 1.0, sorted(s for s, _ in refused)
+    finally:
+        for _, _, c in out:
+            if c is not None:
+                c.close()  # a dropped connection cancels its turn
+    wait_for(lambda: state(srv) == BASELINE, 5.0)
+
+
+#: the short-turn mix's prompts: a fixed set, so the prefix cache holds the same blocks after the warm-up
+SHORT_PROMPTS = [[random.Random(k).randrange(3, 8000) for _ in range(n)]
+                 for k, n in enumerate((4, 30, 70, 130, 200, 90))]
+
+
+def _short_cycle(url, i: int, rng: random.Random) -> None:
+    """One cycle of the short-turn mix: every arm with max_tokens 1, a turn ended by a stop string, a turn
+    cancelled during its prefill, and a sequence whose later turn sends no tokens."""
+    for spec in schema.SPECS:
+        generate(rng.choice(SHORT_PROMPTS), max_tokens=1, url=url, spec=spec)
+    generate(PROMPT, max_tokens=40, url=url, spec=schema.SPECS[i % 4], stop=["e"])
+    s = Stream(url, new_sequence_id(), 8, schema.SPECS[i % 4], tokens=[rng.randrange(3, 8000) for _ in range(400)])
+    try:
+        s.cancel()  # (the prime of 400 rows is still running: well under the 1.5 s stage deadline, with 4 clients)
+    finally:
+        s.close()
+    sid = new_sequence_id()
+    generate(PROMPT, max_tokens=1, url=url, sequence_id=sid, spec=schema.SPECS[(i + 1) % 4], sequence_end=False)
+    generate([], max_tokens=2, url=url, sequence_id=sid, sequence_start=False)
+
+
+def test_short_turns_of_every_kind_leak_nothing(srv):
+    """200 cycles of short turns (every arm at max_tokens 1, stop strings, cancels during prefill, empty
+    later turns; 4 clients) leave every state gauge at baseline and each process's RSS within 5% of its
+    value after a warm-up of 40 cycles."""
+    def run(lo, hi):
+        errors: list = []
+
+        def worker(k):
+            rng = random.Random(lo + k)
+            for i in range(lo + k, hi, 4):
+                try:
+                    _short_cycle(srv.grpc_url, i, rng)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"{type(e).__name__}: {e}")
+
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=600)
+        return errors
+
+    def settled():
+        m = tandem_metrics(srv.metrics_port)["tandem"]
+        return state(srv) == BASELINE and m["state_bytes"] == 0 and m["cache_rows"] == 0 and m["turns_waiting"] == 0
+
+    assert not run(0, 40)
+    wait_for(settled, 5.0)
+    time.sleep(3.5)  # (the trunk gives freed memory back after its next call: the front's idle probe)
+    before = process_rss(srv.proc.pid)
+    blocks = tandem_metrics(srv.metrics_port)["tandem"]["prefix_cache_blocks"]
+    t0 = time.monotonic()
+    errors = run(40, 240)
+    elapsed = time.monotonic() - t0
+    assert not errors, errors[:5]
+    wait_for(settled, 5.0)
+    time.sleep(3.5)
+    after = process_rss(srv.proc.pid)
+    assert tandem_metrics(srv.metrics_port)["tandem"]["prefix_cache_blocks"] == blocks  # (published in the warm-up)
+    growth = {k: after[k] / before[k] - 1 for k in before if k in after}
+    print(f"\n200 cycles in {elapsed:.0f} s; RSS before -> after: "
+          + ", ".join(f"{k} {before[k] / 2**20:.0f} -> {after[k] / 2**20:.0f} MB ({100 * g:+.1f}%)"
+                      for k, g in growth.items()))
+    assert before.keys() == after.keys()
     # each process within 5%, or 8 MB for the small tritonserver process (allocator arenas, gRPC buffers)
     assert all(g < 0.05 or after[k] - before[k] < 8 * 2**20 for k, g in growth.items()), growth
 

@@ -44,7 +44,12 @@ def test_imports_run_downward(path):
 #: a source file's line budget: none may pass ``HARD_LINES``; one over ``LISTED_LINES`` must be listed in
 #: ``LONG_FILES`` with the reason it stays whole (code is split by responsibility, never by a line count)
 HARD_LINES, LISTED_LINES = 800, 500
-LONG_FILES: dict[str, str] = {}
+LONG_FILES: dict[str, str] = {
+    "backend_src/tandem/engine/scheduler.py": "the session state machine (admission, rounds, accept walk, publication) "
+                                              "as one class; splitting it by responsibility is the engine core's job",
+    "tests/test_cluster.py": "every test of one served configuration (replicas behind HAProxy) shares its cluster",
+    "tests/test_faults_served.py": "every test of one served configuration (short limits) shares its server",
+}
 
 
 def test_source_files_keep_their_line_budget():

@@ -127,6 +127,31 @@ def test_a_cancel_without_a_running_turn_touches_no_later_turn(engine):
     assert sched.stats["cancelled"] == before + 1
 
 
+def test_a_new_turn_after_a_cancel_waits_for_the_cancelled_one(engine):
+    """A client that cancels its turn and at once starts again on the same sequence id (a CANCEL, or its
+    own cancelled request) is not refused as a second turn at once: the new turn waits for the cancelled
+    one to end at the burst boundary, then runs."""
+    sched, tok = engine.sched, engine.tokenizer
+    for how in ("request", "client"):
+        old, new, flag = [], [], {"cancelled": False}
+        sched.admit([Turn(91, tok.chat_prompt("Hello"), 64, lambda r, e, f: old.append((r, e, f)), spec=schema.OFF,
+                          start=True, end=True, cancelled=lambda sync: flag["cancelled"])])
+        sched.burst()
+        assert 91 in sched.turns
+        if how == "request":
+            assert sched.request_cancel(91) is True
+        else:
+            flag["cancelled"] = True
+        sched.admit([Turn(91, tok.chat_prompt("Again"), 6, lambda r, e, f: new.append((r, e, f)), spec=schema.OFF,
+                          start=True, end=True)])
+        assert new == [] and sched.waiting() == 1  # held, not refused
+        while 91 in sched.turns or sched.waiting():
+            sched.burst()
+            sched.admit([])
+        assert old[-1][0].finish_reason == schema.CANCELLED and old[-1][1] is None
+        assert new[-1][1] is None and new[-1][2] and sum(len(r.tokens) for r, _, _ in new) == 6, (how, new[-1])
+
+
 def _serve(*args, log=subprocess.PIPE, ignore_sigint=False):
     return subprocess.Popen([sys.executable, "-m", "tandem.serving.serve", "serve", *args], cwd=REPO_ROOT,
                             stdout=log, stderr=subprocess.STDOUT if log is not subprocess.PIPE else subprocess.PIPE,
@@ -304,3 +329,36 @@ def test_security_defaults():
     for t in schema.TANDEM.inputs:  # the public model: numbers, token ids, an arm and a sampling mode
         assert not any(w in t.name for w in ("PATH", "FILE", "DIR", "CHECKPOINT")), t.name
     assert schema.TANDEM.input(schema.MAX_TOKENS).hi == schema.DEFAULTS.max_ctx
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_an_empty_turn_after_a_stop_generates_and_the_session_lives_on(engine, sampled):
+    """A later turn without tokens (INPUT_IDS empty or left out) after a turn that ended at a stop token
+    generates after the kept context (the stop token stays: no turn token replaces it), and the
+    sequence's next turn works, as after a length ending."""
+    from tandem.engine.sampling import SamplingParams
+
+    tok = engine.tokenizer
+    prompt = tok.chat_prompt("Hello there")
+    sampling = SamplingParams.create(1.0, 0, 1.0, 1, schema.REJECTION) if sampled else None
+
+    def turn(sched, tokens, max_tokens, start=False, end=False):
+        got = []
+        sched.admit([Turn(31, tokens, max_tokens, lambda r, e, f: got.append((r, e, f)), spec=schema.OFF, start=start,
+                          end=end, sampling=sampling)])
+        while 31 in sched.turns:
+            sched.burst()
+        assert [e for _, e, _ in got if e] == [] and got[-1][2]
+        return got[-1][0].finish_reason, [t for r, _, _ in got for t in r.tokens]
+
+    probe = Scheduler(engine.trunk, engine.drafters, engine.config, stop_ids=tok.stop_ids)
+    first = turn(probe, prompt, 1, start=True, end=True)[1][0]  # made a stop token: turn 1 ends at it
+    sched = Scheduler(engine.trunk, engine.drafters, engine.config, stop_ids=(first,) + tok.stop_ids)
+    assert turn(sched, prompt, 8, start=True) == ("stop", [first])
+    context = list(sched.sessions[31].committed)
+    finish, reply = turn(sched, [], 3)
+    assert finish in ("stop", "length") and 1 <= len(reply) <= 3
+    assert sched.sessions[31].committed[: len(context) + 1] == context + [first]
+    assert turn(sched, tok.chat_prompt("More", later=True), 4)[1]
+    assert turn(sched, [], 1, end=True)[1]  # the load test's END: an empty turn of 1 token
+    assert 31 not in sched.sessions

@@ -85,7 +85,7 @@ def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_
     (its END refused while a turn ran) and opened again meanwhile is another session, whose turn gets
     plain decoding's tokens; dropping every session drops the calls in flight."""
     arm = schema.DFLASH2
-    sched, host, _ = hosted(shipped, pipeline=True, burst_ms=0.0, burst_rounds=3)
+    sched, host, _ = hosted(shipped, pipeline=True, burst_ms=0.0, burst_rounds=3, prefill_budget=0)
     pipe = sched.trunk.pipeline
     a, b = (tokenizer.chat_prompt(t) for t in sharegpt_prompts[2:4])
     got: dict[str, list] = {"a": [], "end": [], "b": [], "c": []}

@@ -1,6 +1,7 @@
-"""Chunked prefill: a long prompt primed ``prefill_chunk`` rows per burst gives the same
-greedy output as one prime on every arm (with and without the prefix cache), and a session already
-streaming gets bursts while the long prompt is primed."""
+"""Chunked prefill under ``prefill_budget``: a long prompt primed in pieces gives the same greedy
+output as one prime on every arm (with and without the prefix cache); a session already streaming gets
+bursts while long prompts are primed; a burst primes at most the budget however many prompts wait, and a
+short prompt is not held behind long ones."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _long_prompt(tokenizer, n: int = 600) -> list[int]:
 @pytest.fixture(scope="module")
 def engines(trunk_fp32, tokenizer, checkpoint):
     kw = dict(model=trunk_fp32, tokenizer=tokenizer, demote_probe_rounds=0, burst_rounds=1)
-    return {c: {p: Engine(checkpoint, "fp32", prefill_chunk=c, prefix_cache_mb=p, **kw) for p in (0, 64)}
+    return {c: {p: Engine(checkpoint, "fp32", prefill_budget=c, prefix_cache_mb=p, **kw) for p in (0, 64)}
             for c in (0, 48, 128)}
 
 
@@ -31,7 +32,7 @@ def _with_a_stream(eng, tokenizer, ids, spec):
     sched, got = eng.sched, []
     sched.admit([Turn(11, tokenizer.chat_prompt("Tell me a story."), 400, lambda r, e, f: None, spec="off")])
     sched.admit([Turn(12, ids, 24, lambda r, e, f: got.append(r), spec=spec)])
-    chunked = bool(sched.prefilling()) == bool(eng.config.prefill_chunk)
+    chunked = bool(sched.prefilling()) == bool(eng.config.prefill_budget)
     while 12 in sched.turns:
         sched.burst()
     sched.cancel(11)
@@ -44,14 +45,14 @@ def _with_a_stream(eng, tokenizer, ids, spec):
 def test_chunked_prime_equals_one_prime(engines, tokenizer, spec, prefix_mb):
     ids = _long_prompt(tokenizer)
     one = engines[0][prefix_mb].generate(ids, 24, spec=spec)
-    chunked, accepted = _with_a_stream(engines[48][prefix_mb], tokenizer, ids, spec)  # pieces across blocks
+    chunked, accepted = _with_a_stream(engines[48][prefix_mb], tokenizer, ids, spec)  # one block a burst
     assert chunked == one["token_ids"]
     assert accepted > 0 or spec == "off"
     alone = engines[48][prefix_mb]
     if prefix_mb:  # the chunked prime captured every block it crossed: its prompt was published
         st = alone.sched.prefix.stats
         assert st.get("errors", 0) == 0 and st["blocks"] >= len(ids) // 64 - 1, st
-    assert alone.generate(ids, 24, spec=spec)["token_ids"] == one["token_ids"]  # nobody streaming: one prime
+    assert alone.generate(ids, 24, spec=spec)["token_ids"] == one["token_ids"]  # nobody streaming: pieces too
 
 
 def test_streaming_session_keeps_streaming_while_a_long_prompt_primes(engines, tokenizer):
@@ -65,8 +66,72 @@ def test_streaming_session_keeps_streaming_while_a_long_prompt_primes(engines, t
     while 2 in sched.turns:
         sched.burst()
     first_b = events.index("b")
-    chunks = -(-(len(long) - 128) // 128)  # bursts after the admission's chunk
+    chunks = -(-(len(long) - 128) // 128)  # bursts after the admission's piece (at most 128 rows)
     assert events[1:first_b].count("a") >= chunks - 1  # a burst of the streaming session between chunks
     assert sched.sessions[2].committed[: len(long)] == long
     sched.cancel(1)
     sched.cancel(2)
+
+
+def _counting_prime(sched) -> list[int]:
+    """Wrap ``sched.trunk.prime``: every call appends its rows to the returned list."""
+    rows, prime = [], sched.trunk.prime
+
+    def counted(items, *a, **kw):
+        rows.append(sum(len(it.tokens) for it in items))
+        return prime(items, *a, **kw)
+
+    sched.trunk.prime = counted
+    return rows
+
+
+@pytest.mark.parametrize("prefix_mb", [0, 64])
+def test_budget_bounds_each_burst_and_short_prompts_go_first(trunk_fp32, tokenizer, checkpoint, engines, prefix_mb):
+    """Six long prompts wait behind a stream: every burst cycle (its admissions, then its prefill call)
+    primes at most ``prefill_budget`` rows, but the cycle that admits the long prompts, which primes at
+    most each further one's least piece (one block) beyond it; a 2-token prompt arriving behind them gets
+    its first token at its admission, a 300-token one within two bursts while every long prompt still
+    waits; every greedy output equals the same turn's output without contention."""
+    from tandem import schema
+
+    budget = 192
+    eng = Engine(checkpoint, "fp32", model=trunk_fp32, tokenizer=tokenizer, demote_probe_rounds=0, burst_rounds=1,
+                 prefill_budget=budget, prefix_cache_mb=prefix_mb)
+    sched, got = eng.sched, {}
+
+    def emit(sid):
+        return lambda r, e, f: got.setdefault(sid, []).extend([] if r is None else r.tokens)
+
+    story = tokenizer.chat_prompt("Tell me a story.")
+    base = _long_prompt(tokenizer, 500)
+    longs = [base[:5] + [100 + i] + base[6:] for i in range(6)]  # (no prefix-cache hits between them)
+    medium, short = _long_prompt(tokenizer, 300), story[:2]
+    sched.admit([Turn(1, story, 48, emit(1), spec="off")])
+    rows = _counting_prime(sched)
+    sched.admit([Turn(10 + i, ids, 3, emit(10 + i), spec="off") for i, ids in enumerate(longs)])
+    admitted = rows.pop()
+    assert admitted <= budget + (len(longs) - 1) * schema.PREFIX_BLOCK and len(sched.prefilling()) == len(longs)
+    cycles = []
+    for _ in range(2):
+        sched.burst()
+        cycles.append(sum(rows))
+        rows.clear()
+    sched.admit([Turn(30, short, 2, emit(30), spec="off")])
+    assert got.get(30), "the 2-token prompt waited for a burst"
+    sched.admit([Turn(31, medium, 2, emit(31), spec="off")])
+    for n in range(1, 4):
+        sched.burst()
+        cycles.append(sum(rows))
+        rows.clear()
+        if got.get(31):
+            break
+    assert n <= 2 and len(sched.prefilling()) == len(longs), "the 300-token prompt waited behind long ones"
+    while any(sid in sched.turns for sid in [1, 30, 31] + [10 + i for i in range(len(longs))]):
+        sched.burst()
+        cycles.append(sum(rows))
+        rows.clear()
+    assert max(cycles) <= budget, cycles
+    assert admitted + sum(cycles) >= len(longs) * 500 + 300  # (every prompt row was counted)
+    alone = {1: (story, 48), 30: (short, 2), 31: (medium, 2), **{10 + i: (ids, 3) for i, ids in enumerate(longs)}}
+    for sid, (ids, n) in alone.items():
+        assert got[sid] == engines[0][0].generate(ids, n, spec="off")["token_ids"], sid

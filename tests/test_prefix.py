@@ -34,8 +34,7 @@ def _run(sched, sid, ids, n, spec, check=None, end=True):
     """Run one turn to completion; ``check(session)`` after every burst. Returns (tokens, receipts)."""
     got = []
     sched.admit([Turn(sid, ids, n, lambda r, e, f: got.append((r, e)), spec=spec, end=end)])
-    assert got and got[0][1] is None, got
-    while sid in sched.turns:
+    while sid in sched.turns:  # (a prompt over the prefill budget is primed over the first bursts)
         sched.burst()
         if check is not None and sid in sched.sessions:
             check(sched.sessions[sid])
@@ -185,7 +184,7 @@ def test_shared_system_prompt_warm_equals_cold(tiny):  # noqa: F811
 
 
 def test_prefix_members_follow_the_contract(tiny):  # noqa: F811
-    eng = _engine(tiny, burst_rounds=1)
+    eng = _engine(tiny, burst_rounds=1, prefill_budget=0)  # the whole prompt primed at admission
     sched, ids = eng.sched, _ids(C + 20, 11)
     got = []
     sched.admit([Turn(1, ids, 12, lambda r, e, f: got.append(e), spec="dflash", end=False)])
@@ -312,3 +311,40 @@ def test_a_failed_publication_loses_only_the_cache_entry(tiny):  # noqa: F811
     del stage.publish
     again, _ = _run(eng.sched, 2, ids, 20, "dflash")
     assert again == out and st["misses"] == 2 and st["blocks"] == 1
+
+
+def test_a_turn_ending_at_its_first_token_publishes_its_prompt(tiny):  # noqa: F811
+    """A prompt run with max_tokens 1 publishes its blocks at its first token (it reaches no burst): the
+    second run restores them, a hit."""
+    sched = _engine(tiny).sched
+    ids = _ids(3 * C + 5, 41)
+    a, _ = _run(sched, 1, ids, 1, schema.OFF)
+    b, _ = _run(sched, 2, ids, 1, schema.OFF)
+    assert a == b and sched.prefix.stats["misses"] == 1 and sched.prefix.stats["hits"] == 1
+    assert sched.prefix.stats["blocks"] == 3
+
+
+@pytest.mark.parametrize("when", ["prime", "end"])
+def test_a_cancelled_turn_publishes_nothing_and_counts_once(tiny, when):  # noqa: F811
+    """A turn whose client cancelled it during its prime, or while its whole reply was being made (the
+    reply fits in its first burst), ends with one cancelled last response and no tokens after the
+    cancel; nothing it primed is published; the scheduler counts it once."""
+    sched = _engine(tiny).sched
+    got, asked, seen = [], [], {"cancelled": when == "prime"}
+
+    def cancelled(sync):  # "end": only a look at the connection (sync) sees it, as before a final response
+        asked.append(sync)
+        return seen["cancelled"] and (sync or when == "prime")
+
+    def emit(r, e, f):
+        got.append((r, e, f))
+        seen["cancelled"] = True  # the client leaves after its first response
+
+    sched.admit([Turn(5, _ids(2 * C + 3, 42), 8, emit, spec=schema.OFF, cancelled=cancelled)])
+    while 5 in sched.turns:
+        sched.burst()
+    r, e, f = got[-1]
+    assert e is None and f and r.tokens == [] and r.finish_reason == schema.CANCELLED
+    assert len(got) == (1 if when == "prime" else 2) and True in asked
+    assert sched.prefix.stats["blocks"] == 0 and sched.stats["cancelled"] == 1
+    assert 5 not in sched.sessions

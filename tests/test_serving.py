@@ -359,10 +359,15 @@ def test_cli_reads_stdin_and_files_and_checks_flags(server, engine, tmp_path):
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
     p = _cli("generate", "--checkpoint", str(CKPT), "--url", server.grpc_url)
     assert p.returncode == 2 and "no prompt" in p.stderr
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    p = _cli("generate", "--file", str(tmp_path / "latin1.txt"), "--checkpoint", str(CKPT), "--url", server.grpc_url)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"--file: {tmp_path / 'latin1.txt'} is not UTF-8 text" in p.stderr, p.stderr
 
 
 def test_cli_chat_keeps_one_sequence(server, engine):
-    """`tandem chat`: each input line is a turn of one sequence, as two turns sent with the library."""
+    """`tandem chat`: each input line is a turn of one sequence, as two turns sent with the library; with
+    input piped in, each turn's line is echoed as `> line` before its reply."""
     tok = engine.tokenizer
     sid = new_sequence_id()
     a = generate(tok.chat_prompt("Hi!"), max_tokens=8, url=server.grpc_url, sequence_id=sid, sequence_end=False,
@@ -374,7 +379,7 @@ def test_cli_chat_keeps_one_sequence(server, engine):
     p = subprocess.run(cmd + ["chat", "--max-tokens", "8", "--spec", "mtp", "--url", server.grpc_url, "--checkpoint",
                               str(CKPT)], input="Hi!\nAnd then?\n", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert p.stdout == tok.decode(a["token_ids"]) + "\n" + tok.decode(b["token_ids"]) + "\n"
+    assert p.stdout == "> Hi!\n" + tok.decode(a["token_ids"]) + "\n> And then?\n" + tok.decode(b["token_ids"]) + "\n"
 
 
 def test_readme_python_example_runs(server):

@@ -211,8 +211,13 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
     from tandem.serving.serve import running_server
     from conftest import CHECKPOINT
 
+    from tandem.serving.observe import scrape
+
     log = tmp_path / "server.log"
     with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240, log_path=log) as srv:
+        first = scrape(srv.metrics_port)  # every documented series from the start, at 0
+        for name in ("request_errors_total", "promotions_total", "prefix_cache_hits_total", "prefix_cache_misses_total"):
+            assert first.get((f"tandem_{name}", frozenset({("model", "tandem")}))) == 0.0, name
         def running():  # a turn streams (for 0.3 s: 3,000 plain tokens take ~2.5-3 s served here)
             deadline = time.monotonic() + 30
             while tandem_metrics(srv.metrics_port)["tandem"]["turns_running"] < 1:
@@ -242,7 +247,38 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
         c.stop_stream(cancel_requests=True)
         c.close()
         stopped(before + 1)
+        for i in range(3):  # one client sequence id over several turns: each turn is cancelled on its own
+            c = grpcclient.InferenceServerClient(srv.grpc_url)
+            c.start_stream(callback=lambda result, error: None)
+            c.async_stream_infer("ensemble", _stream_inputs(PROMPT, 3000), sequence_id=4242, sequence_start=True)
+            running()
+            c.stop_stream(cancel_requests=True)
+            c.close()
+            stopped(before + 2 + i)
+        m = scrape(srv.metrics_port)  # counted once each, as finished "cancelled", never as errors
+        key = ("tandem_request_success_total", frozenset({("model", "tandem"), ("finished_reason", "cancelled")}))
+        deadline = time.monotonic() + 5
+        while m.get(key, 0) < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            m = scrape(srv.metrics_port)
+        assert m.get(key) == 5 and m[("tandem_request_errors_total", frozenset({("model", "tandem")}))] == 0
         t0 = time.monotonic()
     text = log.read_text(errors="replace")
     assert time.monotonic() - t0 < 8, f"the server took its whole exit timeout; its log ends:\n{text[-6000:]}"
     assert not re.search(r"has [1-9]\d* in-flight inferences", text) and "Exit timeout expired" not in text, text[-6000:]
+
+
+def test_postprocessing_cancels_each_turn_once():
+    """A cancelled response cancels its tandem turn (SESSION_ID, TURN) once; a later turn of the same
+    session is cancelled on its own."""
+    from tandem.serving.text import Postprocessor
+
+    sent = []
+    post = Postprocessor(None, cancel=lambda sid, turn: sent.append((sid, turn)))
+
+    def response(sid, turn):
+        return {schema.SESSION_ID: schema.sids_to_wire([sid]), schema.TURN: np.array([turn], np.int64)}
+
+    for sid, turn in ((4242, 1), (4242, 1), (4242, 2), (4242, 2), (4242, 3), (7, 3), (2**63 + 5, 4)):
+        post.cancelled(response(sid, turn))
+    assert sent == [(4242, 1), (4242, 2), (4242, 3), (7, 3), (2**63 + 5, 4)]

@@ -185,7 +185,7 @@ def test_batched_prime_is_invariant_and_matches_one_at_a_time(checkpoint):
 @pytest.mark.parametrize("chunks", [(16,) * 9, (37, 64, 1, 41), (150,)])
 def test_invariant_prime_does_not_depend_on_its_chunks(checkpoint, chunks):
     """Under ``batch_invariant`` (CPU, fp32) every prime row, MLA/DSA included, runs the row-wise
-    kernels, so a prompt primed in any chunks (``prefill_chunk`` of any size, a prefix-cache piece,
+    kernels, so a prompt primed in any chunks (``prefill_budget`` pieces of any size, a prefix-cache piece,
     the whole prompt at once) leaves bit-identical hidden rows, KDA states, MLA caches and pools,
     and the verify after it is bit-identical too."""
     from tandem.model.cache import KDAState, MLACache

@@ -35,15 +35,23 @@ class ServingConfig:
     ``idle_timeout_s``: a session with no turn running for longer (counted from the end of its last turn) is closed;
     ``max_sessions``: open sessions at most (a new sequence beyond it waits up to ``admission_wait_s`` for one to
     close, then gets a "no free session" error); ``stage_timeout_s``: a stage call (BLS) that has not answered by then
-    fails the turns waiting on it; ``prefill_chunk``: prime rows per burst of a long prompt (0: all at once), so
-    streams keep getting bursts while it is primed (rows bit-identical for any chunk under CPU ``batch_invariant``,
-    else multiples of ``PREFIX_BLOCK``); ``spec``: the default arm (the fastest measured; without its drafter:
+    fails the turns waiting on it; ``prefill_budget``: prompt rows primed per burst at most, shared by every prompt
+    waiting, shortest first (vLLM's ``max_num_batched_tokens`` for prefill; :mod:`tandem.engine.prefill`), so streams
+    keep getting bursts and short prompts are not held behind long ones; a prompt beyond it is primed in pieces (with
+    the prefix cache on, ending at multiples of ``PREFIX_BLOCK``; rows bit-identical for any piece under CPU
+    ``batch_invariant``); 0: every prompt whole at its admission; ``spec``: the default arm (the fastest measured; without its drafter:
     ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model repository; ``dtype``: compute dtype
     of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU with bf16 GEMM inputs, both measured faster, bf16
     on CUDA; ``fp32``: fp32 GEMM inputs too); ``device``: where the stage models hold their weights and run (``auto``:
     ``cuda`` when torch sees a GPU, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``; resolved, and refused when absent,
     at load by :func:`tandem.model.device.resolve_device`); ``prefix_cache_mb``: memory bound of the prefix cache
-    (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off; ``dflash_checkpoint`` /
+    (published prompt blocks: trunk state and DFlash drafter tails), 0 turns it off; ``max_state_mb``: memory bound
+    of the sessions' state plus the prefix cache's bound (:mod:`tandem.engine.state_size` estimates a session at its
+    turn's largest context: trunk MLA rows and KDA state, drafter KV, the prompt rows its drafter has not read); a
+    turn that does not fit waits like one beyond ``max_sessions``, then is refused; 0: no bound. The default, 4096,
+    holds the default 256 sessions at about 1,500 tokens of context each on the shipped checkpoint (~11 MB a session)
+    next to the 256 MB prefix cache, and stays under half of a 16 GB machine's memory with the processes' own ~3 GB;
+    ``dflash_checkpoint`` /
     ``dflash2_checkpoint``: a drafter folder of its own (``config.json`` + ``model.safetensors``, relative to the
     model repository) instead of ``<checkpoint>/dflash[2]``; ``kernels``: which implementation the stage models take
     (:data:`KERNEL_MODES`; :mod:`tandem_kernels.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on
@@ -78,12 +86,13 @@ class ServingConfig:
     max_ctx: int = 4096
     idle_timeout_s: float = 600.0
     max_sessions: int = 256
-    prefill_chunk: int = 32
+    prefill_budget: int = 32
     admission_wait_s: float = 5.0
     stage_timeout_s: float = 30.0
     dtype: str = "auto"
     device: str = "auto"
     prefix_cache_mb: int = 256
+    max_state_mb: int = 4096
     batch_invariant: bool = True
     colocate: bool = True
     run_ahead: bool = False
@@ -121,10 +130,14 @@ class ServingConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not -20 <= self.compute_nice <= 19:
             raise ValueError(f"compute_nice must be in [-20, 19], got {self.compute_nice}")
-        if self.prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be 0 (off) or a positive number of rows, got {self.prefill_chunk}")
-        for name in ("prefix_cache_mb", "burst_ms", "admission_wait_s", "demote_below", "round_cost_mtp",
-                     "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope", "demote_probe_rounds"):
+        if self.prefill_budget < 0:
+            raise ValueError(f"prefill_budget must be 0 (off) or a positive number of rows, got {self.prefill_budget}")
+        if self.max_state_mb and self.max_state_mb <= self.prefix_cache_mb:
+            raise ValueError(f"max_state_mb ({self.max_state_mb}) must exceed prefix_cache_mb "
+                             f"({self.prefix_cache_mb}), which it includes (0: no limit)")
+        for name in ("prefix_cache_mb", "max_state_mb", "burst_ms", "admission_wait_s", "demote_below",
+                     "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope",
+                     "demote_probe_rounds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.promote_above < self.demote_below:
@@ -163,6 +176,8 @@ INPUT_IDS, MAX_TOKENS, SPEC, NUM_DRAFT_TOKENS = "INPUT_IDS", "MAX_TOKENS", "SPEC
 STOP_TOKEN_IDS = "STOP_TOKEN_IDS"
 MAX_STOP_TOKEN_IDS = 16  # stop token ids a turn may add to the template's
 STOP, STREAM, CANCEL, SESSION_ID = "STOP", "STREAM", "CANCEL", "SESSION_ID"
+#: a turn's number (``TURN``, in each of its responses) and the one a ``CANCEL`` request names (``CANCEL_TURN``)
+TURN, CANCEL_TURN = "TURN", "CANCEL_TURN"
 MAX_STOPS, MAX_STOP_CHARS = 8, 64  # stop strings per turn, and characters per stop string, at most
 #: the prefix-cache namespace of a sequence (:mod:`tandem.engine.prefix`), at most this many UTF-8 bytes
 CACHE_SALT, MAX_CACHE_SALT_BYTES = "CACHE_SALT", 256
@@ -233,6 +248,9 @@ TANDEM = ModelSpec(
         TensorSpec(CANCEL, "TYPE_BOOL", (1,), optional=True, default=False,
                    doc="true: cancel the running turn of the session SESSION_ID names (the request's sequence id); "
                    "answered at once with an empty final response (postprocessing sends it for a client that left)"),
+        TensorSpec(CANCEL_TURN, "TYPE_INT64", (1,), optional=True, lo=1,
+                   doc="with CANCEL: only the turn of this number (its responses' TURN) is cancelled; absent: the "
+                   "session's running turn"),
         TensorSpec(CACHE_SALT, "TYPE_STRING", (1,), optional=True, default="", max_bytes=MAX_CACHE_SALT_BYTES,
                    doc=f"prefix-cache namespace (at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes): only sequences primed "
                    "with the same salt share cached prompt blocks; '' (default) = the shared namespace"),
@@ -249,6 +267,8 @@ TANDEM = ModelSpec(
                    "its text ends where this string starts"),
         TensorSpec(SESSION_ID, "TYPE_INT64", (1,), doc="the session's id (the sequence id, or a one-turn session's own; "
                    "uint64 bits): what a CANCEL request names"),
+        TensorSpec(TURN, "TYPE_INT64", (1,), doc="the turn's number (1, 2, ... over the server's life): what a CANCEL "
+                   "request names in CANCEL_TURN, so a cancel never reaches a later turn of the session"),
         TensorSpec(PROMPT_TOKENS, "TYPE_INT32", (1,), doc="the turn's context: earlier turns + this prompt (usage)"),
         TensorSpec(COMPLETION_TOKENS, "TYPE_INT32", (1,), doc="tokens this turn has generated so far (usage)"),
         TensorSpec(TOTAL_ROUNDS, "TYPE_INT32", (1,), doc="verify rounds of this turn so far (usage)"),
@@ -256,7 +276,7 @@ TANDEM = ModelSpec(
                    doc="this turn's tau so far: 1 + accepted / rounds (0 before any round; usage)"),
     ),
     parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "burst_ms", "max_ctx",
-                "idle_timeout_s", "max_sessions", "prefill_chunk", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
+                "idle_timeout_s", "max_sessions", "prefill_budget", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "max_state_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
                 "demote_load_slope", "demote_probe_rounds", "colocate", "pipeline"),
     decoupled=True,
 )

@@ -59,7 +59,7 @@ _PASSED = tuple(dataclasses.replace(schema.TANDEM.outputs[schema.TANDEM.output_n
 POSTPROCESSING = ModelSpec(
     name="postprocessing",
     inputs=tuple(schema.TANDEM.outputs[schema.TANDEM.output_names.index(n)]
-                 for n in (schema.OUTPUT_IDS, schema.PRECEDING_IDS, schema.SESSION_ID) + PASSED_THROUGH),
+                 for n in (schema.OUTPUT_IDS, schema.PRECEDING_IDS, schema.SESSION_ID, schema.TURN) + PASSED_THROUGH),
     outputs=(_TEXT_OUT, *_PASSED),
     parameters=("checkpoint",),
 )

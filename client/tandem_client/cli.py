@@ -53,17 +53,26 @@ def check_flags(max_tokens: int, spec: str | None, num_draft_tokens: int | None,
 
 
 def read_prompt(prompt: str | None, file: Path | None) -> str:
-    """The prompt: the argument, stdin when it is ``-``, or ``--file``'s text. Raises ``ValueError``."""
+    """The prompt: the argument, stdin when it is ``-``, or ``--file``'s text (UTF-8 both). Raises
+    ``ValueError`` naming the flag (and the path) for an unreadable or non-UTF-8 file or stdin."""
     if file is not None:
         if prompt is not None:
             raise ValueError("give the prompt as an argument or with --file, not both")
         try:
-            return file.read_text()
+            return file.read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"--file: cannot read {file}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--file: {file} is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); "
+                             "save it as UTF-8") from None
     if prompt is None:
         raise ValueError("no prompt: pass it as an argument, - to read stdin, or --file PATH")
-    return sys.stdin.read() if prompt == "-" else prompt
+    if prompt != "-":
+        return prompt
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"-: stdin is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})") from None
 
 
 def _tokenizer(checkpoint: Path):
@@ -190,7 +199,8 @@ def chat_cmd(
     cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help=_SALT_HELP),
 ) -> None:
     """A conversation on one sequence: each line you type is a turn; the server keeps the context.
-    An empty line or end of input (Ctrl-D) ends the session."""
+    An empty line or end of input (Ctrl-D) ends the session. With input piped in, each turn's line is
+    echoed as ``> line`` before its reply, so the output reads as a transcript."""
     spec = spec_flag(spec)
     try:
         check_flags(max_tokens, spec, num_draft_tokens, {})
@@ -204,12 +214,19 @@ def chat_cmd(
         if interactive:
             sys.stdout.write("you> ")
             sys.stdout.flush()
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.buffer.readline().decode("utf-8")
+        except UnicodeDecodeError as e:
+            _fail(f"stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x})", 2)
         if not line.strip():
             break
+        text = line.rstrip("\n")
         dec = IncrementalDecoder(tok.decode)
         if interactive:
             sys.stdout.write("tandem> ")
+        else:  # piped: mark where each turn starts (a terminal shows what was typed; a pipe does not)
+            sys.stdout.write(f"> {text}\n")
+            sys.stdout.flush()
 
         def on_tokens(new_ids, dec=dec):
             piece = dec.push(new_ids)
@@ -218,7 +235,7 @@ def chat_cmd(
                 sys.stdout.flush()
 
         try:
-            res = generate(tok.chat_prompt(line.rstrip("\n"), system=system if first else None, later=not first),
+            res = generate(tok.chat_prompt(text, system=system if first else None, later=not first),
                            max_tokens=max_tokens,
                            url=url, spec=spec if first else None, num_draft_tokens=num_draft_tokens, sequence_id=sid,
                            sequence_start=first, sequence_end=False, on_tokens=on_tokens, timeout_s=timeout_s,

@@ -23,6 +23,7 @@ from .drafter_stage import drafter_stages
 from .prefix import PrefixIndex
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Turn
+from .state_size import StateSize
 from .trunk_stage import TrunkStage
 
 
@@ -57,7 +58,9 @@ class Engine:
                                 self.config.decode_threads)
         self.drafters: dict = drafter_stages(self.model, dflash, self.config.max_num_draft_tokens)
         self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids,
-                               decode=getattr(self.tokenizer, "decode", None))  # None: no stop strings
+                               decode=getattr(self.tokenizer, "decode", None),  # None: no stop strings
+                               state_size=StateSize.from_configs(self.model.cfg.to_hf_dict(),
+                                                                 {a: d.cfg.__dict__ for a, d in dflash.items()}))
         self._ids = itertools.count(1 << 40)
 
     def reset_prefix_cache(self) -> None:

@@ -117,12 +117,14 @@ class Lifecycle:
     def gauges(self) -> dict[str, float]:
         """The scheduler's gauges: ``sessions_open``, ``session_slots_free`` (``max_sessions`` minus
         open), ``turns_running``, ``turns_waiting`` (new sequences waiting for a slot),
-        ``cache_rows`` (trunk cache rows the open sessions hold: their committed tokens) and
-        ``prefix_cache_blocks`` (published prompt blocks of 64 tokens held by the prefix cache)."""
+        ``cache_rows`` (trunk cache rows the open sessions hold: their committed tokens),
+        ``prefix_cache_blocks`` (published prompt blocks of 64 tokens held by the prefix cache) and
+        ``state_bytes`` (the estimated bytes of the open sessions' state, :meth:`state_bytes`)."""
         return {"sessions_open": len(self.sessions), "session_slots_free": self.config.max_sessions - len(self.sessions),
                 "turns_running": len(self.turns), "turns_waiting": len(self._waiting),
                 "cache_rows": sum(len(s.committed) for s in self.sessions.values()),
-                "prefix_cache_blocks": self.prefix.stats["blocks"] if self.prefix is not None else 0}
+                "prefix_cache_blocks": self.prefix.stats["blocks"] if self.prefix is not None else 0,
+                "state_bytes": self.state_bytes()}
 
     def close(self, sid: int) -> None:
         """Forget ``sid``; its stage state is dropped with the next batched close."""
@@ -178,5 +180,19 @@ class Lifecycle:
             gone, self._to_cancel = self._to_cancel, {}
         for sid, (turn, reason) in gone.items():
             if self.turns.get(sid) is turn:  # a client's cancel is no failure: a last response (see request_cancel)
-                self.cancel(sid, reason, None if reason is not None else Receipt(tokens=[], finish_reason=schema.CANCELLED))
-                self.stats["cancelled"] += reason is None
+                if reason is None:
+                    self._end_cancelled(turn)
+                else:
+                    self.cancel(sid, reason)
+
+    def _end_cancelled(self, t: Turn) -> None:
+        """End turn ``t``, which its client cancelled, now: its last response carries no tokens and finish
+        reason :data:`~tandem.schema.CANCELLED`, its sequence is closed, ``stats["cancelled"]`` counts it.
+        Every way a client cancels (its connection, a ``CANCEL`` request) ends here, once."""
+        self.cancel(t.sid, "cancelled", Receipt(tokens=[], finish_reason=schema.CANCELLED))
+        self.stats["cancelled"] += 1
+
+    def _cancelled_by_client(self, turns: list, sync: bool) -> list:
+        """The running turns among ``turns`` whose client has cancelled them (:attr:`Turn.cancelled`,
+        asked with ``sync``)."""
+        return [t for t in turns if t.cancelled is not None and self.turns.get(t.sid) is t and t.cancelled(sync)]

@@ -1,43 +1,79 @@
-"""Chunked prefill for the :class:`~tandem.engine.scheduler.Scheduler`: while other sessions stream, a
-turn whose prime rows exceed ``config.prefill_chunk`` is primed one chunk per burst, so they get a
-burst between chunks instead of waiting for the whole prompt (with nobody streaming, the rest is
-primed at once: chunks would only delay its first token). The first chunk goes with the admission's
-prime call (with the turn's prefix keys and the previous turn's commit); each later chunk rides in
-one batched prime call at the start of a burst, with an empty prefix list where the prefix cache is in
-use (so the trunk keeps cutting pieces at multiples of ``PREFIX_BLOCK`` and capturing the states there).
-Under ``batch_invariant`` on the CPU every prime row runs the row-wise kernels, so a chunk of any size
-leaves every row bit-identical to an unchunked prime (``tests/test_trunk.py``); elsewhere chunks that are
-multiples of the block keep it so. The chunks' outputs are
-joined, and the turn's first token is emitted after the last one, exactly as after one prime.
+"""Chunked prefill for the :class:`~tandem.engine.scheduler.Scheduler`, under a budget of prompt rows
+per burst (the policy of vLLM's chunked prefill with ``max_num_batched_tokens``: decode first, then
+prompt chunks from the budget). A burst cycle (the admissions before a burst, then the burst) primes at
+most ``config.prefill_budget`` prompt rows, shared by every turn being primed, shortest remaining prompt
+first; the streaming sessions' rounds run after them in the same burst. So a burst's prefill work is
+bounded however many prompts wait, a short prompt arriving behind long ones is primed at its admission
+(or in the next burst), and of several long prompts one finishes first instead of all finishing late.
+With ``prefill_budget`` 0 every prompt is primed whole at its admission.
+
+A prompt beyond its share keeps the rest in ``s.prefill`` (:class:`PendingPrefill`). Its first piece
+goes with the admission's prime call (with the turn's prefix keys and the previous turn's commit): every
+admitted turn primes at least its :meth:`PendingPrefill.least` piece there, since the prime call opens the
+session and a prime has one row at least. Each later piece rides in one batched prime call at the start
+of a burst (:meth:`Prefill._prefill_step`), with an empty prefix list where the prefix cache is in use (so
+the trunk keeps cutting at multiples of ``PREFIX_BLOCK`` and capturing the states there).
+
+Exactness: with the prefix cache on, every piece but a prompt's last ends at a multiple of ``PREFIX_BLOCK``
+of the sequence's position, so the pieces are the ones the trunk cuts an unchunked prime into anyway;
+under ``batch_invariant`` on the CPU every prime row runs the row-wise kernels, so pieces of any size leave
+every row bit-identical to one prime (``tests/test_trunk.py``). The pieces' outputs are joined, and the
+turn's first token is emitted after the last one, exactly as after one prime.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from .. import schema
 from .protocols import Rows, VerifyOut
+
+
+#: a burst's prefill rows at least while no turn decodes: a long prompt alone is primed in pieces this big
+#: (a piece's fixed cost stays small), and a prompt arriving meanwhile waits at most one of them
+IDLE_PREFILL_ROWS = 256
 
 
 @dataclasses.dataclass
 class PendingPrefill:
-    """A turn being primed in chunks: its whole prime ``item``, the rows ``done`` so far, their joined
-    trunk outputs ``out`` and the turn's ``max_tokens``."""
+    """A turn being primed in pieces: its whole prime ``item``, the sequence position ``start`` of the
+    item's first row, the rows ``done`` so far, their joined trunk outputs ``out`` and the turn's
+    ``max_tokens``."""
 
     item: Rows
     max_tokens: int
+    start: int = 0
     done: int = 0
     out: VerifyOut | None = None
 
-    def piece(self, chunk: int, first: bool) -> Rows:
-        """The next chunk's prime item (the first carries the prefix keys and the pending commit)."""
+    def left(self) -> int:
+        """Rows still to prime."""
+        return len(self.item.tokens) - self.done
+
+    def fit(self, budget: int) -> int:
+        """Rows of the next piece within ``budget`` rows: the rest of the prompt when it fits, else as many
+        as fit, ending at a multiple of ``PREFIX_BLOCK`` when the item uses the prefix cache (0: none fits)."""
+        if self.left() <= budget:
+            return self.left()
+        pos, c = self.start + self.done, schema.PREFIX_BLOCK
+        return max((pos + budget) // c * c - pos if self.item.prefix is not None else budget, 0)
+
+    def least(self) -> int:
+        """The smallest piece: the rest of the prompt, or one ``PREFIX_BLOCK`` of it (with the prefix cache,
+        the rows up to the next multiple of ``PREFIX_BLOCK``)."""
+        pos, c = self.start + self.done, schema.PREFIX_BLOCK
+        return min(self.left(), (pos // c + 1) * c - pos if self.item.prefix is not None else c)
+
+    def piece(self, n: int, first: bool) -> Rows:
+        """The prime item of the next ``n`` rows (the first carries the prefix keys and the pending commit)."""
         it = self.item
-        rows = it.tokens[self.done: self.done + chunk]
+        rows = it.tokens[self.done: self.done + n]
         if first:
             return Rows(it.sid, rows, it.prefix, it.commit, it.sampling)
         return Rows(it.sid, rows, None if it.prefix is None else [], 0, it.sampling)
 
     def add(self, n: int, out: VerifyOut) -> bool:
-        """Record a primed chunk of ``n`` rows; True once every row is primed."""
+        """Record a primed piece of ``n`` rows; True once every row is primed."""
         self.done += n
         self.out = out if self.out is None else self.out.then(out)
         return self.done == len(self.item.tokens)
@@ -45,17 +81,29 @@ class PendingPrefill:
 
 class Prefill:
     """Mixed into :class:`~tandem.engine.scheduler.Scheduler` (whose ``sessions``, ``turns``,
-    ``trunk``, ``config``, ``_after_prime`` and ``_publish`` it uses)."""
+    ``trunk``, ``config``, ``busy``, ``active``, ``_after_prime`` and ``_publish`` it uses)."""
 
-    def _chunked(self, s, item: Rows, max_tokens: int) -> Rows:
-        """The item the admission primes for ``s``: all of ``item``, or its first chunk (the rest is
-        left in ``s.prefill``)."""
-        chunk = self.config.prefill_chunk
-        if not chunk or len(item.tokens) <= chunk or not self.active():
-            s.prefill = None
-            return item
-        s.prefill = PendingPrefill(item, max_tokens)
-        return s.prefill.piece(chunk, first=True)
+    #: prompt rows the admissions since the last :meth:`_prefill_step` primed (the burst cycle's budget spent)
+    _prefill_used: int = 0
+
+    def _chunked(self, ok: list[tuple]) -> list[tuple]:
+        """The admission's prime items. ``ok`` holds each admitted ``(turn, session, whole prime item)``;
+        returns them in the same order with each item cut to the piece primed now, the rest left in the
+        session's ``prefill`` (None: primed whole). Shortest prompt first, from the burst cycle's budget;
+        a turn the budget does not reach still primes its least piece."""
+        budget = self.config.prefill_budget
+        if not self.busy():  # no burst ran after the last admissions: their rows were never a burst's
+            self._prefill_used = 0
+        cut = {}
+        for j in sorted(range(len(ok)), key=lambda j: len(ok[j][2].tokens)):
+            t, s, item = ok[j]
+            start = s.warm_rows if item.prefix is not None else len(s.committed)
+            p = PendingPrefill(item, t.max_tokens, start)
+            n = p.left() if not budget else max(p.fit(budget - self._prefill_used), p.least())
+            self._prefill_used += n
+            s.prefill = None if n == p.left() else p
+            cut[j] = item if s.prefill is None else p.piece(n, first=True)
+        return [(t, s, cut[j]) for j, (t, s, _) in enumerate(ok)]
 
     def _primed(self, s, item: Rows, out: VerifyOut):
         """After a prime call: the turn's first receipt once its prime is complete, else None."""
@@ -68,18 +116,43 @@ class Prefill:
         return self._after_prime(s, p.item, p.out, p.max_tokens)
 
     def prefilling(self) -> list:
-        """Sessions whose turn is still being primed in chunks."""
+        """Sessions whose turn is still being primed in pieces."""
         return [self.sessions[sid] for sid in self.turns if self.sessions[sid].prefill is not None]
 
+    def _burst_budget(self) -> int:
+        """This burst's prefill rows: ``prefill_budget`` while any turn decodes (its gap between responses
+        is what the budget bounds), else at least :data:`IDLE_PREFILL_ROWS` (nobody waits on the burst but a
+        prompt arriving meanwhile, which waits one piece)."""
+        b = self.config.prefill_budget
+        decoding = any(self.sessions[sid].prefill is None for sid in self.turns if sid in self.sessions)
+        return b if decoding else max(b, IDLE_PREFILL_ROWS)
+
+    def _prefill_plan(self, group: list, budget: int, full: int) -> list[tuple]:
+        """``(session, rows)`` of this burst's pieces over the prefilling ``group`` within ``budget`` rows,
+        shortest remaining prompt first. With no budget spent this cycle (``budget == full``) and none fitting
+        (a budget under one block), the shortest primes its least piece, so every prompt goes on."""
+        if not self.config.prefill_budget:  # (the budget turned off meanwhile) the rest at once
+            return [(s, s.prefill.left()) for s in group]
+        plan, left = [], budget
+        for s in sorted(group, key=lambda s: s.prefill.left()):
+            if (n := s.prefill.fit(left)) > 0:
+                plan.append((s, n))
+                left -= n
+        if not plan and budget == full:
+            s = min(group, key=lambda s: s.prefill.left())
+            plan = [(s, s.prefill.least())]
+        return plan
+
     def _prefill_step(self) -> None:
-        """Prime the next chunk of every prefilling session (one trunk call); emit the first token of
-        each turn whose prime completes."""
-        group = self.prefilling()
-        if not group:
+        """Prime this burst's pieces (one trunk call; the budget the admissions left); emit the first
+        token of each turn whose prime completes."""
+        group, used, self._prefill_used = self.prefilling(), self._prefill_used, 0
+        full = self._burst_budget()
+        plan = self._prefill_plan(group, full - used, full) if group else []
+        if not plan:
             return
-        chunk = self.config.prefill_chunk if self.active() else self.config.max_ctx  # nobody waits: all at once
-        items = [s.prefill.piece(chunk, first=False) for s in group]
-        for s, it, out in zip(group, items, self.trunk.prime(items)):
+        items = [s.prefill.piece(n, first=False) for s, n in plan]
+        for (s, _), it, out in zip(plan, items, self.trunk.prime(items)):
             r = self._primed(s, it, out)
             if r is not None:
                 self._publish(s, r)

@@ -198,3 +198,13 @@ class Turn:
     #: the prefix-cache namespace (:mod:`tandem.engine.prefix`): only prompts primed with the same salt share
     #: cached blocks ("": the shared default); a later turn's salt is not used (its sequence is primed)
     cache_salt: str = ""
+    #: the turn's number (the front numbers turns 1, 2, ... and a ``CANCEL`` may name one; 0: unnumbered)
+    number: int = 0
+    #: ``cancelled(sync)``: whether the turn's client has cancelled it (None: it cannot). ``sync`` True may
+    #: ask the client's connection now (a round trip); False answers from what is known and may start a
+    #: look whose answer a later call returns. The scheduler asks at burst boundaries, between prefill
+    #: chunks, after the prime and before a turn's final response, and ends a cancelled turn there.
+    cancelled: Callable[[bool], bool] | None = None
+    #: ``time.monotonic()`` when the turn reached the server (0: when the scheduler first sees it); the
+    #: admission clock (``admission_wait_s``) runs from here, also while the turn waits in a queue
+    arrived: float = 0.0

@@ -288,7 +288,7 @@ class MetricsPublisher:
     def __init__(self, pb_utils, telemetry, interval_s: float = 1.0) -> None:
         import threading
 
-        from .telemetry import COUNTERS, HISTOGRAMS
+        from .telemetry import COUNTERS, HISTOGRAMS, initial_series
 
         fam = pb_utils.MetricFamily
         self.telemetry, self.interval_s = telemetry, interval_s
@@ -300,6 +300,8 @@ class MetricsPublisher:
                            for n, (_, b) in HISTOGRAMS.items()}
         self.log = pb_utils.Logger.log_error
         self._metrics: dict = {}
+        for key in initial_series():  # every series in the scrape from the start, at 0
+            self._metric(key)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-metrics", daemon=True)
         self._thread.start()
@@ -307,14 +309,18 @@ class MetricsPublisher:
     def flush(self) -> None:
         """Send everything accumulated so far."""
         counts, samples = self.telemetry.drain()
-        for (name, labels), v in counts.items():
-            key = (name, labels)
-            if key not in self._metrics:
-                self._metrics[key] = self.counters[name].Metric(labels={"model": "tandem", **dict(labels)})
-            self._metrics[key].increment(v)
+        for key, v in counts.items():
+            self._metric(key).increment(v)
         for name, values in samples.items():
             for v in values:
                 self.histograms[name].observe(v)
+
+    def _metric(self, key: tuple[str, tuple]):
+        """The counter metric of ``(name, labels)``, made on first use."""
+        if key not in self._metrics:
+            name, labels = key
+            self._metrics[key] = self.counters[name].Metric(labels={"model": "tandem", **dict(labels)})
+        return self._metrics[key]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -336,8 +342,10 @@ class SendQueue:
     round trip to the server process (~0.6 ms apiece here: a py-spy profile of served plain turns put
     ~6% of the wall time on them, in the worker, between a burst's ``draft_verify`` call and the next,
     while the trunk waits). Here the worker only queues: :meth:`stream` gives a request's ``send``
-    (queues ``(arrays, error, final)``) and ``is_cancelled`` (a flag this thread refreshes after each
-    non-final send of that stream, so a client's cancel is seen one burst later). ``make(arrays,
+    (queues ``(arrays, error, final)``) and ``is_cancelled(sync=False)`` (a flag this thread refreshes
+    after each non-final send of that stream, so a client's cancel is seen one burst later; before the
+    stream's first response ``sync`` True asks the server on the caller's thread, and False has this
+    thread ask, for a later call to see). ``make(arrays,
     error)`` builds the response; ``final_flag`` is the backend's final-response flag. A send that
     raises marks its stream cancelled (the worker then ends the turn) and is logged with ``log``.
     ``barrier``: each ``is_cancelled`` that answers False releases what it holds up to then (the
@@ -350,15 +358,25 @@ class SendQueue:
         self._thread.start()
 
     def stream(self, sender, requested=()) -> tuple[Callable, Callable[[], bool]]:
-        """``(send(arrays, error, final), is_cancelled())`` of one request's response ``sender``;
+        """``(send(arrays, error, final), is_cancelled(sync=False))`` of one request's response ``sender``;
         ``requested``: the request's requested output names (each response carries only those, see
         :func:`stage_response`; none: all)."""
-        state = {"cancelled": False}
+        state = {"cancelled": False, "sent": False, "probing": False}
 
         def send(arrays, error, final) -> None:
             self._q.put((sender, requested_only(arrays, requested) if arrays else arrays, error, final, state))
 
-        return send, lambda: state["cancelled"]
+        def is_cancelled(sync: bool = False) -> bool:
+            if state["cancelled"] or state["sent"]:  # (refreshed after each non-final send)
+                return state["cancelled"]
+            if sync:
+                state["cancelled"] = bool(sender.is_cancelled())
+            elif not state["probing"]:
+                state["probing"] = True
+                self._q.put((sender, state))
+            return state["cancelled"]
+
+        return send, is_cancelled
 
     def flush(self, timeout_s: float = 2.0) -> bool:
         """Wait until everything queued so far has been sent (at most ``timeout_s`` seconds); returns
@@ -373,12 +391,21 @@ class SendQueue:
             if isinstance(item, threading.Event):  # a flush mark
                 item.set()
                 continue
+            if len(item) == 2:  # a look at a stream that has sent nothing yet (see stream)
+                sender, state = item
+                try:
+                    state["cancelled"] = state["cancelled"] or bool(sender.is_cancelled())
+                except Exception as e:  # noqa: BLE001
+                    self.log(f"could not ask whether a request was cancelled: {type(e).__name__}: {e}")
+                state["probing"] = False
+                continue
             sender, arrays, error, final, state = item
             try:
                 sender.send(self.make(arrays, error), flags=self.final_flag if final else 0)
                 if not final and not state["cancelled"]:  # (a cancel, or a failed send, stays)
                     mark = self.barrier.mark() if self.barrier is not None else None
                     state["cancelled"] = bool(sender.is_cancelled())
+                    state["sent"] = True
                     if mark is not None and not state["cancelled"]:
                         self.barrier.release(mark)
             except Exception as e:  # noqa: BLE001 - a broken client must not stop the others' responses

@@ -3,14 +3,15 @@
 Each tritonserver keeps its sessions in process memory, so every turn of a session must reach the
 server that holds it. The client sends the sequence id as gRPC metadata on every turn's stream
 (:data:`tandem.schema.ROUTING_HEADER`); HAProxy (Debian's 2.6 package, unpacked by
-:func:`ensure_haproxy` under ``triton_backends/haproxy``) sticks each header value to the server that
-took its first request, spreads new sessions by least connections, health-checks each server's
-``/v2/health/ready`` and redispatches a dead server's sessions; the server that gets them answers
-"unknown sequence id ... [tandem: session lost]", which the client types as ``SessionLost``.
+:func:`ensure_haproxy` under ``triton_backends/haproxy``) routes each header value by a consistent hash
+over the live servers, so any proxy with the same config (a second one, a restarted one) sends a session
+to the same server; it health-checks each server's ``/v2/health/ready`` (tolerating a stall as long as a
+long prime) and redispatches a dead server's sessions; the server that gets them answers "unknown sequence
+id ... [tandem: session lost]", which the client types as ``SessionLost``.
 
 :func:`haproxy_config` writes the config, :func:`running_cluster` runs N servers and the proxy (tests;
-servers can be killed and restarted), ``python -m tandem.serving.cluster serve`` runs them in the
-foreground (``make serve-cluster``).
+servers can be killed and restarted, the proxy restarted, more proxies added),
+``python -m tandem.serving.cluster serve`` runs them in the foreground (``make serve-cluster``).
 """
 
 from __future__ import annotations
@@ -42,11 +43,46 @@ BASE_PORT = 9100
 _LOG = re.compile(r"session=(?P<key>\S*) server=(?P<server>\S+) status=(?P<status>-?\d+) path=(?P<path>\S+)")
 
 
+def parse_routed(log_path: Path) -> list[dict]:
+    """Every stream and call a proxy logged to ``log_path`` so far, in order: ``key`` (the routing header,
+    "" or "-" when absent), ``server`` (HAProxy's server name, ``<NOSRV>`` when none took it), ``status``
+    (HTTP status) and ``path`` (the gRPC method). No file: an empty list."""
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return [m.groupdict() for m in _LOG.finditer(text)]
+
+
+class Proxy:
+    """One more HAProxy instance in front of a cluster's servers (:meth:`Cluster.add_proxy`): ``proc``,
+    ``url`` (its gRPC ``host:port``), ``log_path``."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path) -> None:
+        self.proc, self.url, self.log_path = proc, url, log_path
+
+    def routed(self) -> list[dict]:
+        """What this proxy has routed so far (:func:`parse_routed`)."""
+        return parse_routed(self.log_path)
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL); a no-op when stopped."""
+        _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 class Cluster:
     """Handle yielded by :func:`running_cluster`: ``url`` (the proxy's gRPC ``host:port``), ``ports``
     (per server: HTTP, gRPC, metrics), ``servers`` (a :class:`~tandem.serving.serve.RunningServer` per
     index, None while stopped), ``names`` (HAProxy's server names), ``proxy`` (the HAProxy process),
-    ``proxy_log`` (its log file)."""
+    ``proxy_log`` (its log file; a restarted proxy appends to it), ``extra`` (proxies added by
+    :meth:`add_proxy`)."""
 
     def __init__(self, ports: list[tuple[int, int, int]], proxy_port: int, env: dict[str, str] | None,
                  models: tuple[str, ...], ready_timeout_s: float, log_dir: Path) -> None:
@@ -58,6 +94,8 @@ class Cluster:
         self.log_dir = log_dir
         self.proxy: subprocess.Popen | None = None
         self.proxy_log = log_dir / "haproxy.log"
+        self.proxy_port = proxy_port
+        self.extra: list[Proxy] = []
 
     def start(self, i: int) -> RunningServer:
         """Start server ``i`` on its ports (a fresh shared-memory prefix) and wait until every model is
@@ -87,11 +125,42 @@ class Cluster:
         self.stop(i)
 
     def routed(self) -> list[dict]:
-        """Every stream and call HAProxy has finished so far, in order: ``key`` (the routing header,
-        "" when absent), ``server`` (HAProxy's server name, ``<NOSRV>`` when none took it), ``status``
-        (HTTP status) and ``path`` (the gRPC method)."""
-        text = self.proxy_log.read_text(errors="replace") if self.proxy_log.exists() else ""
-        return [m.groupdict() for m in _LOG.finditer(text)]
+        """Every stream and call the main proxy has finished so far, in order (:func:`parse_routed`)."""
+        return parse_routed(self.proxy_log)
+
+    def config(self, port: int) -> str:
+        """The HAProxy config of a proxy on 127.0.0.1:``port`` in front of every server (the same servers,
+        ids and weights for every port, hence the same routing)."""
+        return haproxy_config([(n, p[1], p[0]) for n, p in zip(self.names, self.ports)], port)
+
+    def start_proxy(self, echo_log: bool = False, append: bool = False) -> None:
+        """Start the main proxy on its port (its log written to :attr:`proxy_log`, appended to when
+        ``append``; on stdout when ``echo_log``) and wait until it routes a call. Raises
+        :class:`~tandem.serving.haproxy.HaproxyError` or :class:`~tandem.serving.serve.ServerError`."""
+        if self.proxy is not None and self.proxy.poll() is None:
+            raise ServerError(f"the proxy on {self.url} is already running")
+        cfg = self.log_dir / "haproxy.cfg"
+        cfg.write_text(self.config(self.proxy_port))
+        self.proxy = ensure_haproxy().popen(cfg, None if echo_log else self.proxy_log, append=append)
+        wait_proxy(self.proxy, self.url, self.proxy_log)
+
+    def restart_proxy(self) -> None:
+        """Stop the main proxy (SIGTERM: its stick table is gone) and start a new one on the same port, its
+        log appended to :attr:`proxy_log`, waiting until it routes a call."""
+        _stop(self.proxy)
+        self.start_proxy(append=True)
+
+    def add_proxy(self, port: int | None = None) -> Proxy:
+        """Start another HAProxy on 127.0.0.1:``port`` (a free one when None) with the same servers, its
+        own log, and wait until it routes a call; :meth:`close` stops it. Raises like :meth:`start_proxy`."""
+        port = port if port is not None else free_ports(1)[0]
+        k = len(self.extra) + 1
+        cfg, log = self.log_dir / f"haproxy-{k}.cfg", self.log_dir / f"haproxy-{k}.log"
+        cfg.write_text(self.config(port))
+        proxy = Proxy(ensure_haproxy().popen(cfg, log), f"127.0.0.1:{port}", log)
+        self.extra.append(proxy)
+        wait_proxy(proxy.proc, proxy.url, log)
+        return proxy
 
     def sessions_by_server(self) -> dict[str, set[str]]:
         """Server name -> the routing keys of the turn streams (``ModelStreamInfer``) it served."""
@@ -102,40 +171,36 @@ class Cluster:
         return out
 
     def close(self) -> None:
-        """Stop the proxy and every server (always; errors of one do not keep the others running)."""
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.terminate()
-            try:
-                self.proxy.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-                self.proxy.wait(timeout=10)
+        """Stop every proxy and every server (always; errors of one do not keep the others running)."""
+        for proc in [self.proxy, *(p.proc for p in self.extra)]:
+            with contextlib.suppress(Exception):
+                _stop(proc)
         for i in range(len(self.servers)):
             with contextlib.suppress(Exception):
                 self.stop(i)
 
 
-def wait_proxy(cluster: Cluster, timeout_s: float = 30.0) -> None:
-    """Wait until the proxy accepts connections and answers a readiness call routed to a server.
-    Raises :class:`~tandem.serving.serve.ServerError` with the proxy's log."""
+def wait_proxy(proc: subprocess.Popen | None, url: str, log_path: Path, timeout_s: float = 30.0) -> None:
+    """Wait until the proxy ``proc`` on ``url`` accepts connections and answers a readiness call routed to a
+    server. Raises :class:`~tandem.serving.serve.ServerError` with the proxy's log (``log_path``)."""
     import tritonclient.grpc as grpcclient
 
     t0 = time.monotonic()
-    host, port = cluster.url.rsplit(":", 1)
+    host, port = url.rsplit(":", 1)
     while True:
-        if cluster.proxy is not None and cluster.proxy.poll() is not None:
-            raise ServerError(f"haproxy exited with code {cluster.proxy.returncode}\n{_tail(cluster.proxy_log)}")
+        if proc is not None and proc.poll() is not None:
+            raise ServerError(f"haproxy exited with code {proc.returncode}\n{_tail(log_path)}")
         with contextlib.suppress(Exception):
             with socket.create_connection((host, int(port)), timeout=1.0):
                 pass
-            c = grpcclient.InferenceServerClient(cluster.url)
+            c = grpcclient.InferenceServerClient(url)
             try:
                 if c.is_server_ready(client_timeout=2.0):
                     return
             finally:
                 c.close()
         if time.monotonic() - t0 > timeout_s:
-            raise ServerError(f"haproxy on {cluster.url} not answering after {timeout_s:.0f} s\n{_tail(cluster.proxy_log)}")
+            raise ServerError(f"haproxy on {url} not answering after {timeout_s:.0f} s\n{_tail(log_path)}")
         time.sleep(0.2)
 
 
@@ -171,7 +236,7 @@ def running_cluster(replicas: int = 2, proxy_port: int | None = None, base_port:
                                       for role, p in zip(("HTTP", "gRPC", "metrics"), ps)}}
     if busy := busy_ports(wanted):
         raise ValueError(f"{busy} (another tandem / tritonserver / cluster? pass other --port / --base-port values)")
-    haproxy = ensure_haproxy()
+    ensure_haproxy()
     own_dir = log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="tandem-cluster-") if own_dir else log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -181,10 +246,7 @@ def running_cluster(replicas: int = 2, proxy_port: int | None = None, base_port:
         with ThreadPoolExecutor(replicas) as pool:
             for f in [pool.submit(cluster.start, i) for i in range(replicas)]:
                 f.result()
-        cfg = log_dir / "haproxy.cfg"
-        cfg.write_text(haproxy_config([(n, p[1], p[0]) for n, p in zip(cluster.names, ports)], proxy_port))
-        cluster.proxy = haproxy.popen(cfg, None if echo_proxy_log else cluster.proxy_log)
-        wait_proxy(cluster)
+        cluster.start_proxy(echo_log=echo_proxy_log)
         yield cluster
         clean = True
     finally:
@@ -226,8 +288,8 @@ def serve_cluster(replicas: int, proxy_port: int, base_port: int, env: dict[str,
         return 2 if isinstance(e, ValueError) else 1
 
 
-app = typer.Typer(add_completion=False, help="Replicas of tandem's model repository behind HAProxy (README, "
-                  "'Deploying replicas').")
+app = typer.Typer(add_completion=False, help="Replicas of tandem's model repository behind HAProxy (docs/deploying.md, "
+                  "'Replicas').")
 
 
 def _ports(replicas: int, base_port: int) -> list[tuple[str, int, int]]:

@@ -11,6 +11,7 @@ in-process over the stages' wire form (``handle``), which is how it is unit-test
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import queue
 import sys
 import threading
@@ -40,6 +41,9 @@ PROBE_S = 2.0
 PROBE_IDLE_S = 0.5
 #: seconds between gauge updates while turns run (a changed gauge is an IPC to the server; idle: every loop)
 GAUGES_S = 0.25
+#: seconds between looks of the admission clock (:meth:`TandemFront._refuse_overdue`): a refusal comes at most
+#: this late after ``admission_wait_s``
+ADMISSION_TICK_S = 0.05
 #: seconds :meth:`TandemFront.stop` waits for the worker (the model's ``finalize``, whose whole stop must
 #: stay well inside the server's exit timeout, ``serve --exit-timeout-secs`` 10 s): a worker still in a
 #: stage call by then is left behind (a daemon thread) and its stack logged
@@ -63,7 +67,10 @@ class TandemFront:
     ``restart(model)`` — called (on a thread of its own) when a stage's process died, to bring it
     back; it returns when the model is loaded again (or raises); ``gauges(values)`` — called with
     :meth:`gauge_values` whenever they may have changed; ``standby`` — proxies of loaded stage models
-    no round calls (the drafter models while the trunk hosts the drafters, ``colocate``).
+    no round calls (the drafter models while the trunk hosts the drafters, ``colocate``); ``state_size`` — the
+    session state estimate admission by bytes uses (:class:`~tandem.engine.state_size.StateSize`; None: by count
+    alone). A clock thread refuses turns past ``admission_wait_s`` while the worker is busy
+    (:meth:`_refuse_overdue`).
 
     Emits happen on the worker thread (the watchdog's while the worker waits on a stage call past
     ``config.stage_timeout_s``); an exception inside a burst fails only the turns in flight, with
@@ -75,13 +82,13 @@ class TandemFront:
                  poll_s: float = 0.005, watch: WatchedTransport | None = None,
                  restart: Callable[[str], None] | None = None,
                  gauges: Callable[[dict[str, float]], None] | None = None,
-                 decode: Callable[[list[int]], str] | None = None, standby: tuple = ()) -> None:
+                 decode: Callable[[list[int]], str] | None = None, standby: tuple = (), state_size=None) -> None:
         self.log = log or (lambda msg: None)
         #: proxies of loaded stage models no round calls (the drafter models while the trunk hosts the
         #: drafters): probed while idle and restarted when dead, like the others
         self.standby = tuple(standby)
         self.info = info or (lambda msg: None)
-        self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids, decode=decode)
+        self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids, decode=decode, state_size=state_size)
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
         self.sched.on_event = self.log
         self.sched.on_stage_dead = self._stage_dead
@@ -92,6 +99,8 @@ class TandemFront:
         #: request metrics (counters, histogram samples) until a publisher drains them
         self.telemetry = Telemetry()
         self._stat_seen: dict[str, int] = {}
+        #: turn numbers (``TURN``): 1, 2, ... over the process's life
+        self._numbers = itertools.count(1)
         #: set once the server is shutting down (a stage answered "not ready", or :meth:`stop`)
         self.exiting = False
         self._emit_lock = threading.Lock()
@@ -101,14 +110,30 @@ class TandemFront:
         self._watchdog = threading.Thread(target=self._watch_loop, name="tandem-watchdog", daemon=True)
         if watch is not None:
             self._watchdog.start()
+        self._admission = threading.Thread(target=self._admission_loop, name="tandem-admission", daemon=True)
+        self._admission.start()
 
-    def submit(self, req: Turn, send: Send, is_cancelled: Callable[[], bool] | None = None) -> None:
-        """Queue one turn (a :func:`~tandem.serving.turns.parse_turn` result; its ``emit`` is set
-        here). ``send`` is called once per burst and once with ``final=True`` (an error
-        response is always final; a turn with ``stream`` False: once, its bursts merged); it must not block for long. Exceptions from ``send`` /
-        ``is_cancelled`` are logged and never reach other sessions."""
+    def submit(self, req: Turn, send: Send, is_cancelled: Callable[[bool], bool] | None = None) -> None:
+        """Queue one turn (a :func:`~tandem.serving.turns.parse_turn` result; its ``emit``, ``number``
+        and ``cancelled`` are set here). ``send`` is called once per burst and once with ``final=True`` (an
+        error response is always final; a turn with ``stream`` False: once, its bursts merged); it must
+        not block for long. ``is_cancelled(sync)``: whether the client has cancelled the request
+        (:attr:`~tandem.engine.session.Turn.cancelled`); a cancelled turn ends with a normal last response,
+        finish reason ``cancelled``. Exceptions from ``send`` / ``is_cancelled`` are logged and never reach
+        other sessions. Metrics follow the turn as its tokens are produced, streamed or not: time to the
+        first token, the gaps between bursts, one count per ending (:class:`~tandem.serving.telemetry.TurnClock`)."""
         state: dict[str, Any] = {"done": False, "turn": None, "sent": False, "tail": [], "held": None}
-        clock, usage = self.telemetry.turn(), Usage()
+        clock, usage, number = self.telemetry.turn(), Usage(), next(self._numbers)
+
+        def cancelled(sync: bool) -> bool:
+            try:
+                if is_cancelled is None or not is_cancelled(sync):
+                    return False
+            except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
+                self.log(f"sequence {req.sid}: could not ask whether the client cancelled: {type(e).__name__}: {e}")
+                return False
+            self.info(f"sequence {req.sid}: turn {number} cancelled by the client")
+            return True
 
         def emit(receipt, error, final):
             with self._emit_lock:  # the watchdog may answer a turn while the worker is stuck
@@ -120,19 +145,14 @@ class TandemFront:
                         clock.error()
                         send(None, error, True)
                         return
-                    if not final and is_cancelled is not None and is_cancelled():
-                        self.sched.request_cancel(req.sid, state["turn"])
-                        self.info(f"sequence {req.sid}: turn cancelled by the client")
-                        state["done"] = True
-                        clock.error()
-                        send(None, "cancelled by the client", True)  # closes the response stream
-                        return
                     state["done"] = final
                     if not state["sent"]:  # after the prime: the session's committed rows are the context
                         state["sent"] = True
                         self.telemetry.count("prompt_tokens_total", len(req.tokens))
                         s = self.sched.sessions.get(req.sid)
                         usage.prompt_tokens = len(s.committed) if s is not None else len(req.tokens)
+                    clock.response(receipt, receipt.spec_rounds)  # as produced, whether sent now or merged
+                    usage.add(receipt)
                     if not req.stream:  # one response: the bursts merged
                         if state["held"] is not None:
                             state["held"].merge(receipt)
@@ -140,9 +160,7 @@ class TandemFront:
                         if not final:
                             state["held"] = receipt
                             return
-                    clock.response(receipt, receipt.spec_rounds)
-                    usage.add(receipt)
-                    send(receipt_outputs(receipt, usage, state["tail"], req.sid), None, final)
+                    send(receipt_outputs(receipt, usage, state["tail"], req.sid, number), None, final)
                     state["tail"] = (state["tail"] + receipt.tokens)[-schema.DETOKENIZE_WINDOW:]
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
                     self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
@@ -150,22 +168,26 @@ class TandemFront:
                         state["done"] = True
                         self.sched.request_cancel(req.sid, state["turn"])
 
-        state["turn"] = dataclasses.replace(req, emit=emit)
+        state["turn"] = dataclasses.replace(req, emit=emit, number=number, cancelled=cancelled,
+                                            arrived=time.monotonic())
         self.q.put(state["turn"])
 
-    def cancel_session(self, sid: int, send: Send) -> None:
-        """A ``CANCEL`` request: the running turn of ``sid`` ends at the next burst boundary (counted
-        as a client's cancel; a sequence with no turn running: nothing happens, and no later turn is
-        touched); answered at once with an empty final response."""
-        if self.sched.request_cancel(sid):
-            self.info(f"sequence {sid}: turn cancelled (CANCEL request: its client left the ensemble)")
+    def cancel_session(self, sid: int, send: Send, number: int | None = None) -> None:
+        """A ``CANCEL`` request: the running turn of ``sid`` (only when its number is ``number``,
+        ``CANCEL_TURN``; None: whichever runs) ends at the next burst boundary, counted as a client's
+        cancel, as a cancelled connection is; a sequence with no such turn running: nothing happens, and
+        no later turn is touched. Answered at once with an empty final response."""
+        t = self.sched.turns.get(sid)
+        if t is not None and (number is None or t.number == number) and self.sched.request_cancel(sid, t):
+            self.info(f"sequence {sid}: turn {t.number} cancelled (CANCEL request: its client left the ensemble)")
         try:
             send({}, None, True)
         except Exception as e:  # noqa: BLE001
             self.log(f"could not answer a CANCEL request: {type(e).__name__}: {e}")
 
     def reject(self, send: Send, error: str) -> None:
-        """Answer a request that could not be parsed (on the caller's thread)."""
+        """Answer a request that could not be parsed (on the caller's thread; counted in ``request_errors_total``)."""
+        self.telemetry.count("request_errors_total")
         try:
             send(None, error, True)
         except Exception as e:  # noqa: BLE001
@@ -297,6 +319,37 @@ class TandemFront:
 
         threading.Thread(target=run, name=f"tandem-restart-{model}", daemon=True).start()
 
+    def _admission_loop(self) -> None:
+        """Every :data:`ADMISSION_TICK_S`: refuse the turns whose ``admission_wait_s`` has passed without a
+        session for them, whatever the worker is doing (a prime of many sessions, a long burst)."""
+        while not self._stop.wait(ADMISSION_TICK_S):
+            try:
+                self._refuse_overdue()
+            except Exception as e:  # noqa: BLE001 - the admission clock must outlive any one failure
+                self.log(f"admission: {type(e).__name__}: {e}")
+
+    def _refuse_overdue(self, now: float | None = None) -> int:
+        """Refuse the waiting turns past their deadline (:meth:`Scheduler.refuse_overdue`) and the queued
+        turns of new sequences the worker has not reached by theirs while every session slot is taken
+        (those beyond the free slots, in arrival order). Returns how many were refused."""
+        sched, now = self.sched, time.monotonic() if now is None else now
+        n = sched.refuse_overdue(now)
+        free = sched.config.max_sessions - len(sched.sessions) - sched.waiting()
+        late = []
+        with self.q.mutex:  # (the worker drains the queue under the same lock: a turn is refused or drained)
+            for t in list(self.q.queue):
+                if not t.start or t.sid in sched.sessions:  # (only a new sequence needs a slot)
+                    continue
+                if free > 0:
+                    free -= 1
+                elif t.arrived and now - t.arrived >= sched.config.admission_wait_s:
+                    late.append(t)
+            for t in late:
+                self.q.queue.remove(t)
+        for t in late:
+            t.emit(None, sched._no_free_session(t), True)
+        return n + len(late)
+
     def _watch_loop(self) -> None:
         """While a stage call runs past ``stage_timeout_s``: its turns get one final error naming the
         stage, and every turn arriving until it returns is refused with the same (the worker is stuck)."""
@@ -361,11 +414,13 @@ GAUGES = {
     "turns_waiting": "turns of new sequences waiting for a free session slot",
     "cache_rows": "trunk cache rows (tokens) held by the open sessions",
     "prefix_cache_blocks": "prompt blocks (64 tokens each) held by the prefix cache",
+    "state_bytes": "estimated bytes of state (trunk caches, drafter KV) the open sessions hold at their contexts",
     "sessions_opened": "sessions opened since the server started",
     "sessions_expired": "sessions closed for idling past idle_timeout_s",
     "sessions_refused_full": "new sequences refused after waiting admission_wait_s for a slot",
+    "sessions_refused_memory": "turns refused after waiting admission_wait_s for room within max_state_mb",
     "cancelled": "turns cancelled by their client (stop_stream, a dropped connection)",
     "degraded_sessions": "sessions moved to plain decoding because their drafter failed",
     "stage_restarts": "stage models restarted after their process died",
 }
-COUNTERS = tuple(GAUGES)[6:]
+COUNTERS = tuple(GAUGES)[7:]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+from .. import schema
+
 #: counter name -> help. ``per_pos`` counters carry a ``position`` label (draft index 0..);
 #: ``request_success_total`` a ``finished_reason`` label (:data:`tandem.schema.FINISH_REASONS`)
 COUNTERS = {
@@ -23,7 +25,8 @@ COUNTERS = {
     "prompt_tokens_total": "prompt tokens of admitted turns (vLLM prompt_tokens)",
     "generation_tokens_total": "tokens sent to clients (vLLM generation_tokens)",
     "request_success_total": "turns that finished, by `finished_reason` (vLLM request_success)",
-    "request_errors_total": "turns answered with an error (refused, failed or cancelled)",
+    "request_errors_total": "requests answered with an error (refused or failed; a turn its client cancelled is "
+                            "request_success_total{finished_reason=\"cancelled\"})",
     "demotions_total": "sessions moved to plain decoding by the demotion policy",
     "promotions_total": "demoted sessions moved back to speculation",
     "prefix_cache_hits_total": "new sessions whose prompt reused published prefix blocks",
@@ -33,15 +36,30 @@ COUNTERS = {
 }
 #: histogram name -> (help, bucket upper bounds)
 HISTOGRAMS = {
-    "time_to_first_token_seconds": ("request arrival to its first token (vLLM time_to_first_token_seconds)",
+    "time_to_first_token_seconds": ("request arrival to its first token's production, streamed or not "
+                                    "(vLLM time_to_first_token_seconds)",
                                     (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)),
-    "inter_token_latency_seconds": ("gap between a token's response and the previous one, divided by the "
-                                    "response's tokens, one sample per token (vLLM inter_token_latency_seconds)",
+    "inter_token_latency_seconds": ("gap between a burst's tokens and the previous burst's (their production, "
+                                    "streamed or not), divided by the burst's tokens, one sample per token after "
+                                    "the first (vLLM inter_token_latency_seconds)",
                                     (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
                                      0.5, 1.0)),
     "acceptance_length": ("tokens a speculative verify round emitted (accepted drafts + 1), one sample per round",
                           (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)),
 }
+
+
+def initial_series() -> list[tuple[str, tuple]]:
+    """The counter series exported from the start, at 0: ``(name, labels)`` for every counter without
+    labels and ``request_success_total`` for each finish reason (``per_pos`` series appear with their
+    first draft position)."""
+    out: list[tuple[str, tuple]] = []
+    for name in COUNTERS:
+        if name == "request_success_total":
+            out += [(name, (("finished_reason", f),)) for f in schema.FINISH_REASONS]
+        elif name != "spec_decode_num_accepted_tokens_per_pos_total":
+            out.append((name, ()))
+    return out
 
 
 def acceptance_lengths(rounds: int, accepted_at: list[int]) -> dict[int, int]:
@@ -88,14 +106,16 @@ class Telemetry:
 
 
 class TurnClock:
-    """One turn's metrics: :meth:`response` per streamed response, :meth:`error` for an error final."""
+    """One turn's metrics: :meth:`response` per burst as it is produced (whether its response is sent
+    then or merged into one), :meth:`error` for an error final."""
 
     def __init__(self, tel: Telemetry, t0: float) -> None:
         self.tel, self.t0, self.last = tel, t0, None
 
     def response(self, receipt, spec_rounds: int) -> None:
-        """A response carrying ``receipt`` (a :class:`~tandem.engine.session.Receipt`);
-        ``spec_rounds``: its rounds that carried drafts."""
+        """A burst's ``receipt`` (a :class:`~tandem.engine.session.Receipt`), produced now;
+        ``spec_rounds``: its rounds that carried drafts. Its finish reason (a client's cancel included)
+        counts the turn once in ``request_success_total``."""
         tel, now, n = self.tel, time.perf_counter(), len(receipt.tokens)
         if n:
             if self.last is None:

@@ -97,22 +97,32 @@ class Postprocessor:
     """The ``postprocessing`` model's ``handle(arrays) -> arrays`` (:func:`postprocess`), and
     :meth:`cancelled` for a response whose client left: Triton marks the ensemble's later step
     requests cancelled, not the running ``tandem`` step (server issue #6739), so this step passes the
-    cancel on. ``cancel(session_id)``: sends ``tandem`` a ``CANCEL`` request (BLS, in model.py)."""
+    cancel on. ``cancel(session_id, turn)``: sends ``tandem`` a ``CANCEL`` request for that turn of the
+    session (BLS, in model.py)."""
+
+    #: (session, turn) pairs remembered at most; past it the oldest half is forgotten (a turn's responses
+    #: arrive within its life, so only a turn still streaming needs its entry)
+    REMEMBER = 4096
 
     def __init__(self, tokenizer, cancel=None) -> None:
         self.tokenizer, self.cancel = tokenizer, cancel
-        self._cancelled: set[int] = set()
+        self._cancelled: dict[tuple[int, int], None] = {}
 
     def handle(self, arrays: Arrays) -> Arrays:
         return postprocess(self.tokenizer.decode, arrays)
 
     def cancelled(self, arrays: Arrays) -> None:
-        """Cancel the ``tandem`` turn behind a cancelled response, once per session."""
-        if self.cancel is None or schema.SESSION_ID not in arrays:
+        """Cancel the ``tandem`` turn behind a cancelled response, once per turn (``SESSION_ID``,
+        ``TURN``): each later turn of the same session is cancelled on its own, and a late response of
+        an earlier turn never cancels a later one (the ``CANCEL`` names the turn)."""
+        if self.cancel is None or schema.SESSION_ID not in arrays or schema.TURN not in arrays:
             return
         sid = schema.sids_from_wire(np.asarray(arrays[schema.SESSION_ID]).reshape(-1))[0]
-        if sid not in self._cancelled:
-            if len(self._cancelled) > 4096:
-                self._cancelled.clear()
-            self._cancelled.add(sid)
-            self.cancel(sid)
+        key = (sid, int(np.asarray(arrays[schema.TURN]).reshape(-1)[0]))
+        if key in self._cancelled:
+            return
+        if len(self._cancelled) >= self.REMEMBER:
+            for k in list(self._cancelled)[: self.REMEMBER // 2]:
+                del self._cancelled[k]
+        self._cancelled[key] = None
+        self.cancel(*key)

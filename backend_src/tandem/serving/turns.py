@@ -120,12 +120,14 @@ class Usage:
         return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
 
 
-def receipt_outputs(receipt, usage: Usage | None = None, preceding: list[int] = (), sid: int = 0) -> Arrays:
+def receipt_outputs(receipt, usage: Usage | None = None, preceding: list[int] = (), sid: int = 0,
+                    turn: int = 0) -> Arrays:
     """One streamed ``tandem`` response (:data:`tandem.schema.TANDEM` outputs) from a
     :class:`~tandem.engine.session.Receipt`: ``OUTPUT_IDS [n]`` int32, ``PRECEDING_IDS [<= 6]``
     (``preceding``: the turn's tokens sent before), ``ROUNDS`` / ``DRAFTED`` /
     ``ACCEPTED [1]`` int32 (deltas for this burst), ``FINISH_REASON [1]`` ("" while streaming),
-    ``STOP_STRING [1]``, ``SESSION_ID [1]`` (``sid``, uint64 bits as int64), and the turn's :class:`Usage` so far: ``PROMPT_TOKENS``,
+    ``STOP_STRING [1]``, ``SESSION_ID [1]`` (``sid``, uint64 bits as int64), ``TURN [1]`` int64 (``turn``:
+    the turn's number, what a ``CANCEL`` names), and the turn's :class:`Usage` so far: ``PROMPT_TOKENS``,
     ``COMPLETION_TOKENS``, ``TOTAL_ROUNDS [1]`` int32, ``MEAN_ACCEPTANCE_LENGTH [1]`` fp32 (``usage``
     None: this receipt alone)."""
     if usage is None:
@@ -139,6 +141,7 @@ def receipt_outputs(receipt, usage: Usage | None = None, preceding: list[int] = 
            schema.FINISH_REASON: schema.string_array(receipt.finish_reason or ""),
            schema.STOP_STRING: schema.string_array(receipt.stop_string),
            schema.SESSION_ID: schema.sids_to_wire([sid]),
+           schema.TURN: np.array([turn], dtype=np.int64),
            schema.PROMPT_TOKENS: np.array([usage.prompt_tokens], dtype=np.int32),
            schema.COMPLETION_TOKENS: np.array([usage.completion_tokens], dtype=np.int32),
            schema.TOTAL_ROUNDS: np.array([usage.rounds], dtype=np.int32),

@@ -261,15 +261,19 @@ def main(
             console.print(f"concurrency: {concurrency} sessions vs one at a time ({label}) ...")
             eng = plain_eng if arm == schema.OFF else engs[label]
             scaling.append({**run_scaling(eng, conc_ids, max_tokens, arm), "label": label})
-    if concurrency > 1:  # a 2,000-token prompt arriving while 4 sessions stream (chunked prefill)
+    if concurrency > 1:  # 8 long prompts waiting while 4 sessions stream, and a 2-token prompt arriving behind them
         import inspect
         import json as json_mod
 
-        console.print("long prompt arriving while sessions stream ...")
-        long_ids = tok.chat_prompt("Explain this code:\n" + inspect.getsource(json_mod.decoder) * 3)
-        long_ids = long_ids[: (200 if quick else 2000) - 2] + long_ids[-2:]
+        console.print("long prompts waiting while sessions stream ...")
+        n_long = 256 if quick else 3000
+        texts = [tok.chat_prompt(f"Request {i}. Explain this code:\n" + inspect.getsource(json_mod.decoder) * 5)
+                 for i in range(8)]  # (each its own first block: no prefix-cache hits between them)
+        longs = [ids[: n_long - 2] + ids[-2:] for ids in texts]
         streams = [tok.chat_prompt(t) for t in sharegpt_prompts(4, seed=seed + 3, exclude=seen)]
-        profile["long_prompt"] = run_long_prompt(plain_eng, streams, long_ids, 32 if quick else 160, schema.OFF)
+        shorts_at = [0.02, 0.05, 0.08] if quick else [0.1 + 0.4 * i for i in range(7)]
+        profile["long_prompt"] = run_long_prompt(plain_eng, streams, longs, streams[0][:2], schema.OFF, shorts_at,
+                                                 0.3 if quick else 3.0)
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,
                  f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens x {reps} reps, {dtype}, {threads} thread(s), "

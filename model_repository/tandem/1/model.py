@@ -8,6 +8,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from tandem import schema
+from tandem.engine.state_size import StateSize
 from tandem.model.checkpoint import dflash_arms
 from tandem.model.config import TrunkConfig
 from tandem.model.tokenizer import ChatTokenizer
@@ -44,14 +45,16 @@ class TritonPythonModel:
         to_drafters = front.HostedTransport(transport) if cfg.colocate else transport  # colocate: the trunk runs them
         drafters = {schema.MTP: front.DrafterProxy(to_drafters, on_error=log)}
         dflash = front.DFlashProxy(to_drafters, on_error=log)
-        drafters.update({arm: dflash for arm in dflash_arms(ckpt, backend.drafter_dirs(cfg, args["model_repository"], ckpt))})
+        dirs = backend.drafter_dirs(cfg, args["model_repository"], ckpt)
+        drafters.update({arm: dflash for arm in dflash_arms(ckpt, dirs)})
         gauges = backend.Gauges(pb_utils, "tandem", front.GAUGES)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
         self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log, hosted=cfg.colocate), drafters,
                                        tok.stop_ids, cfg, log=log, decode=tok.decode,
                                        info=pb_utils.Logger.log_info, watch=watch,
                                        restart=self._restart, gauges=gauges.set,
-                                       standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else ())
+                                       standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else (),
+                                       state_size=StateSize.from_folders(ckpt, dirs))
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
         self.sends = backend.SendQueue(_response, FINAL, log, barrier=self.bls.held)  # responses leave off the worker's path
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
@@ -66,7 +69,9 @@ class TritonPythonModel:
             send, is_cancelled = self.sends.stream(request.get_response_sender(), request.requested_output_names())
             arrays = backend.tensors_by_name(request.inputs(), schema.TANDEM.input_names)
             if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
-                self.front.cancel_session(int(request.correlation_id()), send)
+                number = arrays.get(schema.CANCEL_TURN)
+                self.front.cancel_session(int(request.correlation_id()), send,
+                                          None if number is None else int(number.reshape(-1)[0]))
                 continue
             try:
                 turn = front.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)

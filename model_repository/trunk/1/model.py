@@ -15,6 +15,7 @@ from tandem.model.checkpoint import dflash_arms, dflash_feature_layers, load_dfl
 from tandem.model.cpu_amx import gemm_tiles
 from tandem.model.device import placement
 from tandem.serving import backend
+from tandem.serving.memory import Trimmer
 from tandem.serving.stage_worker import StageWorker, set_thread_nice
 from tandem.serving.warmup import warm_stage
 
@@ -27,6 +28,7 @@ class TritonPythonModel:
         backend.set_torch_threads(1)
         self.gauges = backend.Gauges(pb_utils, config["name"], backend.STAGE_GAUGES)
         self.stats = backend.CallStats()
+        self.trimmer = Trimmer()
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
@@ -56,8 +58,12 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(f"trunk: compute thread at {self.worker.priority}")
 
     def _run(self, request):
+        held = len(self.stage.states)
         response = backend.stage_response(pb_utils, schema.TRUNK, self.stage, request, stats=self.stats, only_requested=True)
         self.gauges.set({"stage_sequences": len(self.stage.states)})
+        if len(self.stage.states) < held:  # sessions closed: their memory goes back to the system (memory.py)
+            self.trimmer.closed()
+        self.trimmer.after_request()  # (the front's idle probes reach here too: a flood's last closes are trimmed)
         return response
 
     def execute(self, requests):
