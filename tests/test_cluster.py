@@ -399,7 +399,14 @@ def test_full_server_refuses_at_capacity_and_the_retry_goes_elsewhere(cluster, t
     hashed afresh, so half of them route to server 0) all complete, on server 1, and server 0 counts its
     refusals."""
     direct = f"127.0.0.1:{cluster.ports[0][1]}"
-    held = [new_sequence_id() for _ in range(MAX_SESSIONS)]
+    def slots() -> int:  # an earlier test's turns may still be ending (their sessions closing)
+        return int(tandem_metrics(cluster.ports[0][2])["tandem"].get("session_slots_free", MAX_SESSIONS))
+    deadline = time.monotonic() + 15.0
+    while slots() < MAX_SESSIONS and time.monotonic() < deadline:
+        time.sleep(0.25)
+    time.sleep(1.2)  # (the gauges are published once a second)
+    free = slots()
+    held = [new_sequence_id() for _ in range(free)]  # every slot left (an earlier test's idle session may hold one)
     for sid in held:
         generate([5, 6, 7], 1, url=direct, sequence_id=sid, sequence_end=False, spec="off")
     with pytest.raises(AtCapacity, match=r"at capacity"):
