@@ -85,6 +85,8 @@ def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_
     (its END refused while a turn ran) and opened again meanwhile is another session, whose turn gets
     plain decoding's tokens; dropping every session drops the calls in flight."""
     arm = schema.DFLASH2
+    # (both prompts primed whole at their admission, so both decode from the first burst: under a prefill
+    # budget the shorter one would finish its 40 tokens while the other is still being primed)
     sched, host, _ = hosted(shipped, pipeline=True, burst_ms=0.0, burst_rounds=3, prefill_budget=0)
     pipe = sched.trunk.pipeline
     a, b = (tokenizer.chat_prompt(t) for t in sharegpt_prompts[2:4])

@@ -89,10 +89,11 @@ def _counting_prime(sched) -> list[int]:
 def test_budget_bounds_each_burst_and_short_prompts_go_first(trunk_fp32, tokenizer, checkpoint, engines, prefix_mb):
     """Six long prompts wait behind a stream: every burst cycle (its admissions, then its prefill call)
     primes at most ``prefill_budget`` rows, but the cycle that admits the long prompts, which primes at
-    most each further one's least piece (one block) beyond it; a 2-token prompt arriving behind them gets
+    most each further one's least piece beyond it (one row: under CPU ``batch_invariant`` pieces are cut
+    anywhere, prefix cache or not); a 2-token prompt arriving behind them gets
     its first token at its admission, a 300-token one within two bursts while every long prompt still
     waits; every greedy output equals the same turn's output without contention."""
-    from tandem import schema
+    from tandem.engine.prefill import LEAST_PIECE_ROWS
 
     budget = 192
     eng = Engine(checkpoint, "fp32", model=trunk_fp32, tokenizer=tokenizer, demote_probe_rounds=0, burst_rounds=1,
@@ -110,7 +111,8 @@ def test_budget_bounds_each_burst_and_short_prompts_go_first(trunk_fp32, tokeniz
     rows = _counting_prime(sched)
     sched.admit([Turn(10 + i, ids, 3, emit(10 + i), spec="off") for i, ids in enumerate(longs)])
     admitted = rows.pop()
-    assert admitted <= budget + (len(longs) - 1) * schema.PREFIX_BLOCK and len(sched.prefilling()) == len(longs)
+    assert sched.invariant_prime
+    assert admitted <= budget + (len(longs) - 1) * LEAST_PIECE_ROWS and len(sched.prefilling()) == len(longs)
     cycles = []
     for _ in range(2):
         sched.burst()
@@ -135,3 +137,21 @@ def test_budget_bounds_each_burst_and_short_prompts_go_first(trunk_fp32, tokeniz
     alone = {1: (story, 48), 30: (short, 2), 31: (medium, 2), **{10 + i: (ids, 3) for i, ids in enumerate(longs)}}
     for sid, (ids, n) in alone.items():
         assert got[sid] == engines[0][0].generate(ids, n, spec="off")["token_ids"], sid
+
+
+def test_pieces_end_at_block_multiples_only_when_aligned():
+    """With the prefix cache on and a trunk whose prime rows depend on their pieces (``aligned``), every
+    piece but the last ends at a multiple of ``PREFIX_BLOCK`` of the sequence position; otherwise a piece
+    is as big as the budget allows, and the least piece is one row."""
+    from tandem import schema
+    from tandem.engine.prefill import LEAST_PIECE_ROWS, PendingPrefill
+    from tandem.engine.protocols import Rows
+
+    C = schema.PREFIX_BLOCK
+    item = Rows(7, list(range(5, 5 + 3 * C + 11)), [], 0, None)
+    aligned = PendingPrefill(item, 4, start=C + 5, aligned=True)
+    free = PendingPrefill(item, 4, start=C + 5, aligned=False)
+    assert (aligned.fit(100), free.fit(100)) == (2 * C - (C + 5), 100)
+    assert (aligned.fit(30), free.fit(30)) == (0, 30)  # no block end within 30 rows of position 69
+    assert (aligned.least(), free.least()) == (2 * C - (C + 5), LEAST_PIECE_ROWS)
+    assert aligned.fit(10_000) == free.fit(10_000) == len(item.tokens)

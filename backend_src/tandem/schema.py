@@ -37,9 +37,9 @@ class ServingConfig:
     close, then gets a "no free session" error); ``stage_timeout_s``: a stage call (BLS) that has not answered by then
     fails the turns waiting on it; ``prefill_budget``: prompt rows primed per burst at most, shared by every prompt
     waiting, shortest first (vLLM's ``max_num_batched_tokens`` for prefill; :mod:`tandem.engine.prefill`), so streams
-    keep getting bursts and short prompts are not held behind long ones; a prompt beyond it is primed in pieces (with
-    the prefix cache on, ending at multiples of ``PREFIX_BLOCK``; rows bit-identical for any piece under CPU
-    ``batch_invariant``); 0: every prompt whole at its admission; ``spec``: the default arm (the fastest measured; without its drafter:
+    keep getting bursts and short prompts are not held behind long ones; a prompt beyond it is primed in pieces (cut
+    anywhere under CPU ``batch_invariant``, where rows are bit-identical for any pieces; otherwise, with the prefix
+    cache on, at multiples of ``PREFIX_BLOCK``); 0: every prompt whole at its admission; ``spec``: the default arm (the fastest measured; without its drafter:
     ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model repository; ``dtype``: compute dtype
     of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU with bf16 GEMM inputs, both measured faster, bf16
     on CUDA; ``fp32``: fp32 GEMM inputs too); ``device``: where the stage models hold their weights and run (``auto``:

@@ -14,10 +14,12 @@ session and a prime has one row at least. Each later piece rides in one batched 
 of a burst (:meth:`Prefill._prefill_step`), with an empty prefix list where the prefix cache is in use (so
 the trunk keeps cutting at multiples of ``PREFIX_BLOCK`` and capturing the states there).
 
-Exactness: with the prefix cache on, every piece but a prompt's last ends at a multiple of ``PREFIX_BLOCK``
-of the sequence's position, so the pieces are the ones the trunk cuts an unchunked prime into anyway;
-under ``batch_invariant`` on the CPU every prime row runs the row-wise kernels, so pieces of any size leave
-every row bit-identical to one prime (``tests/test_trunk.py``). The pieces' outputs are joined, and the
+Exactness: under ``batch_invariant`` on the CPU every prime row runs the row-wise kernels, so pieces of
+any size leave every row bit-identical to one prime (``tests/test_trunk.py``;
+:func:`tandem.model.device.invariant_prime`). Otherwise, with the prefix cache on, every piece but a
+prompt's last ends at a multiple of ``PREFIX_BLOCK`` of the sequence's position, so the pieces are the ones
+the trunk cuts an unchunked prime into anyway (the trunk cuts at multiples of ``PREFIX_BLOCK`` of the
+sequence's position, so a piece may start anywhere). The pieces' outputs are joined, and the
 turn's first token is emitted after the last one, exactly as after one prime.
 """
 
@@ -32,17 +34,21 @@ from .protocols import Rows, VerifyOut
 #: a burst's prefill rows at least while no turn decodes: a long prompt alone is primed in pieces this big
 #: (a piece's fixed cost stays small), and a prompt arriving meanwhile waits at most one of them
 IDLE_PREFILL_ROWS = 256
+#: the smallest piece of a prompt when pieces may end anywhere (a budget under it still primes this much)
+LEAST_PIECE_ROWS = 1
 
 
 @dataclasses.dataclass
 class PendingPrefill:
     """A turn being primed in pieces: its whole prime ``item``, the sequence position ``start`` of the
-    item's first row, the rows ``done`` so far, their joined trunk outputs ``out`` and the turn's
-    ``max_tokens``."""
+    item's first row, the rows ``done`` so far, their joined trunk outputs ``out``, the turn's
+    ``max_tokens``, and whether pieces must end at multiples of ``PREFIX_BLOCK`` (``aligned``: the item
+    uses the prefix cache and the trunk's prime rows depend on the pieces)."""
 
     item: Rows
     max_tokens: int
     start: int = 0
+    aligned: bool = False
     done: int = 0
     out: VerifyOut | None = None
 
@@ -52,17 +58,17 @@ class PendingPrefill:
 
     def fit(self, budget: int) -> int:
         """Rows of the next piece within ``budget`` rows: the rest of the prompt when it fits, else as many
-        as fit, ending at a multiple of ``PREFIX_BLOCK`` when the item uses the prefix cache (0: none fits)."""
+        as fit, ending at a multiple of ``PREFIX_BLOCK`` when ``aligned`` (0: none fits)."""
         if self.left() <= budget:
             return self.left()
         pos, c = self.start + self.done, schema.PREFIX_BLOCK
-        return max((pos + budget) // c * c - pos if self.item.prefix is not None else budget, 0)
+        return max((pos + budget) // c * c - pos if self.aligned else budget, 0)
 
     def least(self) -> int:
-        """The smallest piece: the rest of the prompt, or one ``PREFIX_BLOCK`` of it (with the prefix cache,
-        the rows up to the next multiple of ``PREFIX_BLOCK``)."""
+        """The smallest piece: the rest of the prompt, or ``LEAST_PIECE_ROWS`` of it (``aligned``: the rows
+        up to the next multiple of ``PREFIX_BLOCK``)."""
         pos, c = self.start + self.done, schema.PREFIX_BLOCK
-        return min(self.left(), (pos // c + 1) * c - pos if self.item.prefix is not None else c)
+        return min(self.left(), (pos // c + 1) * c - pos if self.aligned else LEAST_PIECE_ROWS)
 
     def piece(self, n: int, first: bool) -> Rows:
         """The prime item of the next ``n`` rows (the first carries the prefix keys and the pending commit)."""
@@ -81,7 +87,7 @@ class PendingPrefill:
 
 class Prefill:
     """Mixed into :class:`~tandem.engine.scheduler.Scheduler` (whose ``sessions``, ``turns``,
-    ``trunk``, ``config``, ``busy``, ``active``, ``_after_prime`` and ``_publish`` it uses)."""
+    ``trunk``, ``config``, ``invariant_prime``, ``busy``, ``active``, ``_after_prime`` and ``_publish`` it uses)."""
 
     #: prompt rows the admissions since the last :meth:`_prefill_step` primed (the burst cycle's budget spent)
     _prefill_used: int = 0
@@ -89,16 +95,17 @@ class Prefill:
     def _chunked(self, ok: list[tuple]) -> list[tuple]:
         """The admission's prime items. ``ok`` holds each admitted ``(turn, session, whole prime item)``;
         returns them in the same order with each item cut to the piece primed now, the rest left in the
-        session's ``prefill`` (None: primed whole). Shortest prompt first, from the burst cycle's budget;
+        session's ``prefill`` (None: primed whole). Shortest prompt first, from the burst cycle's budget
+        (:meth:`_burst_budget`, counting the turns already running, not these);
         a turn the budget does not reach still primes its least piece."""
-        budget = self.config.prefill_budget
+        budget = self._burst_budget() if self.config.prefill_budget else 0  # (idle: IDLE_PREFILL_ROWS at least)
         if not self.busy():  # no burst ran after the last admissions: their rows were never a burst's
             self._prefill_used = 0
         cut = {}
         for j in sorted(range(len(ok)), key=lambda j: len(ok[j][2].tokens)):
             t, s, item = ok[j]
             start = s.warm_rows if item.prefix is not None else len(s.committed)
-            p = PendingPrefill(item, t.max_tokens, start)
+            p = PendingPrefill(item, t.max_tokens, start, aligned=item.prefix is not None and not self.invariant_prime)
             n = p.left() if not budget else max(p.fit(budget - self._prefill_used), p.least())
             self._prefill_used += n
             s.prefill = None if n == p.left() else p

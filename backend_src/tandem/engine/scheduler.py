@@ -12,6 +12,7 @@ import time
 from typing import Callable
 
 from .. import schema
+from ..model.device import invariant_prime
 from ..schema import ServingConfig
 from .accept import Walk, accept_walk
 from .demotion import Demotion
@@ -47,6 +48,8 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         #: held while :meth:`admit` sorts turns into admitted / waiting / refused (:meth:`refuse_overdue`)
         self._admit_lock = threading.Lock()
         self.config, self.decode = config, decode
+        #: a prime's rows do not depend on its pieces, so chunked prefill cuts prompts anywhere (prefill.py)
+        self.invariant_prime = invariant_prime(config)
         self.stop_ids = tuple(stop_ids)
         self.sessions: dict[int, SpecSession] = {}
         self.turns: dict[int, Turn] = {}

@@ -67,6 +67,14 @@ def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
     return dev, parse_dtype(cfg.dtype, dev)
 
 
+def invariant_prime(cfg: schema.ServingConfig) -> bool:
+    """True when a prime's rows do not depend on how it is cut into pieces: ``batch_invariant`` with the
+    CPU kernels in fp32 (:meth:`tandem.model.trunk.Trunk._invariant_rows`), so chunked prefill may cut a prompt
+    anywhere, prefix cache or not (else, with the prefix cache, only at multiples of ``PREFIX_BLOCK``)."""
+    dev = resolve_device(cfg.device)
+    return cfg.batch_invariant and cfg.kernels == "auto" and dev.type == "cpu" and parse_dtype(cfg.dtype, dev) == torch.float32
+
+
 def gemm_inputs(name: str, amx: bool = schema.DEFAULTS.amx) -> None:
     """The CPU serving GEMM's inputs for the ``dtype`` parameter ``name``: ``auto`` bfloat16 inputs on
     bfloat16 weights (:mod:`tandem.model.cpu_pairs`, the faster by measurement), ``fp32`` float32

@@ -272,7 +272,8 @@ def main(
         longs = [ids[: n_long - 2] + ids[-2:] for ids in texts]
         streams = [tok.chat_prompt(t) for t in sharegpt_prompts(4, seed=seed + 3, exclude=seen)]
         shorts_at = [0.02, 0.05, 0.08] if quick else [0.1 + 0.4 * i for i in range(7)]
-        profile["long_prompt"] = run_long_prompt(plain_eng, streams, longs, streams[0][:2], schema.OFF, shorts_at,
+        serving = Engine(model=plain_eng.model, tokenizer=tok, amx=amx)  # the serving defaults: prefix cache on
+        profile["long_prompt"] = run_long_prompt(serving, streams, longs, streams[0][:2], schema.OFF, shorts_at,
                                                  0.3 if quick else 3.0)
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(console, out_rows, ratios, profile,

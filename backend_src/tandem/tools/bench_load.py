@@ -158,7 +158,8 @@ def run_long_prompt(engine, streams: list[list[int]], longs: list[list[int]], sh
 
     _arrivals(engine, streams[:1], spec, [], short, [0.0], 0.0)  # warm-up
     out = {"spec": spec, "sessions": len(streams), "long_prompts": len(longs), "long_tokens": len(longs[0]),
-           "short_tokens": len(short), "budget": engine.sched.config.prefill_budget, "window_s": window_s}
+           "short_tokens": len(short), "budget": engine.sched.config.prefill_budget, "window_s": window_s,
+           "prefix_cache_mb": engine.sched.config.prefix_cache_mb}
     for name, ls in (("alone", []), ("waiting", longs)):
         r = _arrivals(engine, streams, spec, ls, short, shorts_at, window_s)
         out[name] = {"gap_p90_s": float(np.percentile(r["gaps"], 90)), "tokens_per_s": r["tokens_per_s"],
@@ -179,4 +180,4 @@ def print_long_prompt(console, r: dict) -> None:
         f"= [bold]{r['ttft_ratio']:.2f}x[/] "
         f"(target <= 3x, median of {w['shorts']}); streams {a['tokens_per_s']:.0f} vs {w['tokens_per_s']:.0f} tok/s; "
         f"{len(w['long_ttft_s'])} of the long prompts primed within the {r['window_s']:g} s measured "
-        f"(prefill_budget {r['budget']} rows a burst)")
+        f"(prefill_budget {r['budget']} rows a burst, prefix cache {r.get('prefix_cache_mb', 0)} MB)")
