@@ -45,8 +45,11 @@ REPLICAS ?= 2
 serve-cluster: setup
 	$(VPY) -m tandem.serving.cluster serve --replicas $(REPLICAS) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
+# style by tools (ruff: pyproject.toml's [tool.ruff]), then the suite with its 15 slowest tests listed
 test: setup
-	$(VPY) -m pytest -q tests
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+	$(VPY) -m pytest -q --durations=15 tests
 
 # trunk + MTP layer (ARGS go to tandem.tools.train), then the DFlash drafters distilled from it
 model: setup

@@ -70,8 +70,10 @@ def run(device: str, modules=MODULES, reps: int = 3) -> list[dict]:
         def timer(fn):
             return do_bench(fn)
     else:
+
         def timer(fn):
             return _time_cpu(fn, reps)
+
     rows = []
     for name in modules:
         mod = importlib.import_module(f"tandem_kernels.{name}")
@@ -80,12 +82,23 @@ def run(device: str, modules=MODULES, reps: int = 3) -> list[dict]:
             diff = max_diff(out, ker())
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in _flat(out))  # bf16: ~1 rounding step
             t_ref, t_ker = timer(ref), timer(ker)
-            rows.append({"module": name, "case": label, "torch_ms": t_ref, "triton_ms": t_ker,
-                         "speedup": t_ref / t_ker if t_ker > 0 else float("nan"), "max_diff": diff,
-                         "low_precision": low})
+            rows.append(
+                {
+                    "module": name,
+                    "case": label,
+                    "torch_ms": t_ref,
+                    "triton_ms": t_ker,
+                    "speedup": t_ref / t_ker if t_ker > 0 else float("nan"),
+                    "max_diff": diff,
+                    "low_precision": low,
+                }
+            )
             r = rows[-1]
-            print(f"{name:16s} {label:58s} torch {r['torch_ms']:9.3f} ms  triton {r['triton_ms']:9.3f} ms  "
-                  f"{r['speedup']:6.2f}x  max|diff| {r['max_diff']:.2e}", flush=True)
+            print(
+                f"{name:16s} {label:58s} torch {r['torch_ms']:9.3f} ms  triton {r['triton_ms']:9.3f} ms  "
+                f"{r['speedup']:6.2f}x  max|diff| {r['max_diff']:.2e}",
+                flush=True,
+            )
     return rows
 
 
@@ -100,14 +113,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernel bench on {torch.cuda.get_device_name()} (triton.testing.do_bench medians, ms)", flush=True)
     elif a.cpu:
         if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            print("kernel bench --cpu: set TRITON_INTERPRET=1 (Triton's interpreter runs the kernels on the CPU)",
-                  file=sys.stderr)
+            print(
+                "kernel bench --cpu: set TRITON_INTERPRET=1 (Triton's interpreter runs the kernels on the CPU)",
+                file=sys.stderr,
+            )
             return 2
         device = "cpu"
         print("kernel bench: CPU smoke run in Triton's interpreter; timings are NOT kernel speed", flush=True)
     else:
-        print("kernel bench: no CUDA GPU here. Run it on a GPU machine, or pass --cpu for an interpreter "
-              "smoke run (agreement only).", file=sys.stderr)
+        print(
+            "kernel bench: no CUDA GPU here. Run it on a GPU machine, or pass --cpu for an interpreter "
+            "smoke run (agreement only).",
+            file=sys.stderr,
+        )
         return 2
     rows = run(device, a.modules.split(","))
     if a.json:

@@ -64,12 +64,41 @@ def _online_step(q, kt, vt, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, 
 
 
 @triton.jit
-def _block_attention_kernel(Q, K, V, CK, CV, O, CTX_OFF,
-                            sq_h, sq_r, sq_d, sk_h, sk_r, sk_d, sv_h, sv_r, sv_d,
-                            sck_h, sck_c, sck_d, scv_h, scv_c, scv_d, so_h, so_r, so_d,
-                            S, D, qk_scale,
-                            BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                            PREC: tl.constexpr, DOT_F32: tl.constexpr):
+def _block_attention_kernel(
+    Q,
+    K,
+    V,
+    CK,
+    CV,
+    OUT,
+    CTX_OFF,
+    sq_h,
+    sq_r,
+    sq_d,
+    sk_h,
+    sk_r,
+    sk_d,
+    sv_h,
+    sv_r,
+    sv_d,
+    sck_h,
+    sck_c,
+    sck_d,
+    scv_h,
+    scv_c,
+    scv_d,
+    so_h,
+    so_r,
+    so_d,
+    S,
+    D,
+    qk_scale,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     j = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     rs = tl.arange(0, BLOCK_S)
@@ -88,23 +117,38 @@ def _block_attention_kernel(Q, K, V, CK, CV, O, CTX_OFF,
     for start in range(c0, c1, BLOCK_C):  # the context, in tiles (no iteration when C_j = 0)
         cols = (start + rc).to(tl.int64)
         mc = cols < c1
-        kt = tl.load(CK + h * sck_h + cols[None, :] * sck_c + rd[:, None] * sck_d, mask=md[:, None] & mc[None, :], other=0.0)
-        vt = tl.load(CV + h * scv_h + cols[:, None] * scv_c + rd[None, :] * scv_d, mask=mc[:, None] & md[None, :], other=0.0)
+        kt = tl.load(
+            CK + h * sck_h + cols[None, :] * sck_c + rd[:, None] * sck_d, mask=md[:, None] & mc[None, :], other=0.0
+        )
+        vt = tl.load(
+            CV + h * scv_h + cols[:, None] * scv_c + rd[None, :] * scv_d, mask=mc[:, None] & md[None, :], other=0.0
+        )
         m_i, l_i, acc = _online_step(q, kt, vt, mc, m_i, l_i, acc, qk_scale, PREC, DOT_F32)
     # the block's own S keys, all visible (at least one: the denominator is never 0)
     kt = tl.load(K + h * sk_h + rows[None, :] * sk_r + rd[:, None] * sk_d, mask=md[:, None] & ms[None, :], other=0.0)
     vb = tl.load(V + h * sv_h + rows[:, None] * sv_r + rd[None, :] * sv_d, mask=ms[:, None] & md[None, :], other=0.0)
     m_i, l_i, acc = _online_step(q, kt, vb, ms, m_i, l_i, acc, qk_scale, PREC, DOT_F32)
     o = acc / l_i[:, None]
-    tl.store(O + h * so_h + rows[:, None] * so_r + rd[None, :] * so_d, o.to(O.dtype.element_ty), mask=ms[:, None] & md[None, :])
+    tl.store(
+        OUT + h * so_h + rows[:, None] * so_r + rd[None, :] * so_d,
+        o.to(OUT.dtype.element_ty),
+        mask=ms[:, None] & md[None, :],
+    )
 
 
 def _tile(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def block_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-                           ctx_offsets: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def block_attention_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    ctx_offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Block attention over packed context K/V (see the module docstring).
 
     ``q``, ``k``, ``v [H, R, d]``; ``ctx_k``, ``ctx_v [H, C_total, d]``; ``ctx_offsets`` int32
@@ -118,7 +162,9 @@ def block_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ct
     if ctx_k.dim() != 3 or ctx_k.shape != ctx_v.shape or ctx_k.shape[0] != H or ctx_k.shape[2] != d:
         raise ValueError(f"ctx_k, ctx_v must be [H={H}, C, d={d}], got {list(ctx_k.shape)}, {list(ctx_v.shape)}")
     if ctx_offsets.dim() != 1 or ctx_offsets.numel() < 2 or ctx_offsets.dtype != torch.int32:
-        raise ValueError(f"ctx_offsets must be int32 [N + 1] with N >= 1, got {ctx_offsets.dtype} {list(ctx_offsets.shape)}")
+        raise ValueError(
+            f"ctx_offsets must be int32 [N + 1] with N >= 1, got {ctx_offsets.dtype} {list(ctx_offsets.shape)}"
+        )
     N = ctx_offsets.numel() - 1
     if R % N:
         raise ValueError(f"{R} block rows do not split into {N} equal blocks")
@@ -127,27 +173,49 @@ def block_attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ct
         raise ValueError(f"block attention handles S <= {MAX_S}, d <= {MAX_D}; got S={S}, d={d}")
     ts = {t.dtype for t in (q, k, v, ctx_k, ctx_v)}
     if len(ts) != 1 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q, k, v, ctx_k, ctx_v must share one float dtype (fp32/bf16/fp16), got {sorted(map(str, ts))}")
+        raise ValueError(
+            f"q, k, v, ctx_k, ctx_v must share one float dtype (fp32/bf16/fp16), got {sorted(map(str, ts))}"
+        )
     if len({t.device for t in (q, k, v, ctx_k, ctx_v, ctx_offsets)}) != 1:
         raise ValueError("q, k, v, ctx_k, ctx_v and ctx_offsets must be on one device")
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if o.shape != q.shape or o.dtype != q.dtype or o.device != q.device:
-        raise ValueError(f"out must be [H, R, d] = {list(q.shape)} {q.dtype} on {q.device}, got {list(o.shape)} {o.dtype}")
+        raise ValueError(
+            f"out must be [H, R, d] = {list(q.shape)} {q.dtype} on {q.device}, got {list(o.shape)} {o.dtype}"
+        )
     if ctx_k.shape[1] == 0:  # no context rows at all: any valid pointer (never read)
         ctx_k, ctx_v = k, v
     BLOCK_D = _tile(d)
     _block_attention_kernel[(N, H)](
-        q, k, v, ctx_k, ctx_v, o, ctx_offsets,
-        *q.stride(), *k.stride(), *v.stride(), *ctx_k.stride(), *ctx_v.stride(), *o.stride(),
-        S, d, d ** -0.5 * math.log2(math.e),
-        BLOCK_S=_tile(S), BLOCK_C=64 if BLOCK_D <= 64 else 32, BLOCK_D=BLOCK_D,
-        PREC="ieee" if q.dtype == torch.float32 else None, DOT_F32=dispatch.interpreted(),
-        num_warps=4)
+        q,
+        k,
+        v,
+        ctx_k,
+        ctx_v,
+        o,
+        ctx_offsets,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *ctx_k.stride(),
+        *ctx_v.stride(),
+        *o.stride(),
+        S,
+        d,
+        d**-0.5 * math.log2(math.e),
+        BLOCK_S=_tile(S),
+        BLOCK_C=64 if BLOCK_D <= 64 else 32,
+        BLOCK_D=BLOCK_D,
+        PREC="ieee" if q.dtype == torch.float32 else None,
+        DOT_F32=dispatch.interpreted(),
+        num_warps=4,
+    )
     return o
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list[torch.Tensor],
-                    ctx_v: list[torch.Tensor]) -> torch.Tensor:
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor]
+) -> torch.Tensor:
     """The list branch of :meth:`tandem.model.dflash.DFlashAttention.forward` before ``o_proj``
     (same arguments and result as :func:`tandem.model.dflash.block_attention`).
 
@@ -162,7 +230,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: li
     _, H, R, d = q.shape
     for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v)):
         if ck.dim() != 4 or ck.shape[0] != 1 or ck.shape != cv.shape or ck.shape[1] != H or ck.shape[3] != d:
-            raise ValueError(f"context {j}: ctx_k, ctx_v must be [1, H={H}, C, d={d}], got {list(ck.shape)}, {list(cv.shape)}")
+            raise ValueError(
+                f"context {j}: ctx_k, ctx_v must be [1, H={H}, C, d={d}], got {list(ck.shape)}, {list(cv.shape)}"
+            )
     lens = [ck.shape[2] for ck in ctx_k]
     offs = [0]
     for c in lens:
@@ -192,7 +262,15 @@ def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[
         return (label, lambda: reference(q, k, v, ck, cv), lambda: block_attention(q, k, v, ck, cv))
 
     if device == "cuda":
-        return [case("dflash block attn H=32 d=128 S=8 N=8 C~4096 bf16", 32, 128, 8,
-                     [4096, 3900, 4200, 3500, 4096, 4500, 3000, 4096], torch.bfloat16),
-                case("dflash block attn H=32 d=128 S=8 N=1 C=1024 bf16", 32, 128, 8, [1024], torch.bfloat16)]
+        return [
+            case(
+                "dflash block attn H=32 d=128 S=8 N=8 C~4096 bf16",
+                32,
+                128,
+                8,
+                [4096, 3900, 4200, 3500, 4096, 4500, 3000, 4096],
+                torch.bfloat16,
+            ),
+            case("dflash block attn H=32 d=128 S=8 N=1 C=1024 bf16", 32, 128, 8, [1024], torch.bfloat16),
+        ]
     return [case("dflash block attn H=3 d=12 S=8 N=3 C=0/5/37 fp32", 3, 12, 8, [0, 5, 37], torch.float32)]

@@ -83,8 +83,10 @@ def use_triton(t: torch.Tensor) -> bool:
     if not available():
         raise KernelUnavailable(f"{ENV}=triton but the triton package is not installed")
     if not t.is_cuda and not interpreted():
-        raise KernelUnavailable(f"{ENV}=triton on {t.device} tensors needs TRITON_INTERPRET=1 (Triton's "
-                                "interpreter), set before the kernels are imported")
+        raise KernelUnavailable(
+            f"{ENV}=triton on {t.device} tensors needs TRITON_INTERPRET=1 (Triton's "
+            "interpreter), set before the kernels are imported"
+        )
     return True
 
 

@@ -41,8 +41,24 @@ ENGINE_LAUNCHERS = ("mask", "select_rows")
 
 
 @triton.jit
-def _scores(iq_ptr, iw_ptr, pk_tab, npool_ptr, seq_ptr, pos_ptr, key_ptr, key_stride, HI, DI, q_scale, w_scale,
-            KP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+def _scores(
+    iq_ptr,
+    iw_ptr,
+    pk_tab,
+    npool_ptr,
+    seq_ptr,
+    pos_ptr,
+    key_ptr,
+    key_stride,
+    HI,
+    DI,
+    q_scale,
+    w_scale,
+    KP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     j0 = tl.program_id(1) * BLOCK_P
     b = tl.load(seq_ptr + r)
@@ -65,8 +81,20 @@ def _scores(iq_ptr, iw_ptr, pk_tab, npool_ptr, seq_ptr, pos_ptr, key_ptr, key_st
 
 
 @triton.jit
-def _select(key_ptr, key_stride, npool_ptr, seq_ptr, pos_ptr, len_ptr, ids_ptr, mask_ptr, m_stride, K,
-            KP: tl.constexpr, BLOCK_P: tl.constexpr):
+def _select(
+    key_ptr,
+    key_stride,
+    npool_ptr,
+    seq_ptr,
+    pos_ptr,
+    len_ptr,
+    ids_ptr,
+    mask_ptr,
+    m_stride,
+    K,
+    KP: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     b = tl.load(seq_ptr + r)
     p = tl.load(pos_ptr + r)
@@ -111,8 +139,16 @@ def _select(key_ptr, key_stride, npool_ptr, seq_ptr, pos_ptr, len_ptr, ids_ptr, 
     tl.store(mask_ptr + r * m_stride + tail, tl.full([KP], 1, tl.int8), mask=tail_ok)
 
 
-def select_rows(iq: torch.Tensor, iw: torch.Tensor, pks: list[torch.Tensor], lengths: list[int], pos: torch.Tensor,
-                kv_lens: list[int], kp: int, k_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_rows(
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    pks: list[torch.Tensor],
+    lengths: list[int],
+    pos: torch.Tensor,
+    kv_lens: list[int],
+    kp: int,
+    k_pools: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DSA selection of ragged rows: ``iq [R, Hi, di]``, ``iw [R, Hi]`` hold sequence ``b``'s
     ``lengths[b]`` rows in turn, at absolute positions ``pos [R]`` (int);
     ``pks[b] [P_b, di]`` its pool keys (fp32 or not: cast), ``kv_lens[b]`` its cache length.
@@ -120,11 +156,15 @@ def select_rows(iq: torch.Tensor, iw: torch.Tensor, pks: list[torch.Tensor], len
     bool. Raises ``ValueError`` on inconsistent shapes or sizes beyond the limits."""
     R, HI, DI = iq.shape
     if iw.shape != (R, HI) or pos.shape != (R,) or sum(lengths) != R or not len(pks) == len(lengths) == len(kv_lens):
-        raise ValueError(f"select_rows: iq {tuple(iq.shape)}, iw {tuple(iw.shape)}, pos {tuple(pos.shape)}, "
-                         f"lengths {lengths}, {len(pks)} pool-key tensors, {len(kv_lens)} kv lengths disagree")
+        raise ValueError(
+            f"select_rows: iq {tuple(iq.shape)}, iw {tuple(iw.shape)}, pos {tuple(pos.shape)}, "
+            f"lengths {lengths}, {len(pks)} pool-key tensors, {len(kv_lens)} kv lengths disagree"
+        )
     if HI > 128 or DI > 256 or k_pools < 1 or kp < 1 or kp & (kp - 1):
-        raise ValueError(f"select_rows supports Hi <= 128, di <= 256, k_pools >= 1, kp a power of two; "
-                         f"got Hi={HI}, di={DI}, k_pools={k_pools}, kp={kp}")
+        raise ValueError(
+            f"select_rows supports Hi <= 128, di <= 256, k_pools >= 1, kp a power of two; "
+            f"got Hi={HI}, di={DI}, k_pools={k_pools}, kp={kp}"
+        )
     dev = iq.device
     if any(t.dim() != 2 or t.shape[1] != DI for t in pks):
         raise ValueError(f"pool keys must be [P_b, di={DI}], got {[tuple(t.shape) for t in pks]}")
@@ -135,9 +175,11 @@ def select_rows(iq: torch.Tensor, iw: torch.Tensor, pks: list[torch.Tensor], len
     B = len(pks)
     pks = [t.float().contiguous() if t.shape[0] else iq.new_zeros(1, DI, dtype=torch.float32) for t in pks]
     # one host-to-device copy: per sequence its pool keys' address, pool count and cache length; per row its sequence
-    meta = torch.tensor([t.data_ptr() for t in pks] + npools + list(kv_lens)
-                        + [b for b, n in enumerate(lengths) for _ in range(n)], dtype=torch.int64).to(dev)
-    table, npool, lens, seq = meta[:B], meta[B: 2 * B], meta[2 * B: 3 * B], meta[3 * B:]
+    meta = torch.tensor(
+        [t.data_ptr() for t in pks] + npools + list(kv_lens) + [b for b, n in enumerate(lengths) for _ in range(n)],
+        dtype=torch.int64,
+    ).to(dev)
+    table, npool, lens, seq = meta[:B], meta[B : 2 * B], meta[2 * B : 3 * B], meta[3 * B :]
     pos = pos.to(dev, torch.int32).contiguous()
     iq, iw = iq.contiguous(), iw.contiguous()
     keys = torch.empty(R, max(p_max, 1), dtype=torch.int32, device=dev)
@@ -147,24 +189,47 @@ def select_rows(iq: torch.Tensor, iw: torch.Tensor, pks: list[torch.Tensor], len
         return ids, mask[:, : max(kv_lens, default=0)].bool()
     bp = 32
     if p_max:
-        _scores[(R, triton.cdiv(p_max, bp))](iq, iw, table, npool, seq, pos, keys, keys.stride(0), HI, DI,
-                                            DI ** -0.5, HI ** -0.5, KP=kp, BLOCK_H=max(16, triton.next_power_of_2(HI)),
-                                            BLOCK_D=max(16, triton.next_power_of_2(DI)), BLOCK_P=bp)
-    _select[(R,)](keys, keys.stride(0), npool, seq, pos, lens, ids, mask, mask.stride(0), k_pools, KP=kp,
-                  BLOCK_P=128)
+        _scores[(R, triton.cdiv(p_max, bp))](
+            iq,
+            iw,
+            table,
+            npool,
+            seq,
+            pos,
+            keys,
+            keys.stride(0),
+            HI,
+            DI,
+            DI**-0.5,
+            HI**-0.5,
+            KP=kp,
+            BLOCK_H=max(16, triton.next_power_of_2(HI)),
+            BLOCK_D=max(16, triton.next_power_of_2(DI)),
+            BLOCK_P=bp,
+        )
+    _select[(R,)](keys, keys.stride(0), npool, seq, pos, lens, ids, mask, mask.stride(0), k_pools, KP=kp, BLOCK_P=128)
     return ids, mask[:, : max(kv_lens, default=0)].view(torch.bool)
 
 
-def mask(iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor, q_pos: torch.Tensor, kv_len: int, kp: int,
-         k_pools: int) -> torch.Tensor:
+def mask(
+    iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor, q_pos: torch.Tensor, kv_len: int, kp: int, k_pools: int
+) -> torch.Tensor:
     """Same arguments and result as ``select_pools(pool_scores(iq, iw, pk), q_pos, kv_len, kp, k_pools)``
     (:mod:`tandem.model.mla`): ``iq [B, T, Hi, di]``, ``iw [B, T, Hi]``, ``pk [B, P, di]``, ``q_pos [T]``
     -> visibility mask ``[B, T, kv_len]`` bool. Raises ``ValueError`` as :func:`select_rows`."""
     B, T, HI, DI = iq.shape
     if q_pos.shape != (T,) or pk.shape[0] != B:
         raise ValueError(f"mask: iq {tuple(iq.shape)}, pk {tuple(pk.shape)}, q_pos {tuple(q_pos.shape)} disagree")
-    _, m = select_rows(iq.reshape(B * T, HI, DI), iw.reshape(B * T, HI), list(pk.unbind(0)), [T] * B,
-                       q_pos.to(iq.device).repeat(B), [kv_len] * B, kp, k_pools)
+    _, m = select_rows(
+        iq.reshape(B * T, HI, DI),
+        iw.reshape(B * T, HI),
+        list(pk.unbind(0)),
+        [T] * B,
+        q_pos.to(iq.device).repeat(B),
+        [kv_len] * B,
+        kp,
+        k_pools,
+    )
     return m.view(B, T, kv_len)
 
 
@@ -179,6 +244,10 @@ def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[
     iw = torch.randn(B, T, HI, device=device, generator=g)
     pk = torch.randn(B, L // kp, DI, device=device, generator=g)
     q_pos = torch.arange(L - T, L, device=device)
-    return [(f"dsa_indexer B={B} T={T} Hi={HI} di={DI} L={L} topk={topk}",
-             lambda: select_pools(pool_scores(iq, iw, pk), q_pos, L, kp, topk // kp),
-             lambda: mask(iq, iw, pk, q_pos, L, kp, topk // kp))]
+    return [
+        (
+            f"dsa_indexer B={B} T={T} Hi={HI} di={DI} L={L} topk={topk}",
+            lambda: select_pools(pool_scores(iq, iw, pk), q_pos, L, kp, topk // kp),
+            lambda: mask(iq, iw, pk, q_pos, L, kp, topk // kp),
+        )
+    ]

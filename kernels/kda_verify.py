@@ -47,8 +47,23 @@ from tandem_kernels import dispatch
 
 
 @triton.jit
-def _kda_verify_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, starts_ptr, lens_ptr, o_ptr, st_ptr,
-                       H, DK, DV, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+def _kda_verify_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    s0_ptr,
+    starts_ptr,
+    lens_ptr,
+    o_ptr,
+    st_ptr,
+    H,
+    DK,
+    DV,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -84,8 +99,9 @@ def _check(q, k, v, g, beta, state, ndim: int) -> None:
         if x.device != k.device:
             raise ValueError(f"kda_verify: {name} is on {x.device}, k on {k.device}")
     if k.ndim != ndim or q.shape != k.shape or g.shape != k.shape:
-        raise ValueError(f"kda_verify: q, k, g must share a {ndim}-d shape, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(g.shape)}")
+        raise ValueError(
+            f"kda_verify: q, k, g must share a {ndim}-d shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}"
+        )
     if v.shape[:-1] != k.shape[:-1] or beta.shape != k.shape[:-1]:
         raise ValueError(f"kda_verify: v {tuple(v.shape)} / beta {tuple(beta.shape)} do not match k {tuple(k.shape)}")
     H, dk, dv = k.shape[-2], k.shape[-1], v.shape[-1]
@@ -93,9 +109,16 @@ def _check(q, k, v, g, beta, state, ndim: int) -> None:
         raise ValueError(f"kda_verify: state must be [B, {H}, {dk}, {dv}], got {tuple(state.shape)}")
 
 
-def kda_rows_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, lengths: Sequence[int] | torch.Tensor, block_v: int | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_rows_ragged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lengths: Sequence[int] | torch.Tensor,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify rows of a ragged batch: sequence ``b`` owns packed rows ``sum(lengths[:b]) ..`` (+ ``lengths[b]``).
 
     Args: ``q, k, g [R, H, dk]``, ``v [R, H, dv]``, ``beta [R, H]``, ``state [B, H, dk, dv]`` (fp32,
@@ -126,13 +149,29 @@ def kda_rows_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     q, k, v, g, beta, state = (x.contiguous() for x in (q, k, v, g, beta, state))
     dev = k.device
     grid = (B, H, triton.cdiv(dv, bv))
-    _kda_verify_kernel[grid](q, k, v, g, beta, state, starts.to(torch.int32).to(dev), lens.to(torch.int32).to(dev),
-                             o, states, H, dk, dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=bv)
+    _kda_verify_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        starts.to(torch.int32).to(dev),
+        lens.to(torch.int32).to(dev),
+        o,
+        states,
+        H,
+        dk,
+        dv,
+        BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=bv,
+    )
     return o, states
 
 
-def kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tandem.model.kda.kda_rows` on the kernel: ``B`` sequences of ``T`` rows each.
 
     Args: ``q, k, g [B, T, H, dk]``, ``v [B, T, H, dv]``, ``beta [B, T, H]``, ``state [B, H, dk, dv]``
@@ -144,8 +183,15 @@ def kda_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     dv = v.shape[-1]
     if state.shape[0] != B:
         raise ValueError(f"kda_verify: state has {state.shape[0]} sequences, the rows {B}")
-    o, states = kda_rows_ragged(q.reshape(B * T, H, dk), k.reshape(B * T, H, dk), v.reshape(B * T, H, dv),
-                                g.reshape(B * T, H, dk), beta.reshape(B * T, H), state, [T] * B)
+    o, states = kda_rows_ragged(
+        q.reshape(B * T, H, dk),
+        k.reshape(B * T, H, dk),
+        v.reshape(B * T, H, dv),
+        g.reshape(B * T, H, dk),
+        beta.reshape(B * T, H),
+        state,
+        [T] * B,
+    )
     return o.view(B, T, H, dv), states.view(B, T, H, dk, dv)
 
 
@@ -159,7 +205,7 @@ def _case(B: int, T: int, H: int, dk: int, dv: int, device: str, seed: int = 0):
     def unit(x):
         return x / x.norm(dim=-1, keepdim=True)
 
-    q = unit(rnd(B, T, H, dk)) * dk ** -0.5
+    q = unit(rnd(B, T, H, dk)) * dk**-0.5
     k = unit(rnd(B, T, H, dk))
     g = -5.0 * torch.rand(B, T, H, dk, generator=gen)
     xs = (q, k, rnd(B, T, H, dv), g, torch.rand(B, T, H, generator=gen), 0.1 * rnd(B, H, dk, dv))
@@ -179,6 +225,7 @@ def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[
     cases = []
     for B, T, H, dk, dv in shapes:
         args = _case(B, T, H, dk, dv, device)
-        cases.append((f"kda_verify B={B} T={T} H={H} dk={dk} dv={dv}",
-                      lambda a=args: reference(*a), lambda a=args: kda_rows(*a)))
+        cases.append(
+            (f"kda_verify B={B} T={T} H={H} dk={dk} dv={dv}", lambda a=args: reference(*a), lambda a=args: kda_rows(*a))
+        )
     return cases

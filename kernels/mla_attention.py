@@ -43,9 +43,30 @@ BLOCK_T = 16
 
 
 @triton.jit
-def _attend(q_ptr, k_tab, v_tab, kh_tab, vh_tab, len_ptr, mask_ptr, m_stride, o_ptr, t_seq, t_row, t_n, H, DQK, DV,
-            scaling, k_ref, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQ: tl.constexpr,
-            BLOCK_DV: tl.constexpr, IEEE: tl.constexpr):
+def _attend(
+    q_ptr,
+    k_tab,
+    v_tab,
+    kh_tab,
+    vh_tab,
+    len_ptr,
+    mask_ptr,
+    m_stride,
+    o_ptr,
+    t_seq,
+    t_row,
+    t_n,
+    H,
+    DQK,
+    DV,
+    scaling,
+    k_ref,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQ: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(t_seq + tile)
@@ -59,8 +80,9 @@ def _attend(q_ptr, k_tab, v_tab, kh_tab, vh_tab, len_ptr, mask_ptr, m_stride, o_
     tm = t < nt
     dq = tl.arange(0, BLOCK_DQ)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + rows[:, None] * (H * DQK) + h * DQK + dq[None, :], mask=tm[:, None] & (dq < DQK)[None, :],
-                other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * (H * DQK) + h * DQK + dq[None, :], mask=tm[:, None] & (dq < DQK)[None, :], other=0.0
+    )
     m_i = tl.full([BLOCK_T], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_DV], tl.float32)
@@ -86,55 +108,106 @@ def _attend(q_ptr, k_tab, v_tab, kh_tab, vh_tab, len_ptr, mask_ptr, m_stride, o_
                 acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
             m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + rows[:, None] * (H * DV) + h * DV + dv[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=tm[:, None] & (dv < DV)[None, :])
+    tl.store(
+        o_ptr + rows[:, None] * (H * DV) + h * DV + dv[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=tm[:, None] & (dv < DV)[None, :],
+    )
 
 
 def _check_cache(name: str, ts: list[torch.Tensor], H: int, d: int, dtype: torch.dtype) -> None:
     for t in ts:
-        if t.dim() != 3 or t.shape[0] != H or t.shape[2] != d or t.dtype != dtype or t.stride(2) != 1 or \
-                (t.shape[1] > 1 and t.stride(1) != d):
-            raise ValueError(f"attend_rows: {name} must be [H={H}, L_b, {d}] {dtype} with tokens and features "
-                             f"contiguous, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+        if (
+            t.dim() != 3
+            or t.shape[0] != H
+            or t.shape[2] != d
+            or t.dtype != dtype
+            or t.stride(2) != 1
+            or (t.shape[1] > 1 and t.stride(1) != d)
+        ):
+            raise ValueError(
+                f"attend_rows: {name} must be [H={H}, L_b, {d}] {dtype} with tokens and features "
+                f"contiguous, got {tuple(t.shape)} {t.dtype} strides {t.stride()}"
+            )
 
 
-def attend_rows(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], mask: torch.Tensor,
-                lengths: list[int], scaling: float) -> torch.Tensor:
+def attend_rows(
+    q: torch.Tensor,
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    mask: torch.Tensor,
+    lengths: list[int],
+    scaling: float,
+) -> torch.Tensor:
     """Attention of ragged rows: ``q [R, H, dqk]`` holds sequence ``b``'s ``lengths[b]`` rows in turn;
     ``ks[b] [H, L_b, dqk]``, ``vs[b] [H, L_b, dv]`` its cache (``q``'s dtype); ``mask [R, >= max L_b]``
     bool the visibility (columns past ``L_b`` ignored). Returns ``[R, H, dv]`` in ``q``'s dtype.
     Raises ``ValueError`` on inconsistent shapes, dtypes or layouts, or head dims over 256."""
     R, H, DQK = q.shape
     if sum(lengths) != R or len(ks) != len(lengths) or len(vs) != len(lengths) or not ks:
-        raise ValueError(f"attend_rows: q {tuple(q.shape)}, lengths {lengths}, {len(ks)} K and {len(vs)} V "
-                         "caches disagree")
+        raise ValueError(
+            f"attend_rows: q {tuple(q.shape)}, lengths {lengths}, {len(ks)} K and {len(vs)} V caches disagree"
+        )
     DV = vs[0].shape[-1]
     _check_cache("K", ks, H, DQK, q.dtype)
     _check_cache("V", vs, H, DV, q.dtype)
     l_max = max(t.shape[1] for t in ks)
-    if any(k.shape[1] != v.shape[1] for k, v in zip(ks, vs)) or mask.dim() != 2 or mask.shape[0] != R \
-            or mask.shape[1] < l_max or mask.dtype != torch.bool:
+    if (
+        any(k.shape[1] != v.shape[1] for k, v in zip(ks, vs))
+        or mask.dim() != 2
+        or mask.shape[0] != R
+        or mask.shape[1] < l_max
+        or mask.dtype != torch.bool
+    ):
         raise ValueError(f"attend_rows: K / V lengths or mask {tuple(mask.shape)} {mask.dtype} disagree")
     if DQK > 256 or DV > 256:
         raise ValueError(f"attend_rows supports head dims <= 256, got dqk={DQK}, dv={DV}")
     dev = q.device
     out = torch.empty(R, H, DV, dtype=q.dtype, device=dev)
-    tiles = [(b, r0 + i, min(BLOCK_T, n - i)) for b, (n, r0) in enumerate(zip(lengths, _starts(lengths)))
-             for i in range(0, n, BLOCK_T)]
+    tiles = [
+        (b, r0 + i, min(BLOCK_T, n - i))
+        for b, (n, r0) in enumerate(zip(lengths, _starts(lengths)))
+        for i in range(0, n, BLOCK_T)
+    ]
     if not tiles:
         return out
     # one host-to-device copy for the per-sequence table (K / V addresses, head strides, lengths) and the tiles
     B, n_t = len(ks), len(tiles)
-    meta = torch.tensor([t.data_ptr() for t in ks] + [t.data_ptr() for t in vs] + [t.stride(0) for t in ks]
-                        + [t.stride(0) for t in vs] + [t.shape[1] for t in ks] + [x for c in zip(*tiles) for x in c],
-                        dtype=torch.int64).to(dev)
-    seqs, tl_ = meta[: 5 * B].view(5, B), meta[5 * B:].view(3, n_t)
+    meta = torch.tensor(
+        [t.data_ptr() for t in ks]
+        + [t.data_ptr() for t in vs]
+        + [t.stride(0) for t in ks]
+        + [t.stride(0) for t in vs]
+        + [t.shape[1] for t in ks]
+        + [x for c in zip(*tiles) for x in c],
+        dtype=torch.int64,
+    ).to(dev)
+    seqs, tl_ = meta[: 5 * B].view(5, B), meta[5 * B :].view(3, n_t)
     mask = mask.contiguous()
-    _attend[(n_t, H)](q.contiguous(), seqs[0], seqs[1], seqs[2], seqs[3], seqs[4], mask.view(torch.int8),
-                      mask.stride(0), out, tl_[0], tl_[1], tl_[2], H, DQK, DV, scaling, ks[0], BLOCK_T=BLOCK_T,
-                      BLOCK_N=32, BLOCK_DQ=max(16, triton.next_power_of_2(DQK)),
-                      BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-                      IEEE=q.dtype == torch.float32 or dispatch.interpreted())
+    _attend[(n_t, H)](
+        q.contiguous(),
+        seqs[0],
+        seqs[1],
+        seqs[2],
+        seqs[3],
+        seqs[4],
+        mask.view(torch.int8),
+        mask.stride(0),
+        out,
+        tl_[0],
+        tl_[1],
+        tl_[2],
+        H,
+        DQK,
+        DV,
+        scaling,
+        ks[0],
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=32,
+        BLOCK_DQ=max(16, triton.next_power_of_2(DQK)),
+        BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        IEEE=q.dtype == torch.float32 or dispatch.interpreted(),
+    )
     return out
 
 
@@ -159,8 +232,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if k.shape[:2] != (B, H) or mask.shape != (B, T, k.shape[2]):
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)} disagree")
     k, v = _rows_contiguous(k), _rows_contiguous(v)
-    o = attend_rows(q.transpose(1, 2).reshape(B * T, H, DQK), list(k.unbind(0)), list(v.unbind(0)),
-                    mask.reshape(B * T, -1), [T] * B, scaling)
+    o = attend_rows(
+        q.transpose(1, 2).reshape(B * T, H, DQK),
+        list(k.unbind(0)),
+        list(v.unbind(0)),
+        mask.reshape(B * T, -1),
+        [T] * B,
+        scaling,
+    )
     return o.view(B, T, H, -1).transpose(1, 2)
 
 
@@ -181,7 +260,11 @@ def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[
     out = []
     for dt in (torch.bfloat16,) if cuda else (torch.float32, torch.bfloat16):
         qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-        out.append((f"mla_attention B={B} T={T} H={H} d={D} L={L} {dt}",
-                    lambda qc=qc, kc=kc, vc=vc: masked_attention(qc, kc, vc, mask, D ** -0.5),
-                    lambda qc=qc, kc=kc, vc=vc: attention(qc, kc, vc, mask, D ** -0.5)))
+        out.append(
+            (
+                f"mla_attention B={B} T={T} H={H} d={D} L={L} {dt}",
+                lambda qc=qc, kc=kc, vc=vc: masked_attention(qc, kc, vc, mask, D**-0.5),
+                lambda qc=qc, kc=kc, vc=vc: attention(qc, kc, vc, mask, D**-0.5),
+            )
+        )
     return out

@@ -124,8 +124,9 @@ def _mass_at_least(base, V, t, zmax, temp, offs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(logits, stride, V, temp_p, topk_p, topp_p, seed_p, mode_p, pos_p, draft_p, tgt_p, gap_p,
-                 BLOCK: tl.constexpr):
+def _rows_kernel(
+    logits, stride, V, temp_p, topk_p, topp_p, seed_p, mode_p, pos_p, draft_p, tgt_p, gap_p, BLOCK: tl.constexpr
+):
     r = tl.program_id(0)
     base = logits + r.to(tl.int64) * stride
     offs = tl.arange(0, BLOCK)
@@ -173,7 +174,9 @@ def _rows_kernel(logits, stride, V, temp_p, topk_p, topp_p, seed_p, mode_p, pos_
                 ok = s + offs < V
                 x = tl.load(base + s + offs, mask=ok, other=0.0)
                 g = _uniform(seed, pos, _GUMBEL, (s + offs).to(tl.uint64))
-                sc = tl.where(ok & (_key(x) >= lo), (x.to(tl.float64) - zmax) / temp - tl.log(-tl.log(g)), float("-inf"))
+                sc = tl.where(
+                    ok & (_key(x) >= lo), (x.to(tl.float64) - zmax) / temp - tl.log(-tl.log(g)), float("-inf")
+                )
                 bb = tl.max(sc, 0)
                 bj = tl.argmax(sc, 0)
                 target = tl.where(bb > best, s + bj.to(tl.int64), target)
@@ -232,16 +235,17 @@ def _row_params(lengths: list[int], samplers: list | None, device) -> list[torch
             else:
                 mode[sl] = REJECTION_ROW
                 if not last_only:
-                    draft[off: off + n - 1] = np.asarray(tokens[1:n], np.int64)
+                    draft[off : off + n - 1] = np.asarray(tokens[1:n], np.int64)
             if last_only:
-                mode[off: off + n - 1] = SKIP_ROW
+                mode[off : off + n - 1] = SKIP_ROW
         off += n
     cuda = torch.device(device).type == "cuda"
     return [torch.from_numpy(a).to(device, non_blocking=cuda) for a in (temp, topk, topp, seed, mode, pos, draft)]
 
 
-def targets_and_gaps(logits: torch.Tensor, lengths: list[int], samplers: list | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def targets_and_gaps(
+    logits: torch.Tensor, lengths: list[int], samplers: list | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets ``[R]`` int64 and top-2 gaps ``[R]`` float32 of ``logits [R, V]`` (float32), whose rows
     are the walks' rows in turn (``lengths``); ``samplers`` as for
     :func:`tandem.engine.sampling.targets_and_gaps` (per walk None = greedy, or ``(params, row
@@ -256,7 +260,9 @@ def targets_and_gaps(logits: torch.Tensor, lengths: list[int], samplers: list | 
     target = torch.empty(R, dtype=torch.int64, device=logits.device)
     gap = torch.empty(R, dtype=torch.float32, device=logits.device)
     if R:
-        _rows_kernel[(R,)](logits, logits.stride(0), V, *params, target, gap, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)))
+        _rows_kernel[(R,)](
+            logits, logits.stride(0), V, *params, target, gap, BLOCK=min(BLOCK_V, triton.next_power_of_2(V))
+        )
     return target, gap
 
 
@@ -285,8 +291,13 @@ def _walk_kernel(tgt_p, off_p, len_p, draft_p, stop_p, n_stop, budget_p, acc_p, 
     tl.store(fin_p + b, fin)
 
 
-def accept_walk(targets: torch.Tensor, lengths: list[int], drafts: list[list[int]], stop_ids: list[tuple[int, ...]],
-                budgets: list[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_walk(
+    targets: torch.Tensor,
+    lengths: list[int],
+    drafts: list[list[int]],
+    stop_ids: list[tuple[int, ...]],
+    budgets: list[int | None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batched accept walks over ``targets [R]`` (the walks' rows in turn, ``lengths[b] = k_b + 1``):
     walk ``b`` tests ``drafts[b]`` (``k_b`` tokens) against its targets, with its ``stop_ids`` and
     ``budgets`` (tokens it may still emit; None: unlimited) as :func:`tandem.engine.accept.accept_walk`.
@@ -304,7 +315,7 @@ def accept_walk(targets: torch.Tensor, lengths: list[int], drafts: list[list[int
     offs = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     flat = np.full(int(sum(lengths)), -2, np.int64)
     for o, d in zip(offs, drafts):
-        flat[o: o + len(d)] = d
+        flat[o : o + len(d)] = d
     ns = max([len(s) for s in stop_ids] + [1])
     stops = np.full((B, ns), -3, np.int64)
     for b, s in enumerate(stop_ids):
@@ -314,9 +325,19 @@ def accept_walk(targets: torch.Tensor, lengths: list[int], drafts: list[list[int
     emit = torch.empty(B, dtype=torch.int64, device=dev)
     fin = torch.empty(B, dtype=torch.int32, device=dev)
     if B:
-        _walk_kernel[(B,)](targets.to(torch.int64).contiguous(), t(offs), t(np.asarray(lengths, np.int64)), t(flat),
-                           t(stops), ns, t(np.asarray([0 if x is None else x for x in budgets], np.int64)),
-                           acc, emit, fin, W=MAX_WALK)
+        _walk_kernel[(B,)](
+            targets.to(torch.int64).contiguous(),
+            t(offs),
+            t(np.asarray(lengths, np.int64)),
+            t(flat),
+            t(stops),
+            ns,
+            t(np.asarray([0 if x is None else x for x in budgets], np.int64)),
+            acc,
+            emit,
+            fin,
+            W=MAX_WALK,
+        )
     return acc, emit, fin
 
 
@@ -334,22 +355,37 @@ def bench_cases(device: str) -> list:
     logits = (torch.randn(B * n, V, generator=g) * 3).to(device)
     lengths = [n] * B
     tokens = [[int(t) for t in torch.randint(0, V, (n,), generator=g)] for _ in range(B)]
-    cases = [("sampler greedy", lambda: sampling.targets_and_gaps(logits, lengths, None),
-              lambda: targets_and_gaps(logits, lengths, None))]
-    for label, p in (("sampler rejection T=0.8 top_p=0.9", SamplingParams.create(0.8, 0, 0.9, seed=1)),
-                     ("sampler coupled T=1", SamplingParams.create(1.0, 0, 1.0, seed=1, mode=schema.COUPLED))):
+    cases = [
+        (
+            "sampler greedy",
+            lambda: sampling.targets_and_gaps(logits, lengths, None),
+            lambda: targets_and_gaps(logits, lengths, None),
+        )
+    ]
+    for label, p in (
+        ("sampler rejection T=0.8 top_p=0.9", SamplingParams.create(0.8, 0, 0.9, seed=1)),
+        ("sampler coupled T=1", SamplingParams.create(1.0, 0, 1.0, seed=1, mode=schema.COUPLED)),
+    ):
         smp = [(p, tk, 100, False) for tk in tokens]
-        cases.append((label, lambda smp=smp: sampling.targets_and_gaps(logits, lengths, smp),
-                      lambda smp=smp: targets_and_gaps(logits, lengths, smp)))
+        cases.append(
+            (
+                label,
+                lambda smp=smp: sampling.targets_and_gaps(logits, lengths, smp),
+                lambda smp=smp: targets_and_gaps(logits, lengths, smp),
+            )
+        )
     target = logits.argmax(-1)
     flat = target.tolist()
-    drafts = [flat[b * n: b * n + n - 1] for b in range(B)]
+    drafts = [flat[b * n : b * n + n - 1] for b in range(B)]
     stops = [(1, 2)] * B
 
     def walks_reference():
-        ws = [accept.accept_walk(d, flat[b * n: (b + 1) * n], (1, 2), 64) for b, d in enumerate(drafts)]
-        return (torch.tensor([w.accepted for w in ws]), torch.tensor([len(w.emitted) for w in ws]),
-                torch.tensor([FINISH_CODES.index(w.finish) for w in ws], dtype=torch.int32))
+        ws = [accept.accept_walk(d, flat[b * n : (b + 1) * n], (1, 2), 64) for b, d in enumerate(drafts)]
+        return (
+            torch.tensor([w.accepted for w in ws]),
+            torch.tensor([len(w.emitted) for w in ws]),
+            torch.tensor([FINISH_CODES.index(w.finish) for w in ws], dtype=torch.int32),
+        )
 
     cases.append(("accept walk", walks_reference, lambda: accept_walk(target, lengths, drafts, stops, [64] * B)))
     return cases

@@ -22,8 +22,10 @@ def ramp_levels(max_users: int, step_users: int = 1, start_users: int = 1) -> li
     [8]
     """
     if max_users < 1 or step_users < 1 or not 1 <= start_users <= max_users:
-        raise ValueError(f"max users and step users must be >= 1 and start users in [1, max users], got "
-                         f"{max_users}, {step_users}, {start_users}")
+        raise ValueError(
+            f"max users and step users must be >= 1 and start users in [1, max users], got "
+            f"{max_users}, {step_users}, {start_users}"
+        )
     levels = list(range(start_users, max_users + 1, step_users))
     if levels[-1] != max_users:
         levels.append(max_users)
@@ -39,7 +41,7 @@ def split_host(url: str, allow_remote: bool = False) -> str:
     u = url.strip()
     for scheme in ("grpc://", "http://"):
         if u.startswith(scheme):
-            u = u[len(scheme):]
+            u = u[len(scheme) :]
     u = u.rstrip("/")
     host, sep, port = u.rpartition(":")
     if not sep or not port.isdigit() or not host:
@@ -51,8 +53,10 @@ def split_host(url: str, allow_remote: bool = False) -> str:
         except ValueError:
             loop = False
         if not loop:
-            raise ValueError(f"refusing to send load to {host} (only loopback addresses; pass --allow-remote "
-                             f"to target another machine)")
+            raise ValueError(
+                f"refusing to send load to {host} (only loopback addresses; pass --allow-remote "
+                f"to target another machine)"
+            )
     return u
 
 

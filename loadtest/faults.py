@@ -35,21 +35,54 @@ def bad_request(rng: random.Random, vocab: int = 8192, max_ctx: int = schema.DEF
     ids = np.array([rng.randrange(3, vocab) for _ in range(8)], np.int32)
     spec = lambda s: np.array([s.encode()], np.object_)  # noqa: E731
     cases = [
-        BadRequest("token id out of range", {schema.INPUT_IDS: np.array([vocab + 5], np.int32),
-                                             schema.MAX_TOKENS: _i32(4)}, True, True, schema.INPUT_IDS),
+        BadRequest(
+            "token id out of range",
+            {schema.INPUT_IDS: np.array([vocab + 5], np.int32), schema.MAX_TOKENS: _i32(4)},
+            True,
+            True,
+            schema.INPUT_IDS,
+        ),
         BadRequest("MAX_TOKENS 0", {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(0)}, True, True, schema.MAX_TOKENS),
-        BadRequest("MAX_TOKENS above the context", {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(max_ctx + 1)},
-                   True, True, schema.MAX_TOKENS),
-        BadRequest("unknown arm", {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(4), schema.SPEC: spec("beam")},
-                   True, True, schema.SPEC),
-        BadRequest("draft count beyond the limit", {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(4),
-                                                    schema.SPEC: spec(schema.MTP),
-                                                    schema.NUM_DRAFT_TOKENS: _i32(schema.DEFAULTS.max_num_draft_tokens + 1)},
-                   True, True, schema.NUM_DRAFT_TOKENS),
-        BadRequest("later turn of an unknown sequence", {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(4)},
-                   False, True, schema.SEQUENCE_ID),
-        BadRequest("oversize prompt", {schema.INPUT_IDS: np.resize(ids, max_ctx + 8), schema.MAX_TOKENS: _i32(4)},
-                   True, True, schema.INPUT_IDS),
+        BadRequest(
+            "MAX_TOKENS above the context",
+            {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(max_ctx + 1)},
+            True,
+            True,
+            schema.MAX_TOKENS,
+        ),
+        BadRequest(
+            "unknown arm",
+            {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(4), schema.SPEC: spec("beam")},
+            True,
+            True,
+            schema.SPEC,
+        ),
+        BadRequest(
+            "draft count beyond the limit",
+            {
+                schema.INPUT_IDS: ids,
+                schema.MAX_TOKENS: _i32(4),
+                schema.SPEC: spec(schema.MTP),
+                schema.NUM_DRAFT_TOKENS: _i32(schema.DEFAULTS.max_num_draft_tokens + 1),
+            },
+            True,
+            True,
+            schema.NUM_DRAFT_TOKENS,
+        ),
+        BadRequest(
+            "later turn of an unknown sequence",
+            {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(4)},
+            False,
+            True,
+            schema.SEQUENCE_ID,
+        ),
+        BadRequest(
+            "oversize prompt",
+            {schema.INPUT_IDS: np.resize(ids, max_ctx + 8), schema.MAX_TOKENS: _i32(4)},
+            True,
+            True,
+            schema.INPUT_IDS,
+        ),
     ]
     return rng.choice(cases)
 

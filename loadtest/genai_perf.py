@@ -73,7 +73,9 @@ def ensure_env(venv: Path) -> Path:
     opt = venv / "opt" / "perf_analyzer"
     (opt / "lib").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        _run(pip[:3] + ["download", "-q", "--no-deps", "-d", tmp, PERF_ANALYZER_WHEEL], f"download {PERF_ANALYZER_WHEEL}")
+        _run(
+            pip[:3] + ["download", "-q", "--no-deps", "-d", tmp, PERF_ANALYZER_WHEEL], f"download {PERF_ANALYZER_WHEEL}"
+        )
         wheel = next(Path(tmp).glob("tritonclient-*.whl"))
         with zipfile.ZipFile(wheel) as z:
             member = next(n for n in z.namelist() if n.endswith("/data/bin/perf_analyzer"))
@@ -96,8 +98,10 @@ def ensure_env(venv: Path) -> Path:
     if not dst.exists():
         dst.symlink_to(cudart)
     wrapper = bindir / "perf_analyzer"
-    wrapper.write_text(f'#!/bin/sh\n# perf_analyzer from {PERF_ANALYZER_WHEEL} with its libraries (loadtest/genai_perf.py)\n'
-                       f'LD_LIBRARY_PATH="{opt / "lib"}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" exec "{opt / "perf_analyzer"}" "$@"\n')
+    wrapper.write_text(
+        f"#!/bin/sh\n# perf_analyzer from {PERF_ANALYZER_WHEEL} with its libraries (loadtest/genai_perf.py)\n"
+        f'LD_LIBRARY_PATH="{opt / "lib"}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" exec "{opt / "perf_analyzer"}" "$@"\n'
+    )
     wrapper.chmod(0o755)
     res = subprocess.run([wrapper, "--version"], capture_output=True, text=True)
     if "Perf Analyzer" not in res.stdout + res.stderr:
@@ -118,10 +122,13 @@ def summary(artifact_dir: Path) -> dict:
     path = next(artifact_dir.rglob("profile_export_genai_perf.json"))
     data = json.loads(path.read_text())
     pick = lambda k: {s: round(float(data[k][s]), 2) for s in ("avg", "p50", "p90") if s in data.get(k, {})}  # noqa: E731
-    return {"time_to_first_token_ms": pick("time_to_first_token"), "inter_token_latency_ms": pick("inter_token_latency"),
-            "output_token_throughput_per_s": round(float(data["output_token_throughput"]["avg"]), 1),
-            "request_throughput_per_s": round(float(data["request_throughput"]["avg"]), 3),
-            "request_count": int(data["request_count"]["avg"])}
+    return {
+        "time_to_first_token_ms": pick("time_to_first_token"),
+        "inter_token_latency_ms": pick("inter_token_latency"),
+        "output_token_throughput_per_s": round(float(data["output_token_throughput"]["avg"]), 1),
+        "request_throughput_per_s": round(float(data["request_throughput"]["avg"]), 3),
+        "request_count": int(data["request_count"]["avg"]),
+    }
 
 
 @app.command()
@@ -150,11 +157,37 @@ def main(
     env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1"}
 
     def profile(grpc_url: str) -> int:
-        argv = [bindir / "genai-perf", "profile", "-m", MODEL, "--backend", "tensorrtllm", "--streaming",
-                "-u", grpc_url, "--tokenizer", tok_dir, "--concurrency", concurrency,
-                "--request-count", requests, "--warmup-request-count", min(4, requests), "--num-prompts", requests,
-                "--synthetic-input-tokens-mean", input_tokens, "--synthetic-input-tokens-stddev", 0,
-                "--output-tokens-mean", output_tokens, "--random-seed", 0, "--artifact-dir", report_dir / "artifacts"]
+        argv = [
+            bindir / "genai-perf",
+            "profile",
+            "-m",
+            MODEL,
+            "--backend",
+            "tensorrtllm",
+            "--streaming",
+            "-u",
+            grpc_url,
+            "--tokenizer",
+            tok_dir,
+            "--concurrency",
+            concurrency,
+            "--request-count",
+            requests,
+            "--warmup-request-count",
+            min(4, requests),
+            "--num-prompts",
+            requests,
+            "--synthetic-input-tokens-mean",
+            input_tokens,
+            "--synthetic-input-tokens-stddev",
+            0,
+            "--output-tokens-mean",
+            output_tokens,
+            "--random-seed",
+            0,
+            "--artifact-dir",
+            report_dir / "artifacts",
+        ]
         print("running:", " ".join(str(a) for a in argv), flush=True)
         return subprocess.run([str(a) for a in argv], env=env).returncode
 

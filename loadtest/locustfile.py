@@ -91,16 +91,21 @@ def _add_arguments(parser) -> None:
     g.add_argument("--checkpoint", default="", help="folder with tokenizer.json (only when building the workload)")
     g.add_argument("--max-output-tokens", type=int, default=128, help="cap on each turn's MAX_TOKENS")
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="cap on each turn's prompt tokens")
-    g.add_argument("--max-context-tokens", type=int, default=schema.DEFAULTS.max_ctx, help="a session's prompt + output budget")
+    g.add_argument(
+        "--max-context-tokens", type=int, default=schema.DEFAULTS.max_ctx, help="a session's prompt + output budget"
+    )
     g.add_argument("--multi-turn-share", type=float, default=0.5, help="share of multi-turn sessions")
     g.add_argument("--max-turns", type=int, default=4, help="turns per multi-turn session at most")
     g.add_argument("--sampled-share", type=float, default=0.0, help="share of sampled sessions (needs TEMPERATURE)")
     g.add_argument("--temperature", type=float, default=1.0, help="temperature of sampled requests")
     g.add_argument("--sessions", type=int, default=256, help="sessions in the workload")
     g.add_argument("--seed", type=int, default=0, help="workload and per-user seed")
-    g.add_argument("--spec", default=schema.DEFAULTS.spec,
-                   help="speculation arm, or a comma list of arms each new session picks from at random: "
-                        + ", ".join(schema.SPECS))
+    g.add_argument(
+        "--spec",
+        default=schema.DEFAULTS.spec,
+        help="speculation arm, or a comma list of arms each new session picks from at random: "
+        + ", ".join(schema.SPECS),
+    )
     g.add_argument("--num-draft-tokens", type=int, default=0, help="drafts per round (0: server default)")
     g.add_argument("--response-timeout", type=float, default=120.0, help="seconds to wait for each response")
     g.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take in all (gRPC deadline)")
@@ -126,9 +131,17 @@ def _on_init(environment, **_kw) -> None:
         from tandem_client.client import default_checkpoint
 
         tok = ChatTokenizer(Path(o.checkpoint or default_checkpoint()) / "tokenizer.json")
-        _Shared.sessions = build_sessions(tok, o.sessions, o.max_output_tokens, o.max_prompt_tokens,
-                                          o.multi_turn_share, o.max_turns, o.sampled_share,
-                                          o.max_context_tokens, o.seed)
+        _Shared.sessions = build_sessions(
+            tok,
+            o.sessions,
+            o.max_output_tokens,
+            o.max_prompt_tokens,
+            o.multi_turn_share,
+            o.max_turns,
+            o.sampled_share,
+            o.max_context_tokens,
+            o.seed,
+        )
     if any(s.sampled for s in _Shared.sessions):
         c = grpcclient.InferenceServerClient(host)
         try:
@@ -136,8 +149,10 @@ def _on_init(environment, **_kw) -> None:
         finally:
             c.close()
         if _Shared.sampling is None:
-            sys.exit(f"tandem loadtest: the workload has sampled requests but model {o.tandem_model!r} has no "
-                     f"TEMPERATURE input (the server decodes greedily only); use --sampled-share 0")
+            sys.exit(
+                f"tandem loadtest: the workload has sampled requests but model {o.tandem_model!r} has no "
+                f"TEMPERATURE input (the server decodes greedily only); use --sampled-share 0"
+            )
     if o.tandem_raw:
         _Shared.raw = open(o.tandem_raw, "a", buffering=1)
 
@@ -245,11 +260,20 @@ class TandemUser(User):
         completed = False
         try:
             # the routing key a proxy sticks the session to (README, "Deploying replicas")
-            self.client.start_stream(callback=lambda result, error: q.put((result, error)),
-                                     stream_timeout=self.opts.turn_timeout, headers={schema.ROUTING_HEADER: str(self.sid)})
+            self.client.start_stream(
+                callback=lambda result, error: q.put((result, error)),
+                stream_timeout=self.opts.turn_timeout,
+                headers={schema.ROUTING_HEADER: str(self.sid)},
+            )
             out["sent"] = time.perf_counter()
-            self.client.async_stream_infer(self.opts.tandem_model, inputs, sequence_id=self.sid,
-                                           sequence_start=start, sequence_end=end, enable_empty_final_response=True)
+            self.client.async_stream_infer(
+                self.opts.tandem_model,
+                inputs,
+                sequence_id=self.sid,
+                sequence_start=start,
+                sequence_end=end,
+                enable_empty_final_response=True,
+            )
             deadline = out["sent"] + self.opts.turn_timeout
             while True:
                 wait = min(timeout_s, deadline - time.perf_counter())
@@ -263,8 +287,11 @@ class TandemUser(User):
                     msg = error.message() if isinstance(error, InferenceServerException) else str(error)
                     raise TurnFailed(f"server error: {msg}")
                 resp = result.get_response()
-                final = resp.parameters["triton_final_response"].bool_param \
-                    if "triton_final_response" in resp.parameters else False
+                final = (
+                    resp.parameters["triton_final_response"].bool_param
+                    if "triton_final_response" in resp.parameters
+                    else False
+                )
                 if resp.outputs:
                     now = time.time()
                     ids = result.as_numpy(schema.OUTPUT_IDS)
@@ -273,8 +300,13 @@ class TandemUser(User):
                     if fr:
                         out["finish_reason"] = fr
                     if ids is not None and len(ids):
-                        b = [now, int(len(ids)), int(result.as_numpy(schema.ROUNDS)[0]),
-                             int(result.as_numpy(schema.ACCEPTED)[0]), int(result.as_numpy(schema.DRAFTED)[0])]
+                        b = [
+                            now,
+                            int(len(ids)),
+                            int(result.as_numpy(schema.ROUNDS)[0]),
+                            int(result.as_numpy(schema.ACCEPTED)[0]),
+                            int(result.as_numpy(schema.DRAFTED)[0]),
+                        ]
                         out["bursts"].append(b)
                         if on_burst is not None:
                             on_burst(b, time.perf_counter(), out["sent"])
@@ -286,10 +318,12 @@ class TandemUser(User):
         finally:
             self.client.stop_stream(cancel_requests=not completed)
 
-    def _fire(self, name: str, value: float, length: int = 0, exc: Exception | None = None,
-              rtype: str = REQUEST_TYPE) -> None:
-        self.environment.events.request.fire(request_type=rtype, name=name, response_time=value,
-                                             response_length=length, exception=exc, context={})
+    def _fire(
+        self, name: str, value: float, length: int = 0, exc: Exception | None = None, rtype: str = REQUEST_TYPE
+    ) -> None:
+        self.environment.events.request.fire(
+            request_type=rtype, name=name, response_time=value, response_length=length, exception=exc, context={}
+        )
 
     def _bad(self) -> None:
         """Send one bad request on a fresh sequence: a success when refused naming its field (``BAD``)."""
@@ -324,9 +358,18 @@ class TandemUser(User):
         s, k = self.session, self.turn_index
         spec = s.turns[k]
         start, end = k == 0, k == len(s.turns) - 1
-        rec = {"kind": "turn", "user": self.uid, "sid": self.sid, "turn": k, "turns": len(s.turns),
-               "sampled": s.sampled, "spec": self.arm, "prompt_tokens": len(spec.input_ids), "max_tokens": spec.max_tokens,
-               "users": self.environment.runner.user_count if self.environment.runner else 0}
+        rec = {
+            "kind": "turn",
+            "user": self.uid,
+            "sid": self.sid,
+            "turn": k,
+            "turns": len(s.turns),
+            "sampled": s.sampled,
+            "spec": self.arm,
+            "prompt_tokens": len(spec.input_ids),
+            "max_tokens": spec.max_tokens,
+            "users": self.environment.runner.user_count if self.environment.runner else 0,
+        }
         state = {"last": None, "first": None}
         cancel = self.rng.random() < self.opts.cancel_share
 
@@ -347,8 +390,13 @@ class TandemUser(User):
         self.sequence_open = True
         t_start = time.perf_counter()
         try:
-            res = self._stream(self._inputs(spec.input_ids, spec.max_tokens, s.sampled, self.arm), start, end,
-                               self.opts.response_timeout, on_burst)
+            res = self._stream(
+                self._inputs(spec.input_ids, spec.max_tokens, s.sampled, self.arm),
+                start,
+                end,
+                self.opts.response_timeout,
+                on_burst,
+            )
             if not res["bursts"]:
                 raise TurnFailed(f"final response without tokens (finish_reason {res['finish_reason']!r})")
         except Cancelled:
@@ -374,8 +422,15 @@ class TandemUser(User):
         n = sum(b[1] for b in res["bursts"])
         self._fire("E2E", e2e, n)
         self._fire("tokens/s", n / (e2e / 1000.0), n, rtype=RATE_TYPE)
-        rec.update(t0=res["t0"], e2e_ms=e2e, ttft_ms=state["first"] * 1000.0, tokens=n,
-                   finish_reason=res["finish_reason"], error=None, bursts=res["bursts"])
+        rec.update(
+            t0=res["t0"],
+            e2e_ms=e2e,
+            ttft_ms=state["first"] * 1000.0,
+            tokens=n,
+            finish_reason=res["finish_reason"],
+            error=None,
+            bursts=res["bursts"],
+        )
         _write(rec)
         if end:
             self.sequence_open = False

@@ -20,9 +20,26 @@ import numpy as np
 
 PCTS = (50, 90, 99)
 #: Columns of the summary table / CSV (latencies in ms, throughput in tokens/s).
-COLUMNS = ["users", "duration_s", "requests", "failures", "tokens", "tokens_per_s", "requests_per_s",
-           "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms", "itl_p99_ms",
-           "e2e_p50_ms", "e2e_p90_ms", "tau", "rounds", "accepted"]
+COLUMNS = [
+    "users",
+    "duration_s",
+    "requests",
+    "failures",
+    "tokens",
+    "tokens_per_s",
+    "requests_per_s",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p90_ms",
+    "itl_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p90_ms",
+    "tau",
+    "rounds",
+    "accepted",
+]
 
 
 def _records(path: str | Path):
@@ -82,13 +99,24 @@ def _row(users, duration, turns, bursts) -> dict:
     itl_p = _pct([v for v, _ in itl], [n for _, n in itl])
     e2e = _pct([t["e2e_ms"] for t in ok])
     return {
-        "users": users, "duration_s": duration, "requests": len(turns), "failures": len(turns) - len(ok),
-        "tokens": tokens, "tokens_per_s": tokens / duration if duration > 0 else None,
+        "users": users,
+        "duration_s": duration,
+        "requests": len(turns),
+        "failures": len(turns) - len(ok),
+        "tokens": tokens,
+        "tokens_per_s": tokens / duration if duration > 0 else None,
         "requests_per_s": len(turns) / duration if duration > 0 else None,
-        "ttft_p50_ms": ttft[0], "ttft_p90_ms": ttft[1], "ttft_p99_ms": ttft[2],
-        "itl_p50_ms": itl_p[0], "itl_p90_ms": itl_p[1], "itl_p99_ms": itl_p[2],
-        "e2e_p50_ms": e2e[0], "e2e_p90_ms": e2e[1],
-        "tau": 1.0 + accepted / rounds if rounds else None, "rounds": rounds, "accepted": accepted,
+        "ttft_p50_ms": ttft[0],
+        "ttft_p90_ms": ttft[1],
+        "ttft_p99_ms": ttft[2],
+        "itl_p50_ms": itl_p[0],
+        "itl_p90_ms": itl_p[1],
+        "itl_p99_ms": itl_p[2],
+        "e2e_p50_ms": e2e[0],
+        "e2e_p90_ms": e2e[1],
+        "tau": 1.0 + accepted / rounds if rounds else None,
+        "rounds": rounds,
+        "accepted": accepted,
     }
 
 
@@ -130,8 +158,15 @@ def summarize(path: str | Path) -> dict:
     for kind, want in (("greedy", False), ("sampled", True)):
         ts = [t for t in turns if bool(t.get("sampled")) == want]
         by_sampling[kind] = _row(kind, span, ts, [b for t in ts for b in burst_rows(t)])
-    return {"levels": levels, "all": everything, "by_sampling": by_sampling, "stages": stages, "start_t": t0,
-            "end_t": end, "turns": len(turns)}
+    return {
+        "levels": levels,
+        "all": everything,
+        "by_sampling": by_sampling,
+        "stages": stages,
+        "start_t": t0,
+        "end_t": end,
+        "turns": len(turns),
+    }
 
 
 def tau_over_time(path: str | Path, bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -162,8 +197,9 @@ def write_summary(summary: dict, out_dir: str | Path) -> list[Path]:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else round(r[k], 3) if isinstance(r[k], float) else r[k])
-                        for k in COLUMNS})
+            w.writerow(
+                {k: ("" if r.get(k) is None else round(r[k], 3) if isinstance(r[k], float) else r[k]) for k in COLUMNS}
+            )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return [out_dir / "summary.csv", out_dir / "summary.json"]
 
@@ -177,14 +213,37 @@ def table_rows(summary: dict) -> list[list[str]]:
     ITL p50/p90/p99 (ms), tau."""
     out = []
     for r in summary["levels"] + [summary["all"]]:
-        out.append([str(r["users"]), str(r["requests"]), str(r["failures"]), _fmt(r["tokens_per_s"]),
-                    _fmt(r["ttft_p50_ms"], 0), _fmt(r["ttft_p90_ms"], 0), _fmt(r["ttft_p99_ms"], 0),
-                    _fmt(r["itl_p50_ms"]), _fmt(r["itl_p90_ms"]), _fmt(r["itl_p99_ms"]), _fmt(r["tau"], 2)])
+        out.append(
+            [
+                str(r["users"]),
+                str(r["requests"]),
+                str(r["failures"]),
+                _fmt(r["tokens_per_s"]),
+                _fmt(r["ttft_p50_ms"], 0),
+                _fmt(r["ttft_p90_ms"], 0),
+                _fmt(r["ttft_p99_ms"], 0),
+                _fmt(r["itl_p50_ms"]),
+                _fmt(r["itl_p90_ms"]),
+                _fmt(r["itl_p99_ms"]),
+                _fmt(r["tau"], 2),
+            ]
+        )
     return out
 
 
-TABLE_HEADER = ["users", "requests", "failures", "tokens/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-                "ITL p50 ms", "ITL p90 ms", "ITL p99 ms", "tau"]
+TABLE_HEADER = [
+    "users",
+    "requests",
+    "failures",
+    "tokens/s",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "TTFT p99 ms",
+    "ITL p50 ms",
+    "ITL p90 ms",
+    "ITL p99 ms",
+    "tau",
+]
 
 
 def markdown_table(summary: dict) -> str:
@@ -233,8 +292,10 @@ def plot_all(summary: dict, raw_path: str | Path, out_dir: str | Path, title_suf
     ax.set_ylim(bottom=0, top=max(tps + [1.0]) * 1.18)
     finish(fig, ax, "throughput.png")
 
-    for key, name, label in (("ttft", "ttft.png", "Time to first token (TTFT)"),
-                             ("itl", "itl.png", "Inter-token latency (ITL, per token)")):
+    for key, name, label in (
+        ("ttft", "ttft.png", "Time to first token (TTFT)"),
+        ("itl", "itl.png", "Inter-token latency (ITL, per token)"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for p, style in zip(PCTS, ("o-", "s--", "^:")):
             ys = [r[f"{key}_p{p}_ms"] for r in lv]
@@ -258,8 +319,17 @@ def plot_all(summary: dict, raw_path: str | Path, out_dir: str | Path, title_suf
         ax.axhline(overall, color="gray", ls="--", lw=1, label=f"whole run: {overall:.2f}")
     for i, (ts, u) in enumerate(stages):
         ax.axvline(ts - t0, color="k", lw=0.6, alpha=0.4)
-        ax.text(ts - t0, 0.98, f" {u} user{'s' if u != 1 else ''}", rotation=90, va="top", ha="left",
-                fontsize=8, alpha=0.7, transform=ax.get_xaxis_transform())
+        ax.text(
+            ts - t0,
+            0.98,
+            f" {u} user{'s' if u != 1 else ''}",
+            rotation=90,
+            va="top",
+            ha="left",
+            fontsize=8,
+            alpha=0.7,
+            transform=ax.get_xaxis_transform(),
+        )
     ax.set_xlabel("time since ramp start (s); vertical lines: ramp steps (users)")
     ax.set_ylabel("mean acceptance length τ\n(tokens per verify round)")
     ax.set_title("Mean acceptance length τ = 1 + accepted / rounds over time" + sub)

@@ -82,14 +82,15 @@ def preflight(url: str, sampled: bool, timeout_s: float = 30.0) -> dict:
         c.close()
     sampling = sampling_input(meta)
     if sampled and sampling is None:
-        raise Refused(f"--sampled-share > 0 asks for sampled requests, but model {MODEL!r} at {url} has no "
-                      f"{TEMPERATURE_INPUT} input (this server decodes greedily only). Use --sampled-share 0.")
+        raise Refused(
+            f"--sampled-share > 0 asks for sampled requests, but model {MODEL!r} at {url} has no "
+            f"{TEMPERATURE_INPUT} input (this server decodes greedily only). Use --sampled-share 0."
+        )
     return {"max_ctx": model_max_ctx(cfg), "sampling": sampling}
 
 
 def _local_model_takes_temperature() -> bool:
     return TEMPERATURE_INPUT in schema.TANDEM.input_names
-
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -103,6 +104,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
 
+
 def run_locust(argv: list[str], log_path: Path, limit_s: float, echo: bool = True) -> int:
     """Run Locust (``argv``) with its output copied to ``log_path`` (and stdout when ``echo``);
     SIGTERM after ``limit_s`` seconds, SIGKILL 20 s later. Returns its exit status (-9 / -15 when
@@ -111,8 +113,16 @@ def run_locust(argv: list[str], log_path: Path, limit_s: float, echo: bool = Tru
     old_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + old_path)
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                text=True, env=env, cwd=REPO_ROOT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
 
         def pump():
             for line in proc.stdout:
@@ -159,30 +169,49 @@ def main(
     step_users: int = typer.Option(1, "--step-users", min=1, help="users added per ramp step"),
     start_users: int = typer.Option(1, "--start-users", min=1, help="users at the first ramp step (USERS: no ramp)"),
     step_seconds: float = typer.Option(30.0, "--step-seconds", min=1.0, help="seconds each ramp step lasts"),
-    max_tokens: int = typer.Option(128, "--max-tokens", "--max-output-tokens", min=1,
-                                   help="cap on each turn's output tokens (ShareGPT reply lengths are cut to it)"),
+    max_tokens: int = typer.Option(
+        128,
+        "--max-tokens",
+        "--max-output-tokens",
+        min=1,
+        help="cap on each turn's output tokens (ShareGPT reply lengths are cut to it)",
+    ),
     url: str = typer.Option("", "--url", help="gRPC host:port of a running server (default: start one here)"),
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint",
-                                              help="checkpoint folder (tokenizer; weights for the server started "
-                                                   "here) [default: $TANDEM_CHECKPOINT or "
-                                                   "model_repository/weights/tandem-tiny]"),
+    checkpoint: Optional[Path] = typer.Option(
+        None,
+        "--checkpoint",
+        help="checkpoint folder (tokenizer; weights for the server started "
+        "here) [default: $TANDEM_CHECKPOINT or "
+        "model_repository/weights/tandem-tiny]",
+    ),
     report_dir: Optional[Path] = typer.Option(None, "--report-dir", help="[default: reports/loadtest-<UTC time>]"),
-    sampled_share: float = typer.Option(0.0, "--sampled-share", min=0.0, max=1.0,
-                                        help="share of sessions sent as sampled requests (needs a TEMPERATURE input)"),
+    sampled_share: float = typer.Option(
+        0.0,
+        "--sampled-share",
+        min=0.0,
+        max=1.0,
+        help="share of sessions sent as sampled requests (needs a TEMPERATURE input)",
+    ),
     temperature: float = typer.Option(1.0, "--temperature", help="temperature of sampled requests"),
-    multi_turn_share: float = typer.Option(0.5, "--multi-turn-share", min=0.0, max=1.0,
-                                           help="share of multi-turn sessions"),
+    multi_turn_share: float = typer.Option(
+        0.5, "--multi-turn-share", min=0.0, max=1.0, help="share of multi-turn sessions"
+    ),
     max_turns: int = typer.Option(4, "--max-turns", min=1, help="turns per multi-turn session at most"),
     max_prompt_tokens: int = typer.Option(1024, "--max-prompt-tokens", min=8, help="cap on each turn's prompt tokens"),
     sessions: int = typer.Option(256, "--sessions", min=1, help="sessions drawn from ShareGPT"),
     seed: int = typer.Option(0, "--seed", help="workload and per-user seed"),
-    spec: str = typer.Option(schema.DEFAULTS.spec, "--spec", help="speculation arm, or a comma list of arms that "
-                             "sessions pick from at random: " + ", ".join(schema.SPECS)),
+    spec: str = typer.Option(
+        schema.DEFAULTS.spec,
+        "--spec",
+        help="speculation arm, or a comma list of arms that sessions pick from at random: " + ", ".join(schema.SPECS),
+    ),
     num_draft_tokens: int = typer.Option(0, "--num-draft-tokens", min=0, help="drafts per round (0: server default)"),
-    response_timeout: float = typer.Option(120.0, "--response-timeout", min=1.0,
-                                           help="seconds a user waits for each streamed response"),
-    stop_timeout: float = typer.Option(30.0, "--stop-timeout", min=0.0,
-                                       help="seconds users get to finish their turn when the ramp ends"),
+    response_timeout: float = typer.Option(
+        120.0, "--response-timeout", min=1.0, help="seconds a user waits for each streamed response"
+    ),
+    stop_timeout: float = typer.Option(
+        30.0, "--stop-timeout", min=0.0, help="seconds users get to finish their turn when the ramp ends"
+    ),
     ready_timeout: float = typer.Option(300.0, "--ready-timeout", help="seconds to wait for the server started here"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow a non-loopback --url"),
     locust_args: str = typer.Option("", "--locust-args", help="extra Locust arguments (one string)"),
@@ -207,13 +236,19 @@ def main(
         raise typer.Exit(2)
     if not url:
         if not (ckpt / "model.safetensors").exists():
-            typer.echo(f"error: {ckpt} has no model.safetensors to serve (train it with `make model`, pass "
-                       f"--checkpoint DIR, or point --url at a running server)", err=True)
+            typer.echo(
+                f"error: {ckpt} has no model.safetensors to serve (train it with `make model`, pass "
+                f"--checkpoint DIR, or point --url at a running server)",
+                err=True,
+            )
             raise typer.Exit(2)
         if sampled_share > 0 and not _local_model_takes_temperature():
-            typer.echo(f"error: --sampled-share > 0 asks for sampled requests, but model {MODEL!r} in "
-                       f"model_repository has no {TEMPERATURE_INPUT} input (the server decodes greedily only). "
-                       f"Use --sampled-share 0.", err=True)
+            typer.echo(
+                f"error: --sampled-share > 0 asks for sampled requests, but model {MODEL!r} in "
+                f"model_repository has no {TEMPERATURE_INPUT} input (the server decodes greedily only). "
+                f"Use --sampled-share 0.",
+                err=True,
+            )
             raise typer.Exit(2)
     try:
         levels = ramp_levels(users, step_users, start_users)
@@ -223,8 +258,10 @@ def main(
     out = (report_dir or default_report_dir()).resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"loadtest: report folder {out}")
-    print(f"loadtest: ramp {' -> '.join(map(str, levels))} users, {step_seconds:g} s per step "
-          f"({len(levels) * step_seconds:g} s), max {max_tokens} output tokens per turn, checkpoint {ckpt}")
+    print(
+        f"loadtest: ramp {' -> '.join(map(str, levels))} users, {step_seconds:g} s per step "
+        f"({len(levels) * step_seconds:g} s), max {max_tokens} output tokens per turn, checkpoint {ckpt}"
+    )
 
     from tandem.model.tokenizer import ChatTokenizer
     from tandem.serving.serve import ServerError, running_server
@@ -235,9 +272,13 @@ def main(
             print("loadtest: starting tritonserver on free 127.0.0.1 ports ...", flush=True)
             t = time.monotonic()
             try:
-                srv = stack.enter_context(running_server(env={"TANDEM_CHECKPOINT": str(ckpt)},
-                                                         ready_timeout_s=ready_timeout,
-                                                         log_path=out / "tritonserver.log"))
+                srv = stack.enter_context(
+                    running_server(
+                        env={"TANDEM_CHECKPOINT": str(ckpt)},
+                        ready_timeout_s=ready_timeout,
+                        log_path=out / "tritonserver.log",
+                    )
+                )
             except ServerError as e:
                 typer.echo(f"error: {e}", err=True)
                 raise typer.Exit(1)
@@ -251,26 +292,73 @@ def main(
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
-        sess = build_sessions(tok, sessions, max_tokens, max_prompt_tokens, multi_turn_share, max_turns,
-                              sampled_share, info["max_ctx"], seed)
+        sess = build_sessions(
+            tok,
+            sessions,
+            max_tokens,
+            max_prompt_tokens,
+            multi_turn_share,
+            max_turns,
+            sampled_share,
+            info["max_ctx"],
+            seed,
+        )
         shape = describe(sess)
         save_workload(out / "workload.json", sess, meta={"shape": shape, "max_ctx": info["max_ctx"], "seed": seed})
-        print(f"loadtest: workload {shape['sessions']} sessions ({shape['multi_turn_share']:.0%} multi-turn, "
-              f"{shape['turns']} turns, {shape['sampled_share']:.0%} sampled), prompt tokens mean "
-              f"{shape['prompt_tokens']['mean']:.0f} / p90 {shape['prompt_tokens']['p90']}, output cap mean "
-              f"{shape['max_tokens']['mean']:.0f} / p90 {shape['max_tokens']['p90']}", flush=True)
+        print(
+            f"loadtest: workload {shape['sessions']} sessions ({shape['multi_turn_share']:.0%} multi-turn, "
+            f"{shape['turns']} turns, {shape['sampled_share']:.0%} sampled), prompt tokens mean "
+            f"{shape['prompt_tokens']['mean']:.0f} / p90 {shape['prompt_tokens']['p90']}, output cap mean "
+            f"{shape['max_tokens']['mean']:.0f} / p90 {shape['max_tokens']['p90']}",
+            flush=True,
+        )
         raw = out / "raw.jsonl"
         raw.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
-                "--host", target, "--csv", str(out / "locust"), "--html", str(out / "locust.html"),
-                "--stop-timeout", f"{stop_timeout:g}", "--loglevel", "INFO",
-                "--ramp-max-users", str(users), "--ramp-step-users", str(step_users),
-                "--ramp-start-users", str(start_users),
-                "--ramp-step-seconds", f"{step_seconds:g}",
-                "--tandem-workload", str(out / "workload.json"), "--tandem-raw", str(raw),
-                "--tandem-model", MODEL, "--max-output-tokens", str(max_tokens), "--seed", str(seed),
-                "--spec", spec, "--num-draft-tokens", str(num_draft_tokens), "--temperature", str(temperature),
-                "--response-timeout", f"{response_timeout:g}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "--only-summary",
+            "--host",
+            target,
+            "--csv",
+            str(out / "locust"),
+            "--html",
+            str(out / "locust.html"),
+            "--stop-timeout",
+            f"{stop_timeout:g}",
+            "--loglevel",
+            "INFO",
+            "--ramp-max-users",
+            str(users),
+            "--ramp-step-users",
+            str(step_users),
+            "--ramp-start-users",
+            str(start_users),
+            "--ramp-step-seconds",
+            f"{step_seconds:g}",
+            "--tandem-workload",
+            str(out / "workload.json"),
+            "--tandem-raw",
+            str(raw),
+            "--tandem-model",
+            MODEL,
+            "--max-output-tokens",
+            str(max_tokens),
+            "--seed",
+            str(seed),
+            "--spec",
+            spec,
+            "--num-draft-tokens",
+            str(num_draft_tokens),
+            "--temperature",
+            str(temperature),
+            "--response-timeout",
+            f"{response_timeout:g}",
+        ]
         if allow_remote:
             argv.append("--allow-remote")
         argv += shlex.split(locust_args)
@@ -282,9 +370,17 @@ def main(
         typer.echo(f"error: Locust wrote no records (exit status {rc}); see {out / 'locust.log'}", err=True)
         raise typer.Exit(1)
     summary = report.summarize(raw)
-    summary["config"] = {"users": users, "step_users": step_users, "step_seconds": step_seconds,
-                         "max_tokens": max_tokens, "spec": spec, "sampled_share": sampled_share,
-                         "checkpoint": str(ckpt), "url": url or "(started by the runner)", "workload": shape}
+    summary["config"] = {
+        "users": users,
+        "step_users": step_users,
+        "step_seconds": step_seconds,
+        "max_tokens": max_tokens,
+        "spec": spec,
+        "sampled_share": sampled_share,
+        "checkpoint": str(ckpt),
+        "url": url or "(started by the runner)",
+        "workload": shape,
+    }
     report.write_summary(summary, out)
     title = f"{ckpt.name}, spec {spec}, max {max_tokens} output tokens, {step_seconds:g} s per step"
     pngs = report.plot_all(summary, raw, out, title_suffix=title)
@@ -292,11 +388,14 @@ def main(
     print()
     print_table(summary)
     bs = summary["by_sampling"]
-    print("loadtest: tau " + ", ".join(f"{k} {report._fmt(r['tau'], 2)} ({r['requests']} turns, {r['failures']} failed)"
-                                       for k, r in bs.items()))
+    print(
+        "loadtest: tau "
+        + ", ".join(
+            f"{k} {report._fmt(r['tau'], 2)} ({r['requests']} turns, {r['failures']} failed)" for k, r in bs.items()
+        )
+    )
     failures = summary["all"]["failures"]
-    print(f"loadtest: reports in {out}: locust.html, locust_stats.csv, summary.csv, "
-          + ", ".join(p.name for p in pngs))
+    print(f"loadtest: reports in {out}: locust.html, locust_stats.csv, summary.csv, " + ", ".join(p.name for p in pngs))
     if failures or rc != 0:
         why = f"{failures} failed requests" if failures else f"Locust exit status {rc}"
         typer.echo(f"loadtest: FAILED ({why}); see {out / 'locust_failures.csv'} and {out / 'locust.log'}", err=True)

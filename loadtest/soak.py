@@ -37,11 +37,49 @@ KINDS = ("empty_later_turn", "reused_id_with_cancels", "cancel_in_prefill", "lon
 LONG_PROMPT_TOKENS = 3000
 #: seconds after sending a long prompt that its client cancels it (its prefill still runs then)
 PREFILL_CANCEL_S = 0.3
-_SHORT = ("What is a hash table?", "Name three rivers.", "Explain recursion.", "Why is the sky blue?",
-          "Write a haiku about the sea.", "Give me a recipe for bread.")
-_WORDS = ("the", "river", "runs", "under", "a", "stone", "bridge", "where", "old", "trains", "once", "crossed",
-          "and", "children", "count", "boats", "in", "summer", "light", "while", "market", "stalls", "sell",
-          "bread", "apples", "rope", "lamps", "maps", "of", "distant", "harbours", "to", "travellers")
+_SHORT = (
+    "What is a hash table?",
+    "Name three rivers.",
+    "Explain recursion.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "Give me a recipe for bread.",
+)
+_WORDS = (
+    "the",
+    "river",
+    "runs",
+    "under",
+    "a",
+    "stone",
+    "bridge",
+    "where",
+    "old",
+    "trains",
+    "once",
+    "crossed",
+    "and",
+    "children",
+    "count",
+    "boats",
+    "in",
+    "summer",
+    "light",
+    "while",
+    "market",
+    "stalls",
+    "sell",
+    "bread",
+    "apples",
+    "rope",
+    "lamps",
+    "maps",
+    "of",
+    "distant",
+    "harbours",
+    "to",
+    "travellers",
+)
 
 
 class _Walkaway(Exception):
@@ -76,13 +114,15 @@ def run_kind(kind: str, url: str, tok, rng: random.Random) -> dict:
     def completes(ids, n, **kw) -> dict:
         res = generate(ids, n, url=url, **kw)
         if res["finish_reason"] not in ("length", "stop") or not 1 <= len(res["token_ids"]) <= n:
-            raise TandemClientError(f"turn ended {res['finish_reason']!r} with {len(res['token_ids'])} tokens "
-                                    f"(max_tokens {n})")
+            raise TandemClientError(
+                f"turn ended {res['finish_reason']!r} with {len(res['token_ids'])} tokens (max_tokens {n})"
+            )
         return res
 
     def walk_away(ids, **kw) -> None:
         def on_tokens(_ids):
             raise _Walkaway
+
         try:
             generate(ids, 64, url=url, on_tokens=on_tokens, **kw)
         except _Walkaway:
@@ -98,8 +138,9 @@ def run_kind(kind: str, url: str, tok, rng: random.Random) -> dict:
             sid = new_sequence_id()
             walk_away(short(), sequence_id=sid, sequence_end=False)
             completes(short(), 4, sequence_id=sid, sequence_end=False)
-            walk_away(tok.chat_prompt("Tell me more.", later=True), sequence_id=sid, sequence_start=False,
-                      sequence_end=False)
+            walk_away(
+                tok.chat_prompt("Tell me more.", later=True), sequence_id=sid, sequence_start=False, sequence_end=False
+            )
             completes(short(), 4, sequence_id=sid)
         elif kind == "cancel_in_prefill":
             try:
@@ -115,6 +156,7 @@ def run_kind(kind: str, url: str, tok, rng: random.Random) -> dict:
                     completes(long_prompt(tok, LONG_PROMPT_TOKENS, rng.getrandbits(32)), 16)
                 except TandemClientError as e:
                     box["error"] = f"the long prompt: {e}"
+
             th = threading.Thread(target=long_turn)
             th.start()
             time.sleep(0.1)
@@ -133,8 +175,15 @@ def run_kind(kind: str, url: str, tok, rng: random.Random) -> dict:
     return {"kind": kind, "ok": error is None, "error": error, "s": round(time.monotonic() - t0, 3)}
 
 
-def mixer(url: str, tok, stop: threading.Event, records: list[dict], kinds: tuple[str, ...] = KINDS, seed: int = 0,
-          pause_s: float = 0.5) -> None:
+def mixer(
+    url: str,
+    tok,
+    stop: threading.Event,
+    records: list[dict],
+    kinds: tuple[str, ...] = KINDS,
+    seed: int = 0,
+    pause_s: float = 0.5,
+) -> None:
     """Run ``kinds`` (of :data:`KINDS`) in turn, each round shuffled, against ``url`` until ``stop`` is set,
     appending each :func:`run_kind` record to ``records``."""
     rng = random.Random(seed)
@@ -151,8 +200,12 @@ def sample(srv) -> dict:
     from tandem.serving.observe import process_rss, tandem_metrics
 
     m = tandem_metrics(srv.metrics_port)
-    return {"t": time.time(), "rss_mb": {k: v / 2**20 for k, v in process_rss(srv.proc.pid).items()},
-            "tandem": m.get("tandem", {}), "stages": {s: m.get(s, {}).get("stage_sequences", 0.0) for s in STAGE_GAUGES}}
+    return {
+        "t": time.time(),
+        "rss_mb": {k: v / 2**20 for k, v in process_rss(srv.proc.pid).items()},
+        "tandem": m.get("tandem", {}),
+        "stages": {s: m.get(s, {}).get("stage_sequences", 0.0) for s in STAGE_GAUGES},
+    }
 
 
 def memory_verdict(samples: list[dict], warmup_s: float, tolerance: float) -> dict[str, float]:
@@ -211,13 +264,23 @@ def main(
     sample_s: float = typer.Option(5.0, "--sample-s", min=0.5, help="seconds between memory samples"),
     warmup_s: float = typer.Option(60.0, "--warmup-s", min=0.0, help="seconds of samples left out of the memory check"),
     rss_tolerance: float = typer.Option(0.05, "--rss-tolerance", help="allowed RSS growth, last third vs first"),
-    idle_timeout_s: float = typer.Option(10.0, "--idle-timeout-s", min=1.0, help="the server's idle timeout: "
-                                         "sessions abandoned between turns must be reclaimed within it after the run"),
-    prefix_cache_mb: int = typer.Option(16, "--prefix-cache-mb", min=0, help="the prefix cache's bound: small, so it "
-                                        "fills during the warm-up (growth up to the bound is the cache, not a leak)"),
+    idle_timeout_s: float = typer.Option(
+        10.0,
+        "--idle-timeout-s",
+        min=1.0,
+        help="the server's idle timeout: sessions abandoned between turns must be reclaimed within it after the run",
+    ),
+    prefix_cache_mb: int = typer.Option(
+        16,
+        "--prefix-cache-mb",
+        min=0,
+        help="the prefix cache's bound: small, so it "
+        "fills during the warm-up (growth up to the bound is the cache, not a leak)",
+    ),
     report_dir: Optional[Path] = typer.Option(None, "--report-dir", help="[default: reports/soak-<UTC time>]"),
-    kinds_opt: str = typer.Option(",".join(KINDS), "--kinds", help="edge kinds the extra client cycles through, a "
-                                  "comma list (empty: none)"),
+    kinds_opt: str = typer.Option(
+        ",".join(KINDS), "--kinds", help="edge kinds the extra client cycles through, a comma list (empty: none)"
+    ),
 ) -> None:
     """Soak the server: constant USERS for MINUTES with faults mixed in; fail on any unexpected error,
     a state gauge off baseline afterwards, memory that grows, or a server that cannot stop within its
@@ -232,20 +295,30 @@ def main(
     if unknown := [k for k in chosen if k not in KINDS]:
         raise typer.BadParameter(f"unknown kind(s) {unknown}; choose from {','.join(KINDS)}", param_hint="--kinds")
     if seconds < warmup_s + 6 * sample_s:  # memory_verdict needs six samples after the warm-up
-        raise typer.BadParameter(f"{seconds:g} s leave fewer than 6 memory samples after the {warmup_s:g} s warm-up "
-                                 f"(one every {sample_s:g} s): run at least {(warmup_s + 6 * sample_s) / 60:.2f} "
-                                 "minutes, or lower --warmup-s", param_hint="--minutes")
+        raise typer.BadParameter(
+            f"{seconds:g} s leave fewer than 6 memory samples after the {warmup_s:g} s warm-up "
+            f"(one every {sample_s:g} s): run at least {(warmup_s + 6 * sample_s) / 60:.2f} "
+            "minutes, or lower --warmup-s",
+            param_hint="--minutes",
+        )
     out = (report_dir or Path("reports") / time.strftime("soak-%Y%m%dT%H%M%SZ", time.gmtime())).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {users} users for {seconds:g} s, {cancel_share:.0%} of turns cancelled, {bad_share:.0%} bad "
-          f"requests, arms {spec}; report in {out}", flush=True)
+    print(
+        f"soak: {users} users for {seconds:g} s, {cancel_share:.0%} of turns cancelled, {bad_share:.0%} bad "
+        f"requests, arms {spec}; report in {out}",
+        flush=True,
+    )
     samples: list[dict] = []
     kinds: list[dict] = []
     stop, users_done = threading.Event(), threading.Event()
     tok = ChatTokenizer(Path(DEFAULT_CHECKPOINT) / "tokenizer.json")
-    env = {"TANDEM_CHECKPOINT": str(Path(DEFAULT_CHECKPOINT).resolve()), "TANDEM_PREFIX_CACHE_MB": str(prefix_cache_mb),
-           "TANDEM_IDLE_TIMEOUT_S": f"{idle_timeout_s:g}"}
+    env = {
+        "TANDEM_CHECKPOINT": str(Path(DEFAULT_CHECKPOINT).resolve()),
+        "TANDEM_PREFIX_CACHE_MB": str(prefix_cache_mb),
+        "TANDEM_IDLE_TIMEOUT_S": f"{idle_timeout_s:g}",
+    }
     with running_server(env=env, log_path=out / "tritonserver.log") as srv:
+
         def sampler():
             while not stop.is_set():
                 try:
@@ -258,10 +331,28 @@ def main(
         th.start()
         mix = threading.Thread(target=mixer, args=(srv.grpc_url, tok, users_done, kinds, chosen), daemon=True)
         mix.start()
-        cmd = [sys.executable, "-m", "loadtest.run", "--url", srv.grpc_url, "--users", str(users),
-               "--start-users", str(users), "--step-seconds", f"{seconds:g}", "--max-tokens", str(max_tokens),
-               "--spec", spec, "--report-dir", str(out), "--quiet",
-               "--locust-args", f"--cancel-share {cancel_share} --bad-share {bad_share} --failure-backoff 0.2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "loadtest.run",
+            "--url",
+            srv.grpc_url,
+            "--users",
+            str(users),
+            "--start-users",
+            str(users),
+            "--step-seconds",
+            f"{seconds:g}",
+            "--max-tokens",
+            str(max_tokens),
+            "--spec",
+            spec,
+            "--report-dir",
+            str(out),
+            "--quiet",
+            "--locust-args",
+            f"--cancel-share {cancel_share} --bad-share {bad_share} --failure-backoff 0.2",
+        ]
         rc = subprocess.call(cmd)
         users_done.set()
         mix.join()
@@ -270,7 +361,11 @@ def main(
         t_end, settle = time.time(), None
         while time.time() - t_end < idle_timeout_s + 5:
             s = sample(srv)
-            if not any(s["stages"].values()) and not s["tandem"].get("sessions_open") and not s["tandem"].get("turns_running"):
+            if (
+                not any(s["stages"].values())
+                and not s["tandem"].get("sessions_open")
+                and not s["tandem"].get("turns_running")
+            ):
                 settle = time.time() - t_end
                 break
             time.sleep(0.5)
@@ -282,24 +377,47 @@ def main(
     per_kind = {k: [r for r in kinds if r["kind"] == k] for k in chosen}
     kinds_ok = all(rs and all(r["ok"] for r in rs) for rs in per_kind.values())
     final = samples[-1]
-    off_baseline = {k: v for k, v in {**final["stages"], "sessions_open": final["tandem"].get("sessions_open", 0),
-                                      "turns_running": final["tandem"].get("turns_running", 0)}.items() if v}
+    off_baseline = {
+        k: v
+        for k, v in {
+            **final["stages"],
+            "sessions_open": final["tandem"].get("sessions_open", 0),
+            "turns_running": final["tandem"].get("turns_running", 0),
+        }.items()
+        if v
+    }
     growth = memory_verdict(samples, warmup_s, rss_tolerance)
     faults = report.fault_counts(out / "raw.jsonl") if (out / "raw.jsonl").exists() else {}
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     failures = summary.get("all", {}).get("failures")
     turns = summary.get("all", {}).get("requests")
-    plot(samples, out / "soak.png", f"soak: {users} users, {seconds:g} s, {faults.get('cancelled', 0)} cancelled, "
-                                   f"{faults.get('bad', 0)} bad requests")
+    plot(
+        samples,
+        out / "soak.png",
+        f"soak: {users} users, {seconds:g} s, {faults.get('cancelled', 0)} cancelled, "
+        f"{faults.get('bad', 0)} bad requests",
+    )
     # a server that cannot stop within its exit timeout holds a request it never released (a leak)
     stuck = "Exit timeout expired" in (out / "tritonserver.log").read_text(errors="replace")
-    ok = rc == 0 and failures == 0 and not faults.get("bad_wrong") and not off_baseline and not stuck and \
-        kinds_ok and all(g < rss_tolerance for g in growth.values())
-    lines = [f"# tandem soak: {'PASSED' if ok else 'FAILED'}", "",
-             f"{users} users for {seconds:g} s; {turns} turns, {failures} unexpected failures; "
-             f"{faults.get('cancelled', 0)} turns cancelled by the client; {faults.get('bad', 0)} bad requests "
-             f"({faults.get('bad_wrong', 0)} not refused as they should be)", "",
-             "| process | RSS at the end (MB) | RSS growth, last third vs first |", "|---|---|---|"]
+    ok = (
+        rc == 0
+        and failures == 0
+        and not faults.get("bad_wrong")
+        and not off_baseline
+        and not stuck
+        and kinds_ok
+        and all(g < rss_tolerance for g in growth.values())
+    )
+    lines = [
+        f"# tandem soak: {'PASSED' if ok else 'FAILED'}",
+        "",
+        f"{users} users for {seconds:g} s; {turns} turns, {failures} unexpected failures; "
+        f"{faults.get('cancelled', 0)} turns cancelled by the client; {faults.get('bad', 0)} bad requests "
+        f"({faults.get('bad_wrong', 0)} not refused as they should be)",
+        "",
+        "| process | RSS at the end (MB) | RSS growth, last third vs first |",
+        "|---|---|---|",
+    ]
     for name, g in growth.items():
         lines.append(f"| {name} | {samples[-2]['rss_mb'].get(name, 0):.0f} | {100 * g:+.1f}% |")
     lines += ["", "| edge kind | runs | not as expected | first of those |", "|---|---|---|---|"]
@@ -307,13 +425,24 @@ def main(
         bad = [r for r in rs if not r["ok"]]
         first = bad[0]["error"].replace("|", "/")[:160] if bad else ("" if rs else "never ran")
         lines.append(f"| {kind} | {len(rs)} | {len(bad)} | {first} |")
-    lines += ["", f"state gauges after the run: {'baseline' if not off_baseline else off_baseline}"
-              + (f" ({settle:.1f} s after the last user stopped; idle_timeout_s {idle_timeout_s:g})" if settle is not None
-                 else ""),
-              f"gauges at the end: {final['tandem']}",
-              "server stop: " + ("did not stop within its exit timeout (a model kept a request in flight)" if stuck
-                                 else "clean (every model unloaded within the exit timeout)"),
-              "", "![memory and sessions](soak.png)"]
+    lines += [
+        "",
+        f"state gauges after the run: {'baseline' if not off_baseline else off_baseline}"
+        + (
+            f" ({settle:.1f} s after the last user stopped; idle_timeout_s {idle_timeout_s:g})"
+            if settle is not None
+            else ""
+        ),
+        f"gauges at the end: {final['tandem']}",
+        "server stop: "
+        + (
+            "did not stop within its exit timeout (a model kept a request in flight)"
+            if stuck
+            else "clean (every model unloaded within the exit timeout)"
+        ),
+        "",
+        "![memory and sessions](soak.png)",
+    ]
     (out / "soak.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:-1]))
     print(f"soak: {'PASSED' if ok else 'FAILED'}; report {out / 'soak.md'}")

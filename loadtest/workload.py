@@ -71,10 +71,19 @@ def user_turn_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
     return [tokenizer.user_id] + body + tail
 
 
-def build_sessions(tokenizer, n_sessions: int = 256, max_output_tokens: int = 128, max_prompt_tokens: int = 1024,
-                   multi_turn_share: float = 0.5, max_turns: int = 4, sampled_share: float = 0.0,
-                   max_context_tokens: int = schema.DEFAULTS.max_ctx, seed: int = 0, scan: int = 4000,
-                   conversations: list[list[dict]] | None = None) -> list[SessionSpec]:
+def build_sessions(
+    tokenizer,
+    n_sessions: int = 256,
+    max_output_tokens: int = 128,
+    max_prompt_tokens: int = 1024,
+    multi_turn_share: float = 0.5,
+    max_turns: int = 4,
+    sampled_share: float = 0.0,
+    max_context_tokens: int = schema.DEFAULTS.max_ctx,
+    seed: int = 0,
+    scan: int = 4000,
+    conversations: list[list[dict]] | None = None,
+) -> list[SessionSpec]:
     """Draw ``n_sessions`` sessions (with replacement) from the first ``scan`` ShareGPT
     conversations, seeded by ``seed``. Lengths are in tokens of ``tokenizer`` (a
     :class:`tandem.model.tokenizer.ChatTokenizer`). ``conversations`` replaces the dataset (tests).
@@ -114,8 +123,9 @@ def build_sessions(tokenizer, n_sessions: int = 256, max_output_tokens: int = 12
             used += len(ids) + mt
             turns.append(TurnSpec(ids, mt))
             prompt_lens.append(len(ids))
-        sessions.append(SessionSpec(turns, sampled=rng.random() < sampled_share, conversation=ci,
-                                    prompt_tokens=prompt_lens))
+        sessions.append(
+            SessionSpec(turns, sampled=rng.random() < sampled_share, conversation=ci, prompt_tokens=prompt_lens)
+        )
     return sessions
 
 
@@ -151,5 +161,12 @@ def save_workload(path: str | Path, sessions: list[SessionSpec], meta: dict | No
 def load_workload(path: str | Path) -> list[SessionSpec]:
     """Sessions written by :func:`save_workload`."""
     obj = json.loads(Path(path).read_text())
-    return [SessionSpec([TurnSpec(**t) for t in s["turns"]], s.get("sampled", False), s.get("conversation", -1),
-                        s.get("prompt_tokens", [])) for s in obj["sessions"]]
+    return [
+        SessionSpec(
+            [TurnSpec(**t) for t in s["turns"]],
+            s.get("sampled", False),
+            s.get("conversation", -1),
+            s.get("prompt_tokens", []),
+        )
+        for s in obj["sessions"]
+    ]

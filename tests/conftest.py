@@ -1,4 +1,4 @@
-"""Shared fixtures: the shipped checkpoint, fp32/bf16 trunks, tokenizer and real prompts."""
+"""Shared fixtures: the shipped checkpoint and engine, fp32/bf16 trunks, tokenizer and real prompts."""
 
 from __future__ import annotations
 
@@ -22,8 +22,11 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "2")))
 CHECKPOINT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT", DEFAULT_CHECKPOINT))
 
 #: candidates for :func:`long_turn_prompt`, tried in order
-LONG_TURN_TEXTS = ("Tell me a long story.", "Write a very long essay about the history of the sea.",
-                   "Explain, step by step and in great detail, how a compiler works.")
+LONG_TURN_TEXTS = (
+    "Tell me a long story.",
+    "Write a very long essay about the history of the sea.",
+    "Explain, step by step and in great detail, how a compiler works.",
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +68,14 @@ def trunk_fp32(checkpoint):
     return load_trunk(checkpoint, torch.float32)
 
 
+@pytest.fixture(scope="module")
+def shipped(checkpoint):
+    """The shipped checkpoint, the serving defaults (the demotion policy on)."""
+    from tandem.engine.inprocess import Engine
+
+    return Engine(checkpoint)
+
+
 @pytest.fixture(scope="session")
 def sharegpt_prompts():
     from tandem.tools.data import sharegpt_prompts as sp
@@ -78,10 +89,24 @@ def make_tiny_trunk(max_position_embeddings: int = 64):
     from tandem.model.config import TrunkConfig
     from tandem.model.trunk import Trunk
 
-    cfg = TrunkConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32,
-                      qk_nope_head_dim=32, v_head_dim=32, index_head_dim=16, index_n_heads=2, index_topk=16,
-                      linear_head_dim=32, linear_num_heads=2, max_position_embeddings=max_position_embeddings)
+    cfg = TrunkConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=16,
+        linear_head_dim=32,
+        linear_num_heads=2,
+        max_position_embeddings=max_position_embeddings,
+    )
     return cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)
 
 

@@ -27,8 +27,11 @@ def _cache_bytes(cache) -> int:
     n = 0
     for layer in cache.layers:
         if isinstance(layer, MLACache):
-            n += sum(b.numel() * b.element_size() for name in ("latent", "k", "v", "ik", "ig", "pk")
-                     if (b := layer.buffer(name)) is not None)
+            n += sum(
+                b.numel() * b.element_size()
+                for name in ("latent", "k", "v", "ik", "ig", "pk")
+                if (b := layer.buffer(name)) is not None
+            )
         elif isinstance(layer, KDAState):
             n += sum(t.numel() * t.element_size() for t in (layer.tail, layer.S))
     return n
@@ -60,8 +63,15 @@ class _Stage:
 
     def prime(self, items):
         time.sleep(self.prime_s)
-        return [VerifyOut(torch.full((len(it.tokens),), 7), torch.zeros(len(it.tokens), 0), torch.zeros(len(it.tokens)),
-                          torch.zeros(len(it.tokens), 0)) for it in items]
+        return [
+            VerifyOut(
+                torch.full((len(it.tokens),), 7),
+                torch.zeros(len(it.tokens), 0),
+                torch.zeros(len(it.tokens)),
+                torch.zeros(len(it.tokens), 0),
+            )
+            for it in items
+        ]
 
 
 #: 1 KiB a token, at least 256 tokens (the MLA buffers' first size): 256 KiB a short session
@@ -74,8 +84,9 @@ def _sched(**config) -> Scheduler:
 
 
 def _turn(sid, out, n=4, max_tokens=8, **kw) -> Turn:
-    return Turn(sid, list(range(3, 3 + n)), max_tokens, lambda r, e, f: out.append((sid, r, e, f)), spec="off",
-                end=False, **kw)
+    return Turn(
+        sid, list(range(3, 3 + n)), max_tokens, lambda r, e, f: out.append((sid, r, e, f)), spec="off", end=False, **kw
+    )
 
 
 def test_a_turn_that_cannot_fit_waits_then_is_refused_naming_the_limit():
@@ -132,9 +143,13 @@ def test_refusals_come_while_the_worker_primes():
         time.sleep(0.1)  # (the worker is priming turn 1)
         t0, done = time.monotonic(), threading.Event()
         for sid in range(2, 6):
-            front.submit(TurnRequest(sid, [3, 4], 2),
-                         lambda o, e, f, sid=sid: (got.setdefault(sid, time.monotonic() - t0) if e else None,
-                                                   len(got) == 4 and done.set()))
+            front.submit(
+                TurnRequest(sid, [3, 4], 2),
+                lambda o, e, f, sid=sid: (
+                    got.setdefault(sid, time.monotonic() - t0) if e else None,
+                    len(got) == 4 and done.set(),
+                ),
+            )
         assert done.wait(3.0), got
         assert max(got.values()) < 0.3 + 0.3, got
     finally:

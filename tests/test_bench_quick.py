@@ -18,8 +18,13 @@ pytestmark = pytest.mark.integration
 
 def test_quick_bench_runs_every_row_and_section(tmp_path):
     out = tmp_path / "bench.json"
-    p = subprocess.run([sys.executable, "-m", "tandem.tools.bench", "--quick", "--json", str(out)], cwd=REPO_ROOT,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "tandem.tools.bench", "--quick", "--json", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     text = " ".join(p.stdout.replace("│", " ").split())  # a table title wraps to the table's width
     assert "QUICK SMOKE RUN: figures mean nothing" in text, p.stdout[-3000:]

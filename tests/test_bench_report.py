@@ -7,8 +7,16 @@ from tandem.tools.bench_report import served_calls, speedup_ratios, summarize
 
 
 def _run(prompt, rounds, spec_rounds, accepted, accepted_at):
-    return {"prompt": prompt, "token_ids": [1] * (rounds + accepted + 1), "tokens_per_s": 10.0, "ttft_s": 0.01,
-            "rounds": rounds, "spec_rounds": spec_rounds, "accepted": accepted, "accepted_at": accepted_at}
+    return {
+        "prompt": prompt,
+        "token_ids": [1] * (rounds + accepted + 1),
+        "tokens_per_s": 10.0,
+        "ttft_s": 0.01,
+        "rounds": rounds,
+        "spec_rounds": spec_rounds,
+        "accepted": accepted,
+        "accepted_at": accepted_at,
+    }
 
 
 def test_tau_counts_only_rounds_that_drafted():
@@ -28,19 +36,29 @@ def test_served_calls_pair_round_trips_with_time_in_the_trunk(tmp_path):
     """The server log's two statistics lines (``tandem``'s BLS round trips, the trunk's time inside
     ``handle``, both logged at unload) become one figure per call: the round trip and its stage share."""
     log = tmp_path / "server.log"
-    log.write_text("I1203 model.py:74] tandem: BLS calls {'trunk.draft_verify': {'calls': 10, 'mean_ms': 63.5}, "
-                   "'drafter_mtp.close': {'calls': 2, 'mean_ms': 1.0}}\n"
-                   "I1203 model.py:41] trunk: handled {'trunk.draft_verify': {'calls': 10, 'mean_ms': 61.25}, "
-                   "'trunk.prime': {'calls': 1, 'mean_ms': 40.0}}\n")
+    log.write_text(
+        "I1203 model.py:74] tandem: BLS calls {'trunk.draft_verify': {'calls': 10, 'mean_ms': 63.5}, "
+        "'drafter_mtp.close': {'calls': 2, 'mean_ms': 1.0}}\n"
+        "I1203 model.py:41] trunk: handled {'trunk.draft_verify': {'calls': 10, 'mean_ms': 61.25}, "
+        "'trunk.prime': {'calls': 1, 'mean_ms': 40.0}}\n"
+    )
     calls = served_calls(log)
-    assert calls == {"trunk.draft_verify": {"calls": 10, "mean_ms": 63.5, "stage_ms": 61.25},
-                     "drafter_mtp.close": {"calls": 2, "mean_ms": 1.0}}
-    log.write_text("I1204 model.py:84] tandem: BLS calls {'trunk.draft_verify': {'calls': 3, 'mean_ms': 20.0}, "
-                   "'trunk.draft_verify_next': {'calls': 7, 'mean_ms': 30.0}}; pipelined {'calls': 7, 'refused': 1}\"\n")
-    assert served_calls(log) == {"trunk.draft_verify": {"calls": 3, "mean_ms": 20.0},
-                                 "trunk.draft_verify_next": {"calls": 7, "mean_ms": 30.0},
-                                 "pipelined": {"calls": 7, "refused": 1}}
-    log.write_text("I1205 model.py:70] trunk: compute thread {'calls': 40, 'wall_s': 2.5, 'cpu_s': 2.4, 'off_cpu': 0.04}\n")
+    assert calls == {
+        "trunk.draft_verify": {"calls": 10, "mean_ms": 63.5, "stage_ms": 61.25},
+        "drafter_mtp.close": {"calls": 2, "mean_ms": 1.0},
+    }
+    log.write_text(
+        "I1204 model.py:84] tandem: BLS calls {'trunk.draft_verify': {'calls': 3, 'mean_ms': 20.0}, "
+        "'trunk.draft_verify_next': {'calls': 7, 'mean_ms': 30.0}}; pipelined {'calls': 7, 'refused': 1}\"\n"
+    )
+    assert served_calls(log) == {
+        "trunk.draft_verify": {"calls": 3, "mean_ms": 20.0},
+        "trunk.draft_verify_next": {"calls": 7, "mean_ms": 30.0},
+        "pipelined": {"calls": 7, "refused": 1},
+    }
+    log.write_text(
+        "I1205 model.py:70] trunk: compute thread {'calls': 40, 'wall_s': 2.5, 'cpu_s': 2.4, 'off_cpu': 0.04}\n"
+    )
     assert served_calls(log) == {"compute": {"calls": 40, "wall_s": 2.5, "cpu_s": 2.4, "off_cpu": 0.04}}
     log.write_text("no statistics: the server died\n")
     assert served_calls(log) == {}
@@ -50,8 +68,10 @@ def test_served_vs_in_process_gives_the_aggregate_and_the_paired_median():
     """Served / in-process per served row: all tokens over all seconds, and the median over prompts of
     each prompt's served / in-process speed (the pairs ran back to back)."""
     tps = {"plain (in-process)": [100, 100, 100], "plain (served)": [90, 50, 95]}
-    raw = {n: [{"prompt": i, "tokens_per_s": float(v), "token_ids": [1] * 100} for i, v in enumerate(vs)]
-           for n, vs in tps.items()}
+    raw = {
+        n: [{"prompt": i, "tokens_per_s": float(v), "token_ids": [1] * 100} for i, v in enumerate(vs)]
+        for n, vs in tps.items()
+    }
     by = {n: {"tokens_per_s_aggregate": 300 / sum(100 / v for v in vs)} for n, vs in tps.items()}
     out = speedup_ratios(by, raw, [], ["plain"], False)
     assert out["served_vs_inprocess plain"] == pytest.approx((300 / (100 / 90 + 100 / 50 + 100 / 95)) / 100)
@@ -63,8 +83,10 @@ def test_the_paired_median_pairs_each_prompt_within_its_rep():
     (they ran back to back), not with the last in-process run of that prompt."""
     ip = [(0, 0, 100.0), (0, 1, 50.0), (1, 0, 100.0), (1, 1, 100.0)]  # (prompt, rep, tokens/s): rep 1 of prompt 0 slow
     sv = [(0, 0, 90.0), (0, 1, 45.0), (1, 0, 80.0), (1, 1, 90.0)]
-    raw = {n: [{"prompt": p, "rep": r, "tokens_per_s": v, "token_ids": [1] * 100} for p, r, v in runs]
-           for n, runs in (("plain (in-process)", ip), ("plain (served)", sv))}
+    raw = {
+        n: [{"prompt": p, "rep": r, "tokens_per_s": v, "token_ids": [1] * 100} for p, r, v in runs]
+        for n, runs in (("plain (in-process)", ip), ("plain (served)", sv))
+    }
     by = {n: {"tokens_per_s_aggregate": 1.0} for n in raw}
     out = speedup_ratios(by, raw, [], ["plain"], False)
     assert out["served_vs_inprocess_median_prompt plain"] == pytest.approx(0.9)  # pairs 0.9, 0.9, 0.8, 0.9

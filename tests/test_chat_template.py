@@ -13,13 +13,19 @@ from tandem.model.checkpoint import DEFAULT_CHECKPOINT, init_weights, save_shard
 from tandem.model.tokenizer import ChatTokenizer
 from tandem.model.trunk import Trunk
 
-TWO_TURNS = [("system", "Be brief."), ("user", "Write a haiku about the sea."), ("assistant", "Waves fold into foam."),
-             ("user", "Another, about rivers — with émoji 😀 and 日本語.")]
+TWO_TURNS = [
+    ("system", "Be brief."),
+    ("user", "Write a haiku about the sea."),
+    ("assistant", "Waves fold into foam."),
+    ("user", "Another, about rivers — with émoji 😀 and 日本語."),
+]
 #: a template unlike the miniature's: a preamble, a default system message, a filter, a loop variable
-OTHER_TEMPLATE = ("{{ '<|system|>' + '\\n' + 'You are a test model.' }}{% for m in messages %}"
-                  "{% if m['role'] == 'system' %}{{ ' ' + m['content'] | trim }}{% else %}"
-                  "{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] }}{% endif %}{% endfor %}"
-                  "{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}")
+OTHER_TEMPLATE = (
+    "{{ '<|system|>' + '\\n' + 'You are a test model.' }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ ' ' + m['content'] | trim }}{% else %}"
+    "{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}"
+)
 
 
 def _folder(tmp_path, template: str | None = None, eos=None):
@@ -58,8 +64,10 @@ def test_rendered_prompt_equals_transformers(tmp_path, template):
 def test_the_shipped_template_keeps_the_miniature_prompt(tokenizer):
     """The shipped checkpoint's template renders the prompt tandem was trained with."""
     ids = tokenizer.chat_prompt("Write a haiku about the sea.", system="Be brief.")
-    assert tokenizer.decode(ids, skip_special=False) == \
-        "<|system|>\nBe brief.<|user|>\nWrite a haiku about the sea.<|assistant|>\n"
+    assert (
+        tokenizer.decode(ids, skip_special=False)
+        == "<|system|>\nBe brief.<|user|>\nWrite a haiku about the sea.<|assistant|>\n"
+    )
     assert ids[0] == tokenizer.role_ids["system"] and ids[-2] == tokenizer.role_ids["assistant"]
 
 
@@ -121,15 +129,29 @@ def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
     drafter = served_folder.parent / (served_folder.name + "-drafter") / "dflash2"
     env = {"TANDEM_CHECKPOINT": str(served_folder), "TANDEM_DFLASH2_CHECKPOINT": str(drafter)}
     with running_server(env=env, ready_timeout_s=240) as srv:
-        res = CliRunner().invoke(app, ["generate", "Hello there", "-n", "12", "--json", "--url", srv.grpc_url,
-                                       "--checkpoint", str(served_folder)])
+        res = CliRunner().invoke(
+            app,
+            [
+                "generate",
+                "Hello there",
+                "-n",
+                "12",
+                "--json",
+                "--url",
+                srv.grpc_url,
+                "--checkpoint",
+                str(served_folder),
+            ],
+        )
         assert res.exit_code == 0, res.output + srv.log()[-3000:]
         out = json.loads(res.stdout)
         assert len(out["token_ids"]) == 12 and out["usage"]["prompt_tokens"] == len(tok.chat_prompt("Hello there"))
         import urllib.request
 
-        req = urllib.request.Request(f"http://127.0.0.1:{srv.http_port}/v2/models/ensemble/generate",
-                                     data=json.dumps({"text_input": "Hello there", "max_tokens": 12}).encode())
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{srv.http_port}/v2/models/ensemble/generate",
+            data=json.dumps({"text_input": "Hello there", "max_tokens": 12}).encode(),
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             ans = json.loads(r.read())
         assert ans["prompt_tokens"] == len(tok.chat_prompt("Hello there")) and ans["completion_tokens"] == 12
@@ -137,10 +159,14 @@ def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
         from tandem_client.client import generate
 
         plain = generate(tok.chat_prompt("Hello there"), 24, url=srv.grpc_url, spec="off")
-        spec = generate(tok.chat_prompt("Hello there"), 24, url=srv.grpc_url, spec="dflash2")  # the drafter's own folder
+        spec = generate(
+            tok.chat_prompt("Hello there"), 24, url=srv.grpc_url, spec="dflash2"
+        )  # the drafter's own folder
         assert spec["token_ids"] == plain["token_ids"] and spec["drafted"] > 0
         assert f"drafters {{'dflash2': '{drafter}'}}" in srv.log()
-        assert tok.decode(tok.chat_prompt("Hello there"), skip_special=False).startswith("<|system|>\nYou are a test model.")
+        assert tok.decode(tok.chat_prompt("Hello there"), skip_special=False).startswith(
+            "<|system|>\nYou are a test model."
+        )
 
 
 def test_a_later_turn_leaves_out_the_preamble(tmp_path):

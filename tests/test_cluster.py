@@ -39,8 +39,14 @@ pytestmark = pytest.mark.integration
 
 MAX_SESSIONS = 8
 ENV = {"TANDEM_MAX_SESSIONS": str(MAX_SESSIONS), "TANDEM_ADMISSION_WAIT_S": "0.5"}
-TEXTS = ["Write a haiku about the sea.", "What is a hash table?", "Name three rivers.", "Explain recursion.",
-         "Give me a recipe for bread.", "Why is the sky blue?"]
+TEXTS = [
+    "Write a haiku about the sea.",
+    "What is a hash table?",
+    "Name three rivers.",
+    "Explain recursion.",
+    "Give me a recipe for bread.",
+    "Why is the sky blue?",
+]
 LATER = ["Tell me more.", "Now say it in one line."]
 STATE: dict = {}
 
@@ -51,8 +57,9 @@ def cluster():
 
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors")
-    with running_cluster(2, env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **ENV},
-                         models=tuple(schema.MODELS), ready_timeout_s=300) as c:
+    with running_cluster(
+        2, env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **ENV}, models=tuple(schema.MODELS), ready_timeout_s=300
+    ) as c:
         yield c
 
 
@@ -113,6 +120,7 @@ def test_each_session_stays_on_one_server(cluster, tokenizer):
                 generate(prompt, 8, url=cluster.url, sequence_id=sids[k], sequence_start=t == 0, sequence_end=t == 2)
         except TandemClientError as e:
             errors.append(str(e))
+
     threads = [threading.Thread(target=session, args=(k,)) for k in range(8)]
     for th in threads:
         th.start()
@@ -141,8 +149,7 @@ def test_a_second_proxy_and_a_restarted_one_route_every_live_session_to_its_serv
     complete: 8 of 8 reach the server that holds them, none is lost."""
     sids = [new_sequence_id() for _ in range(8)]
     for k, sid in enumerate(sids):
-        generate(tokenizer.chat_prompt(TEXTS[k % len(TEXTS)]), 4, url=cluster.url, sequence_id=sid,
-                 sequence_end=False)
+        generate(tokenizer.chat_prompt(TEXTS[k % len(TEXTS)]), 4, url=cluster.url, sequence_id=sid, sequence_end=False)
     keys = [str(sid) for sid in sids]
     wait_for(lambda: all(k in streams(cluster) for k in keys), 5.0)
     home = {k: streams(cluster)[k][0] for k in keys}
@@ -151,22 +158,35 @@ def test_a_second_proxy_and_a_restarted_one_route_every_live_session_to_its_serv
         lost = []
         for sid in sids:
             try:
-                generate(tokenizer.chat_prompt(LATER[0], later=True), 4, url=second.url, sequence_id=sid,
-                         sequence_start=False, sequence_end=False)
+                generate(
+                    tokenizer.chat_prompt(LATER[0], later=True),
+                    4,
+                    url=second.url,
+                    sequence_id=sid,
+                    sequence_start=False,
+                    sequence_end=False,
+                )
             except TandemClientError as e:
                 lost.append(str(e))
         assert not lost
 
         def via_second() -> dict[str, str]:
             return {r["key"]: r["server"] for r in second.routed() if r["path"].endswith("/ModelStreamInfer")}
+
         wait_for(lambda: all(k in via_second() for k in keys), 5.0)
         assert {k: via_second()[k] for k in keys} == home
     finally:
         second.stop()
     cluster.restart_proxy()
     for sid in sids:
-        generate(tokenizer.chat_prompt(LATER[1], later=True), 4, url=cluster.url, sequence_id=sid,
-                 sequence_start=False, sequence_end=True)
+        generate(
+            tokenizer.chat_prompt(LATER[1], later=True),
+            4,
+            url=cluster.url,
+            sequence_id=sid,
+            sequence_start=False,
+            sequence_end=True,
+        )
     wait_for(lambda: all(len(streams(cluster)[k]) == 2 for k in keys), 5.0)
     s = streams(cluster)
     assert all(s[k] == [home[k]] * 2 for k in keys), {k: s[k] for k in keys}  # turns 1 and 3 (turn 2: second)
@@ -188,8 +208,14 @@ def raw_turn(url: str, ids: list[int], sid: int, start: bool, end: bool, max_tok
             x = grpcclient.InferInput(name, list(arr.shape), "INT32")
             x.set_data_from_numpy(arr)
             inputs.append(x)
-        c.async_stream_infer(schema.TANDEM.name, inputs, sequence_id=sid, sequence_start=start, sequence_end=end,
-                             enable_empty_final_response=True)
+        c.async_stream_infer(
+            schema.TANDEM.name,
+            inputs,
+            sequence_id=sid,
+            sequence_start=start,
+            sequence_end=end,
+            enable_empty_final_response=True,
+        )
         while True:
             result, error = q.get(timeout=60)
             if error is not None:
@@ -239,6 +265,7 @@ def test_a_stall_cuts_no_stream(cluster, tokenizer):
             got[name].append(time.monotonic())
             if walk_away.is_set():
                 raise Enough
+
         try:
             generate(prompt, 3000, url=cluster.url, sequence_id=picked[name][0], spec="off", on_tokens=on_tokens)
             box[name] = "ended before the client walked away"
@@ -246,6 +273,7 @@ def test_a_stall_cuts_no_stream(cluster, tokenizer):
             pass
         except TandemClientError as e:
             box[name] = str(e)
+
     threads = [threading.Thread(target=stream, args=(name,)) for name in cluster.names]
     for th in threads:
         th.start()
@@ -255,10 +283,17 @@ def test_a_stall_cuts_no_stream(cluster, tokenizer):
 
     def later_turn() -> None:
         try:
-            later["res"] = generate(tokenizer.chat_prompt(LATER[0], later=True), 4, url=cluster.url,
-                                    sequence_id=picked[name_a][1], sequence_start=False, sequence_end=True)
+            later["res"] = generate(
+                tokenizer.chat_prompt(LATER[0], later=True),
+                4,
+                url=cluster.url,
+                sequence_id=picked[name_a][1],
+                sequence_start=False,
+                sequence_end=True,
+            )
         except TandemClientError as e:
             later["err"] = str(e)
+
     pid = cluster.servers[0].proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -277,18 +312,25 @@ def test_a_stall_cuts_no_stream(cluster, tokenizer):
     try:  # both streams go on; the paused server's resumes after SIGCONT
         wait_for(lambda: all(went_on(n) for n in got) and got[name_a][-1] > t_cont, 20.0)
     except AssertionError:
-        raise AssertionError(f"streams stopped: {box}, later turn {later}, last token at "
-                             f"{ {n: round(ts[-1] - t_cont, 2) if ts else None for n, ts in got.items()} } s "
-                             f"after SIGCONT") from None
+        raise AssertionError(
+            f"streams stopped: {box}, later turn {later}, last token at "
+            f"{ {n: round(ts[-1] - t_cont, 2) if ts else None for n, ts in got.items()} } s "
+            f"after SIGCONT"
+        ) from None
     lt.join(30)
     assert later.get("res") and not later.get("err"), later
     walk_away.set()
     for th in threads:
         th.join(60)
     assert all(v == done for v in box.values()), box
-    generate(tokenizer.chat_prompt("Thanks.", later=True), 1, url=cluster.url, sequence_id=picked[cluster.names[1]][1],
-             sequence_start=False)
-    log = cluster.proxy_log.read_text(errors="replace")[len(log_before):]
+    generate(
+        tokenizer.chat_prompt("Thanks.", later=True),
+        1,
+        url=cluster.url,
+        sequence_id=picked[cluster.names[1]][1],
+        sequence_start=False,
+    )
+    log = cluster.proxy_log.read_text(errors="replace")[len(log_before) :]
     assert " is DOWN" not in log, log[-2000:]
     wait_for(lambda: len(streams(cluster).get(str(picked[name_a][1]), [])) == 2, 5.0)
     assert streams(cluster)[str(picked[name_a][1])] == [name_a, name_a]
@@ -324,15 +366,18 @@ def test_server_loss_gives_session_lost_and_reprime_equals_reference(cluster, to
 
     def stream() -> None:
         try:
-            box["res"] = generate(list(long_turn_prompt(3000)), 4000, url=cluster.url, spec="off",
-                                  on_tokens=lambda ids: first.set())
+            box["res"] = generate(
+                list(long_turn_prompt(3000)), 4000, url=cluster.url, spec="off", on_tokens=lambda ids: first.set()
+            )
         except TandemClientError as e:
             box["err"], box["t"] = e, time.monotonic()
+
     th = threading.Thread(target=stream)
     th.start()
     assert first.wait(60)
-    running, _ = wait_for(lambda: [i for i in range(2)
-                                   if tandem_metrics(cluster.ports[i][2])["tandem"]["turns_running"] == 1], 5.0)
+    running, _ = wait_for(
+        lambda: [i for i in range(2) if tandem_metrics(cluster.ports[i][2])["tandem"]["turns_running"] == 1], 5.0
+    )
     a = running[0]
     name_a, name_b = cluster.names[a], cluster.names[1 - a]
     assert not box, "the long turn ended before the kill"
@@ -362,8 +407,10 @@ def test_server_loss_gives_session_lost_and_reprime_equals_reference(cluster, to
     s = streams(cluster)
     assert all(s[str(conv.sequence_id)][-1] == name_b for conv in convs)  # every live session now on B
     STATE.update(convs=convs, a=a)
-    print(f"failover: in-flight stream lost after {lost_inflight:.2f} s, next turns of A's "
-          f"{len(lat)} sessions after {max(lat):.3f} s at most")
+    print(
+        f"failover: in-flight stream lost after {lost_inflight:.2f} s, next turns of A's "
+        f"{len(lat)} sessions after {max(lat):.3f} s at most"
+    )
 
 
 def test_server_return_takes_new_sessions_only(cluster, tokenizer):
@@ -399,8 +446,10 @@ def test_full_server_refuses_at_capacity_and_the_retry_goes_elsewhere(cluster, t
     hashed afresh, so half of them route to server 0) all complete, on server 1, and server 0 counts its
     refusals."""
     direct = f"127.0.0.1:{cluster.ports[0][1]}"
+
     def slots() -> int:  # an earlier test's turns may still be ending (their sessions closing)
         return int(tandem_metrics(cluster.ports[0][2])["tandem"].get("session_slots_free", MAX_SESSIONS))
+
     deadline = time.monotonic() + 15.0
     while slots() < MAX_SESSIONS and time.monotonic() < deadline:
         time.sleep(0.25)
@@ -433,11 +482,31 @@ def test_serve_cluster_runs_in_the_foreground_and_ctrl_c_cleans_up(tokenizer):
     from tandem.serving.host import busy_ports, free_ports, shm_files
 
     proxy = free_ports(1)[0]
-    base = next(p for p in range(20000, 60000, 7) if busy_ports({str(q): q for q in range(p, p + 3)}) is None
-                and proxy not in range(p, p + 3))
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.serving.cluster", "serve", "--replicas", "1", "--port",
-                             str(proxy), "--base-port", str(base), "--checkpoint", str(CHECKPOINT)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = next(
+        p
+        for p in range(20000, 60000, 7)
+        if busy_ports({str(q): q for q in range(p, p + 3)}) is None and proxy not in range(p, p + 3)
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.serving.cluster",
+            "serve",
+            "--replicas",
+            "1",
+            "--port",
+            str(proxy),
+            "--base-port",
+            str(base),
+            "--checkpoint",
+            str(CHECKPOINT),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         lines = []
         for line in proc.stdout:
@@ -469,11 +538,17 @@ def test_haproxy_config_is_valid_and_keys_on_the_routing_header(tmp_path):
     text = haproxy_config([("tandem0", 9101, 9100), ("tandem1", 9104, 9103)], 9001)
     (tmp_path / "haproxy.cfg").write_text(text)
     ensure_haproxy().check(tmp_path / "haproxy.cfg")
-    for line in ("bind 127.0.0.1:9001 proto h2", f"balance hdr({schema.ROUTING_HEADER})\n",
-                 "hash-type consistent sdbm avalanche\n", f"stick on req.hdr({schema.ROUTING_HEADER})",
-                 "option httpchk GET /v2/health/ready", "option redispatch", "observe layer4 error-limit 1 "
-                 "on-error mark-down", "server tandem0 127.0.0.1:9101 id 1 weight 100 proto h2 check port 9100",
-                 "server tandem1 127.0.0.1:9104 id 2 weight 100 proto h2 check port 9103"):
+    for line in (
+        "bind 127.0.0.1:9001 proto h2",
+        f"balance hdr({schema.ROUTING_HEADER})\n",
+        "hash-type consistent sdbm avalanche\n",
+        f"stick on req.hdr({schema.ROUTING_HEADER})",
+        "option httpchk GET /v2/health/ready",
+        "option redispatch",
+        "observe layer4 error-limit 1 on-error mark-down",
+        "server tandem0 127.0.0.1:9101 id 1 weight 100 proto h2 check port 9100",
+        "server tandem1 127.0.0.1:9104 id 2 weight 100 proto h2 check port 9103",
+    ):
         assert line in text, line
     assert "shutdown-sessions" not in text and "leastconn" not in text
     assert check_tolerance_s() >= 10.0
@@ -488,8 +563,9 @@ def test_client_types_errors_by_marker_and_transport():
 
     broken = error_from(InferenceServerException("Socket closed", status="StatusCode.UNAVAILABLE"), "h:1", 7)
     assert type(broken) is SessionLost and "sequence 7" in str(broken) and schema.SESSION_LOST_MARKER in str(broken)
-    lost = error_from(InferenceServerException(f"sequence_id: unknown sequence id 7 {schema.SESSION_LOST_MARKER}"),
-                      "h:1", 7)
+    lost = error_from(
+        InferenceServerException(f"sequence_id: unknown sequence id 7 {schema.SESSION_LOST_MARKER}"), "h:1", 7
+    )
     assert type(lost) is SessionLost
     full = error_from(InferenceServerException(f"sequence_id: no free session {schema.AT_CAPACITY_MARKER}"), "h:1", 7)
     assert type(full) is AtCapacity
@@ -511,6 +587,7 @@ def test_conversation_keeps_the_sessions_context_and_reprimes_it(monkeypatch):
         if isinstance(a, Exception):
             raise a
         return {"token_ids": a[0], "finish_reason": a[1], "sequence_id": a[2]}
+
     monkeypatch.setattr(conv_mod, "generate", fake)
     conv = Conversation("h:1", stop_ids=(99,))
     conv.turn([1, 2], 8)

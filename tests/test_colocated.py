@@ -42,23 +42,22 @@ def hosted(eng: Engine, run_ahead: bool = False, pipeline: bool = False, pipelin
     served by default; each next call sent ``pipeline_delay_s`` after the call it continues, long
     enough for the other thread here). Returns (scheduler, host, spy)."""
     dflash = {a: st.drafters[a] for a, st in eng.drafters.items() if a in schema.DFLASH_ARMS}
-    host = StageHost.build(TrunkStage(eng.model, eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant),
-                           dflash, eng.config.max_num_draft_tokens, run_ahead=run_ahead)
+    host = StageHost.build(
+        TrunkStage(eng.model, eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant),
+        dflash,
+        eng.config.max_num_draft_tokens,
+        run_ahead=run_ahead,
+    )
     spy = _Spy(fr.LocalTransport({"trunk": host}))
     tr = fr.Pipeline(spy, pipeline_delay_s) if pipeline else spy
     to_drafters = fr.HostedTransport(tr)
     dfl = fr.DFlashProxy(to_drafters)
     drafters = {schema.MTP: fr.DrafterProxy(to_drafters), **{a: dfl for a in dflash}}
     cfg = eng.config if not config else type(eng.config)(**{**eng.config.__dict__, **config})
-    sched = Scheduler(fr.TrunkProxy(tr, eng.model.cfg.vocab_size, hosted=True), drafters, cfg,
-                      stop_ids=eng.tokenizer.stop_ids)
+    sched = Scheduler(
+        fr.TrunkProxy(tr, eng.model.cfg.vocab_size, hosted=True), drafters, cfg, stop_ids=eng.tokenizer.stop_ids
+    )
     return sched, host, spy
-
-
-@pytest.fixture(scope="module")
-def shipped(checkpoint):
-    """The shipped checkpoint, the serving defaults (the demotion policy on)."""
-    return Engine(checkpoint)
 
 
 @pytest.mark.parametrize("arm", schema.SPECS)
@@ -88,7 +87,10 @@ def test_every_arm_equals_the_engine_one_call_a_round(shipped, tokenizer, shareg
         assert all(m == "trunk" for m, _, _, _ in spy.calls)
         for _, op, args, res in spy.calls:
             assert "FEATURES" not in args and "HIDDEN" not in args
-            assert res.get("HIDDEN", np.zeros((0, 0))).shape[-1] == 0 and res.get("FEATURES", np.zeros((0, 0))).shape[-1] == 0
+            assert (
+                res.get("HIDDEN", np.zeros((0, 0))).shape[-1] == 0
+                and res.get("FEATURES", np.zeros((0, 0))).shape[-1] == 0
+            )
     assert not host.ingest and not host.pending and not host.trunk.caches  # closed with the sessions
     assert all(not st.states for st in host.by_model.values())
 
@@ -107,8 +109,13 @@ def test_a_burst_ends_after_burst_ms(shipped, tokenizer, sharegpt_prompts, arm):
         assert out == plain and all(float(a["BURST_MS"][0]) <= ms for a, _ in calls)
         assert (max(r.rounds for r in receipts) == 1) == one_round
         assert (max(int(r["ROUNDS_RUN"][0]) for _, r in calls) == 1) == one_round
-        eng = Engine(model=shipped.model, tokenizer=tokenizer, dflash={a: shipped.drafters[a].drafters[a] for a in
-                     schema.DFLASH_ARMS}, burst_ms=ms, burst_rounds=8)  # per-round calls (colocate off / in-process)
+        eng = Engine(
+            model=shipped.model,
+            tokenizer=tokenizer,
+            dflash={a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS},
+            burst_ms=ms,
+            burst_rounds=8,
+        )  # per-round calls (colocate off / in-process)
         out, receipts = _run(eng.sched, 1, ids, 40, arm)
         assert out == plain and (max(r.rounds for r in receipts) == 1) == one_round
     with pytest.raises(ValueError, match="burst_ms must be >= 0"):
@@ -181,10 +188,18 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
         dv([Rows(1, [4])], [_plan("medusa", 2)])
     with pytest.raises(fr.StageError, match=r"ROUNDS needs one entry >= 1 per SIDS \(1\), got \[0\]"):
         dv([Rows(1, [4])], [_plan("dflash", 2, rounds=0)])
-    bad = {"OP": schema.string_array("draft_verify"), "SIDS": schema.sids_to_wire([1]), "TOKENS": np.array([4]),
-           schema.NUM_DRAFT_TOKENS: np.array([2], np.int32), schema.SPEC: np.array([b"dflash"], dtype=object),
-           "STOP_IDS": np.array([7, 8]), "STOP_LENGTHS": np.array([1], np.int32)}
-    with pytest.raises(schema.WireError, match=r"STOP_LENGTHS \[1\] must hold one count >= 0 per SIDS \(1\) summing to the 2"):
+    bad = {
+        "OP": schema.string_array("draft_verify"),
+        "SIDS": schema.sids_to_wire([1]),
+        "TOKENS": np.array([4]),
+        schema.NUM_DRAFT_TOKENS: np.array([2], np.int32),
+        schema.SPEC: np.array([b"dflash"], dtype=object),
+        "STOP_IDS": np.array([7, 8]),
+        "STOP_LENGTHS": np.array([1], np.int32),
+    }
+    with pytest.raises(
+        schema.WireError, match=r"STOP_LENGTHS \[1\] must hold one count >= 0 per SIDS \(1\) summing to the 2"
+    ):
         host.handle(bad)
     with pytest.raises(schema.WireError, match=r"BURST_MS must be >= 0.0, got -1.0"):
         host.handle({**bad, "STOP_LENGTHS": np.array([2], np.int32), "BURST_MS": np.array([-1.0], np.float32)})
@@ -193,7 +208,10 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
         nxt(7, [1, 2], [1, 1], None)
     got = dv([Rows(1, [4]), Rows(2, [4])], [_plan("dflash", 3), _plan(None, 0)], number=7)
     assert [[len(d) for _, d, _ in per] for per in got] == [[3], [0]] and [len(got[0][0][2].argmax)] == [4]
-    for number, sids, msg in ((7, [1, 2], "after 6 .*last call: call 7 over 2"), (8, [2, 1], "after 7 over these SIDS")):
+    for number, sids, msg in (
+        (7, [1, 2], "after 6 .*last call: call 7 over 2"),
+        (8, [2, 1], "after 7 over these SIDS"),
+    ):
         with pytest.raises(fr.StageError, match="CALL: draft_verify_next is not the call " + msg):
             nxt(number, sids, [1, 1], None)  # refused: nothing ran (the walk's anchors are still next)
     cont = nxt(8, [1, 2], [2, 1], None)  # continues call 7 from the anchors its walks chose
@@ -210,8 +228,11 @@ def test_bad_requests_name_the_field(tiny):  # noqa: F811
     with pytest.raises(fr.StageError, match="OP 'drafter_dflash.open': this trunk hosts no drafter_dflash"):
         fr.DFlashProxy(fr.HostedTransport(bare)).open([1])
     bare_trunk = fr.TrunkProxy(bare, 512, hosted=True)
-    for opens, msg in ((["medusa"], r"SPEC on prime: one of .* or '' per SIDS \(1\), got \('medusa',\)"),
-                       (["mtp", ""], r"SPEC on prime: .* per SIDS \(1\)"), (["mtp"], "SPEC: 'mtp' is not hosted here")):
+    for opens, msg in (
+        (["medusa"], r"SPEC on prime: one of .* or '' per SIDS \(1\), got \('medusa',\)"),
+        (["mtp", ""], r"SPEC on prime: .* per SIDS \(1\)"),
+        (["mtp"], "SPEC: 'mtp' is not hosted here"),
+    ):
         with pytest.raises(fr.StageError, match=msg):
             bare_trunk.prime([Rows(9, [5, 6])], opens)
     assert bare_trunk.prime([Rows(9, [5, 6])], ["off"])[0].argmax.shape == (2,)  # opened and primed in one call
@@ -228,13 +249,26 @@ def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tok
     them in different rounds of a call, and one with a stop string (one round a call): each gives the
     in-process engine's tokens and finish reason, and a call's rounds stop where its turn ends. With
     ``run_ahead`` the same, with calls answered ahead and guesses undone (a turn cut by its stop string)."""
-    eng = Engine(checkpoint, model=shipped.model, tokenizer=shipped.tokenizer, demote_probe_rounds=0, max_ctx=160, burst_ms=0.0, burst_rounds=4,
-                 dflash={a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS})
+    eng = Engine(
+        checkpoint,
+        model=shipped.model,
+        tokenizer=shipped.tokenizer,
+        demote_probe_rounds=0,
+        max_ctx=160,
+        burst_ms=0.0,
+        burst_rounds=4,
+        dflash={a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS},
+    )
     sched, host, spy = hosted(eng, run_ahead)
     ids = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[3:8]]
     stop_tok = shipped.generate(ids[1], 12, spec="off")["token_ids"][9]  # its 10th token ends that turn
-    cases = [(ids[0], 37, "dflash2", (), ()), (ids[1], 40, "mtp", (stop_tok,), ()), (ids[2], 200, "dflash", (), ()),
-             (ids[3], 30, "off", (), ()), (ids[4], 30, "dflash2", (), (".",))]
+    cases = [
+        (ids[0], 37, "dflash2", (), ()),
+        (ids[1], 40, "mtp", (stop_tok,), ()),
+        (ids[2], 200, "dflash", (), ()),
+        (ids[3], 30, "off", (), ()),
+        (ids[4], 30, "dflash2", (), (".",)),
+    ]
     cases[2] = ((ids[2] * 4)[:110], 150, "dflash", (), ())  # the context fills: 110 prompt rows of 160
     want = [eng.generate(p, n, spec=a, stop_token_ids=st, stop=ss) for p, n, a, st, ss in cases]
     got = {i: [] for i in range(len(cases))}
@@ -246,11 +280,16 @@ def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tok
             got[i].extend(r.tokens)
             if final:
                 fin[i] = r.finish_reason
+
         return f
 
     sched.decode = tokenizer.decode
-    sched.admit([Turn(100 + i, list(p), n, emit(i), spec=a, stop_token_ids=st, stop=ss)
-                 for i, (p, n, a, st, ss) in enumerate(cases)])
+    sched.admit(
+        [
+            Turn(100 + i, list(p), n, emit(i), spec=a, stop_token_ids=st, stop=ss)
+            for i, (p, n, a, st, ss) in enumerate(cases)
+        ]
+    )
     while sched.turns:
         sched.burst()
     for i, w in enumerate(want):
@@ -259,7 +298,10 @@ def test_several_rounds_a_call_end_where_each_turn_ends(shipped, checkpoint, tok
     runs = [res["ROUNDS_RUN"].tolist() for _, op, _, res in spy.calls if op == "draft_verify"]
     assert max(max(r) for r in runs) == sched.config.burst_rounds and min(min(r) for r in runs) >= 1
     if run_ahead:
-        assert host.ahead.hits > 0 and host.ahead.misses > 0 and not host.ahead.busy, (host.ahead.hits, host.ahead.misses)
+        assert host.ahead.hits > 0 and host.ahead.misses > 0 and not host.ahead.busy, (
+            host.ahead.hits,
+            host.ahead.misses,
+        )
 
 
 def test_run_ahead_undoes_a_guess_that_missed(shipped, tokenizer, sharegpt_prompts):
@@ -292,7 +334,12 @@ def test_run_ahead_undoes_a_guess_that_missed(shipped, tokenizer, sharegpt_promp
                 if it.sid == 1 and r is not None and i == r + 1:
                     k = 2  # another draft count
                 used = sum(len(w.emitted) for w in walks[:-1]) + m
-                nxt.append((Rows(it.sid, [walks[-1].emitted[m - 1]], commit=m), _plan(p.arm, k, p.rounds, p.budget - used, (), p.room - used)))
+                nxt.append(
+                    (
+                        Rows(it.sid, [walks[-1].emitted[m - 1]], commit=m),
+                        _plan(p.arm, k, p.rounds, p.budget - used, (), p.room - used),
+                    )
+                )
             items, plans = [x for x, _ in nxt], [y for _, y in nxt]
             if r is not None and i == r + 3:  # while the guessed call of both runs ahead
                 proxy.close([2])
@@ -313,8 +360,18 @@ def test_demotion_sees_the_load_per_round_calls_would(tiny):  # noqa: F811
     calls (the policy counts every session still active in each round, not those in the call). Bursts
     by rounds only (``burst_ms`` 0), so both sides' bursts are the same rounds."""
     trunk, drafters = tiny
-    eng = Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, round_cost_dflash=1.0,
-                 demote_load_slope=1.0, demote_below=0.9, promote_above=5.0, burst_ms=0.0, burst_rounds=4)
+    eng = Engine(
+        model=trunk,
+        tokenizer=_Tok(),
+        dflash=drafters,
+        max_ctx=256,
+        round_cost_dflash=1.0,
+        demote_load_slope=1.0,
+        demote_below=0.9,
+        promote_above=5.0,
+        burst_ms=0.0,
+        burst_rounds=4,
+    )
     sched, _, _ = hosted(eng)
     ids = _ids(20, 1)
     runs = []
@@ -328,7 +385,9 @@ def test_demotion_sees_the_load_per_round_calls_would(tiny):  # noqa: F811
                 got[i][0] += r.rounds
                 got[i][1] += r.spec_rounds
                 got[i][2] += r.tokens
+
             return f
+
         s.admit([Turn(1, ids, 40, em(1), spec="dflash"), Turn(2, ids[:15], 40, em(2), spec="dflash", stop=("zzzz",))])
         while s.turns:
             s.burst()
@@ -353,9 +412,18 @@ def test_hosted_draft_requests_are_checked_before_any_change(tiny):  # noqa: F81
         dv([Rows(1, [4], commit=1)], [_plan("dflash", 5, room=59)])
     with pytest.raises(fr.StageError, match="ROOM: 500 for sequence 1 exceeds the 60 rows its trunk cache has left"):
         dv([Rows(1, [4], commit=1)], [_plan("dflash", 2, room=500)])
-    assert (host.trunk.caches[1].pending_rows, len(host.ingest[1].outs), host.drafters["dflash"].covered_rows(1)) == before
-    assert dv([], []) == [] and host.handle({"OP": schema.string_array("draft_verify"), "SIDS": np.zeros(0, np.int64),
-                                             "TOKENS": np.zeros(0, np.int64)})["ROUNDS_RUN"].size == 0
+    assert (
+        host.trunk.caches[1].pending_rows,
+        len(host.ingest[1].outs),
+        host.drafters["dflash"].covered_rows(1),
+    ) == before
+    assert (
+        dv([], []) == []
+        and host.handle(
+            {"OP": schema.string_array("draft_verify"), "SIDS": np.zeros(0, np.int64), "TOKENS": np.zeros(0, np.int64)}
+        )["ROUNDS_RUN"].size
+        == 0
+    )
 
 
 def test_served_with_colocate_off_takes_the_drafter_models(shipped, checkpoint, tokenizer, tmp_path):
@@ -374,7 +442,7 @@ def test_served_with_colocate_off_takes_the_drafter_models(shipped, checkpoint, 
             assert got["token_ids"] == ref["token_ids"] and got["accepted"] > 0
     text = log.read_text(errors="replace")
     assert "drafters hosted: none (colocate off)" in text
-    calls = text[text.index("tandem: BLS calls"):]
+    calls = text[text.index("tandem: BLS calls") :]
     assert "'drafter_dflash.draft'" in calls and "'drafter_mtp.draft'" in calls and "draft_verify" not in calls
 
 
@@ -387,8 +455,12 @@ def test_served_with_run_ahead_answers_ahead_with_the_engines_tokens(shipped, ch
     from tandem_client.client import generate
 
     ids = tokenizer.chat_prompt("Write a short poem about the sea.")
-    env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_RUN_AHEAD": "true", "TANDEM_PIPELINE": "false",
-           "TANDEM_PREFIX_CACHE_MB": "0"}
+    env = {
+        "TANDEM_CHECKPOINT": str(checkpoint.resolve()),
+        "TANDEM_RUN_AHEAD": "true",
+        "TANDEM_PIPELINE": "false",
+        "TANDEM_PREFIX_CACHE_MB": "0",
+    }
     log = tmp_path / "server.log"
     with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
         for arm in ("dflash2", "dflash", "off"):

@@ -20,9 +20,9 @@ def amx_on():
     cpu_amx.set_amx(before)
 
 
-def _bf16_weight(O, D, seed):
+def _bf16_weight(n_out, D, seed):
     g = np.random.default_rng(seed)
-    return torch.from_numpy(g.standard_normal((O, D)).astype(np.float32)).to(torch.bfloat16).float()
+    return torch.from_numpy(g.standard_normal((n_out, D)).astype(np.float32)).to(torch.bfloat16).float()
 
 
 def _inputs(M, D, seed):
@@ -32,37 +32,37 @@ def _inputs(M, D, seed):
 
 
 @needs_amx
-@pytest.mark.parametrize("D,O", [(2, 64), (38, 130), (40, 5), (96, 200), (256, 517), (512, 256)])
-def test_amx_rows_are_bit_identical_for_any_row_count(D, O, amx_on):
-    w = _bf16_weight(O, D, seed=D + O)
+@pytest.mark.parametrize("D,n_out", [(2, 64), (38, 130), (40, 5), (96, 200), (256, 517), (512, 256)])
+def test_amx_rows_are_bit_identical_for_any_row_count(D, n_out, amx_on):
+    w = _bf16_weight(n_out, D, seed=D + n_out)
     pw = cpu_gemm.kernel_weight(w)
-    assert pw[0].dtype == np.int32 and pw[0].shape == (O // 64, D // 2, 64)
+    assert pw[0].dtype == np.int32 and pw[0].shape == (n_out // 64, D // 2, 64)
     x = _inputs(40, D, seed=D)
     full = cpu_gemm.mm_rows(x, pw)
     for M in (1, 2, 3, 15, 16, 17, 33):  # one tile, a full tile, a tile and a row, three tiles
         assert np.array_equal(cpu_gemm.mm_rows(x[:M], pw), full[:M]), M
-        assert np.array_equal(cpu_gemm.mm_rows(x[M:M + 1], pw)[0], full[M]), M  # alone, any position
+        assert np.array_equal(cpu_gemm.mm_rows(x[M : M + 1], pw)[0], full[M]), M  # alone, any position
     mixed = x.copy()
     mixed[1::2] = _inputs(20, D, seed=D + 1)  # other neighbours: the even rows unchanged
     assert np.array_equal(cpu_gemm.mm_rows(mixed, pw)[::2], full[::2])
-    if O > 64:
-        assert np.array_equal(cpu_gemm.mm_rows(x, pw, 64, O), full[:, 64:])
-    strided = np.full((40, 2 * O), np.nan, np.float32)[:, ::2]  # an output whose rows are not contiguous
-    cpu_gemm._mmp(x, pw, 0, O, strided)
+    if n_out > 64:
+        assert np.array_equal(cpu_gemm.mm_rows(x, pw, 64, n_out), full[:, 64:])
+    strided = np.full((40, 2 * n_out), np.nan, np.float32)[:, ::2]  # an output whose rows are not contiguous
+    cpu_gemm._mmp(x, pw, 0, n_out, strided)
     assert np.array_equal(strided, full)
 
 
 @needs_amx
 def test_amx_sums_lie_within_float32_accumulation_of_the_exact_sum(amx_on):
-    D, O = 256, 1000
-    w = _bf16_weight(O, D, seed=7)
+    D, n_out = 256, 1000
+    w = _bf16_weight(n_out, D, seed=7)
     x = _inputs(24, D, seed=8)
     got = cpu_gemm.mm_rows(x, cpu_gemm.kernel_weight(w)).astype(np.float64)
     xb = torch.from_numpy(x).to(torch.bfloat16).double().numpy()  # the inputs the tiles multiply
     wd = w.double().numpy().T
     exact, scale = xb @ wd, np.abs(xb) @ np.abs(wd)
     err = np.abs(got - exact) / scale
-    assert err.max() <= D * 2.0 ** -24  # the bound of D float32 roundings (Higham, Accuracy and Stability, eq. 3.5)
+    assert err.max() <= D * 2.0**-24  # the bound of D float32 roundings (Higham, Accuracy and Stability, eq. 3.5)
     assert np.median(err) < 1e-7
     cpu_amx.set_amx(False)  # the AVX512-BF16 chain on the same inputs: another summation, so other last bits
     try:

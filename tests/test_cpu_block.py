@@ -19,14 +19,31 @@ from tandem.model.trunk import Trunk
 
 
 def _odd_model():
-    cfg = TrunkConfig(vocab_size=97, hidden_size=40, intermediate_size=56, moe_intermediate_size=24,
-                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=20,
-                      qk_nope_head_dim=16, v_head_dim=16, index_head_dim=8, index_n_heads=3, index_topk=8,
-                      linear_head_dim=12, linear_num_heads=3, n_routed_experts=5, num_experts_per_tok=2,
-                      hc_mult=3, num_hidden_layers=4,
-                      layer_types=["linear_attention", "linear_attention", "indexed_attention", "linear_attention"],
-                      mlp_layer_types=["dense", "sparse", "sparse", "sparse"], indexer_types=["full"] * 4,
-                      max_position_embeddings=128)
+    cfg = TrunkConfig(
+        vocab_size=97,
+        hidden_size=40,
+        intermediate_size=56,
+        moe_intermediate_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=20,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_head_dim=8,
+        index_n_heads=3,
+        index_topk=8,
+        linear_head_dim=12,
+        linear_num_heads=3,
+        n_routed_experts=5,
+        num_experts_per_tok=2,
+        hc_mult=3,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "indexed_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        indexer_types=["full"] * 4,
+        max_position_embeddings=128,
+    )
     model = cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=5), torch.float32)
     model = input_major_linears(model)
     model.batch_invariant = True
@@ -66,9 +83,9 @@ def _session(model, fused: bool, prompts, blocks):
 
 
 def test_fused_blocks_are_bit_identical_to_the_kernel_by_kernel_path(odd, monkeypatch):
-    assert [cpu_block.kda_fits(l) for l in odd.layers] == [True, True, False, True]
-    assert [cpu_block.ffn_fits(l) for l in odd.layers] == [True, True, True, True]  # layer 0's dense MLP too
-    assert [cpu_mla_block.fits(l) for l in odd.layers] == [False, False, True, False]
+    assert [cpu_block.kda_fits(layer) for layer in odd.layers] == [True, True, False, True]
+    assert [cpu_block.ffn_fits(layer) for layer in odd.layers] == [True, True, True, True]  # layer 0's dense MLP too
+    assert [cpu_mla_block.fits(layer) for layer in odd.layers] == [False, False, True, False]
     prompts, blocks = [_ids(7, 1), _ids(1, 2), _ids(20, 3)], [_ids(4, 4), _ids(3, 5), _ids(6, 6)]
     ref = _session(odd, False, prompts, blocks)
     calls = _counting(monkeypatch)
@@ -101,7 +118,7 @@ def test_fused_block_sees_an_in_place_weight_change(odd):
 
     def run(fused):
         c = odd.new_cache()
-        with (torch.no_grad() if fused else cpu_block.off()):
+        with torch.no_grad() if fused else cpu_block.off():
             odd.prime(c, prompt)
             return odd.verify(c, block)
 

@@ -113,7 +113,9 @@ def test_a_stop_token_ends_its_group_after_its_step():
         a = _primed(model, prompts)  # two groups: sequence 0 runs on
         ra = model.decode_many(a, [1, 2], 9, [(), (stop,)], threads=2)
         assert [q["tokens"].shape[0] for q in ra] == [9, first + 1]
-        assert torch.equal(ra[0]["tokens"], ref[0]["tokens"]) and torch.equal(ra[1]["tokens"], ref[1]["tokens"][: first + 1])
+        assert torch.equal(ra[0]["tokens"], ref[0]["tokens"]) and torch.equal(
+            ra[1]["tokens"], ref[1]["tokens"][: first + 1]
+        )
         assert [c.pos for c in a] == [5 + 8, 4 + first]
 
 
@@ -138,8 +140,9 @@ def _plain(engine, prompts, n):
     return [engine.generate(p, n, spec="off") for p in prompts]
 
 
-def test_scheduler_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, trunk_fp32, tokenizer,
-                                                                        sharegpt_prompts, monkeypatch):
+def test_scheduler_plain_rounds_in_one_call_equal_rounds_one_at_a_time(
+    checkpoint, trunk_fp32, tokenizer, sharegpt_prompts, monkeypatch
+):
     eng = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512)
     prompts = [tokenizer.chat_prompt(t) for t in sharegpt_prompts[:3]]
     calls = []
@@ -151,14 +154,20 @@ def test_scheduler_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoin
     # each way a turn ends, reached inside a call: a stop id, the budget, the context end
     stop = fast[1]["token_ids"][17]
     short = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=len(prompts[2]) + 23)
-    ends = [eng.generate(prompts[1], 40, spec="off", stop_token_ids=(stop,)), eng.generate(prompts[0], 29, spec="off"),
-            short.generate(prompts[2], 40, spec="off")]
+    ends = [
+        eng.generate(prompts[1], 40, spec="off", stop_token_ids=(stop,)),
+        eng.generate(prompts[0], 29, spec="off"),
+        short.generate(prompts[2], 40, spec="off"),
+    ]
     assert [e["finish_reason"] for e in ends] == ["stop", "length", "context"]
     monkeypatch.setattr(eng.trunk, "decode_rows", None)  # the scheduler then runs one verify a round
     monkeypatch.setattr(short.trunk, "decode_rows", None)
     slow = _plain(eng, prompts, 40)
-    slow_ends = [eng.generate(prompts[1], 40, spec="off", stop_token_ids=(stop,)), eng.generate(prompts[0], 29, spec="off"),
-                 short.generate(prompts[2], 40, spec="off")]
+    slow_ends = [
+        eng.generate(prompts[1], 40, spec="off", stop_token_ids=(stop,)),
+        eng.generate(prompts[0], 29, spec="off"),
+        short.generate(prompts[2], 40, spec="off"),
+    ]
     for f, s in zip(fast + ends, slow + slow_ends):
         assert f["token_ids"] == s["token_ids"] and f["finish_reason"] == s["finish_reason"]
         assert f["rounds"] == s["rounds"] == len(f["token_ids"]) - 1 and f["top2_gaps"] == s["top2_gaps"]
@@ -177,6 +186,7 @@ def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, 
         plans = [RoundsPlan(None, 0, 12, 12, (), 500), RoundsPlan(None, 0, 9, 12, (), 500)]
         res, cont = host._run_rounds([Rows(1, [11]), Rows(2, [12])], plans)
         return res, cont, host
+
     fast, slow = run(True), run(False)
     assert fast[1] == slow[1] and [len(r) for r in fast[0]] == [12, 9]
     whole = fast[0][1]  # one decode call's rounds held whole (sequence 1's 12 took two); as rounds, one at a time
@@ -187,11 +197,14 @@ def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, 
     for rf, rs in zip(fast[0], slow[0]):
         for (af, df, of), (as_, ds, os_) in zip(rf, rs):
             assert af == as_ and df == ds == []
-            assert all(torch.equal(getattr(of, k), getattr(os_, k)) for k in ("argmax", "hidden", "top2_gap", "features"))
+            assert all(
+                torch.equal(getattr(of, k), getattr(os_, k)) for k in ("argmax", "hidden", "top2_gap", "features")
+            )
     assert fast[2].pending.keys() == slow[2].pending.keys()
     assert torch.equal(fast[2].pending[1][0].hidden, slow[2].pending[1][0].hidden)
-    assert [len(fast[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)] == \
-        [len(slow[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)]
+    assert [len(fast[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)] == [
+        len(slow[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)
+    ]
 
 
 def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sharegpt_prompts, monkeypatch):
@@ -199,8 +212,9 @@ def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sh
     burst (scheduler) or the ``draft_verify`` (co-located host): no short second call for the rest,
     which was mostly its fixed cost (calls of 2-3 rounds between paced ones, 62 calls for 8 turns of
     128 tokens instead of 39)."""
-    eng = Engine(checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512, burst_ms=50.0, burst_rounds=32,
-                 prefill_budget=0)  # the prompt primed whole at admission: every burst's call runs rounds
+    eng = Engine(
+        checkpoint, model=trunk_fp32, tokenizer=tokenizer, max_ctx=512, burst_ms=50.0, burst_rounds=32, prefill_budget=0
+    )  # the prompt primed whole at admission: every burst's call runs rounds
     calls, bursts = [], []
     real, burst = eng.trunk.decode_rows, eng.sched.burst
     monkeypatch.setattr(eng.trunk, "decode_rows", lambda *a: calls.append(a[1]) or real(*a))

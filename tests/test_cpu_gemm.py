@@ -17,19 +17,19 @@ def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("D,O", [(1, 1), (7, 13), (40, 517), (33, 1031), (256, 64)])
-def test_mm_rows_matches_matmul_and_is_row_invariant(D, O):
-    x, w = _randn(19, D, seed=D), _randn(O, D, seed=O)
+@pytest.mark.parametrize("D,n_out", [(1, 1), (7, 13), (40, 517), (33, 1031), (256, 64)])
+def test_mm_rows_matches_matmul_and_is_row_invariant(D, n_out):
+    x, w = _randn(19, D, seed=D), _randn(n_out, D, seed=n_out)
     wt = w.t().contiguous().numpy()
     full = cpu_gemm.mm_rows(x.numpy(), wt)
     torch.testing.assert_close(torch.from_numpy(full), x @ w.t(), atol=1e-5 * D, rtol=1e-4)
     for M in (1, 2, 3, 4, 5, 8, 11, 19):
         for start in {0, 1, 19 - M}:  # first in a pair, second in a pair, the odd last row
-            part = cpu_gemm.mm_rows(x[start:start + M].numpy(), wt)
-            assert np.array_equal(part, full[start:start + M]), (M, start)
+            part = cpu_gemm.mm_rows(x[start : start + M].numpy(), wt)
+            assert np.array_equal(part, full[start : start + M]), (M, start)
     perm = torch.randperm(19, generator=torch.Generator().manual_seed(1))
     assert np.array_equal(cpu_gemm.mm_rows(x[perm].numpy(), wt), full[perm.numpy()])
-    c0, c1 = O // 3, O - O // 4
+    c0, c1 = n_out // 3, n_out - n_out // 4
     assert np.array_equal(cpu_gemm.mm_rows(x.numpy(), wt, c0, c1), full[:, c0:c1])
 
 
@@ -50,9 +50,19 @@ def test_linear_takes_the_kernel_only_in_rows_mode():
 
 
 def test_serving_layout_swaps_linear_class_keeping_the_checkpoint():
-    cfg = TrunkConfig(vocab_size=50, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
-                      num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
-                      indexer_types=["full"], linear_head_dim=8, linear_num_heads=2, max_position_embeddings=32)
+    cfg = TrunkConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["sparse"],
+        indexer_types=["full"],
+        linear_head_dim=8,
+        linear_num_heads=2,
+        max_position_embeddings=32,
+    )
     model = init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     input_major_linears(model)
@@ -62,14 +72,24 @@ def test_serving_layout_swaps_linear_class_keeping_the_checkpoint():
 
 
 @pytest.mark.parametrize("N", [1, 2, 5, 13])
-@pytest.mark.parametrize("D,I,bf16", [(40, 24, False), (136, 72, True)])
-def test_moe_invariant_path_matches_reference_and_is_row_invariant(N, D, I, bf16):
+@pytest.mark.parametrize("D,n_inter,bf16", [(40, 24, False), (136, 72, True)])
+def test_moe_invariant_path_matches_reference_and_is_row_invariant(N, D, n_inter, bf16):
     """fp32 weights, and bf16-exact ones wide enough for whole strips (the bfloat16 pairs: inputs
     rounded to bf16, so within bf16's tolerance of the reference)."""
-    cfg = TrunkConfig(vocab_size=97, hidden_size=D, moe_intermediate_size=I, n_routed_experts=5,
-                      num_experts_per_tok=2, num_hidden_layers=2, layer_types=["linear_attention"] * 2,
-                      mlp_layer_types=["sparse", "sparse"], indexer_types=["full", "full"],
-                      linear_head_dim=12, linear_num_heads=3, max_position_embeddings=64)
+    cfg = TrunkConfig(
+        vocab_size=97,
+        hidden_size=D,
+        moe_intermediate_size=n_inter,
+        n_routed_experts=5,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        layer_types=["linear_attention"] * 2,
+        mlp_layer_types=["sparse", "sparse"],
+        indexer_types=["full", "full"],
+        linear_head_dim=12,
+        linear_num_heads=3,
+        max_position_embeddings=64,
+    )
     model = cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=3), torch.float32)
     moe = model.layers[1].mlp
     g = moe.gate
@@ -77,24 +97,46 @@ def test_moe_invariant_path_matches_reference_and_is_row_invariant(N, D, I, bf16
         with torch.no_grad():
             for w in (moe._w_up, moe._w_down):
                 w.copy_(w.to(torch.bfloat16).float())
-        assert cpu_gemm.kernel_weight(moe._w_down, transpose=False)[0].dtype in (np.uint32, np.int32)  # pairs (int32: AMX)
+        assert cpu_gemm.kernel_weight(moe._w_down, transpose=False)[0].dtype in (
+            np.uint32,
+            np.int32,
+        )  # pairs (int32: AMX)
     x = _randn(N, D, seed=N)
 
     def run(rows):
-        return cpu_moe.moe_rows(rows, g.weight, g.e_score_correction_bias, g.top_k, g.norm_topk_prob, g.scale,
-                                moe._w_up, moe._w_down, moe.experts.limit, invariant=True)
+        return cpu_moe.moe_rows(
+            rows,
+            g.weight,
+            g.e_score_correction_bias,
+            g.top_k,
+            g.norm_topk_prob,
+            g.scale,
+            moe._w_up,
+            moe._w_down,
+            moe.experts.limit,
+            invariant=True,
+        )
 
     with torch.no_grad():
         y = run(x)
         with cpu_kernels.reference():
             ref = moe(x[None])[0]
-        dense = cpu_moe.moe_rows(x, g.weight, g.e_score_correction_bias, g.top_k, g.norm_topk_prob, g.scale,
-                                 moe._w_up, moe._w_down, moe.experts.limit)
+        dense = cpu_moe.moe_rows(
+            x,
+            g.weight,
+            g.e_score_correction_bias,
+            g.top_k,
+            g.norm_topk_prob,
+            g.scale,
+            moe._w_up,
+            moe._w_down,
+            moe.experts.limit,
+        )
     tol = {"atol": 1e-2 * ref.abs().max().item(), "rtol": 1e-2} if bf16 else {"atol": 1e-5, "rtol": 1e-4}
     torch.testing.assert_close(y, ref, **tol)
     torch.testing.assert_close(y, dense, **tol)
     for i in range(N):
-        assert torch.equal(run(x[i:i + 1])[0], y[i]), i
+        assert torch.equal(run(x[i : i + 1])[0], y[i]), i
 
 
 def test_kernel_weight_streams_bf16_bits_with_the_same_products():
@@ -125,22 +167,28 @@ def test_kernel_weight_streams_bf16_bits_with_the_same_products():
         down = _randn(3, 24, 130, seed=8).to(torch.bfloat16).float()  # [E, I, D], not transposed
         ds, dt = cpu_gemm.kernel_weight(down, transpose=False)
         bits = down.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        assert ds.shape == (3, 2, 24, 64) and np.array_equal(ds[1, 1], bits[1, :, 64:128]) and np.array_equal(dt, bits[:, :, 128:])
+        assert (
+            ds.shape == (3, 2, 24, 64)
+            and np.array_equal(ds[1, 1], bits[1, :, 64:128])
+            and np.array_equal(dt, bits[:, :, 128:])
+        )
         up = _randn(3 * 48, 40, seed=9).to(torch.bfloat16).float()  # [E * 2I, D]: each expert's rows in turn
         us, ut = cpu_gemm.kernel_weight(up, experts=3)
         assert us.shape == (3, 0, 40, 64) and ut.shape == (3, 40, 48)
-        assert np.array_equal(cpu_gemm.mm_rows(x, (us[2], ut[2])), cpu_gemm.mm_rows(x, up[96:].t().contiguous().numpy()))
+        assert np.array_equal(
+            cpu_gemm.mm_rows(x, (us[2], ut[2])), cpu_gemm.mm_rows(x, up[96:].t().contiguous().numpy())
+        )
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("D,O", [(1, 64), (7, 65), (37, 130), (256, 517), (5, 3)])
-def test_packed_weights_give_the_unpacked_bits(bf16, D, O):
+@pytest.mark.parametrize("D,n_out", [(1, 64), (7, 65), (37, 130), (256, 517), (5, 3)])
+def test_packed_weights_give_the_unpacked_bits(bf16, D, n_out):
     """A strip-packed weight's products equal the unpacked kernel's bit for bit for any number of rows
     (one row takes the tiles here, the blocked kernel there) and any strip-aligned column range."""
-    w = np.random.default_rng(D + O).standard_normal((D, O)).astype(np.float32)
+    w = np.random.default_rng(D + n_out).standard_normal((D, n_out)).astype(np.float32)
     wt = (w.view(np.uint32) >> 16).astype(np.uint16) if bf16 else w
     pw = cpu_gemm.pack_strips(wt)
     x = np.random.default_rng(D).standard_normal((9, D)).astype(np.float32)
     for M in range(1, 10):
-        for c0, c1 in {(0, O), (0, O - O % 64), (64 * (O // 128), O)}:
+        for c0, c1 in {(0, n_out), (0, n_out - n_out % 64), (64 * (n_out // 128), n_out)}:
             assert np.array_equal(cpu_gemm.mm_rows(x[:M], pw, c0, c1), cpu_gemm.mm_rows(x[:M], wt, c0, c1)), (M, c0, c1)

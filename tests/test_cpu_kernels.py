@@ -17,12 +17,31 @@ from tandem.model.trunk import Trunk
 
 @pytest.fixture(scope="module")
 def odd():
-    cfg = TrunkConfig(vocab_size=97, hidden_size=40, intermediate_size=56, moe_intermediate_size=24,
-                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=20,
-                      qk_nope_head_dim=16, v_head_dim=16, index_head_dim=8, index_n_heads=3, index_topk=8,
-                      linear_head_dim=12, linear_num_heads=3, n_routed_experts=5, num_experts_per_tok=2,
-                      hc_mult=3, num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                      mlp_layer_types=["sparse", "sparse"], indexer_types=["full", "full"], max_position_embeddings=128)
+    cfg = TrunkConfig(
+        vocab_size=97,
+        hidden_size=40,
+        intermediate_size=56,
+        moe_intermediate_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=20,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_head_dim=8,
+        index_n_heads=3,
+        index_topk=8,
+        linear_head_dim=12,
+        linear_num_heads=3,
+        n_routed_experts=5,
+        num_experts_per_tok=2,
+        hc_mult=3,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        mlp_layer_types=["sparse", "sparse"],
+        indexer_types=["full", "full"],
+        max_position_embeddings=128,
+    )
     return cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=3), torch.float32)
 
 
@@ -84,11 +103,15 @@ def test_kda_rows_many_reads_a_previous_pass_in_place(odd):
         tails, t_col = cpu_kda._shared_tails([t for t, _ in shared])
         assert np.shares_memory(S0, per[0].states.numpy()) and np.shares_memory(tails, per[0].full.numpy())
         assert all(np.array_equal(S0[i], S[0].numpy()) for i, (_, S) in zip(s_idx, shared))
-        assert all(np.array_equal(tails[:, c: c + 3], t[0].numpy()) for c, (t, _) in zip(t_col, shared))
+        assert all(np.array_equal(tails[:, c : c + 3], t[0].numpy()) for c, (t, _) in zip(t_col, shared))
         joined, idx = cpu_kda._shared_states([S for _, S in copies])
         assert not np.shares_memory(joined, per[0].states.numpy()) and idx.tolist() == [0, 1, 2]
         tl, cols, S0b, idx = cpu_kda._starts(after)  # the states themselves: the buffers, no views made
-        assert tl.base is not None and np.shares_memory(tl, per[0].full.numpy()) and np.shares_memory(S0b, per[0].states.numpy())
+        assert (
+            tl.base is not None
+            and np.shares_memory(tl, per[0].full.numpy())
+            and np.shares_memory(S0b, per[0].states.numpy())
+        )
         assert cols.tolist() == t_col.tolist() and idx.tolist() == s_idx.tolist()
         x = _randn(1, 5, 40, seed=41)
         y1, p1 = kda.forward_rows_many(x, shared, [1, 3, 1])
@@ -148,11 +171,13 @@ def test_mla_rows_match_reference(odd, T, pos0):
             assert len(cache) == pos0 + T
         arrays, ix = cpu_attention.query_arrays(attn.project(x)), attn.indexer  # the block vs each row alone
         block, one = np.empty((T, 32), np.float32), np.empty((T, 32), np.float32)
-        cpu_attention.mla_rows_into(arrays, 0, T, cache, pos0, ix.kp, ix.k_pools, attn.scaling, ix.d ** -0.5,
-                                    ix.h ** -0.5, block)
+        cpu_attention.mla_rows_into(
+            arrays, 0, T, cache, pos0, ix.kp, ix.k_pools, attn.scaling, ix.d**-0.5, ix.h**-0.5, block
+        )
         for i in range(T):  # row i alone sees the cache as far as its position (the kernel is causal)
-            cpu_attention.mla_rows_into(arrays, i, 1, cache, pos0 + i, ix.kp, ix.k_pools, attn.scaling, ix.d ** -0.5,
-                                        ix.h ** -0.5, one)
+            cpu_attention.mla_rows_into(
+                arrays, i, 1, cache, pos0 + i, ix.kp, ix.k_pools, attn.scaling, ix.d**-0.5, ix.h**-0.5, one
+            )
     assert outs[0].shape == (1, T, 40)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
     assert np.array_equal(one, block)
@@ -162,9 +187,13 @@ def test_mla_cache_grows_truncates_and_clones_like_concatenation():
     c, ref = MLACache(4), {n: [] for n in ("latent", "k", "v", "ik", "ig")}
     g = torch.Generator().manual_seed(0)
     for n in (1, 7, 3, 20, 1, 40):
-        rows = {"latent": torch.randn(1, n, 5, generator=g), "k": torch.randn(1, 2, n, 3, generator=g),
-                "v": torch.randn(1, 2, n, 3, generator=g), "ik": torch.randn(1, n, 4, generator=g),
-                "ig": torch.randn(1, n, 4, generator=g)}
+        rows = {
+            "latent": torch.randn(1, n, 5, generator=g),
+            "k": torch.randn(1, 2, n, 3, generator=g),
+            "v": torch.randn(1, 2, n, 3, generator=g),
+            "ik": torch.randn(1, n, 4, generator=g),
+            "ig": torch.randn(1, n, 4, generator=g),
+        }
         c.append(rows)
         for name, t in rows.items():
             ref[name].append(t)
@@ -175,8 +204,12 @@ def test_mla_cache_grows_truncates_and_clones_like_concatenation():
     c.truncate(30)
     assert len(c) == 30 and c.n_pools() == 7 and c.k.shape == (1, 2, 30, 3)
     d = c.clone()
-    c.append({n: torch.zeros_like(getattr(d, n)[..., :1, :]) if n not in ("k", "v") else torch.zeros(1, 2, 1, 3)
-              for n in ("latent", "k", "v", "ik", "ig")})
+    c.append(
+        {
+            n: torch.zeros_like(getattr(d, n)[..., :1, :]) if n not in ("k", "v") else torch.zeros(1, 2, 1, 3)
+            for n in ("latent", "k", "v", "ik", "ig")
+        }
+    )
     assert len(d) == 30 and torch.equal(d.latent, torch.cat(ref["latent"], 1)[:, :30])  # the clone is independent
     assert torch.equal(c.latent[:, 30], torch.zeros(1, 5)) and c.nbytes() > d.nbytes()
 
@@ -214,8 +247,9 @@ def test_mla_many_equals_one_sequence_at_a_time_and_appends_like_torch(odd):
     attn, ix = odd.layers[1].self_attn, odd.layers[1].self_attn.indexer
 
     def call(rows, caches, lengths):
-        return cpu_attention.mla_many(rows, caches, lengths, ix.index_kpool_compress_ape, ix.kp, ix.k_pools, attn.scaling,
-                                      ix.d ** -0.5, ix.h ** -0.5)
+        return cpu_attention.mla_many(
+            rows, caches, lengths, ix.index_kpool_compress_ape, ix.kp, ix.k_pools, attn.scaling, ix.d**-0.5, ix.h**-0.5
+        )
 
     with torch.no_grad():
         prompts = [_randn(1, n, 40, seed=60 + n) for n in (3, 14, 30)]
@@ -229,12 +263,16 @@ def test_mla_many_equals_one_sequence_at_a_time_and_appends_like_torch(odd):
             got = call(rows, together, list(lengths))
             off = 0
             for j, n in enumerate(lengths):
-                part = {k: (v[:, :, off: off + n] if k in ("q", "k", "v") else v[:, off: off + n]).contiguous()
-                        for k, v in rows.items()}
+                part = {
+                    k: (v[:, :, off : off + n] if k in ("q", "k", "v") else v[:, off : off + n]).contiguous()
+                    for k, v in rows.items()
+                }
                 one = call(part, [alone[j]], [n])
-                assert np.array_equal(got[off: off + n], one), (step, j)
+                assert np.array_equal(got[off : off + n], one), (step, j)
                 ref[j].append(rows, off, n)
-                ref[j].add_pools(ix.pool_keys(ref[j].ik[:, ref[j].n_pools() * ix.kp:], ref[j].ig[:, ref[j].n_pools() * ix.kp:]))
+                ref[j].add_pools(
+                    ix.pool_keys(ref[j].ik[:, ref[j].n_pools() * ix.kp :], ref[j].ig[:, ref[j].n_pools() * ix.kp :])
+                )
                 off += n
             if step == 1:  # a prefix restore assigns a buffer: the kernel must write to the new one
                 together[0].k, alone[0].k = together[0].k.clone(), alone[0].k.clone()
@@ -254,16 +292,23 @@ def test_norms_and_swiglu_match_torch_row_by_row(shape):
     x = torch.randn(*shape[:-1], shape[-1] + 3, generator=g)[..., 3:] * 4  # a strided view, as a split gives
     w, b = torch.randn(shape[-1], generator=g), torch.randn(shape[-1], generator=g)
     u = torch.randn(*shape, generator=g) * 12
-    got = {"rms": cpu_kernels.rms_norm(x, w, 1e-5), "ln": cpu_kernels.layer_norm(x, w, b, 1e-6),
-           "swiglu": cpu_kernels.swiglu(x * 3, u, 10.0)}
-    ref = {"rms": torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5),
-           "ln": torch.nn.functional.layer_norm(x, (shape[-1],), w, b, 1e-6), "swiglu": clamped_swiglu(x * 3, u, 10.0)}
+    got = {
+        "rms": cpu_kernels.rms_norm(x, w, 1e-5),
+        "ln": cpu_kernels.layer_norm(x, w, b, 1e-6),
+        "swiglu": cpu_kernels.swiglu(x * 3, u, 10.0),
+    }
+    ref = {
+        "rms": torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5),
+        "ln": torch.nn.functional.layer_norm(x, (shape[-1],), w, b, 1e-6),
+        "swiglu": clamped_swiglu(x * 3, u, 10.0),
+    }
     for k in got:
         assert got[k].shape == x.shape and got[k].dtype == torch.float32
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5)
     rows, urows = x.reshape(-1, shape[-1]), u.reshape(-1, shape[-1])
     for i in range(rows.shape[0]):
-        assert torch.equal(cpu_kernels.rms_norm(rows[i:i + 1], w, 1e-5)[0], got["rms"].reshape(-1, shape[-1])[i])
-        assert torch.equal(cpu_kernels.layer_norm(rows[i:i + 1], w, b, 1e-6)[0], got["ln"].reshape(-1, shape[-1])[i])
-        assert torch.equal(cpu_kernels.swiglu(rows[i:i + 1] * 3, urows[i:i + 1], 10.0)[0],
-                           got["swiglu"].reshape(-1, shape[-1])[i])
+        assert torch.equal(cpu_kernels.rms_norm(rows[i : i + 1], w, 1e-5)[0], got["rms"].reshape(-1, shape[-1])[i])
+        assert torch.equal(cpu_kernels.layer_norm(rows[i : i + 1], w, b, 1e-6)[0], got["ln"].reshape(-1, shape[-1])[i])
+        assert torch.equal(
+            cpu_kernels.swiglu(rows[i : i + 1] * 3, urows[i : i + 1], 10.0)[0], got["swiglu"].reshape(-1, shape[-1])[i]
+        )

@@ -18,18 +18,18 @@ from tandem.model.config import TrunkConfig
 from tandem.model.trunk import Trunk
 
 
-def _weights(D, O, bf16, seed):
-    w = np.random.default_rng(seed).standard_normal((D, O)).astype(np.float32)
+def _weights(D, n_out, bf16, seed):
+    w = np.random.default_rng(seed).standard_normal((D, n_out)).astype(np.float32)
     return (w.view(np.uint32) >> 16).astype(np.uint16) if bf16 else w
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("D,O", [(1, 64), (7, 65), (37, 130), (256, 517)])
-def test_tiles_equal_the_blocked_kernel(bf16, D, O):
-    wt = _weights(D, O, bf16, seed=D + O)
+@pytest.mark.parametrize("D,n_out", [(1, 64), (7, 65), (37, 130), (256, 517)])
+def test_tiles_equal_the_blocked_kernel(bf16, D, n_out):
+    wt = _weights(D, n_out, bf16, seed=D + n_out)
     x = np.random.default_rng(D).standard_normal((9, D)).astype(np.float32)
     for M in range(1, 10):
-        for c0, c1 in ((0, O), (O // 5, O - 3)):
+        for c0, c1 in ((0, n_out), (n_out // 5, n_out - 3)):
             tiled, blocked = np.full((M, c1 - c0), np.nan, np.float32), np.full((M, c1 - c0), np.nan, np.float32)
             cpu_gemm._mm(x[:M], wt, c0, c1, tiled)
             cpu_gemm._mm_blocked(x[:M], wt, c0, c1, blocked, 0)
@@ -39,12 +39,31 @@ def test_tiles_equal_the_blocked_kernel(bf16, D, O):
 
 
 def _kda(dk):
-    cfg = TrunkConfig(vocab_size=61, hidden_size=40, intermediate_size=56, moe_intermediate_size=24,
-                      num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=20,
-                      qk_nope_head_dim=16, v_head_dim=16, index_head_dim=8, index_n_heads=2, index_topk=8,
-                      linear_head_dim=dk, linear_num_heads=2, n_routed_experts=3, num_experts_per_tok=2,
-                      hc_mult=2, num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
-                      indexer_types=["full"], max_position_embeddings=64)
+    cfg = TrunkConfig(
+        vocab_size=61,
+        hidden_size=40,
+        intermediate_size=56,
+        moe_intermediate_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=20,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_head_dim=8,
+        index_n_heads=2,
+        index_topk=8,
+        linear_head_dim=dk,
+        linear_num_heads=2,
+        n_routed_experts=3,
+        num_experts_per_tok=2,
+        hc_mult=2,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["sparse"],
+        indexer_types=["full"],
+        max_position_embeddings=64,
+    )
     trunk = cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=dk), torch.float32)
     return trunk.layers[0].self_attn
 
@@ -79,8 +98,8 @@ def _pair_chain(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     xb = _bf16(x)
     acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
     for k in range(0, x.shape[1], 2):
-        acc = acc + xb[:, k + 1:k + 2] * w[k + 1]
-        acc = acc + xb[:, k:k + 1] * w[k]
+        acc = acc + xb[:, k + 1 : k + 2] * w[k + 1]
+        acc = acc + xb[:, k : k + 1] * w[k]
     return acc
 
 
@@ -108,27 +127,27 @@ def no_amx():
     cpu_amx.set_amx(before)
 
 
-@pytest.mark.parametrize("D,O", [(2, 64), (38, 130), (256, 517), (40, 5)])
-def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, O, no_amx):
+@pytest.mark.parametrize("D,n_out", [(2, 64), (38, 130), (256, 517), (40, 5)])
+def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, n_out, no_amx):
     """bfloat16 weights by default take the pair layout; mm_rows on it (AMX off) equals the float32 chain
     over bfloat16-rounded inputs bit for bit, for 1-9 rows and strip-aligned column ranges (each row
     equal alone and in the batch), and the emulated tiles equal the hardware's (where it has vdpbf16ps)."""
-    g = np.random.default_rng(D * O)
-    w = torch.from_numpy(g.standard_normal((O, D)).astype(np.float32)).to(torch.bfloat16).float()  # input-major
+    g = np.random.default_rng(D * n_out)
+    w = torch.from_numpy(g.standard_normal((n_out, D)).astype(np.float32)).to(torch.bfloat16).float()  # input-major
     wf = w.t().contiguous().numpy()
     x = g.standard_normal((9, D)).astype(np.float32)
     pw = cpu_gemm.kernel_weight(w)
-    assert pw[0].dtype == np.uint32 and pw[0].shape == (O // 64, D // 2, 64) and pw[1].shape == (D, O % 64)
+    assert pw[0].dtype == np.uint32 and pw[0].shape == (n_out // 64, D // 2, 64) and pw[1].shape == (D, n_out % 64)
     ref = _pair_chain(x, wf)
     full = cpu_gemm.mm_rows(x, pw)
     assert np.array_equal(full, ref)
     for M in range(1, 10):
         assert np.array_equal(cpu_gemm.mm_rows(x[:M], pw), ref[:M]), M
-        assert np.array_equal(cpu_gemm.mm_rows(x[M - 1:M], pw)[0], ref[M - 1]), M
-    if O > 64:
-        assert np.array_equal(cpu_gemm.mm_rows(x, pw, 64, O), ref[:, 64:])
+        assert np.array_equal(cpu_gemm.mm_rows(x[M - 1 : M], pw)[0], ref[M - 1]), M
+    if n_out > 64:
+        assert np.array_equal(cpu_gemm.mm_rows(x, pw, 64, n_out), ref[:, 64:])
     np.testing.assert_allclose(full, x @ wf, atol=2e-2 * np.sqrt(D), rtol=1e-2)  # bfloat16 inputs: ~3 digits
-    if O >= 64:
+    if n_out >= 64:
         xp = cpu_pairs.bf16_pairs(x)
         for M in range(1, 10):
             emu, hw = np.full((M, 64), np.nan, np.float32), np.full((M, 64), np.nan, np.float32)
@@ -140,8 +159,9 @@ def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, O, no_amx):
 def test_bf16_pairs_round_to_nearest_even_and_keep_nan():
     """The GEMM input rounding equals torch's float32 -> bfloat16 conversion (ties to even, overflow to
     infinity), NaN stays NaN; an odd input dimension keeps the float32-input strips."""
-    v = np.array([1.0, 1.00390625, 1.01171875, -1.00390625, 3.3e38, np.inf, -np.inf, 1e-40, 0.1, -0.0, 7.0, 2.5e-3],
-                 np.float32)
+    v = np.array(
+        [1.0, 1.00390625, 1.01171875, -1.00390625, 3.3e38, np.inf, -np.inf, 1e-40, 0.1, -0.0, 7.0, 2.5e-3], np.float32
+    )
     x = np.concatenate([v, np.random.default_rng(1).standard_normal(20).astype(np.float32) * 100])[None]
     got = cpu_pairs.bf16_pairs(x).view(np.uint16)
     assert np.array_equal(got, torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
@@ -167,7 +187,9 @@ def test_hc_mixing_in_registers_equals_the_loop(D):
             s = rng.standard_normal((M, n * D)).astype(np.float32) if name == "registers" else got[("s", M)]
             got[("s", M)] = s
             out = (np.empty((M, n), np.float32), np.empty((M, n, n), np.float32), np.empty((M, D), np.float32))
-            cpu_kernels._hc_weights(s, w, base, scale, n, 20, np.float32(1e-6), np.float32(1e-6), nw, np.float32(1e-5), *out)
+            cpu_kernels._hc_weights(
+                s, w, base, scale, n, 20, np.float32(1e-6), np.float32(1e-6), nw, np.float32(1e-5), *out
+            )
             got[(name, M)] = out
     for M in (1, 3, 5):
         for a, b in zip(got[("registers", M)], got[("loop", M)]):

@@ -39,8 +39,14 @@ def base():
 
 
 def _engine(base, **config) -> tuple[Engine, Flaky]:
-    eng = Engine(model=base.model, tokenizer=base.tokenizer, dflash={a: base.drafters[a].drafters[a] for a in
-                 schema.DFLASH_ARMS}, prefix_cache_mb=0, demote_probe_rounds=8, **config)
+    eng = Engine(
+        model=base.model,
+        tokenizer=base.tokenizer,
+        dflash={a: base.drafters[a].drafters[a] for a in schema.DFLASH_ARMS},
+        prefix_cache_mb=0,
+        demote_probe_rounds=8,
+        **config,
+    )
     flaky = Flaky(eng.drafters[schema.DFLASH2])
     for arm in schema.DFLASH_ARMS:
         eng.drafters[arm] = eng.sched.drafters[arm] = flaky
@@ -53,8 +59,18 @@ def _run(eng, prompts, spec, max_tokens=64, **sampling):
 
     out, states = {}, {}
     smp = SamplingParams.create(**sampling) if sampling else None
-    turns = [Turn(i, p, max_tokens, lambda r, e, f, i=i: out.setdefault(i, []).extend(r.tokens if r else [e]),
-                  spec=spec, end=False, sampling=smp) for i, p in enumerate(prompts)]
+    turns = [
+        Turn(
+            i,
+            p,
+            max_tokens,
+            lambda r, e, f, i=i: out.setdefault(i, []).extend(r.tokens if r else [e]),
+            spec=spec,
+            end=False,
+            sampling=smp,
+        )
+        for i, p in enumerate(prompts)
+    ]
     eng.sched.admit(turns)
     while eng.sched.turns:
         eng.sched.burst()
@@ -66,9 +82,16 @@ def _run(eng, prompts, spec, max_tokens=64, **sampling):
 
 
 def _prompts(base, n):
-    texts = ["Write a short poem about the sea.", "How do plants grow?", "Explain how a bicycle works.",
-             "Describe a sunset.", "Give three tips for learning a language.", "What is a river?",
-             "Tell me about the moon.", "Why is the sky blue?"]
+    texts = [
+        "Write a short poem about the sea.",
+        "How do plants grow?",
+        "Explain how a bicycle works.",
+        "Describe a sunset.",
+        "Give three tips for learning a language.",
+        "What is a river?",
+        "Tell me about the moon.",
+        "Why is the sky blue?",
+    ]
     return [base.tokenizer.chat_prompt(t) for t in texts[:n]]
 
 
@@ -134,14 +157,20 @@ def test_steady_predicts_what_speculates_answers_round_by_round():
     cfg = schema.ServingConfig()
 
     def session(**st):
-        return SimpleNamespace(arm=schema.DFLASH2, degraded=False, demotion=DemotionState(**st), demote_eligible=lambda: True)
+        return SimpleNamespace(
+            arm=schema.DFLASH2, degraded=False, demotion=DemotionState(**st), demote_eligible=lambda: True
+        )
 
     pol = Demotion(cfg, {})
-    for st, want in ((dict(tau_ema=6.0, spec_rounds=20), (True, 4)), (dict(tau_ema=2.3, spec_rounds=20), (True, 2)), (dict(tau_ema=2.2, spec_rounds=20), (True, 1)),
-                     (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=3), (False, 4)),
-                     (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=13), (False, 2)),
-                     (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=15), (True, 1)),
-                     (dict(spec_rounds=2), (True, 4))):
+    for st, want in (
+        (dict(tau_ema=6.0, spec_rounds=20), (True, 4)),
+        (dict(tau_ema=2.3, spec_rounds=20), (True, 2)),
+        (dict(tau_ema=2.2, spec_rounds=20), (True, 1)),
+        (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=3), (False, 4)),
+        (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=13), (False, 2)),
+        (dict(tau_ema=1.0, spec_rounds=20, demoted=True, since=15), (True, 1)),
+        (dict(spec_rounds=2), (True, 4)),
+    ):
         s = session(**st)
         assert pol.steady(s, 4, 1, 7) == want, st
         for _ in range(want[1]):  # the worst case: nothing accepted

@@ -79,8 +79,11 @@ def test_auto_is_the_cpu_and_fp32_without_cuda(monkeypatch):
     with pytest.raises(ValueError, match="GEMM inputs must be 'bf16' or 'fp32', got 'fp16'"):
         cpu_gemm.set_inputs("fp16")
     for name in ("cuda", "cuda:0"):
-        with pytest.raises(ValueError, match=rf"device '{name}' \(model parameter 'device', \$TANDEM_DEVICE\): torch "
-                                             r"sees no CUDA device .*use 'cpu' or 'auto'"):
+        with pytest.raises(
+            ValueError,
+            match=rf"device '{name}' \(model parameter 'device', \$TANDEM_DEVICE\): torch "
+            r"sees no CUDA device .*use 'cpu' or 'auto'",
+        ):
             resolve_device(name)
         with pytest.raises(ValueError, match="torch sees no CUDA device"):  # `tandem serve --device cuda`
             backend.parameter_overrides({"device": name})
@@ -123,8 +126,11 @@ def test_loads_are_refused_before_touching_the_gpu(fake_gpu, checkpoint):
         load_trunk(checkpoint, torch.bfloat16, device="cuda:0")
     for arm in dflash_arms(checkpoint):
         fake_gpu[0] = 1000
-        with pytest.raises(MemoryError, match=rf"the {arm} drafter .* needs about \d+\.\d MiB for its weights "
-                                              r"\(0\.\d\dB parameters in bfloat16\), but cuda:0 has only 0\.0 MiB free"):
+        with pytest.raises(
+            MemoryError,
+            match=rf"the {arm} drafter .* needs about \d+\.\d MiB for its weights "
+            r"\(0\.\d\dB parameters in bfloat16\), but cuda:0 has only 0\.0 MiB free",
+        ):
             load_dflash(checkpoint, arm, torch.bfloat16, device="cuda:0")
 
 
@@ -147,15 +153,29 @@ def _turns(checkpoint, trunk, transport_cls) -> list[list[int]]:
     """Greedy turns on every arm and one sampled turn, through the stages' wire form (prefix cache on)."""
     feats = dflash_feature_layers(checkpoint)
     drafters = {a: load_dflash(checkpoint, a, torch.float32) for a in dflash_arms(checkpoint)}
-    tr = transport_cls({"trunk": TrunkStage(trunk, 512, feats), "drafter_mtp": MTPStage(trunk),
-                        "drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)})
+    tr = transport_cls(
+        {
+            "trunk": TrunkStage(trunk, 512, feats),
+            "drafter_mtp": MTPStage(trunk),
+            "drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head),
+        }
+    )
     dfl = fr.DFlashProxy(tr)
-    sched = Scheduler(fr.TrunkProxy(tr, vocab_size=trunk.cfg.vocab_size),
-                      {schema.MTP: fr.DrafterProxy(tr), **{a: dfl for a in drafters}}, schema.DEFAULTS)
+    sched = Scheduler(
+        fr.TrunkProxy(tr, vocab_size=trunk.cfg.vocab_size),
+        {schema.MTP: fr.DrafterProxy(tr), **{a: dfl for a in drafters}},
+        schema.DEFAULTS,
+    )
     prompt = list(range(10, 10 + schema.PREFIX_BLOCK + 9))
     out = []
-    for i, (spec, smp) in enumerate([(schema.MTP, None), (schema.OFF, None), *((a, None) for a in drafters),
-                                     (schema.MTP, SamplingParams.create(0.8, 0, 1.0, 7))]):
+    for i, (spec, smp) in enumerate(
+        [
+            (schema.MTP, None),
+            (schema.OFF, None),
+            *((a, None) for a in drafters),
+            (schema.MTP, SamplingParams.create(0.8, 0, 1.0, 7)),
+        ]
+    ):
         got: list[int] = []
 
         def emit(r, err, final, got=got):

@@ -25,8 +25,17 @@ class _Tok:
 def tiny():
     torch.manual_seed(0)
     trunk = make_tiny_trunk(max_position_embeddings=256)
-    dcfg = DFlashConfig(hidden_size=64, vocab_size=512, num_attention_heads=2, head_dim=32, intermediate_size=128,
-                        block_size=5, target_layer_ids=[1, 3], selector_rank=8, selector_top_k=3)
+    dcfg = DFlashConfig(
+        hidden_size=64,
+        vocab_size=512,
+        num_attention_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        block_size=5,
+        target_layer_ids=[1, 3],
+        selector_rank=8,
+        selector_top_k=3,
+    )
     drafters = {}
     for arm in schema.DFLASH_ARMS:
         d = DFlashDrafter(dcfg, dflash2=arm == schema.DFLASH2)
@@ -83,8 +92,10 @@ def test_dflash_proxy_equals_stage(tiny):
     tr = fr.LocalTransport({"drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)})
     proxy = fr.DFlashProxy(tr)
     feats = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
-    items = [DraftRequest(1, torch.zeros(0), [5, 6, 7, 9], 4, feats[:4], "dflash"),
-             DraftRequest(2**64 - 1, torch.zeros(0), [8, 11], 2, feats[4:], "dflash2")]
+    items = [
+        DraftRequest(1, torch.zeros(0), [5, 6, 7, 9], 4, feats[:4], "dflash"),
+        DraftRequest(2**64 - 1, torch.zeros(0), [8, 11], 2, feats[4:], "dflash2"),
+    ]
     for st in (ref, proxy):
         st.open([1, 2**64 - 1])
     got, want = proxy.draft(items), ref.draft(items)
@@ -102,8 +113,10 @@ def test_arms_without_a_drafter_are_refused(tiny):
     eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256)
     errs = []
     eng.sched.admit([Turn(1, [5, 6], 4, lambda r, e, f: errs.append(e), spec="dflash")])
-    assert errs == ["SPEC 'dflash' needs the drafter_dflash model with a dflash drafter, which is not loaded "
-                    "(the checkpoint has none: `make drafter` trains it)"]
+    assert errs == [
+        "SPEC 'dflash' needs the drafter_dflash model with a dflash drafter, which is not loaded "
+        "(the checkpoint has none: `make drafter` trains it)"
+    ]
     eng = _engine(tiny)
     eng.sched.admit([Turn(2, [5, 6], 4, lambda r, e, f: errs.append(e), spec="mtp", end=False)])
     while 2 in eng.sched.turns:
@@ -126,7 +139,9 @@ def test_two_tap_conv_is_causal_within_each_block():
     with torch.no_grad():
         conv.weight[1].fill_(1.0)
     y = conv(x, 4)
-    assert torch.allclose(y[0, 1:4], x[0, 1:4] + x[0, 0:3]) and torch.allclose(y[0, 4], x[0, 4])  # no leak across blocks
+    assert torch.allclose(y[0, 1:4], x[0, 1:4] + x[0, 0:3]) and torch.allclose(
+        y[0, 4], x[0, 4]
+    )  # no leak across blocks
 
 
 def test_training_blocks_equal_inference_blocks(tiny):
@@ -147,7 +162,7 @@ def test_training_blocks_equal_inference_blocks(tiny):
         h = d(x, pos, kv, block=bs, mask=block_mask(anchors, 30, bs)).view(3, bs, -1)
         for j, a in enumerate(anchors[0].tolist()):
             kv_a = d.context_kv(d.context(feats[:, :a]), torch.arange(a))
-            ref = d(d.block_input(seq[0, a:a + 1], trunk.embed_tokens, bs), torch.arange(a, a + bs), kv_a, block=bs)
+            ref = d(d.block_input(seq[0, a : a + 1], trunk.embed_tokens, bs), torch.arange(a, a + bs), kv_a, block=bs)
             assert torch.allclose(h[j], ref[0], atol=1e-5), j
 
 
@@ -234,10 +249,22 @@ def test_sessions_draft_together_as_alone(tiny):
     for s, st in alone.items():
         st.open([s])
     for rnd in range(2):
-        items = [DraftRequest(s, torch.zeros(0), [int(t) for t in torch.randint(4, 512, (n,), generator=g)], k,
-                              torch.randn(n, 128, generator=g), arm)
-                 for s, n, k, arm in ((1, 9 - rnd, 4, "dflash2"), (2, 3, 4, "dflash2"), (3, 5, 2, "dflash2"),
-                                      (4, 4, 4, "dflash"))]
+        items = [
+            DraftRequest(
+                s,
+                torch.zeros(0),
+                [int(t) for t in torch.randint(4, 512, (n,), generator=g)],
+                k,
+                torch.randn(n, 128, generator=g),
+                arm,
+            )
+            for s, n, k, arm in (
+                (1, 9 - rnd, 4, "dflash2"),
+                (2, 3, 4, "dflash2"),
+                (3, 5, 2, "dflash2"),
+                (4, 4, 4, "dflash"),
+            )
+        ]
         got = together.draft(items)
         want = [alone[it.sid].draft([it])[0] for it in items]
         assert got == want and [len(d) for d in got] == [4, 4, 2, 4]

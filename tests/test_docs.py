@@ -21,8 +21,13 @@ LOG_PATTERNS = [re.compile(p, re.I) for p in (r"\bsit" r"ting\b", r"\bissue \d+"
 def _markdown_files() -> list[Path]:
     """Markdown files git tracks or would track (untracked, not ignored)."""
     try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.md"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         return [ROOT / p for p in out if (ROOT / p).exists()]
     except (OSError, subprocess.CalledProcessError):
         skip = {".venv", ".venv-genai", "triton_backends", "reports", "runs", ".git"}
@@ -87,9 +92,12 @@ def test_readme_lines_outside_code_are_short():
 
 
 def test_no_markdown_file_holds_a_dated_log():
-    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}" for p in _markdown_files()
-            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-            if any(r.search(line) for r in LOG_PATTERNS)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()[:80]}"
+        for p in _markdown_files()
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if any(r.search(line) for r in LOG_PATTERNS)
+    ]
     assert hits == [], "\n".join(hits)
 
 

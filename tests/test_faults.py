@@ -78,8 +78,14 @@ def _front(tr: Faulty, restarts: list | None = None, stage_timeout_s: float = 30
     its stage deadline is lowered to ``stage_timeout_s``."""
     w = fr.WatchedTransport(tr, 30.0)
     restart = None if restarts is None else (lambda m: (restarts.append(m), time.sleep(0.3), tr.dead.discard(m)))
-    front = fr.TandemFront(fr.TrunkProxy(w), {"mtp": fr.DrafterProxy(w)}, stop_ids=(), watch=w, restart=restart,
-                           config=schema.ServingConfig(max_ctx=256, burst_rounds=1, **cfg))
+    front = fr.TandemFront(
+        fr.TrunkProxy(w),
+        {"mtp": fr.DrafterProxy(w)},
+        stop_ids=(),
+        watch=w,
+        restart=restart,
+        config=schema.ServingConfig(max_ctx=256, burst_rounds=1, **cfg),
+    )
     for spec in ("mtp", "off"):
         assert _turn(front, 999, max_tokens=3, spec=spec).done.wait(60)
     w.timeout_s = stage_timeout_s
@@ -140,7 +146,9 @@ def test_dead_trunk_fails_every_turn_and_is_restarted(model):
         assert a.first.wait(30) and idle.done.wait(30)
         tr.dead.add("trunk")
         assert a.done.wait(3) and a.finals == 1
-        assert a.err.startswith("trunk.verify: Stub process 'trunk_0_0' is not healthy.") and "restarting trunk" in a.err
+        assert (
+            a.err.startswith("trunk.verify: Stub process 'trunk_0_0' is not healthy.") and "restarting trunk" in a.err
+        )
         refused = _turn(front, 3)  # while it restarts
         assert refused.done.wait(2) and refused.err.startswith("trunk is restarting")
         deadline = time.monotonic() + 5
@@ -255,7 +263,9 @@ def test_sessions_are_bounded_with_a_bounded_wait(model):
         t0 = time.monotonic()
         full = _turn(front, 3)
         assert full.done.wait(5)
-        assert full.err.startswith("sequence_id: no free session for sequence 3: all 2 sessions are open (max_sessions)")
+        assert full.err.startswith(
+            "sequence_id: no free session for sequence 3: all 2 sessions are open (max_sessions)"
+        )
         assert "admission_wait_s" in full.err and 0.45 < time.monotonic() - t0 < 2.0
         waiting = _turn(front, 4, max_tokens=4)
         time.sleep(0.1)
@@ -264,7 +274,12 @@ def test_sessions_are_bounded_with_a_bounded_wait(model):
         assert end.done.wait(10) and end.err is None
         assert waiting.done.wait(10) and waiting.err is None and len(waiting.tokens) == 4
         g = front.gauge_values()
-        assert (g["sessions_open"], g["session_slots_free"], g["turns_waiting"], g["sessions_refused_full"]) == (1, 1, 0, 1)
+        assert (g["sessions_open"], g["session_slots_free"], g["turns_waiting"], g["sessions_refused_full"]) == (
+            1,
+            1,
+            0,
+            1,
+        )
         again = _turn(front, 2, max_tokens=2, start=False)  # an open session needs no new slot
         assert again.done.wait(10) and again.err is None
     finally:
@@ -274,7 +289,9 @@ def test_sessions_are_bounded_with_a_bounded_wait(model):
 def test_idle_counts_from_the_end_of_the_turn(model):
     """Case 7: a turn that ends at prime (MAX_TOKENS 1) or after a long stream leaves the session
     alive for ``idle_timeout_s`` from its end; after that it is expired."""
-    sched = Scheduler(TrunkStage(model), {"mtp": MTPStage(model)}, schema.ServingConfig(max_ctx=256, idle_timeout_s=1.0))
+    sched = Scheduler(
+        TrunkStage(model), {"mtp": MTPStage(model)}, schema.ServingConfig(max_ctx=256, idle_timeout_s=1.0)
+    )
     out: list = []
     sched.admit([Turn(5, [1, 2, 3], 1, lambda r, e, f: out.append(e), end=False)])  # done at prime
     assert out == [None] and 5 in sched.sessions and not sched.turns

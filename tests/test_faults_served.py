@@ -36,8 +36,13 @@ STAGE_TIMEOUT_S = 1.5
 #: before the register tiles), so it has time to look around before the late answer
 SHORT_TIMEOUT_S = 0.3  # far under the 4,000-token prime (~1.4 s here): the test keeps a margin on faster machines
 # prefill_budget 0: a long prompt is one trunk call, the stage call that outlives the deadline below
-LIMITS = {"TANDEM_IDLE_TIMEOUT_S": "3", "TANDEM_STAGE_TIMEOUT_S": str(STAGE_TIMEOUT_S), "TANDEM_MAX_SESSIONS": "16",
-          "TANDEM_ADMISSION_WAIT_S": "1", "TANDEM_PREFILL_BUDGET": "0"}
+LIMITS = {
+    "TANDEM_IDLE_TIMEOUT_S": "3",
+    "TANDEM_STAGE_TIMEOUT_S": str(STAGE_TIMEOUT_S),
+    "TANDEM_MAX_SESSIONS": "16",
+    "TANDEM_ADMISSION_WAIT_S": "1",
+    "TANDEM_PREFILL_BUDGET": "0",
+}
 STAGES = ("trunk", "drafter_mtp", "drafter_dflash")
 PROMPT = [9, 120, 431, 77, 1500, 32, 8, 640, 91, 12]
 
@@ -65,8 +70,11 @@ def srv_short():
 def state(srv) -> dict[str, float]:
     """Sequences held per stage process and tandem's open sessions / running turns."""
     m = tandem_metrics(srv.metrics_port)
-    return {**{s: m.get(s, {}).get("stage_sequences", 0.0) for s in STAGES},
-            "sessions": m["tandem"]["sessions_open"], "turns": m["tandem"]["turns_running"]}
+    return {
+        **{s: m.get(s, {}).get("stage_sequences", 0.0) for s in STAGES},
+        "sessions": m["tandem"]["sessions_open"],
+        "turns": m["tandem"]["turns_running"],
+    }
 
 
 def wait_for(cond, timeout_s: float, poll_s: float = 0.05):
@@ -102,9 +110,12 @@ class Stream:
         self.q: queue.Queue = queue.Queue()
         self.c.start_stream(callback=lambda result, error: self.q.put((result, error)))
         ins = []
-        for name, a, dt in ((schema.INPUT_IDS, np.array(tokens or [], np.int32), "INT32"),
-                            (schema.MAX_TOKENS, np.array([max_tokens], np.int32), "INT32"),
-                            (schema.SPEC, np.array([spec.encode()], np.object_), "BYTES"), *extra):
+        for name, a, dt in (
+            (schema.INPUT_IDS, np.array(tokens or [], np.int32), "INT32"),
+            (schema.MAX_TOKENS, np.array([max_tokens], np.int32), "INT32"),
+            (schema.SPEC, np.array([spec.encode()], np.object_), "BYTES"),
+            *extra,
+        ):
             if name == schema.INPUT_IDS and tokens is None:  # (INPUT_IDS is optional)
                 continue
             x = grpcclient.InferInput(name, list(a.shape), dt)
@@ -140,8 +151,10 @@ def test_metrics_count_exactly_what_clients_saw(srv):
     """After known requests, the counters and histogram counts on the metrics port equal
     the sums of what the clients received (tokens, rounds, drafts, acceptances, turns, errors)."""
     before = scrape(srv.metrics_port)
-    res = [generate(PROMPT, max_tokens=n, url=srv.grpc_url, spec=s)
-           for s, n in (("mtp", 24), ("dflash2", 30), ("off", 9), ("mtp", 1))]
+    res = [
+        generate(PROMPT, max_tokens=n, url=srv.grpc_url, spec=s)
+        for s, n in (("mtp", 24), ("dflash2", 30), ("off", 9), ("mtp", 1))
+    ]
     with pytest.raises(TandemClientError):
         generate([10**6], max_tokens=4, url=srv.grpc_url)  # refused: one error
     tokens = sum(len(r["token_ids"]) for r in res)
@@ -153,8 +166,11 @@ def test_metrics_count_exactly_what_clients_saw(srv):
     deadline = time.monotonic() + 5  # the publisher flushes once a second
     while True:
         scrape_now = scrape(srv.metrics_port)
-        done = (delta("request_errors_total") >= 1 and delta("generation_tokens_total") >= tokens  # a flush's IPCs
-                and delta("inter_token_latency_seconds_count") >= tokens - 4)  # run one by one: the histograms last
+        done = (
+            delta("request_errors_total") >= 1
+            and delta("generation_tokens_total") >= tokens  # a flush's IPCs
+            and delta("inter_token_latency_seconds_count") >= tokens - 4
+        )  # run one by one: the histograms last
         if done or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -203,8 +219,15 @@ def test_an_empty_turn_after_a_stop_keeps_the_session(srv, empty):
     first = generate(PROMPT, max_tokens=64, url=srv.grpc_url, sequence_id=sid, sequence_end=False, sampling=sampling)
     assert first["finish_reason"] == "stop"
     if empty == "no INPUT_IDS":  # (generate leaves INPUT_IDS out when it has no tokens)
-        second = generate([], max_tokens=4, url=srv.grpc_url, sequence_id=sid, sequence_start=False,
-                          sequence_end=False, sampling=sampling)
+        second = generate(
+            [],
+            max_tokens=4,
+            url=srv.grpc_url,
+            sequence_id=sid,
+            sequence_start=False,
+            sequence_end=False,
+            sampling=sampling,
+        )
     else:
         s = Stream(srv.grpc_url, sid, 4, "off", start=False, end=False, tokens=[])
         n, err = s.outcome()
@@ -230,8 +253,10 @@ def _settled_scrape(srv, interval_s: float = 1.2) -> dict:
 def test_timing_follows_token_production_streamed_or_not(srv):
     """A non-streamed turn (one response) is timed as its tokens are produced: time to first token is
     the prime's, not the whole turn's, and TTFT plus the inter-token gaps add up to the turn's time."""
-    hist = {n: (f"tandem_{n}_seconds_sum", frozenset({("model", "tandem")})) for n in ("time_to_first_token",
-                                                                                       "inter_token_latency")}
+    hist = {
+        n: (f"tandem_{n}_seconds_sum", frozenset({("model", "tandem")}))
+        for n in ("time_to_first_token", "inter_token_latency")
+    }
     before = _settled_scrape(srv)  # an earlier test's samples may still be on their way to the scrape
     t0 = time.monotonic()
     s = Stream(srv.grpc_url, new_sequence_id(), 400, "off", extra=[(schema.STREAM, np.array([False]), "BOOL")])
@@ -239,8 +264,12 @@ def test_timing_follows_token_production_streamed_or_not(srv):
     e2e = time.monotonic() - t0
     s.close()
     assert err is None and n == 400
-    wait_for(lambda: scrape(srv.metrics_port).get(hist["inter_token_latency"], 0) > before.get(hist["inter_token_latency"], 0),
-             3.0)
+    wait_for(
+        lambda: (
+            scrape(srv.metrics_port).get(hist["inter_token_latency"], 0) > before.get(hist["inter_token_latency"], 0)
+        ),
+        3.0,
+    )
     time.sleep(1.2)  # (a flush's IPCs run one by one)
     now = scrape(srv.metrics_port)
     ttft, itl = (now[hist[k]] - before.get(hist[k], 0.0) for k in ("time_to_first_token", "inter_token_latency"))
@@ -269,8 +298,15 @@ def test_idle_clock_counts_from_the_end_of_the_turn(srv):
     assert len(b["token_ids"]) == 4
     one = generate(PROMPT, max_tokens=1, url=srv.grpc_url, sequence_id=sid + 1, sequence_end=False)  # done at prime
     time.sleep(1.5)
-    assert len(generate([7], max_tokens=2, url=srv.grpc_url, sequence_id=sid + 1, sequence_start=False,
-                        sequence_end=False)["token_ids"]) == 2 and len(one["token_ids"]) == 1
+    assert (
+        len(
+            generate(
+                [7], max_tokens=2, url=srv.grpc_url, sequence_id=sid + 1, sequence_start=False, sequence_end=False
+            )["token_ids"]
+        )
+        == 2
+        and len(one["token_ids"]) == 1
+    )
     time.sleep(3.0 + 1.5)  # past the idle timeout (the worker expires once a second)
     for s in (sid, sid + 1):
         with pytest.raises(TandemClientError, match=f"unknown sequence id {s}"):
@@ -284,7 +320,9 @@ def test_a_full_server_says_no_free_session(srv):
     sids = [new_sequence_id() for _ in range(16)]
     for s in sids:
         generate(PROMPT, max_tokens=1, url=srv.grpc_url, sequence_id=s, sequence_end=False, spec="off")
-    wait_for(lambda: tandem_metrics(srv.metrics_port)["tandem"]["session_slots_free"] == 0, 1.0)  # gauges follow each loop
+    wait_for(
+        lambda: tandem_metrics(srv.metrics_port)["tandem"]["session_slots_free"] == 0, 1.0
+    )  # gauges follow each loop
     t0 = time.monotonic()
     with pytest.raises(TandemClientError, match=r"no free session .* all 16 sessions are open \(max_sessions\)"):
         generate(PROMPT, max_tokens=2, url=srv.grpc_url)
@@ -327,6 +365,7 @@ def _session(url, i: int, rng: random.Random) -> str:
 def test_a_thousand_sessions_leak_nothing(srv):
     """1,000 short sessions (mixed arms, some cancelled, some refused) from 8 clients leave every
     state gauge at baseline and each process's RSS within 5% of its value after a warm-up of 200."""
+
     def run(lo, hi):
         rng = random.Random(lo)
         outcomes: dict[str, int] = {}
@@ -360,8 +399,10 @@ def test_a_thousand_sessions_leak_nothing(srv):
     after = process_rss(srv.proc.pid)
     growth = {k: after[k] / before[k] - 1 for k in before if k in after}
     total = sum(after.values()) / sum(before.values()) - 1
-    print(f"\n1,000 sessions in {elapsed:.0f} s {outcomes}; RSS growth: all processes {100 * total:+.2f}%, "
-          + ", ".join(f"{k} {100 * g:+.1f}% ({(after[k] - before[k]) / 2**20:+.1f} MB)" for k, g in growth.items()))
+    print(
+        f"\n1,000 sessions in {elapsed:.0f} s {outcomes}; RSS growth: all processes {100 * total:+.2f}%, "
+        + ", ".join(f"{k} {100 * g:+.1f}% ({(after[k] - before[k]) / 2**20:+.1f} MB)" for k, g in growth.items())
+    )
     assert before.keys() == after.keys() and total < 0.05
     # each process within 5%, or 8 MB for the small tritonserver process (allocator arenas, gRPC buffers)
     assert all(g < 0.05 or after[k] - before[k] < 8 * 2**20 for k, g in growth.items()), growth
@@ -375,8 +416,12 @@ def _sse(port: int, body: dict, out: list, i: int) -> None:
 
     t0 = time.monotonic()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    c.request("POST", "/v2/models/ensemble/generate_stream", body=json.dumps(body),
-              headers={"Content-Type": "application/json"})
+    c.request(
+        "POST",
+        "/v2/models/ensemble/generate_stream",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
     r = c.getresponse()
     if r.status != 200:
         out[i] = (time.monotonic() - t0, r.read().decode(errors="replace"), None)
@@ -384,7 +429,7 @@ def _sse(port: int, body: dict, out: list, i: int) -> None:
         return
     for line in r:
         if line.startswith(b"data: "):
-            ev = json.loads(line[len(b"data: "):])
+            ev = json.loads(line[len(b"data: ") :])
             out[i] = (time.monotonic() - t0, ev.get("error"), c if "error" not in ev else None)
             if "error" in ev:
                 c.close()
@@ -403,8 +448,12 @@ def test_a_flood_is_refused_within_the_admission_wait(srv):
     ids, tok = list(long_turn_prompt(3000)), ChatTokenizer(CHECKPOINT / "tokenizer.json")
     text = next(t for t in LONG_TURN_TEXTS if tok.chat_prompt(t) == ids)  # its greedy turn does not stop early
     out: list = [None] * 40
-    ts = [threading.Thread(target=_sse, args=(srv.http_port, {"text_input": text, "max_tokens": 3000, "spec": "off"},
-                                             out, i)) for i in range(40)]
+    ts = [
+        threading.Thread(
+            target=_sse, args=(srv.http_port, {"text_input": text, "max_tokens": 3000, "spec": "off"}, out, i)
+        )
+        for i in range(40)
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -422,8 +471,9 @@ def test_a_flood_is_refused_within_the_admission_wait(srv):
 
 
 #: the short-turn mix's prompts: a fixed set, so the prefix cache holds the same blocks after the warm-up
-SHORT_PROMPTS = [[random.Random(k).randrange(3, 8000) for _ in range(n)]
-                 for k, n in enumerate((4, 30, 70, 130, 200, 90))]
+SHORT_PROMPTS = [
+    [random.Random(k).randrange(3, 8000) for _ in range(n)] for k, n in enumerate((4, 30, 70, 130, 200, 90))
+]
 
 
 def _short_cycle(url, i: int, rng: random.Random) -> None:
@@ -446,6 +496,7 @@ def test_short_turns_of_every_kind_leak_nothing(srv):
     """200 cycles of short turns (every arm at max_tokens 1, stop strings, cancels during prefill, empty
     later turns; 4 clients) leave every state gauge at baseline and each process's RSS within 5% of its
     value after a warm-up of 40 cycles."""
+
     def run(lo, hi):
         errors: list = []
 
@@ -482,9 +533,12 @@ def test_short_turns_of_every_kind_leak_nothing(srv):
     after = process_rss(srv.proc.pid)
     assert tandem_metrics(srv.metrics_port)["tandem"]["prefix_cache_blocks"] == blocks  # (published in the warm-up)
     growth = {k: after[k] / before[k] - 1 for k in before if k in after}
-    print(f"\n200 cycles in {elapsed:.0f} s; RSS before -> after: "
-          + ", ".join(f"{k} {before[k] / 2**20:.0f} -> {after[k] / 2**20:.0f} MB ({100 * g:+.1f}%)"
-                      for k, g in growth.items()))
+    print(
+        f"\n200 cycles in {elapsed:.0f} s; RSS before -> after: "
+        + ", ".join(
+            f"{k} {before[k] / 2**20:.0f} -> {after[k] / 2**20:.0f} MB ({100 * g:+.1f}%)" for k, g in growth.items()
+        )
+    )
     assert before.keys() == after.keys()
     # each process within 5%, or 8 MB for the small tritonserver process (allocator arenas, gRPC buffers)
     assert all(g < 0.05 or after[k] - before[k] < 8 * 2**20 for k, g in growth.items()), growth
@@ -504,7 +558,10 @@ def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv_short):
     try:
         n, err = s.outcome(timeout_s=10)
         took = time.monotonic() - t0
-        assert err == f"trunk.prime: did not answer within {SHORT_TIMEOUT_S:g} s (stage_timeout_s)" and took < SHORT_TIMEOUT_S + 1.0, (err, took)
+        assert (
+            err == f"trunk.prime: did not answer within {SHORT_TIMEOUT_S:g} s (stage_timeout_s)"
+            and took < SHORT_TIMEOUT_S + 1.0
+        ), (err, took)
         assert big.outcome(timeout_s=5)[1] == err
         with pytest.raises(TandemClientError, match="trunk is not answering"):
             generate(PROMPT, max_tokens=2, url=srv.grpc_url)
@@ -540,8 +597,10 @@ def test_dead_stage_fails_turns_at_once_is_reported_and_restarted(srv):
         raise AssertionError(f"no final response in 10 s; server log:\n{srv.log()[-4000:]}") from None
     assert time.monotonic() - t0 < STAGE_TIMEOUT_S + 1.0, srv.log()[-3000:]
     dead = err is not None and "not healthy" in err and "restarting trunk" in err
-    late = err in [f"trunk.{op}: did not answer within {STAGE_TIMEOUT_S:g} s (stage_timeout_s)"
-                   for op in ("draft_verify", "draft_verify_next")]  # (a turn's calls may all be pipelined)
+    late = err in [
+        f"trunk.{op}: did not answer within {STAGE_TIMEOUT_S:g} s (stage_timeout_s)"
+        for op in ("draft_verify", "draft_verify_next")
+    ]  # (a turn's calls may all be pipelined)
     assert err is not None and err.startswith("trunk.") and (dead or late), err
     s.close()
     if late:  # the hung call returns "not healthy" a little later: the restart starts then
@@ -558,4 +617,3 @@ def test_dead_stage_fails_turns_at_once_is_reported_and_restarted(srv):
     wait_for(lambda: stage_health(srv.grpc_url)["drafter_mtp"] == "READY", 60, poll_s=0.5)
     res = generate(PROMPT, max_tokens=16, url=srv.grpc_url, spec="mtp")
     assert res["drafted"] > 0 and tandem_metrics(srv.metrics_port)["tandem"]["stage_restarts"] == 2
-

@@ -86,7 +86,7 @@ def test_service_errors_name_the_field(model):
     trunk.open([9])
     with pytest.raises(fr.StageError, match="TOKENS: context full .* max_ctx 16"):
         trunk.prime([Rows(9, list(range(17)))])
-    with pytest.raises(fr.StageError, match=rf"TOKENS: token ids must be in \[0, 512\), got 512"):
+    with pytest.raises(fr.StageError, match=r"TOKENS: token ids must be in \[0, 512\), got 512"):
         trunk.prime([Rows(9, [model.cfg.vocab_size])])
     with pytest.raises(fr.StageError, match="N_ROWS: .* no pending verify"):
         trunk.commit([Commit(9, 1)])
@@ -95,8 +95,14 @@ def test_service_errors_name_the_field(model):
     with pytest.raises(schema.WireError, match="OP must be one of"):
         stage.handle({"OP": schema.string_array("train"), "SIDS": np.array([9])})
     with pytest.raises(schema.WireError, match="LENGTHS sum to 3 but TOKENS has 2"):
-        stage.handle({"OP": schema.string_array("prime"), "SIDS": np.array([9]), "TOKENS": np.array([1, 2]),
-                      "LENGTHS": np.array([3], np.int32)})
+        stage.handle(
+            {
+                "OP": schema.string_array("prime"),
+                "SIDS": np.array([9]),
+                "TOKENS": np.array([1, 2]),
+                "LENGTHS": np.array([3], np.int32),
+            }
+        )
     with pytest.raises(schema.WireError, match="SIDS: a sequence id appears twice"):
         stage.handle({"OP": schema.string_array("commit"), "SIDS": np.array([9, 9]), "N_ROWS": np.array([1, 1])})
     trunk.close([12345])  # closing an unknown sequence is a no-op
@@ -109,48 +115,105 @@ def test_service_errors_name_the_field(model):
 
 
 def test_parse_turn():
-    t = fr.parse_turn({"INPUT_IDS": np.array([1, 2], np.int32), "MAX_TOKENS": np.array([5], np.int32),
-                        "SPEC": np.array([b"OFF"], object)}, 2**63 - 2, schema.FLAG_START)
-    assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens, t.stream, t.stop) == \
-        (2**63 - 2, [1, 2], 5, "off", True, False, None, True, ())
-    t = fr.parse_turn({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2]),
-                       "STOP_TOKEN_IDS": np.array([7, 9], np.int32)}, 7, schema.FLAG_START | schema.FLAG_END)
+    t = fr.parse_turn(
+        {
+            "INPUT_IDS": np.array([1, 2], np.int32),
+            "MAX_TOKENS": np.array([5], np.int32),
+            "SPEC": np.array([b"OFF"], object),
+        },
+        2**63 - 2,
+        schema.FLAG_START,
+    )
+    assert (t.sid, t.tokens, t.max_tokens, t.spec, t.start, t.end, t.num_draft_tokens, t.stream, t.stop) == (
+        2**63 - 2,
+        [1, 2],
+        5,
+        "off",
+        True,
+        False,
+        None,
+        True,
+        (),
+    )
+    t = fr.parse_turn(
+        {"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2]), "STOP_TOKEN_IDS": np.array([7, 9], np.int32)},
+        7,
+        schema.FLAG_START | schema.FLAG_END,
+    )
     assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end, t.stop_token_ids) == ([], None, 2, True, True, (7, 9))
-    assert (fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start, fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7,
-                                                                                       schema.FLAG_END).end) == (False, True)
+    assert (
+        fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start,
+        fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, schema.FLAG_END).end,
+    ) == (False, True)
     # no sequence id (HTTP generate): a one-turn session of its own, ids from 2**63 up with 63 random bits (a
     # CANCEL names the id, so one turn's id must not tell another's)
-    a, b = (fr.parse_turn({"MAX_TOKENS": np.array([1]), "STREAM": np.array([False]),
-                           "STOP": np.array([b"\n\n", "é".encode()], object)}, 0, 0) for _ in range(2))
-    assert a.sid >= 2**63 and b.sid >= 2**63 and (a.start, a.end, a.stream, a.stop) == (True, True, False, ("\n\n", "é"))
+    a, b = (
+        fr.parse_turn(
+            {
+                "MAX_TOKENS": np.array([1]),
+                "STREAM": np.array([False]),
+                "STOP": np.array([b"\n\n", "é".encode()], object),
+            },
+            0,
+            0,
+        )
+        for _ in range(2)
+    )
+    assert (
+        a.sid >= 2**63 and b.sid >= 2**63 and (a.start, a.end, a.stream, a.stop) == (True, True, False, ("\n\n", "é"))
+    )
     ids = [fr.parse_turn({"MAX_TOKENS": np.array([1])}, 0, 0).sid - 2**63 for _ in range(200)]
     assert len(set(ids)) == 200 and max(abs(x - y) for x, y in zip(ids, ids[1:])) > 2**40
     assert 0.4 < np.mean([bin(x).count("1") / 63 for x in ids]) < 0.6  # the low 63 bits are random
-    for inputs, corr, msg in [({"MAX_TOKENS": np.array([1])}, 2**63, r"sequence_id must be below 2\*\*63 .*one-turn"),
-                              ({"MAX_TOKENS": np.array([1])}, "chat-1", "sequence_id: sequence ids are unsigned integers, "
-                               "got the string 'chat-1'"),
-                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([[b"a"]], object)}, 1, "STOP must be 1-D"),
-                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([b"\xff"], object)}, 1, "STOP must be UTF-8"),
-                              ({}, 1, "MAX_TOKENS is required"),
-                              ({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))}, 1, "INPUT_IDS must be 1-D"),
-                              ({"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros((1, 2))}, 1,
-                               "STOP_TOKEN_IDS must be 1-D"),
-                              ({"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([1, 2])}, 1,
-                               "NUM_DRAFT_TOKENS must hold exactly 1 value"),
-                              # sizes are refused before anything is decoded, naming the field and the limit
-                              ({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros(4097, np.int32)}, 1,
-                               "INPUT_IDS has 4097 elements, over the limit of 4096"),
-                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([b"a"] * 9, object)}, 1,
-                               "STOP has 9 elements, over the limit of 8"),
-                              ({"MAX_TOKENS": np.array([1]), "STOP": np.array([b"a" * 257], object)}, 1,
-                               "STOP: a string of 257 bytes is over the limit of 256 bytes"),
-                              ({"MAX_TOKENS": np.array([1]), "SPEC": np.array([b"x" * 10**6], object)}, 1,
-                               "SPEC: a string of 1000000 bytes is over the limit of 256 bytes"),
-                              ({"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros(17, np.int32)}, 1,
-                               "STOP_TOKEN_IDS has 17 elements, over the limit of 16")]:
+    for inputs, corr, msg in [
+        ({"MAX_TOKENS": np.array([1])}, 2**63, r"sequence_id must be below 2\*\*63 .*one-turn"),
+        (
+            {"MAX_TOKENS": np.array([1])},
+            "chat-1",
+            "sequence_id: sequence ids are unsigned integers, got the string 'chat-1'",
+        ),
+        ({"MAX_TOKENS": np.array([1]), "STOP": np.array([[b"a"]], object)}, 1, "STOP must be 1-D"),
+        ({"MAX_TOKENS": np.array([1]), "STOP": np.array([b"\xff"], object)}, 1, "STOP must be UTF-8"),
+        ({}, 1, "MAX_TOKENS is required"),
+        ({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros((2, 2))}, 1, "INPUT_IDS must be 1-D"),
+        ({"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros((1, 2))}, 1, "STOP_TOKEN_IDS must be 1-D"),
+        (
+            {"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([1, 2])},
+            1,
+            "NUM_DRAFT_TOKENS must hold exactly 1 value",
+        ),
+        # sizes are refused before anything is decoded, naming the field and the limit
+        (
+            {"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros(4097, np.int32)},
+            1,
+            "INPUT_IDS has 4097 elements, over the limit of 4096",
+        ),
+        (
+            {"MAX_TOKENS": np.array([1]), "STOP": np.array([b"a"] * 9, object)},
+            1,
+            "STOP has 9 elements, over the limit of 8",
+        ),
+        (
+            {"MAX_TOKENS": np.array([1]), "STOP": np.array([b"a" * 257], object)},
+            1,
+            "STOP: a string of 257 bytes is over the limit of 256 bytes",
+        ),
+        (
+            {"MAX_TOKENS": np.array([1]), "SPEC": np.array([b"x" * 10**6], object)},
+            1,
+            "SPEC: a string of 1000000 bytes is over the limit of 256 bytes",
+        ),
+        (
+            {"MAX_TOKENS": np.array([1]), "STOP_TOKEN_IDS": np.zeros(17, np.int32)},
+            1,
+            "STOP_TOKEN_IDS has 17 elements, over the limit of 16",
+        ),
+    ]:
         with pytest.raises(schema.WireError, match=msg):
             fr.parse_turn(inputs, corr, schema.FLAG_START | schema.FLAG_END)
-    with pytest.raises(schema.WireError, match="INPUT_IDS has 65 elements, over the limit of 64"):  # the server's max_ctx
+    with pytest.raises(
+        schema.WireError, match="INPUT_IDS has 65 elements, over the limit of 64"
+    ):  # the server's max_ctx
         fr.parse_turn({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros(65, np.int32)}, 1, 0, max_ctx=64)
 
 
@@ -178,8 +241,9 @@ def test_front_over_proxies_equals_in_process(model):
     """The worker over BLS-shaped proxies streams what the in-process scheduler produces."""
     tr = local(model)
     cfg = schema.ServingConfig(max_ctx=64)
-    front = fr.TandemFront(fr.TrunkProxy(tr, vocab_size=model.cfg.vocab_size), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(),
-                           config=cfg)
+    front = fr.TandemFront(
+        fr.TrunkProxy(tr, vocab_size=model.cfg.vocab_size), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(), config=cfg
+    )
     try:
         ref_s = Scheduler(TrunkStage(model), {"mtp": MTPStage(model)}, cfg)
         for spec in ("mtp", "off"):
@@ -199,8 +263,10 @@ def test_front_over_proxies_equals_in_process(model):
         bad = _run(front, fr.TurnRequest(6, [1] * 70, 4))
         assert bad["err"].startswith("INPUT_IDS: 0 context + 70 new tokens") and "64" in bad["err"]
         lost = _run(front, fr.TurnRequest(7, [1], 4, start=False))["err"]
-        assert lost.startswith("sequence_id: unknown sequence id 7: this server holds no such session (set "
-                               "sequence_start on the first turn; behind a proxy, send the x-tandem-session header")
+        assert lost.startswith(
+            "sequence_id: unknown sequence id 7: this server holds no such session (set "
+            "sequence_start on the first turn; behind a proxy, send the x-tandem-session header"
+        )
         assert lost.endswith(" [tandem: session lost]")
         assert not front.sched.sessions and not tr.stages["trunk"].caches and not tr.stages["drafter_mtp"].states
     finally:
@@ -209,11 +275,16 @@ def test_front_over_proxies_equals_in_process(model):
 
 def test_front_survives_a_broken_client(model):
     tr = local(model)
-    front = fr.TandemFront(fr.TrunkProxy(tr), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(),
-                           config=schema.ServingConfig(max_ctx=64, burst_rounds=1))
+    front = fr.TandemFront(
+        fr.TrunkProxy(tr),
+        {"mtp": fr.DrafterProxy(tr)},
+        stop_ids=(),
+        config=schema.ServingConfig(max_ctx=64, burst_rounds=1),
+    )
     logs = []
     front.log = logs.append
     try:
+
         def broken(arrays, err, final):
             raise ConnectionError("client gone")
 
@@ -264,8 +335,12 @@ def test_shutdown_ends_turns_with_one_clear_error(model, when):
     """A stage that answers "Server not ready" (the server exiting) ends every turn in flight, and
     any that arrives later, with one final "server shutting down" — not an internal error."""
     tr = _Exiting(local(model), {when, "draft"})
-    front = fr.TandemFront(fr.TrunkProxy(tr), {"mtp": fr.DrafterProxy(tr)}, stop_ids=(),
-                           config=schema.ServingConfig(max_ctx=256, burst_rounds=1))
+    front = fr.TandemFront(
+        fr.TrunkProxy(tr),
+        {"mtp": fr.DrafterProxy(tr)},
+        stop_ids=(),
+        config=schema.ServingConfig(max_ctx=256, burst_rounds=1),
+    )
     try:
         got: list = []
         started = threading.Event()

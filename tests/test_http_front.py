@@ -17,8 +17,13 @@ from tandem.serving.http_front import MAX_BODY_BYTES, front_config
 
 PROMPT = "Write a haiku about the sea."
 #: every kind of HTTP path: text generate / stream, a model's infer, a model that does not exist, the repository
-PATHS = ("/v2/models/ensemble/generate", "/v2/models/ensemble/generate_stream", "/v2/models/tandem/infer",
-         "/v2/models/no_such_model/infer", "/v2/repository/index")
+PATHS = (
+    "/v2/models/ensemble/generate",
+    "/v2/models/ensemble/generate_stream",
+    "/v2/models/tandem/infer",
+    "/v2/models/no_such_model/infer",
+    "/v2/repository/index",
+)
 BIG = (5_000_000, 50_000_000)
 
 
@@ -43,7 +48,7 @@ def _json_body(n: int) -> bytes:
 def _read_response(f) -> tuple[int, dict, bytes]:
     status = int(f.readline().split()[1])
     headers = {}
-    while (line := f.readline().rstrip(b"\r\n")):
+    while line := f.readline().rstrip(b"\r\n"):
         k, _, v = line.decode().partition(":")
         headers[k.strip().lower()] = v.strip()
     return status, headers, f.read(int(headers.get("content-length", "0")))
@@ -63,7 +68,7 @@ def _post_raw(port: int, path: str, body: bytes, chunked: bool = False) -> tuple
             s.sendall(head)
             step = 1 << 20
             for off in range(0, len(body), step):
-                piece = memoryview(body)[off:off + step]
+                piece = memoryview(body)[off : off + step]
                 s.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n" if chunked else piece)
             if chunked:
                 s.sendall(b"0\r\n\r\n")
@@ -96,14 +101,17 @@ def _stream(port: int, events: list, finished: threading.Event) -> None:
     """A greedy 64-token generate_stream turn of PROMPT; appends (monotonic time, event) per SSE event."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        c.request("POST", "/v2/models/ensemble/generate_stream",
-                  body=json.dumps({"text_input": PROMPT, "max_tokens": 64, "stream": True}),
-                  headers={"Content-Type": "application/json"})
+        c.request(
+            "POST",
+            "/v2/models/ensemble/generate_stream",
+            body=json.dumps({"text_input": PROMPT, "max_tokens": 64, "stream": True}),
+            headers={"Content-Type": "application/json"},
+        )
         r = c.getresponse()
         assert r.status == 200, r.read()
         for line in r:
             if line.startswith(b"data: "):
-                events.append((time.monotonic(), json.loads(line[len(b"data: "):])))
+                events.append((time.monotonic(), json.loads(line[len(b"data: ") :])))
     finally:
         c.close()
         finished.set()
@@ -137,8 +145,11 @@ def test_big_bodies_get_413_at_once_and_a_running_stream_is_untouched(server):
     until it has finished; the server stays ready and the stream's text equals that of the same request
     sent alone afterwards."""
     bodies = {n: _json_body(n) for n in BIG}
-    targets = [(port, path, n) for port, path in [(server.http_port, p) for p in PATHS]
-               + [(server.metrics_port, "/metrics")] for n in BIG]
+    targets = [
+        (port, path, n)
+        for port, path in [(server.http_port, p) for p in PATHS] + [(server.metrics_port, "/metrics")]
+        for n in BIG
+    ]
     answers, streamed = [], threading.Event()
 
     def send_big_bodies() -> None:
@@ -162,8 +173,10 @@ def test_big_bodies_get_413_at_once_and_a_running_stream_is_untouched(server):
     assert len(answers) >= len(targets) and not sender.is_alive()
     for _, path, n, status, answer, took in answers:
         assert status == 413 and took < 1.0, (path, n, status, answer[:300], took)
-        assert json.loads(answer) == {"error": f"request body of {n} bytes is over the limit of {MAX_BODY_BYTES} "
-                                               "bytes (tandem serve --max-body-bytes)"}
+        assert json.loads(answer) == {
+            "error": f"request body of {n} bytes is over the limit of {MAX_BODY_BYTES} "
+            "bytes (tandem serve --max-body-bytes)"
+        }
     assert any(started < t < events[-1][0] for t, *_ in answers), "no big body was answered while the stream ran"
     assert _get(server.http_port, "/v2/health/ready")[0] == 200
     assert server.proc.poll() is None and "Signal (11)" not in server.log()
@@ -175,12 +188,14 @@ def test_big_bodies_get_413_at_once_and_a_running_stream_is_untouched(server):
 
 @pytest.mark.integration
 def test_chunked_body_gets_411_and_the_limit_is_exact(server):
-    status, answer, took = _post_raw(server.http_port, "/v2/models/ensemble/generate", _json_body(5_000_000),
-                                     chunked=True)
+    status, answer, took = _post_raw(
+        server.http_port, "/v2/models/ensemble/generate", _json_body(5_000_000), chunked=True
+    )
     assert status == 411 and took < 1.0, (status, answer[:300])
     assert "must have a Content-Length" in json.loads(answer)["error"]
-    status, answer, _ = _post_raw(server.http_port, "/v2/models/ensemble/generate", b'{"text_input": "Hi"}',
-                                  chunked=True)
+    status, answer, _ = _post_raw(
+        server.http_port, "/v2/models/ensemble/generate", b'{"text_input": "Hi"}', chunked=True
+    )
     assert status == 411, answer  # a small chunked body too: the rule is the framing, not the size
     # exactly the limit reaches Triton (which has no such model); one byte more does not
     status, answer, _ = _post_raw(server.http_port, "/v2/models/no_such_model/infer", _json_body(MAX_BODY_BYTES))
@@ -194,8 +209,12 @@ def test_chunked_body_gets_411_and_the_limit_is_exact(server):
 def test_small_requests_pass_through_the_front(server):
     c = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
     try:
-        c.request("POST", "/v2/models/ensemble/generate", body=json.dumps({"text_input": PROMPT, "max_tokens": 8}),
-                  headers={"Content-Type": "application/json"})
+        c.request(
+            "POST",
+            "/v2/models/ensemble/generate",
+            body=json.dumps({"text_input": PROMPT, "max_tokens": 8}),
+            headers={"Content-Type": "application/json"},
+        )
         r = c.getresponse()
         out = json.loads(r.read())
     finally:
@@ -206,7 +225,8 @@ def test_small_requests_pass_through_the_front(server):
     for port in (server.http_port, server.internal_http_port):  # the front and Triton's own port behind it
         assert _get(port, "/v2/health/ready")[0] == 200
     assert {server.internal_http_port, server.internal_metrics_port}.isdisjoint(
-        {server.http_port, server.grpc_port, server.metrics_port})
+        {server.http_port, server.grpc_port, server.metrics_port}
+    )
 
 
 @pytest.mark.integration

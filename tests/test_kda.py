@@ -8,7 +8,7 @@ from tandem.model.kda import kda_chunked, kda_recurrent, l2norm
 
 def _inputs(B, T, H, dk, dv, seed):
     g = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(B, T, H, dk, generator=g)) * dk ** -0.5
+    q = l2norm(torch.randn(B, T, H, dk, generator=g)) * dk**-0.5
     k = l2norm(torch.randn(B, T, H, dk, generator=g))
     v = torch.randn(B, T, H, dv, generator=g)
     gate = -5.0 * torch.rand(B, T, H, dk, generator=g)  # log decay in (-5, 0): the safe-gate range
@@ -17,8 +17,9 @@ def _inputs(B, T, H, dk, dv, seed):
     return q, k, v, gate, beta, s0
 
 
-@pytest.mark.parametrize("B,T,H,dk,dv,chunk", [(1, 1, 1, 8, 8, 16), (2, 37, 3, 16, 24, 16), (1, 64, 2, 32, 32, 8),
-                                               (3, 17, 1, 8, 5, 4)])
+@pytest.mark.parametrize(
+    "B,T,H,dk,dv,chunk", [(1, 1, 1, 8, 8, 16), (2, 37, 3, 16, 24, 16), (1, 64, 2, 32, 32, 8), (3, 17, 1, 8, 5, 4)]
+)
 def test_chunked_matches_recurrent(B, T, H, dk, dv, chunk):
     q, k, v, g, beta, s0 = _inputs(B, T, H, dk, dv, seed=T)
     o1, s1 = kda_recurrent(q, k, v, g, beta, s0)
@@ -41,9 +42,10 @@ def test_matches_transformers_reference():
     q, k, v, g, beta, s0 = _inputs(2, 23, 2, 16, 16, seed=7)
     raw_q = torch.randn_like(q)
     raw_k = torch.randn_like(k)
-    ref_o, ref_s = recurrent_kimi_delta_attention(raw_q, raw_k, v, g, beta, s0.clone(), True,
-                                                  use_qk_l2norm_in_kernel=True)
-    o, s = kda_chunked(l2norm(raw_q) * 16 ** -0.5, l2norm(raw_k), v, g, beta, s0, chunk=16)
+    ref_o, ref_s = recurrent_kimi_delta_attention(
+        raw_q, raw_k, v, g, beta, s0.clone(), True, use_qk_l2norm_in_kernel=True
+    )
+    o, s = kda_chunked(l2norm(raw_q) * 16**-0.5, l2norm(raw_k), v, g, beta, s0, chunk=16)
     assert (o - ref_o).abs().max() < 1e-5
     assert (s - ref_s).abs().max() < 1e-5
 

@@ -42,8 +42,8 @@ def test_ragged_contexts_equal_reference(d, S):
     assert got.shape == want.shape == (1, 3, 3 * S, d) and got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # the context mattered: without it the last sequence's output differs
-    alone = reference(q[:, :, 2 * S:], k[:, :, 2 * S:], v[:, :, 2 * S:], [ck[2][:, :, :0]], [cv[2][:, :, :0]])
-    assert (got[:, :, 2 * S:] - alone).abs().max() > 1e-2
+    alone = reference(q[:, :, 2 * S :], k[:, :, 2 * S :], v[:, :, 2 * S :], [ck[2][:, :, :0]], [cv[2][:, :, :0]])
+    assert (got[:, :, 2 * S :] - alone).abs().max() > 1e-2
 
 
 def test_context_spans_several_tiles_and_all_empty():
@@ -60,11 +60,14 @@ def test_packed_entry_reads_offsets():
 
     q, k, v, ck, cv = _inputs(3, 12, 7, [9, 0, 21], seed=5)
     off = torch.tensor([0, 9, 9, 30], dtype=torch.int32, device=DEV)
-    got = block_attention_packed(q[0], k[0], v[0], torch.cat([c[0] for c in ck], 1), torch.cat([c[0] for c in cv], 1), off)
+    got = block_attention_packed(
+        q[0], k[0], v[0], torch.cat([c[0] for c in ck], 1), torch.cat([c[0] for c in cv], 1), off
+    )
     torch.testing.assert_close(got.unsqueeze(0), reference(q, k, v, ck, cv), atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="do not split into 4 equal blocks"):
-        block_attention_packed(q[0], k[0], v[0], ck[0][0], cv[0][0], torch.tensor([0, 9, 9, 9, 9], dtype=torch.int32,
-                                                                                    device=DEV))
+        block_attention_packed(
+            q[0], k[0], v[0], ck[0][0], cv[0][0], torch.tensor([0, 9, 9, 9, 9], dtype=torch.int32, device=DEV)
+        )
 
 
 def test_single_sequence_equals_the_unmasked_tensor_branch():

@@ -15,8 +15,13 @@ from tandem_kernels import compile_check  # noqa: E402
 
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-m", "tandem_kernels.compile_check", "--arch", "90"], env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "tandem_kernels.compile_check", "--arch", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     compiled = {line.split()[1] for line in p.stdout.splitlines() if line.startswith("sm_90")}
     modules = {name.rsplit(".", 1)[0] for name in compiled}

@@ -12,8 +12,13 @@ from tandem.model import cpu_kernels  # noqa: E402
 from tandem_kernels import dispatch  # noqa: E402
 
 #: (module, launcher the engine calls) for every hooked kernel
-HOOKS = [("sampler", "targets_and_gaps"), ("kda_verify", "kda_rows"), ("block_attention", "block_attention"),
-         ("dsa_indexer", None), ("mla_attention", None)]
+HOOKS = [
+    ("sampler", "targets_and_gaps"),
+    ("kda_verify", "kda_rows"),
+    ("block_attention", "block_attention"),
+    ("dsa_indexer", None),
+    ("mla_attention", None),
+]
 
 
 def test_auto_takes_no_kernel_on_the_cpu(engine, tokenizer, calls):
@@ -42,6 +47,7 @@ def calls(monkeypatch):
             def wrapped(*a, _fn=fn, _key=f"{name}.{attr}", **k):
                 counts[_key] = counts.get(_key, 0) + 1
                 return _fn(*a, **k)
+
             monkeypatch.setattr(mod, attr, wrapped)
     return counts
 
@@ -62,7 +68,9 @@ def test_speculative_decoding_on_kernels_equals_torch(engine, tokenizer, sharegp
     assert got["token_ids"] == ref["token_ids"] and len(got["token_ids"]) == n
     assert got["accepted"] == ref["accepted"] and got["accepted"] > 0
     hooked = {k.split(".")[0] for k, n in calls.items() if n > 0}
-    want = {"sampler", "kda_verify", "dsa_indexer", "mla_attention"} | ({"block_attention"} if arm == "dflash2" else set())
+    want = {"sampler", "kda_verify", "dsa_indexer", "mla_attention"} | (
+        {"block_attention"} if arm == "dflash2" else set()
+    )
     assert hooked >= want, calls
 
 
@@ -72,7 +80,11 @@ def test_the_switch_is_a_checked_server_parameter(monkeypatch):
     from tandem import schema
     from tandem.serving.backend import parameter_overrides, serving_config
 
-    assert {m for m, spec in schema.MODELS.items() if "kernels" in spec.parameters} == {"trunk", "drafter_mtp", "drafter_dflash"}
+    assert {m for m, spec in schema.MODELS.items() if "kernels" in spec.parameters} == {
+        "trunk",
+        "drafter_mtp",
+        "drafter_dflash",
+    }
     assert parameter_overrides({"kernels": "torch"}) == {"TANDEM_KERNELS": "torch"}
     with pytest.raises(ValueError, match=r"kernels must be one of \('auto', 'triton', 'torch'\), got 'fast'"):
         parameter_overrides({"kernels": "fast"})

@@ -28,10 +28,10 @@ def _check_ragged(lengths, H, dk, dv, seed, block_v=None):
     for b, n in enumerate(lengths):
         if n == 0:
             continue
-        one = [x[a:a + n].unsqueeze(0) for x in (q, k, v, g, beta)]
-        ro, rst = kda_recurrent(*one, s0[b:b + 1], keep_states=True)
-        torch.testing.assert_close(o[a:a + n], ro[0], atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(st[a:a + n], rst[0], atol=1e-5, rtol=1e-4)
+        one = [x[a : a + n].unsqueeze(0) for x in (q, k, v, g, beta)]
+        ro, rst = kda_recurrent(*one, s0[b : b + 1], keep_states=True)
+        torch.testing.assert_close(o[a : a + n], ro[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(st[a : a + n], rst[0], atol=1e-5, rtol=1e-4)
         a += n
 
 

@@ -33,17 +33,32 @@ def _seq(pos0: int, t: int, kp: int, seed: int, pools: str = "random") -> dict[s
         pk[torch.arange(P) % 4 != 1] = 0.0
         iw = -iw.abs()
     cap = L + 5
-    return {"pos0": pos0, "t": t, "L": L, "pk": pk, "iw": iw,
-            "iq": torch.randn(t, HI, DI, generator=g), "q": torch.randn(t, H, DQK, generator=g),
-            "k": torch.randn(H, cap, DQK, generator=g)[:, :L], "v": torch.randn(H, cap, DV, generator=g)[:, :L]}
+    return {
+        "pos0": pos0,
+        "t": t,
+        "L": L,
+        "pk": pk,
+        "iw": iw,
+        "iq": torch.randn(t, HI, DI, generator=g),
+        "q": torch.randn(t, H, DQK, generator=g),
+        "k": torch.randn(H, cap, DQK, generator=g)[:, :L],
+        "v": torch.randn(H, cap, DV, generator=g)[:, :L],
+    }
 
 
 def _ragged(seqs: list[dict]) -> dict:
     cat = lambda n: torch.cat([s[n] for s in seqs]).to(DEV)  # noqa: E731
-    return {"iq": cat("iq"), "iw": cat("iw"), "q": cat("q"), "lengths": [s["t"] for s in seqs],
-            "pos": torch.cat([torch.arange(s["pos0"], s["L"]) for s in seqs]).to(DEV),
-            "pks": [s["pk"].to(DEV) for s in seqs], "ks": [s["k"].to(DEV) for s in seqs],
-            "vs": [s["v"].to(DEV) for s in seqs], "kv_lens": [s["L"] for s in seqs]}
+    return {
+        "iq": cat("iq"),
+        "iw": cat("iw"),
+        "q": cat("q"),
+        "lengths": [s["t"] for s in seqs],
+        "pos": torch.cat([torch.arange(s["pos0"], s["L"]) for s in seqs]).to(DEV),
+        "pks": [s["pk"].to(DEV) for s in seqs],
+        "ks": [s["k"].to(DEV) for s in seqs],
+        "vs": [s["v"].to(DEV) for s in seqs],
+        "kv_lens": [s["L"] for s in seqs],
+    }
 
 
 def _ref_mask(s: dict, kp: int, k_pools: int) -> torch.Tensor:
@@ -74,19 +89,20 @@ def test_indexer_selection_equals_reference(name):
     kp, k_pools, spec = CASES[name]
     seqs = [_seq(p, t, kp, seed=i, pools=kind) for i, (p, t, kind) in enumerate(spec)]
     rg = _ragged(seqs)
-    pools, mask = dsa_indexer.select_rows(rg["iq"], rg["iw"], rg["pks"], rg["lengths"], rg["pos"], rg["kv_lens"],
-                                          kp, k_pools)
+    pools, mask = dsa_indexer.select_rows(
+        rg["iq"], rg["iw"], rg["pks"], rg["lengths"], rg["pos"], rg["kv_lens"], kp, k_pools
+    )
     assert pools.dtype == torch.int64 and pools.shape == (len(rg["pos"]), k_pools)
     assert mask.dtype == torch.bool and mask.shape == (len(rg["pos"]), max(rg["kv_lens"]))
     off, n_short, n_tied = 0, 0, 0
     for s in seqs:
         ref = _ref_mask(s, kp, k_pools)
         q_pos = torch.arange(s["pos0"], s["L"])
-        got = mask[off: off + s["t"]].cpu()
+        got = mask[off : off + s["t"]].cpu()
         assert torch.equal(got[:, : s["L"]], ref), (name, s["pos0"], s["t"])
-        assert not got[:, s["L"]:].any()
+        assert not got[:, s["L"] :].any()
         ref_pools = _ref_pools(ref, q_pos, s["pk"].shape[0], kp, k_pools)
-        assert torch.equal(pools[off: off + s["t"]].cpu(), ref_pools)
+        assert torch.equal(pools[off : off + s["t"]].cpu(), ref_pools)
         n_short += int((ref_pools == -1).any(1).sum())
         sc = pool_scores(s["iq"][None], s["iw"][None], s["pk"][None])[0]
         for i, p in enumerate(q_pos.tolist()):  # a tie at the k-th place: the earlier pool wins
@@ -120,14 +136,14 @@ def test_attention_equals_reference(name):
     full = torch.zeros(len(rg["pos"]), max(rg["kv_lens"]), dtype=torch.bool)
     off = 0
     for s, m in zip(seqs, masks):
-        full[off: off + s["t"], : s["L"]] = m
+        full[off : off + s["t"], : s["L"]] = m
         off += s["t"]
-    o = mla_attention.attend_rows(rg["q"], rg["ks"], rg["vs"], full.to(DEV), rg["lengths"], DQK ** -0.5)
+    o = mla_attention.attend_rows(rg["q"], rg["ks"], rg["vs"], full.to(DEV), rg["lengths"], DQK**-0.5)
     assert o.shape == (len(rg["pos"]), H, DV) and o.dtype == torch.float32
     off = 0
     for s, m in zip(seqs, masks):
-        ref = masked_attention(s["q"].transpose(0, 1)[None], s["k"][None], s["v"][None], m[None], DQK ** -0.5)[0]
-        torch.testing.assert_close(o[off: off + s["t"]].cpu(), ref.transpose(0, 1), atol=1e-5, rtol=1e-4)
+        ref = masked_attention(s["q"].transpose(0, 1)[None], s["k"][None], s["v"][None], m[None], DQK**-0.5)[0]
+        torch.testing.assert_close(o[off : off + s["t"]].cpu(), ref.transpose(0, 1), atol=1e-5, rtol=1e-4)
         off += s["t"]
 
 
@@ -137,15 +153,15 @@ def test_kernels_pipeline_dense_is_causal_attention():
     kp, seqs = 4, [_seq(0, 20, 4, seed=21), _seq(9, 7, 4, seed=22)]
     rg = _ragged(seqs)
     _, mask = dsa_indexer.select_rows(rg["iq"], rg["iw"], rg["pks"], rg["lengths"], rg["pos"], rg["kv_lens"], kp, 8)
-    o = mla_attention.attend_rows(rg["q"], rg["ks"], rg["vs"], mask, rg["lengths"], DQK ** -0.5)
+    o = mla_attention.attend_rows(rg["q"], rg["ks"], rg["vs"], mask, rg["lengths"], DQK**-0.5)
     off = 0
     for s in seqs:
         q_pos = torch.arange(s["pos0"], s["L"])
         causal = torch.arange(s["L"])[None, :] <= q_pos[:, None]
-        assert torch.equal(mask[off: off + s["t"], : s["L"]].cpu(), causal)
-        att = torch.einsum("thd,hld->htl", s["q"], s["k"]) * DQK ** -0.5
+        assert torch.equal(mask[off : off + s["t"], : s["L"]].cpu(), causal)
+        att = torch.einsum("thd,hld->htl", s["q"], s["k"]) * DQK**-0.5
         ref = att.masked_fill(~causal, float("-inf")).softmax(-1) @ s["v"]  # [H, t, dv]
-        torch.testing.assert_close(o[off: off + s["t"]].cpu(), ref.transpose(0, 1), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(o[off : off + s["t"]].cpu(), ref.transpose(0, 1), atol=1e-5, rtol=1e-4)
         off += s["t"]
 
 
@@ -184,8 +200,14 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="more pools"):  # pools past the cache's end
         dsa_indexer.select_rows(rg["iq"], rg["iw"], rg["pks"], [2], rg["pos"], [3], 4, 2)
     with pytest.raises(ValueError, match="contiguous"):
-        mla_attention.attend_rows(rg["q"], [s["k"].transpose(1, 2).to(DEV)], rg["vs"],
-                                  torch.ones(2, s["L"], dtype=torch.bool, device=DEV), [2], 1.0)
+        mla_attention.attend_rows(
+            rg["q"],
+            [s["k"].transpose(1, 2).to(DEV)],
+            rg["vs"],
+            torch.ones(2, s["L"], dtype=torch.bool, device=DEV),
+            [2],
+            1.0,
+        )
 
 
 @pytest.mark.parametrize("mod", [dsa_indexer, mla_attention])

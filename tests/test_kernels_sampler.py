@@ -20,8 +20,15 @@ from tandem_kernels import dispatch, sampler  # noqa: E402
 DEV = "cpu" if dispatch.interpreted() else "cuda"
 
 
-@pytest.mark.parametrize("seed,position,purpose", [(0, 0, sampling.ACCEPT), (1, 1, sampling.BONUS), (123456789, 77, sampling.GUMBEL),
-                                                   ((1 << 63) - 1, (1 << 40) + 3, sampling.RESIDUAL)])
+@pytest.mark.parametrize(
+    "seed,position,purpose",
+    [
+        (0, 0, sampling.ACCEPT),
+        (1, 1, sampling.BONUS),
+        (123456789, 77, sampling.GUMBEL),
+        ((1 << 63) - 1, (1 << 40) + 3, sampling.RESIDUAL),
+    ],
+)
 def test_philox_uniforms_bit_identical(seed, position, purpose):
     got = sampler.uniforms(seed, position, purpose, 11, DEV).cpu().numpy()  # 11: three 4-word counter blocks
     want = sampling.uniforms(seed, position, purpose, 11)
@@ -34,17 +41,21 @@ def _walks(V, lengths, gen):
     logits = torch.randn(sum(lengths), V, generator=gen) * 2.5
     tokens, off = [], 0
     for n in lengths:
-        am = logits[off: off + n].argmax(-1).tolist()
-        logits[off: off + n, am] += 4.0
+        am = logits[off : off + n].argmax(-1).tolist()
+        logits[off : off + n, am] += 4.0
         toks = [7] + [am[i] if i < n // 2 else int(torch.randint(0, V, (1,), generator=gen)) for i in range(n - 1)]
         tokens.append(toks)
         off += n
     return logits, tokens
 
 
-CASES = [SamplingParams.create(0.7, 0, 1.0, seed=5), SamplingParams.create(1.0, 40, 1.0, seed=7),
-         SamplingParams.create(1.2, 0, 0.8, seed=9), SamplingParams.create(0.9, 25, 0.7, seed=11, mode=schema.COUPLED),
-         SamplingParams.create(1.0, 0, 1.0, seed=(1 << 62) + 1, mode=schema.COUPLED)]
+CASES = [
+    SamplingParams.create(0.7, 0, 1.0, seed=5),
+    SamplingParams.create(1.0, 40, 1.0, seed=7),
+    SamplingParams.create(1.2, 0, 0.8, seed=9),
+    SamplingParams.create(0.9, 25, 0.7, seed=11, mode=schema.COUPLED),
+    SamplingParams.create(1.0, 0, 1.0, seed=(1 << 62) + 1, mode=schema.COUPLED),
+]
 
 
 @pytest.mark.parametrize("p", CASES, ids=lambda p: f"{p.mode}-T{p.temperature}-k{p.top_k}-p{p.top_p}")
@@ -58,7 +69,7 @@ def test_targets_equal_reference(p):
     assert got_t.cpu().tolist() == want_t.tolist()
     assert torch.equal(got_g.cpu(), want_g)
     # the case is not vacuous: greedy row, skipped prime rows (target 0), accepted and rejected drafts
-    assert want_t[1: 1 + 4].tolist().count(0) < 4 and want_t[6:8].tolist() == [0, 0]
+    assert want_t[1 : 1 + 4].tolist().count(0) < 4 and want_t[6:8].tolist() == [0, 0]
     if p.mode == schema.REJECTION:
         drafted = tokens[1][1:] + tokens[3][1:]
         tested = want_t[1:5].tolist() + want_t[9:12].tolist()
@@ -92,9 +103,12 @@ def test_accept_walk_equals_reference():
     acc, emit, fin = sampler.accept_walk(torch.tensor(targets, device=DEV), lengths, drafts, stops, budgets)
     off, finishes = 0, set()
     for b, n in enumerate(lengths):
-        w = accept_walk(drafts[b], targets[off: off + n], stops[b], budgets[b])
-        assert (int(acc[b]), targets[off: off + int(emit[b])], sampler.FINISH_CODES[int(fin[b])]) == \
-            (w.accepted, w.emitted, w.finish), b
+        w = accept_walk(drafts[b], targets[off : off + n], stops[b], budgets[b])
+        assert (int(acc[b]), targets[off : off + int(emit[b])], sampler.FINISH_CODES[int(fin[b])]) == (
+            w.accepted,
+            w.emitted,
+            w.finish,
+        ), b
         finishes.add(w.finish)
         off += n
     assert finishes == {None, "stop", "length"}

@@ -31,7 +31,9 @@ def engine():
 
 def _turn(sched, sid, tokens, max_tokens, start, end=False):
     got = []
-    sched.admit([Turn(sid, tokens, max_tokens, lambda r, e, f: got.append((r, e, f)), spec=schema.MTP, start=start, end=end)])
+    sched.admit(
+        [Turn(sid, tokens, max_tokens, lambda r, e, f: got.append((r, e, f)), spec=schema.MTP, start=start, end=end)]
+    )
     while sid in sched.turns:
         sched.burst()
     return got
@@ -57,6 +59,7 @@ def test_turn_boundary_follows_the_template_and_keeps_the_drafter_level(engine):
             sched.settle()
             pending = len(s.ingest[1]) if s.ingest is not None else 0
             levels.append((stage.states[s.sid].committed + pending, len(s.committed)))
+
     sched.burst = burst
     first = _turn(sched, 77, tok.chat_prompt(q1), 64, True)
     reply1 = [t for r, _, _ in first for t in r.tokens]
@@ -81,7 +84,10 @@ def test_user_text_cannot_inject_control_tokens(engine):
     from loadtest.workload import user_turn_ids
 
     assert user_turn_ids(tok, text, 1024) == ids  # the load test's turns too
-    assert [i for i in user_turn_ids(tok, text * 50, 64) if i in control] == [tok.role_ids["user"], tok.role_ids["assistant"]]
+    assert [i for i in user_turn_ids(tok, text * 50, 64) if i in control] == [
+        tok.role_ids["user"],
+        tok.role_ids["assistant"],
+    ]
 
 
 def test_refused_final_request_ends_the_sequence(engine):
@@ -94,7 +100,9 @@ def test_refused_final_request_ends_the_sequence(engine):
     assert got == [(None, "MAX_TOKENS must be in [1, 4096], got 0", True)]
     assert 88 not in sched.sessions and 88 not in engine.trunk.caches and 88 not in engine.drafters[schema.MTP].states
     running, late = [], []
-    sched.admit([Turn(89, tok.chat_prompt("Hello"), 64, lambda r, e, f: running.append((e, f)), spec=schema.MTP, end=False)])
+    sched.admit(
+        [Turn(89, tok.chat_prompt("Hello"), 64, lambda r, e, f: running.append((e, f)), spec=schema.MTP, end=False)]
+    )
     sched.burst()
     sched.admit([Turn(89, tok.chat_prompt("Stop"), 8, lambda r, e, f: late.append((e, f)), start=False, end=True)])
     assert late == [("sequence_id: sequence id 89 already has a turn in progress", True)]
@@ -134,16 +142,39 @@ def test_a_new_turn_after_a_cancel_waits_for_the_cancelled_one(engine):
     sched, tok = engine.sched, engine.tokenizer
     for how in ("request", "client"):
         old, new, flag = [], [], {"cancelled": False}
-        sched.admit([Turn(91, tok.chat_prompt("Hello"), 64, lambda r, e, f: old.append((r, e, f)), spec=schema.OFF,
-                          start=True, end=True, cancelled=lambda sync: flag["cancelled"])])
+        sched.admit(
+            [
+                Turn(
+                    91,
+                    tok.chat_prompt("Hello"),
+                    64,
+                    lambda r, e, f: old.append((r, e, f)),
+                    spec=schema.OFF,
+                    start=True,
+                    end=True,
+                    cancelled=lambda sync: flag["cancelled"],
+                )
+            ]
+        )
         sched.burst()
         assert 91 in sched.turns
         if how == "request":
             assert sched.request_cancel(91) is True
         else:
             flag["cancelled"] = True
-        sched.admit([Turn(91, tok.chat_prompt("Again"), 6, lambda r, e, f: new.append((r, e, f)), spec=schema.OFF,
-                          start=True, end=True)])
+        sched.admit(
+            [
+                Turn(
+                    91,
+                    tok.chat_prompt("Again"),
+                    6,
+                    lambda r, e, f: new.append((r, e, f)),
+                    spec=schema.OFF,
+                    start=True,
+                    end=True,
+                )
+            ]
+        )
         assert new == [] and sched.waiting() == 1  # held, not refused
         while 91 in sched.turns or sched.waiting():
             sched.burst()
@@ -153,10 +184,15 @@ def test_a_new_turn_after_a_cancel_waits_for_the_cancelled_one(engine):
 
 
 def _serve(*args, log=subprocess.PIPE, ignore_sigint=False):
-    return subprocess.Popen([sys.executable, "-m", "tandem.serving.serve", "serve", *args], cwd=REPO_ROOT,
-                            stdout=log, stderr=subprocess.STDOUT if log is not subprocess.PIPE else subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.serving.serve", "serve", *args],
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT if log is not subprocess.PIPE else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None,
+    )
 
 
 def test_launcher_refuses_busy_ports_before_loading():
@@ -181,8 +217,16 @@ def test_hangup_stops_the_server(tmp_path, sig):
     ports = dict(zip(("HTTP", "gRPC", "metrics"), free_ports(3)))
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
-        p = _serve("--http-port", str(ports["HTTP"]), "--grpc-port", str(ports["gRPC"]), "--metrics-port",
-                   str(ports["metrics"]), log=f, ignore_sigint=sig == signal.SIGINT)
+        p = _serve(
+            "--http-port",
+            str(ports["HTTP"]),
+            "--grpc-port",
+            str(ports["gRPC"]),
+            "--metrics-port",
+            str(ports["metrics"]),
+            log=f,
+            ignore_sigint=sig == signal.SIGINT,
+        )
     try:
         t0 = time.monotonic()
         while "tandem: ready in" not in log.read_text() and time.monotonic() - t0 < 300:
@@ -224,6 +268,7 @@ def test_shutdown_gives_streams_one_clear_error():
                 box["res"] = generate(prompt, 4000, url=srv.grpc_url, spec="off", on_tokens=lambda ids: first.set())
             except TandemClientError as e:
                 box["err"] = str(e)
+
         t = threading.Thread(target=stream)
         t.start()
         assert first.wait(120)
@@ -247,13 +292,34 @@ def test_draft_count_is_honoured_or_refused_never_ignored(engine):
     sched.admit([Turn(91, tok.chat_prompt("Hi"), 4, lambda r, e, f: errs.append(e), spec="off", num_draft_tokens=3)])
     assert errs == ["NUM_DRAFT_TOKENS: sequence 91 decodes plain (SPEC 'off'), which takes no drafts"]
     block = engine.config.block_size
-    sched.admit([Turn(92, tok.chat_prompt("Hi"), 4, lambda r, e, f: errs.append(e), spec=schema.DFLASH2,
-                      num_draft_tokens=block)])
+    sched.admit(
+        [
+            Turn(
+                92,
+                tok.chat_prompt("Hi"),
+                4,
+                lambda r, e, f: errs.append(e),
+                spec=schema.DFLASH2,
+                num_draft_tokens=block,
+            )
+        ]
+    )
     assert errs[-1] == f"NUM_DRAFT_TOKENS must be in [1, {block - 1}], got {block} (the dflash2 block is {block} rows)"
     got = _turn(sched, 93, tok.chat_prompt("Hi"), 12, True, end=True)
     assert all(e is None for _, e, _ in got)
-    sched.admit([Turn(94, tok.chat_prompt("Hi"), 12, lambda r, e, f: errs.append(e), spec=schema.DFLASH2,
-                      num_draft_tokens=2, end=False)])
+    sched.admit(
+        [
+            Turn(
+                94,
+                tok.chat_prompt("Hi"),
+                12,
+                lambda r, e, f: errs.append(e),
+                spec=schema.DFLASH2,
+                num_draft_tokens=2,
+                end=False,
+            )
+        ]
+    )
     assert sched.sessions[94].num_draft_tokens == 2
     while 94 in sched.turns:
         sched.burst()
@@ -321,7 +387,11 @@ def test_security_defaults():
     pkg = REPO_ROOT / "backend_src" / "tandem"
     for path in list(pkg.rglob("*.py")) + list((REPO_ROOT / "model_repository").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "load" and getattr(node.value, "id", "") in ("torch", "pickle"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "load"
+                and getattr(node.value, "id", "") in ("torch", "pickle")
+            ):
                 pytest.fail(f"{path}: {node.value.id}.load (weights load through safetensors only)")
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
@@ -344,8 +414,20 @@ def test_an_empty_turn_after_a_stop_generates_and_the_session_lives_on(engine, s
 
     def turn(sched, tokens, max_tokens, start=False, end=False):
         got = []
-        sched.admit([Turn(31, tokens, max_tokens, lambda r, e, f: got.append((r, e, f)), spec=schema.OFF, start=start,
-                          end=end, sampling=sampling)])
+        sched.admit(
+            [
+                Turn(
+                    31,
+                    tokens,
+                    max_tokens,
+                    lambda r, e, f: got.append((r, e, f)),
+                    spec=schema.OFF,
+                    start=start,
+                    end=end,
+                    sampling=sampling,
+                )
+            ]
+        )
         while 31 in sched.turns:
             sched.burst()
         assert [e for _, e, _ in got if e] == [] and got[-1][2]

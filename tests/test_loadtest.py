@@ -79,14 +79,29 @@ class _CharTok:
 def test_workload_shape_and_budget(tmp_path):
     convs = [
         [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x" * 50}],
-        [{"from": "human", "value": "a" * 100}, {"from": "gpt", "value": "y" * 5},
-         {"from": "human", "value": "b" * 10}, {"from": "gpt", "value": "z" * 500},
-         {"from": "human", "value": "c"}, {"from": "gpt", "value": "w"}],
+        [
+            {"from": "human", "value": "a" * 100},
+            {"from": "gpt", "value": "y" * 5},
+            {"from": "human", "value": "b" * 10},
+            {"from": "gpt", "value": "z" * 500},
+            {"from": "human", "value": "c"},
+            {"from": "gpt", "value": "w"},
+        ],
         [{"from": "gpt", "value": "lead"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}],
     ]
     assert exchanges(convs[2]) == [("q", "r")]
-    s = build_sessions(_CharTok(), n_sessions=200, max_output_tokens=20, max_prompt_tokens=40, multi_turn_share=0.5,
-                       max_turns=3, sampled_share=0.25, max_context_tokens=4096, seed=1, conversations=convs)
+    s = build_sessions(
+        _CharTok(),
+        n_sessions=200,
+        max_output_tokens=20,
+        max_prompt_tokens=40,
+        multi_turn_share=0.5,
+        max_turns=3,
+        sampled_share=0.25,
+        max_context_tokens=4096,
+        seed=1,
+        conversations=convs,
+    )
     d = describe(s)
     assert 0.35 < d["multi_turn_share"] < 0.65 and 0.1 < d["sampled_share"] < 0.4
     for sess in s:
@@ -123,16 +138,28 @@ def test_summarize_per_level(tmp_path):
     recs = [
         {"kind": "stage", "users": 1, "t": t0},
         # 1 user: TTFT 100 ms; then bursts of 4 tokens 200 ms later (50 ms/token) and 2 tokens 40 ms later
-        {"kind": "turn", "t0": t0 + 1, "ttft_ms": 100.0, "e2e_ms": 340.0, "error": None,
-         "bursts": [[t0 + 1.1, 1, 0, 0, 0], [t0 + 1.3, 4, 2, 2, 6], [t0 + 1.34, 2, 1, 1, 3]]},
+        {
+            "kind": "turn",
+            "t0": t0 + 1,
+            "ttft_ms": 100.0,
+            "e2e_ms": 340.0,
+            "error": None,
+            "bursts": [[t0 + 1.1, 1, 0, 0, 0], [t0 + 1.3, 4, 2, 2, 6], [t0 + 1.34, 2, 1, 1, 3]],
+        },
         {"kind": "stage", "users": 2, "t": t0 + 10},
-        {"kind": "turn", "t0": t0 + 11, "ttft_ms": 300.0, "e2e_ms": 700.0, "error": None,
-         "bursts": [[t0 + 11.3, 1, 0, 0, 0], [t0 + 11.7, 4, 4, 0, 12]]},
+        {
+            "kind": "turn",
+            "t0": t0 + 11,
+            "ttft_ms": 300.0,
+            "e2e_ms": 700.0,
+            "error": None,
+            "bursts": [[t0 + 11.3, 1, 0, 0, 0], [t0 + 11.7, 4, 4, 0, 12]],
+        },
         {"kind": "turn", "t0": t0 + 12, "e2e_ms": 50.0, "error": "server error: boom", "bursts": []},
         {"kind": "end", "t": t0 + 20},
     ]
     raw = tmp_path / "raw.jsonl"
-    raw.write_text("\n".join(json.dumps(r) for r in recs) + "\n{\"kind\": \"tu")  # torn last line
+    raw.write_text("\n".join(json.dumps(r) for r in recs) + '\n{"kind": "tu')  # torn last line
     s = report.summarize(raw)
     one, two = s["levels"]
     assert (one["users"], one["requests"], one["failures"], one["tokens"]) == (1, 1, 0, 7)
@@ -163,9 +190,11 @@ def test_sampled_share_needs_a_temperature_input():
 def test_a_locust_stuck_after_quit_exits_with_its_code():
     """The locustfile's exit guard: a process stuck after Locust's quit (as it once was after
     "Shutting down (exit code 0)") exits with the code it was given, even with gevent's hub blocked."""
-    code = ("from gevent import monkey\nmonkey.patch_all()\nfrom loadtest.common import exit_after\n"
-            "exit_after(0.5, 3)\n"
-            "monkey.get_original('time', 'sleep')(50)\n")  # the main thread (and gevent's hub) stuck
+    code = (
+        "from gevent import monkey\nmonkey.patch_all()\nfrom loadtest.common import exit_after\n"
+        "exit_after(0.5, 3)\n"
+        "monkey.get_original('time', 'sleep')(50)\n"
+    )  # the main thread (and gevent's hub) stuck
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 3, p.stderr[-2000:]
 
@@ -178,12 +207,41 @@ def test_short_ramp_zero_failures(tmp_path):
     if not (CKPT / "model.safetensors").exists():
         pytest.skip(f"{CKPT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
     out = tmp_path / "report"
-    p = _runner("--users", "2", "--step-seconds", "5", "--max-tokens", "8", "--sessions", "64",
-                "--max-prompt-tokens", "256", "--sampled-share", "0.5", "--checkpoint", str(CKPT), "--report-dir", str(out), "--quiet",
-                "--stop-timeout", "20", timeout=240)
+    p = _runner(
+        "--users",
+        "2",
+        "--step-seconds",
+        "5",
+        "--max-tokens",
+        "8",
+        "--sessions",
+        "64",
+        "--max-prompt-tokens",
+        "256",
+        "--sampled-share",
+        "0.5",
+        "--checkpoint",
+        str(CKPT),
+        "--report-dir",
+        str(out),
+        "--quiet",
+        "--stop-timeout",
+        "20",
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    for name in ("locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv", "locust.html",
-                 "throughput.png", "ttft.png", "itl.png", "acceptance.png", "summary.csv", "summary.json"):
+    for name in (
+        "locust_stats.csv",
+        "locust_stats_history.csv",
+        "locust_failures.csv",
+        "locust.html",
+        "throughput.png",
+        "ttft.png",
+        "itl.png",
+        "acceptance.png",
+        "summary.csv",
+        "summary.json",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     stats = {r["Name"]: r for r in csv.DictReader(open(out / "locust_stats.csv"))}
@@ -225,9 +283,27 @@ def test_short_soak_passes(tmp_path):
     """`make soak` in miniature: 4 users for 30 s with cancellations and bad requests; no unexpected
     failure, gauges back at baseline, and the report with its plot (memory tolerance loose: 30 s
     does not get past the warm-up)."""
-    argv = [sys.executable, "-m", "loadtest.soak", "--minutes", "0.5", "--users", "4", "--sample-s", "1",
-            "--warmup-s", "5", "--rss-tolerance", "0.5", "--cancel-share", "0.2", "--bad-share", "0.1",
-            "--report-dir", str(tmp_path)]
+    argv = [
+        sys.executable,
+        "-m",
+        "loadtest.soak",
+        "--minutes",
+        "0.5",
+        "--users",
+        "4",
+        "--sample-s",
+        "1",
+        "--warmup-s",
+        "5",
+        "--rss-tolerance",
+        "0.5",
+        "--cancel-share",
+        "0.2",
+        "--bad-share",
+        "0.1",
+        "--report-dir",
+        str(tmp_path),
+    ]
     p = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     md = (tmp_path / "soak.md").read_text()

@@ -11,7 +11,7 @@ from tandem import schema
 from tandem.engine.protocols import Rows
 from tandem.engine.scheduler import Turn
 
-from test_colocated import hosted, shipped  # noqa: F401 - the served wiring and the shipped-engine fixture
+from test_colocated import hosted
 
 
 def test_served_pipeline_sends_each_next_call_ahead(shipped, checkpoint, tokenizer, tmp_path):
@@ -30,13 +30,25 @@ def test_served_pipeline_sends_each_next_call_ahead(shipped, checkpoint, tokeniz
 
     prompts = [tokenizer.chat_prompt(t) for t in ("Write a short poem about the sea.", "Name three colours.")]
     log = tmp_path / "server.log"
-    with running_server(env={"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_PREFIX_CACHE_MB": "0"},
-                        ready_timeout_s=240, log_path=log) as srv, ThreadPoolExecutor(2) as pool:
+    with (
+        running_server(
+            env={"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_PREFIX_CACHE_MB": "0"},
+            ready_timeout_s=240,
+            log_path=log,
+        ) as srv,
+        ThreadPoolExecutor(2) as pool,
+    ):
         for arm in ("dflash2", "off"):
             got = list(pool.map(lambda ids: generate(ids, 64, url=srv.grpc_url, spec=arm), prompts))
-            assert [g["token_ids"] for g in got] == [shipped.generate(ids, 64, spec=arm)["token_ids"] for ids in prompts]
+            assert [g["token_ids"] for g in got] == [
+                shipped.generate(ids, 64, spec=arm)["token_ids"] for ids in prompts
+            ]
         deadline = time.monotonic() + 10  # the metrics are published about once a second
-        while not (seen := sum(v for (name, _), v in scrape(srv.metrics_port).items() if name == "tandem_pipelined_calls_total")):
+        while not (
+            seen := sum(
+                v for (name, _), v in scrape(srv.metrics_port).items() if name == "tandem_pipelined_calls_total"
+            )
+        ):
             assert time.monotonic() < deadline, "tandem_pipelined_calls_total never moved"
             time.sleep(0.25)
     text = log.read_text(errors="replace")
@@ -58,13 +70,25 @@ def test_pipelined_calls_equal_calls_one_at_a_time(shipped, tokenizer, sharegpt_
     for pipeline in (False, True):
         sched, host, spy = hosted(shipped, pipeline=pipeline, burst_ms=0.0, burst_rounds=3)
         got = {1: [], 2: []}
-        sched.admit([Turn(sid, x, 40, lambda r, e, f, sid=sid: got[sid].append((r, e)), spec=arm)
-                     for sid, x in zip((1, 2), ids)])
+        sched.admit(
+            [
+                Turn(sid, x, 40, lambda r, e, f, sid=sid: got[sid].append((r, e)), spec=arm)
+                for sid, x in zip((1, 2), ids)
+            ]
+        )
         while sched.turns:
             sched.burst()
         assert not [e for sid in got for _, e in got[sid] if e]
-        runs.append([([t for r, _ in got[sid] for t in r.tokens], sum(r.rounds for r, _ in got[sid]),
-                      sum(r.accepted for r, _ in got[sid])) for sid in (1, 2)])
+        runs.append(
+            [
+                (
+                    [t for r, _ in got[sid] for t in r.tokens],
+                    sum(r.rounds for r, _ in got[sid]),
+                    sum(r.accepted for r, _ in got[sid]),
+                )
+                for sid in (1, 2)
+            ]
+        )
         assert not host.trunk.caches
     assert runs[0] == runs[1]
     assert [t for t, _, _ in runs[1]] == [shipped.generate(x, 40, spec="off")["token_ids"] for x in ids]
@@ -75,11 +99,14 @@ def test_pipelined_calls_equal_calls_one_at_a_time(shipped, tokenizer, sharegpt_
     for i in nexts:  # the call it continues ran just before it
         assert ops[i - 1][0] in ("draft_verify", "draft_verify_next") and int(ops[i - 1][1][0]) == int(ops[i][1][0]) - 1
     # none is sent after a call sure to end every turn (plain: a round a token; it would run no round)
-    assert arm != schema.OFF or all(res["ROUNDS_RUN"].max() > 0 for _, op, _, res in spy.calls if op == "draft_verify_next")
+    assert arm != schema.OFF or all(
+        res["ROUNDS_RUN"].max() > 0 for _, op, _, res in spy.calls if op == "draft_verify_next"
+    )
 
 
-def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_reused_id(shipped, tokenizer,
-                                                                                       sharegpt_prompts):
+def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_reused_id(
+    shipped, tokenizer, sharegpt_prompts
+):
     """A pipelined call is chained only over every active session (else the others would wait for the
     chain to end); its rounds are replayed only on the session it continued: a sequence id closed
     (its END refused while a turn ran) and opened again meanwhile is another session, whose turn gets
@@ -91,8 +118,12 @@ def test_a_next_call_runs_only_over_every_active_session_and_never_replays_on_a_
     pipe = sched.trunk.pipeline
     a, b = (tokenizer.chat_prompt(t) for t in sharegpt_prompts[2:4])
     got: dict[str, list] = {"a": [], "end": [], "b": [], "c": []}
-    sched.admit([Turn(1, a, 40, lambda r, e, f: got["a"].append((r, e)), spec=arm),
-                 Turn(2, b, 40, lambda r, e, f: got["c"].append((r, e)), spec=arm)])
+    sched.admit(
+        [
+            Turn(1, a, 40, lambda r, e, f: got["a"].append((r, e)), spec=arm),
+            Turn(2, b, 40, lambda r, e, f: got["c"].append((r, e)), spec=arm),
+        ]
+    )
     for _ in range(4):  # (the first burst publishes the prompts' prefix blocks: not chained)
         if pipe.queued is None:
             sched.burst()
@@ -173,7 +204,11 @@ def test_a_next_call_after_a_prime_is_checked(shipped, tokenizer, sharegpt_promp
     ids = tokenizer.chat_prompt(sharegpt_prompts[6])
     fr.TrunkProxy(tr, shipped.model.cfg.vocab_size, hosted=True).prime([Rows(1, ids)], opens=["off"], number=7)
     pos = host.trunk.caches[1].pos
-    base = {"OP": schema.string_array("draft_verify_next"), "ROUNDS": np.array([2], np.int32), "CALL": np.array([8], np.int64)}
+    base = {
+        "OP": schema.string_array("draft_verify_next"),
+        "ROUNDS": np.array([2], np.int32),
+        "CALL": np.array([8], np.int64),
+    }
     with pytest.raises(schema.WireError, match=f"{NOT_NEXT} 7 over these SIDS .*last call: prime 7 over 1 sequences"):
         host.handle({**base, "SIDS": schema.sids_to_wire([2])})
     with pytest.raises(schema.WireError, match=schema.NUM_DRAFT_TOKENS):

@@ -23,8 +23,10 @@ def _long_prompt(tokenizer, n: int = 600) -> list[int]:
 @pytest.fixture(scope="module")
 def engines(trunk_fp32, tokenizer, checkpoint):
     kw = dict(model=trunk_fp32, tokenizer=tokenizer, demote_probe_rounds=0, burst_rounds=1)
-    return {c: {p: Engine(checkpoint, "fp32", prefill_budget=c, prefix_cache_mb=p, **kw) for p in (0, 64)}
-            for c in (0, 48, 128)}
+    return {
+        c: {p: Engine(checkpoint, "fp32", prefill_budget=c, prefix_cache_mb=p, **kw) for p in (0, 64)}
+        for c in (0, 48, 128)
+    }
 
 
 def _with_a_stream(eng, tokenizer, ids, spec):
@@ -58,8 +60,9 @@ def test_chunked_prime_equals_one_prime(engines, tokenizer, spec, prefix_mb):
 def test_streaming_session_keeps_streaming_while_a_long_prompt_primes(engines, tokenizer):
     eng = engines[128][0]
     sched, events = eng.sched, []
-    sched.admit([Turn(1, tokenizer.chat_prompt("Tell me a story."), 200, lambda r, e, f: events.append("a"),
-                      spec="mtp")])
+    sched.admit(
+        [Turn(1, tokenizer.chat_prompt("Tell me a story."), 200, lambda r, e, f: events.append("a"), spec="mtp")]
+    )
     long = _long_prompt(tokenizer)
     sched.admit([Turn(2, long, 4, lambda r, e, f: events.append("b"), spec="off", end=False)])
     assert events == ["a"] and [s.sid for s in sched.prefilling()] == [2]  # no first token yet: primed in chunks
@@ -96,8 +99,16 @@ def test_budget_bounds_each_burst_and_short_prompts_go_first(trunk_fp32, tokeniz
     from tandem.engine.prefill import LEAST_PIECE_ROWS
 
     budget = 192
-    eng = Engine(checkpoint, "fp32", model=trunk_fp32, tokenizer=tokenizer, demote_probe_rounds=0, burst_rounds=1,
-                 prefill_budget=budget, prefix_cache_mb=prefix_mb)
+    eng = Engine(
+        checkpoint,
+        "fp32",
+        model=trunk_fp32,
+        tokenizer=tokenizer,
+        demote_probe_rounds=0,
+        burst_rounds=1,
+        prefill_budget=budget,
+        prefix_cache_mb=prefix_mb,
+    )
     sched, got = eng.sched, {}
 
     def emit(sid):

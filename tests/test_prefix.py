@@ -53,8 +53,9 @@ class _Constant:
 def _run_many(sched, turns):
     """Admit ``(sid, ids, n, spec)`` turns together and run them to completion: tokens per sid."""
     got: dict[int, list] = {sid: [] for sid, *_ in turns}
-    sched.admit([Turn(sid, ids, n, lambda r, e, f, sid=sid: got[sid].append((r, e)), spec=spec)
-                 for sid, ids, n, spec in turns])
+    sched.admit(
+        [Turn(sid, ids, n, lambda r, e, f, sid=sid: got[sid].append((r, e)), spec=spec) for sid, ids, n, spec in turns]
+    )
     while any(sid in sched.turns for sid in got):
         sched.burst()
     assert not [e for v in got.values() for _, e in v if e]
@@ -118,7 +119,7 @@ def test_forced_collision_is_served_cold(tiny, arm):  # noqa: F811
     assert _run(eng.sched, 1, p, 30, arm)[0] == ref[1]
     st = eng.sched.prefix.stats
     assert st["blocks"] == 1 and len(eng.trunk.blocks) == 1  # block 1 shares block 0's key: not published
-    (key, held), = eng.trunk.blocks.items()
+    ((key, held),) = eng.trunk.blocks.items()
     before = {i: {n: t.clone() for n, t in d.items()} for i, d in held.mla.items()}
     assert _run(eng.sched, 2, q, 30, arm)[0] == ref[2]  # a colliding prompt: a counted miss, served cold
     assert st["collisions"] == 1 and st["hits"] == 0 and st["misses"] == 2 and st["rows_skipped"] == 0
@@ -211,7 +212,9 @@ def test_published_rows_never_change_and_warm_passes_the_gate(tiny):  # noqa: F8
     eng = _engine(tiny, burst_rounds=1)
     sched, ids = eng.sched, _ids(2 * C + 9, 13)
     _run(sched, 1, ids, 8, "dflash2", end=False)  # published after round 1; the session stays open
-    blocks = {k: {i: {n: t.clone() for n, t in d.items()} for i, d in b.mla.items()} for k, b in eng.trunk.blocks.items()}
+    blocks = {
+        k: {i: {n: t.clone() for n, t in d.items()} for i, d in b.mla.items()} for k, b in eng.trunk.blocks.items()
+    }
     kda = {k: {i: st.S.clone() for i, st in b.kda.items()} for k, b in eng.trunk.blocks.items()}
     tails = {k: [(a.clone(), v.clone()) for a, v in kv] for k, kv in eng.drafters["dflash2"].tails.items()}
     assert len(blocks) == 2 and len(tails) == 2
@@ -223,8 +226,9 @@ def test_published_rows_never_change_and_warm_passes_the_gate(tiny):  # noqa: F8
         eng.sched.settle()
         gate.append(max(tparallel_gate(eng.model, eng.trunk.cache(s.sid), s.committed).values()))
 
-    sched.admit([Turn(1, _ids(5, 14), 60, lambda r, e, f: rejected.append(r.drafted - r.accepted if r else 0),
-                      start=False)])
+    sched.admit(
+        [Turn(1, _ids(5, 14), 60, lambda r, e, f: rejected.append(r.drafted - r.accepted if r else 0), start=False)]
+    )
     while 1 in sched.turns:
         sched.burst()
     warm, _ = _run(sched, 2, ids, 60, "dflash2", check=check)
@@ -259,7 +263,7 @@ def test_lru_eviction_keeps_the_stores_in_step(tiny):  # noqa: F811
 def test_index_lookup_needs_the_arms_tail():
     idx = PrefixIndex(1 << 20)
     cap = idx.capture(_ids(3 * C + 1, 1))
-    two = idx.capture(_ids(3 * C + 1, 1)[:2 * C + 1])
+    two = idx.capture(_ids(3 * C + 1, 1)[: 2 * C + 1])
     r = idx.reserve(two, "off")
     assert r.trunk == r.chain == cap.keys[:2] and r.tails == []
     idx.fill(r, 200, [], 0)
@@ -280,8 +284,9 @@ def test_warm_start_over_the_wire_equals_cold(tiny):  # noqa: F811
     ref = _engine(tiny, burst_rounds=2)
     tr = fr.LocalTransport({"trunk": ref.trunk, "drafter_dflash": ref.drafters["dflash"]})
     stage = ref.drafters["dflash"]
-    sched = Scheduler(fr.TrunkProxy(tr, 512), {a: fr.DFlashProxy(tr) for a in schema.DFLASH_ARMS},
-                      ref.config, stop_ids=())
+    sched = Scheduler(
+        fr.TrunkProxy(tr, 512), {a: fr.DFlashProxy(tr) for a in schema.DFLASH_ARMS}, ref.config, stop_ids=()
+    )
     ids = _ids(C + 50, 31)
     cold, _ = _run(sched, 1, ids, 30, "dflash")
     warm, _ = _run(sched, 2, ids, 30, "dflash")

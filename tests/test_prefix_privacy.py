@@ -88,8 +88,13 @@ def test_a_right_guess_from_another_tenant_is_timed_like_a_wrong_one(server):
 
 def test_an_oversize_salt_is_refused_naming_the_field(server):
     with pytest.raises(TandemClientError, match=f"{schema.CACHE_SALT}.*{schema.MAX_CACHE_SALT_BYTES}"):
-        generate(_prompt(3)[:20], max_tokens=2, url=server.grpc_url, spec=schema.OFF,
-                 cache_salt="x" * (schema.MAX_CACHE_SALT_BYTES + 1))
+        generate(
+            _prompt(3)[:20],
+            max_tokens=2,
+            url=server.grpc_url,
+            spec=schema.OFF,
+            cache_salt="x" * (schema.MAX_CACHE_SALT_BYTES + 1),
+        )
 
 
 def test_the_ensemble_passes_cache_salt_through(server):
@@ -100,8 +105,11 @@ def test_the_ensemble_passes_cache_salt_through(server):
 
     def post(salt: str) -> str:
         body = {"text_input": "Tell me about the sea. " * 30, "max_tokens": 8, "spec": schema.OFF, "cache_salt": salt}
-        req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/models/ensemble/generate",
-                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.http_port}/v2/models/ensemble/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())["text_output"]
 

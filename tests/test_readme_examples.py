@@ -44,7 +44,7 @@ def _shell_example(marker: str) -> tuple[str, list[str]]:
         lines = body.splitlines()
         for k, line in enumerate(lines):
             if marker in line:
-                return line, lines[k + 1:]
+                return line, lines[k + 1 :]
     raise AssertionError(f"README has no shell example containing {marker!r}")
 
 
@@ -58,8 +58,9 @@ def _tandem_cli() -> list[str]:
 
 
 def _run_python(server, code: str) -> str:
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                       env=_env(server))
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180, env=_env(server)
+    )
     assert p.returncode == 0, p.stderr
     return p.stdout
 
@@ -87,8 +88,13 @@ def test_cli_generate(server, which):
     cmd, *out = body.splitlines()
     args = shlex.split(cmd)
     assert args[0] == ".venv/bin/tandem"
-    p = subprocess.run(_tandem_cli() + args[1:] + ["--url", server.grpc_url], capture_output=True, text=True,
-                       timeout=180, env=_env(server))
+    p = subprocess.run(
+        _tandem_cli() + args[1:] + ["--url", server.grpc_url],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(server),
+    )
     assert p.returncode == 0, p.stderr
     mask = re.compile(r"[\d.]+ tokens/s")
     assert p.stdout.rstrip("\n") == out[0]
@@ -126,7 +132,11 @@ def test_stock_tritonclient_example(server, tokenizer):
     tok = Tokenizer.from_file(str(ROOT / "model_repository/weights/tandem-tiny/tokenizer.json"))
     tok.encode_special_tokens = True
     for text in ("Write a haiku about the sea.", "hi<|assistant|>\n<|endoftext|>"):
-        ids = ([tok.token_to_id("<|user|>")] + tok.encode("\n" + text).ids + [tok.token_to_id("<|assistant|>")]
-               + tok.encode("\n").ids)
+        ids = (
+            [tok.token_to_id("<|user|>")]
+            + tok.encode("\n" + text).ids
+            + [tok.token_to_id("<|assistant|>")]
+            + tok.encode("\n").ids
+        )
         assert ids == tokenizer.chat_prompt(text)
     assert tok.token_to_id("<|assistant|>") not in tok.encode("<|assistant|>").ids

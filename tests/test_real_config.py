@@ -32,8 +32,11 @@ def test_defaults_are_transformers_defaults():
     for n in (2, 6):
         small = Glm5NextTextConfig(num_hidden_layers=n)
         got = TrunkConfig.from_dict({"num_hidden_layers": n})
-        assert (got.layer_types, got.mlp_layer_types, got.indexer_types) == \
-            (small.layer_types, small.mlp_layer_types, small.indexer_types)
+        assert (got.layer_types, got.mlp_layer_types, got.indexer_types) == (
+            small.layer_types,
+            small.mlp_layer_types,
+            small.indexer_types,
+        )
 
 
 def test_full_size_layout_on_meta():
@@ -55,12 +58,17 @@ def test_full_size_layout_on_meta():
     trunk = {k: s for k, s in mine.items() if not k.startswith(f"layers.{n}.") and k != "lm_head.weight"}
     assert trunk == theirs
     assert mine["lm_head.weight"] == (V, H)
-    mtp = {k[len(f"layers.{n}."):]: s for k, s in mine.items() if k.startswith(f"layers.{n}.")}
-    glm = {"eh_proj.weight": (H, 2 * H), "enorm.weight": (H,), "hnorm.weight": (H,), "shared_head.norm.weight": (H,),
-           "shared_head.head.weight": (V, H)}
+    mtp = {k[len(f"layers.{n}.") :]: s for k, s in mine.items() if k.startswith(f"layers.{n}.")}
+    glm = {
+        "eh_proj.weight": (H, 2 * H),
+        "enorm.weight": (H,),
+        "hnorm.weight": (H,),
+        "shared_head.norm.weight": (H,),
+        "shared_head.head.weight": (V, H),
+    }
     assert {k: mtp[k] for k in glm} == glm
     ref = next(i for i in range(n) if cfg.layer_types[i] == "indexed_attention" and cfg.mlp_layer_types[i] == "sparse")
-    layer = {k[len(f"layers.{ref}."):]: s for k, s in theirs.items() if k.startswith(f"layers.{ref}.")}
+    layer = {k[len(f"layers.{ref}.") :]: s for k, s in theirs.items() if k.startswith(f"layers.{ref}.")}
     assert {k: s for k, s in mtp.items() if k not in glm} == layer
     params, nbytes = param_bytes(cfg, torch.bfloat16)
     assert params > 300e9 and 2 * params <= nbytes < 2.01 * params  # bf16, a few fp32-kept tensors
@@ -72,15 +80,42 @@ def real_dims_config(**over) -> TrunkConfig:
     Sinkhorn iterations, routed scaling 2.5, swiglu limit 10, lower bound -5), with hidden size,
     head counts, depth, experts and vocabulary cut down; index_topk covers the test's context
     (dense DSA)."""
-    d = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 384, "moe_intermediate_size": 64,
-         "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 10,
-         "q_lora_rank": 192, "index_n_heads": 2, "linear_num_heads": 2, "index_topk": 64,
-         "max_position_embeddings": 256, "num_nextn_predict_layers": 1, "pad_token_id": None}
+    d = {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 384,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "n_routed_experts": 10,
+        "q_lora_rank": 192,
+        "index_n_heads": 2,
+        "linear_num_heads": 2,
+        "index_topk": 64,
+        "max_position_embeddings": 256,
+        "num_nextn_predict_layers": 1,
+        "pad_token_id": None,
+    }
     d.update(over)
     cfg = TrunkConfig.from_dict(d)
-    for k in ("qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "index_head_dim", "linear_head_dim", "index_kpool",
-              "hc_mult", "num_experts_per_tok", "hc_sinkhorn_iters", "routed_scaling_factor", "swiglu_limit",
-              "linear_lower_bound", "index_kpool_always_select_tail", "n_shared_experts", "rms_norm_eps"):
+    for k in (
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "kv_lora_rank",
+        "index_head_dim",
+        "linear_head_dim",
+        "index_kpool",
+        "hc_mult",
+        "num_experts_per_tok",
+        "hc_sinkhorn_iters",
+        "routed_scaling_factor",
+        "swiglu_limit",
+        "linear_lower_bound",
+        "index_kpool_always_select_tail",
+        "n_shared_experts",
+        "rms_norm_eps",
+    ):
         assert getattr(cfg, k) == HF_DEFAULTS[k], k
     return cfg
 
@@ -134,8 +169,10 @@ def test_sharded_loading_names_what_is_wrong(sharded, tmp_path):
         load_trunk(bad, torch.float32)
     index["weight_map"][key] = shard
     index["weight_map"]["layers.0.extra.weight"] = shard
-    save_file({**{k: v for k, v in sd.items() if k != key}, key: sd[key], "layers.0.extra.weight": torch.zeros(1)},
-              str(bad / shard))
+    save_file(
+        {**{k: v for k, v in sd.items() if k != key}, key: sd[key], "layers.0.extra.weight": torch.zeros(1)},
+        str(bad / shard),
+    )
     (bad / INDEX).write_text(json.dumps(index))
     with pytest.raises(KeyError, match=r"1 unexpected key\(s\) \['layers.0.extra.weight'\]"):
         load_trunk(bad, torch.float32)
@@ -149,30 +186,48 @@ def test_sharded_loading_names_what_is_wrong(sharded, tmp_path):
         load_trunk(bad, torch.float32)
 
 
-@pytest.mark.parametrize("change, msg", [
-    ({"rope_theta": 1e6}, r"unknown field\(s\) \['rope_theta'\]"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-    ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
-    ({"attention_bias": True}, "attention_bias must be False"),
-    ({"model_type": "glm5_next"}, "model_type must be 'glm5_next_text'"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings = True is not supported"),
-    ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail = False is not supported"),
-    ({"index_topk_freq": 2}, "shared DSA indexers"),
-    ({"num_nextn_predict_layers": 2}, "at most one MTP layer"),
-    ({"qk_head_dim": 128}, "qk_head_dim 128 != qk_nope_head_dim"),
-    ({"num_key_value_heads": 1}, "must equal num_attention_heads"),
-])
+@pytest.mark.parametrize(
+    "change, msg",
+    [
+        ({"rope_theta": 1e6}, r"unknown field\(s\) \['rope_theta'\]"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
+        ({"attention_bias": True}, "attention_bias must be False"),
+        ({"model_type": "glm5_next"}, "model_type must be 'glm5_next_text'"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings = True is not supported"),
+        ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail = False is not supported"),
+        ({"index_topk_freq": 2}, "shared DSA indexers"),
+        ({"num_nextn_predict_layers": 2}, "at most one MTP layer"),
+        ({"qk_head_dim": 128}, "qk_head_dim 128 != qk_nope_head_dim"),
+        ({"num_key_value_heads": 1}, "must equal num_attention_heads"),
+    ],
+)
 def test_config_fields_are_honoured_or_refused(change, msg):
     with pytest.raises(ValueError, match=msg):
         TrunkConfig.from_dict({"num_hidden_layers": 4, **change})
 
 
 def test_transformers_aliases_are_converted():
-    cfg = TrunkConfig.from_dict({"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-                                 "linear_attn_config": {"head_dim": 64, "num_heads": 3, "short_conv_kernel_size": 3,
-                                                        "gate_lower_bound": -4.0}, "initializer_range": 0.01})
+    cfg = TrunkConfig.from_dict(
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_attn_config": {
+                "head_dim": 64,
+                "num_heads": 3,
+                "short_conv_kernel_size": 3,
+                "gate_lower_bound": -4.0,
+            },
+            "initializer_range": 0.01,
+        }
+    )
     assert cfg.layer_types[-1] == "indexed_attention"
-    assert (cfg.linear_head_dim, cfg.linear_num_heads, cfg.linear_conv_kernel_dim, cfg.linear_lower_bound) == (64, 3, 3, -4.0)
+    assert (cfg.linear_head_dim, cfg.linear_num_heads, cfg.linear_conv_kernel_dim, cfg.linear_lower_bound) == (
+        64,
+        3,
+        3,
+        -4.0,
+    )
 
 
 def test_a_checkpoint_too_large_is_refused_before_loading(tmp_path):
@@ -182,7 +237,12 @@ def test_a_checkpoint_too_large_is_refused_before_loading(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(_hf_default().to_dict()))
     save_file({"embed_tokens.weight": torch.zeros(1)}, str(tmp_path / "model-00001-of-00001.safetensors"))
-    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {"embed_tokens.weight": "model-00001-of-00001.safetensors"}}))
-    with pytest.raises(MemoryError, match=r"needs about \d+\.\d GiB for its weights \(3\d\d\.\d\dB parameters in "
-                                          r"bfloat16\), but cpu has only \d+\.\d GiB free"):
+    (tmp_path / INDEX).write_text(
+        json.dumps({"weight_map": {"embed_tokens.weight": "model-00001-of-00001.safetensors"}})
+    )
+    with pytest.raises(
+        MemoryError,
+        match=r"needs about \d+\.\d GiB for its weights \(3\d\d\.\d\dB parameters in "
+        r"bfloat16\), but cpu has only \d+\.\d GiB free",
+    ):
         load_trunk(tmp_path, torch.bfloat16)

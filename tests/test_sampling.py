@@ -12,8 +12,11 @@ from tandem.engine.accept import accept_walk
 from tandem.engine.sampling import SamplingParams
 
 V, N = 23, 100_000
-TRANSFORMS = {"temperature": SamplingParams(temperature=0.7), "top_k": SamplingParams(temperature=1.0, top_k=5),
-              "top_p": SamplingParams(temperature=1.0, top_p=0.8)}
+TRANSFORMS = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(temperature=1.0, top_k=5),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.8),
+}
 
 
 def _draws(rng: np.random.Generator, probs: np.ndarray) -> np.ndarray:
@@ -37,8 +40,9 @@ def test_rejection_walk_emits_the_target_distribution(transform, draft, k):
         drafts = np.stack([_draws(rng, q1) for _ in range(k)], 1)
     else:  # an argmax drafter: a fixed token per row, one inside and one outside p's support
         q, drafts = None, np.broadcast_to(np.array([int(np.argmax(p)), int(np.argmin(p))] * 3)[:k], (N, k))
-    tg = sampling.rejection_targets(probs, np.ascontiguousarray(drafts), rng.random((N, k)), rng.random((N, k)),
-                                    rng.random(N), q)
+    tg = sampling.rejection_targets(
+        probs, np.ascontiguousarray(drafts), rng.random((N, k)), rng.random((N, k)), rng.random(N), q
+    )
     first = np.array([accept_walk(d.tolist(), t.tolist()).emitted[0] for d, t in zip(drafts[:, :k], tg)])
     hist = np.bincount(first, minlength=V) / N
     tv = 0.5 * np.abs(hist - p).sum()
@@ -63,26 +67,32 @@ def test_noise_is_keyed_by_seed_position_and_purpose():
     a = sampling.uniforms(7, 100, sampling.ACCEPT, 4)
     assert np.array_equal(a, sampling.uniforms(7, 100, sampling.ACCEPT, 4))  # reproducible
     assert np.array_equal(a[:2], sampling.uniforms(7, 100, sampling.ACCEPT, 2))  # a prefix of the same stream
-    others = [sampling.uniforms(8, 100, sampling.ACCEPT, 4), sampling.uniforms(7, 101, sampling.ACCEPT, 4),
-              sampling.uniforms(7, 100, sampling.BONUS, 4)]
+    others = [
+        sampling.uniforms(8, 100, sampling.ACCEPT, 4),
+        sampling.uniforms(7, 101, sampling.ACCEPT, 4),
+        sampling.uniforms(7, 100, sampling.BONUS, 4),
+    ]
     assert all(not np.array_equal(a, o) for o in others)
     long = sampling.uniforms(7, 100, sampling.GUMBEL, 10_000)  # a long stream does not run into the next position's
     assert not np.isin(sampling.uniforms(7, 101, sampling.GUMBEL, 8), long).any()
 
 
 def test_sampling_parameters_are_checked_with_the_field_and_range():
-    for kw, msg in [({"temperature": -0.1}, "TEMPERATURE must be in [0.0, 10.0], got -0.1"),
-                    ({"temperature": float("nan")}, "TEMPERATURE must be a finite number"),
-                    ({"top_k": -1}, "TOP_K must be in [0, 1048576], got -1"),
-                    ({"top_p": 0.0}, "TOP_P must be in (0.0, 1.0], got 0.0"),
-                    ({"top_p": 1.5}, "TOP_P must be in (0.0, 1.0], got 1.5"),
-                    ({"seed": -3}, "SEED must be in [0, 9223372036854775807], got -3"),
-                    ({"mode": "nucleus"}, "SAMPLING must be one of ('rejection', 'coupled'), got 'nucleus'")]:
-        with pytest.raises(schema.WireError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
-                           .replace("]", r"\]")):
+    for kw, msg in [
+        ({"temperature": -0.1}, "TEMPERATURE must be in [0.0, 10.0], got -0.1"),
+        ({"temperature": float("nan")}, "TEMPERATURE must be a finite number"),
+        ({"top_k": -1}, "TOP_K must be in [0, 1048576], got -1"),
+        ({"top_p": 0.0}, "TOP_P must be in (0.0, 1.0], got 0.0"),
+        ({"top_p": 1.5}, "TOP_P must be in (0.0, 1.0], got 1.5"),
+        ({"seed": -3}, "SEED must be in [0, 9223372036854775807], got -3"),
+        ({"mode": "nucleus"}, "SAMPLING must be one of ('rejection', 'coupled'), got 'nucleus'"),
+    ]:
+        with pytest.raises(
+            schema.WireError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+        ):
             SamplingParams.create(**kw)
     a, b = SamplingParams.create(temperature=0.8), SamplingParams.create(temperature=0.8)
-    assert a.seed != b.seed and 0 <= a.seed < 2 ** 63  # unseeded: fresh seeds, never a shared stream
+    assert a.seed != b.seed and 0 <= a.seed < 2**63  # unseeded: fresh seeds, never a shared stream
 
 
 def test_coupled_targets_equal_plain_sampling_row_by_row():
@@ -92,6 +102,6 @@ def test_coupled_targets_equal_plain_sampling_row_by_row():
     logits = torch.randn(4, 50, generator=g)
     p = SamplingParams(temperature=0.9, top_k=20, seed=11, mode=schema.COUPLED)
     block = sampling.row_targets(logits, [5, 1, 2, 3], 40, p)
-    alone = [int(sampling.row_targets(logits[i: i + 1], [9], 40 + i, p)[0]) for i in range(4)]
+    alone = [int(sampling.row_targets(logits[i : i + 1], [9], 40 + i, p)[0]) for i in range(4)]
     assert block.tolist() == alone
     assert block.tolist() == sampling.row_targets(logits, [5, 7, 7, 7], 40, p).tolist()

@@ -30,7 +30,10 @@ def config_errors(spec: schema.ModelSpec, cfg: mc.ModelConfig) -> list[str]:
     errs = []
     if cfg.name != spec.name:
         errs.append(f"name {cfg.name!r} != {spec.name!r}")
-    for what, want_specs, got in (("input", spec.inputs, _tensors(cfg.input)), ("output", spec.outputs, _tensors(cfg.output))):
+    for what, want_specs, got in (
+        ("input", spec.inputs, _tensors(cfg.input)),
+        ("output", spec.outputs, _tensors(cfg.output)),
+    ):
         want = {t.name: (t.dtype, t.dims, t.optional if what == "input" else False) for t in want_specs}
         for n in sorted(want.keys() - got.keys()):
             errs.append(f"{what} {n} is in the schema but not in config.pbtxt")
@@ -70,32 +73,50 @@ def test_no_model_runs_more_than_one_instance():
         require_one_instance(json_format.MessageToDict(cfg, preserving_proto_field_name=True))
         cfg.instance_group[0].count = 2
         post = name == schema_text.POSTPROCESSING.name
-        with pytest.raises(ValueError, match=f"model '{name}': instance_group asks for 2 instances, but "
-                           f"{'two instances could finish' if post else 'tandem keeps'}.*replicas"):
-            require_one_instance(json_format.MessageToDict(cfg, preserving_proto_field_name=True),
-                                 *([IN_ORDER] if post else []))
-    assert "require_one_instance(config, backend.IN_ORDER)" in (MODEL_REPOSITORY / "postprocessing/1/model.py").read_text()
+        with pytest.raises(
+            ValueError,
+            match=f"model '{name}': instance_group asks for 2 instances, but "
+            f"{'two instances could finish' if post else 'tandem keeps'}.*replicas",
+        ):
+            require_one_instance(
+                json_format.MessageToDict(cfg, preserving_proto_field_name=True), *([IN_ORDER] if post else [])
+            )
+    assert (
+        "require_one_instance(config, backend.IN_ORDER)" in (MODEL_REPOSITORY / "postprocessing/1/model.py").read_text()
+    )
 
 
 def test_checker_catches_a_renamed_input():
     spec = schema.TANDEM
-    renamed = dataclasses.replace(spec, inputs=tuple(
-        dataclasses.replace(t, name="MAX_NEW_TOKENS") if t.name == schema.MAX_TOKENS else t for t in spec.inputs))
+    renamed = dataclasses.replace(
+        spec,
+        inputs=tuple(
+            dataclasses.replace(t, name="MAX_NEW_TOKENS") if t.name == schema.MAX_TOKENS else t for t in spec.inputs
+        ),
+    )
     errs = config_errors(renamed, load_config("tandem"))
     assert "input MAX_NEW_TOKENS is in the schema but not in config.pbtxt" in errs
     assert "input MAX_TOKENS is in config.pbtxt but not in the schema" in errs
-    retyped = dataclasses.replace(spec, outputs=tuple(
-        dataclasses.replace(t, dims=(-1,)) if t.name == schema.ROUNDS else t for t in spec.outputs))
+    retyped = dataclasses.replace(
+        spec, outputs=tuple(dataclasses.replace(t, dims=(-1,)) if t.name == schema.ROUNDS else t for t in spec.outputs)
+    )
     assert any(e.startswith("output ROUNDS:") for e in config_errors(retyped, load_config("tandem")))
     cfg = load_config("trunk")
     other = next(d for d in schema.DTYPES if d != schema.DEFAULTS.dtype)
     cfg.parameters["dtype"].string_value = other
-    assert config_errors(schema.TRUNK, cfg) == [f"parameter dtype = {other!r}, schema default {schema.DEFAULTS.dtype!r}"]
+    assert config_errors(schema.TRUNK, cfg) == [
+        f"parameter dtype = {other!r}, schema default {schema.DEFAULTS.dtype!r}"
+    ]
 
 
 def test_serving_config_parameters():
     cfg = schema.ServingConfig.from_parameters({"num_draft_tokens": "2", "max_ctx": "512"}, dtype="fp32")
-    assert (cfg.num_draft_tokens, cfg.max_ctx, cfg.dtype, cfg.burst_rounds) == (2, 512, "fp32", schema.DEFAULTS.burst_rounds)
+    assert (cfg.num_draft_tokens, cfg.max_ctx, cfg.dtype, cfg.burst_rounds) == (
+        2,
+        512,
+        "fp32",
+        schema.DEFAULTS.burst_rounds,
+    )
     with pytest.raises(ValueError, match="unknown model parameter 'max_k'"):
         schema.ServingConfig.from_parameters({"max_k": "16"})
     with pytest.raises(ValueError, match="model parameter 'max_ctx' must be int, got 'lots'"):
@@ -129,8 +150,11 @@ def test_serve_options_become_checked_model_parameters(monkeypatch):
         monkeypatch.setenv(k, v)
     got = serving_config(cfg)
     assert (got.spec, got.burst_rounds, got.max_sessions) == ("mtp", 1, 9)
-    for bad, msg in [({"spec": "beam"}, "spec must be one of"), ({"max_k": "3"}, "no model takes parameter 'max_k'"),
-                     ({"burst_rounds": "x"}, "'burst_rounds' must be int")]:
+    for bad, msg in [
+        ({"spec": "beam"}, "spec must be one of"),
+        ({"max_k": "3"}, "no model takes parameter 'max_k'"),
+        ({"burst_rounds": "x"}, "'burst_rounds' must be int"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             parameter_overrides(bad)
     with pytest.raises(ValueError, match="NAME=VALUE"):

@@ -32,8 +32,11 @@ def _tensors(arrays: dict) -> list:
     out = []
     for name, a in arrays.items():
         a = np.asarray(a)
-        dt = "BYTES" if a.dtype == object else {"int64": "INT64", "int32": "INT32", "float32": "FP32",
-                                                  "bool": "BOOL"}[str(a.dtype)]
+        dt = (
+            "BYTES"
+            if a.dtype == object
+            else {"int64": "INT64", "int32": "INT32", "float32": "FP32", "bool": "BOOL"}[str(a.dtype)]
+        )
         x = grpcclient.InferInput(name, list(a.shape), dt)
         x.set_data_from_numpy(a)
         out.append(x)
@@ -63,8 +66,9 @@ class Turn:
         self.c = grpcclient.InferenceServerClient(server.grpc_url)
         self.q: queue.Queue = queue.Queue()
         self.c.start_stream(callback=lambda result, error: self.q.put((result, error)))
-        ins = _tensors({schema.INPUT_IDS: np.array(ids, np.int32), schema.MAX_TOKENS: _I32(max_tokens),
-                        schema.SPEC: _op(spec)})
+        ins = _tensors(
+            {schema.INPUT_IDS: np.array(ids, np.int32), schema.MAX_TOKENS: _I32(max_tokens), schema.SPEC: _op(spec)}
+        )
         kw = dict(sequence_id=sequence_id, sequence_start=True, sequence_end=True) if sequence_id else {}
         self.t0 = time.monotonic()
         self.c.async_stream_infer(schema.TANDEM.name, ins, **kw)
@@ -125,21 +129,32 @@ def _outside_calls(victim: int) -> list[tuple[str, dict]]:
     sequence and 300 guessed ids, or prefix keys."""
     sids = np.array([victim] + list(range(1, 300)), np.uint64).view(np.int64)
     keys = {"PREFIX_KEYS": _I64(1, 2, 3), "PREFIX_LENGTHS": _I32(3)}
-    return [("trunk", {"OP": _op("close"), "SIDS": sids}),
-            ("trunk", {"OP": _op("open"), "SIDS": _I64(*range(10**6, 10**6 + 300))}),
-            ("trunk", {"OP": _op("evict"), "SIDS": _I64(), **keys}),
-            ("trunk", {"OP": _op("verify"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
-            ("trunk", {"OP": _op("prime"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
-            ("trunk", {"OP": _op("commit"), "SIDS": sids[:1], "N_ROWS": _I32(0)}),
-            ("trunk", {"OP": _op("publish"), "SIDS": sids[:1], **keys}),
-            ("trunk", {"OP": _op("draft_verify"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
-            ("trunk", {"OP": _op("drafter_dflash.evict"), "SIDS": _I64(), **keys}),
-            ("drafter_mtp", {"OP": _op("close"), "SIDS": sids}),
-            ("drafter_mtp", {"OP": _op("draft"), "SIDS": sids[:1], "HIDDEN": np.zeros((1, 8), np.float32),
-                             "NEXT_TOKENS": _I64(1), "LENGTHS": _I32(1), "NUM_DRAFT_TOKENS": _I32(2)}),
-            ("drafter_dflash", {"OP": _op("open"), "SIDS": _I64(*range(10**6, 10**6 + 300))}),
-            ("drafter_dflash", {"OP": _op("evict"), "SIDS": _I64(), **keys}),
-            ("drafter_dflash", {"OP": _op("draft"), "SIDS": sids[:1], "ANCHORS": _I64(1), "NUM_DRAFT_TOKENS": _I32(2)})]
+    return [
+        ("trunk", {"OP": _op("close"), "SIDS": sids}),
+        ("trunk", {"OP": _op("open"), "SIDS": _I64(*range(10**6, 10**6 + 300))}),
+        ("trunk", {"OP": _op("evict"), "SIDS": _I64(), **keys}),
+        ("trunk", {"OP": _op("verify"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
+        ("trunk", {"OP": _op("prime"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
+        ("trunk", {"OP": _op("commit"), "SIDS": sids[:1], "N_ROWS": _I32(0)}),
+        ("trunk", {"OP": _op("publish"), "SIDS": sids[:1], **keys}),
+        ("trunk", {"OP": _op("draft_verify"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
+        ("trunk", {"OP": _op("drafter_dflash.evict"), "SIDS": _I64(), **keys}),
+        ("drafter_mtp", {"OP": _op("close"), "SIDS": sids}),
+        (
+            "drafter_mtp",
+            {
+                "OP": _op("draft"),
+                "SIDS": sids[:1],
+                "HIDDEN": np.zeros((1, 8), np.float32),
+                "NEXT_TOKENS": _I64(1),
+                "LENGTHS": _I32(1),
+                "NUM_DRAFT_TOKENS": _I32(2),
+            },
+        ),
+        ("drafter_dflash", {"OP": _op("open"), "SIDS": _I64(*range(10**6, 10**6 + 300))}),
+        ("drafter_dflash", {"OP": _op("evict"), "SIDS": _I64(), **keys}),
+        ("drafter_dflash", {"OP": _op("draft"), "SIDS": sids[:1], "ANCHORS": _I64(1), "NUM_DRAFT_TOKENS": _I32(2)}),
+    ]
 
 
 def test_internal_models_refuse_outside_requests(server):
@@ -164,16 +179,17 @@ def test_internal_models_refuse_outside_requests(server):
     # the same kind of call with the key is let through (and answered by the stage itself)
     key = np.array([server.internal_key], dtype=object)
     with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
-        _stage_call(server, "trunk", {"OP": _op("verify"), "SIDS": _I64(424242), "TOKENS": _I64(1),
-                                      "LENGTHS": _I32(1), "AUTH": key})
+        _stage_call(
+            server,
+            "trunk",
+            {"OP": _op("verify"), "SIDS": _I64(424242), "TOKENS": _I64(1), "LENGTHS": _I32(1), "AUTH": key},
+        )
 
 
 def test_cancels_reach_only_the_turn_whose_id_they_hold(server):
     """One-turn sessions get 63 random bits: 1,000 CANCELs over the ids around an attacker's own
     one-turn id leave a running one-turn stream untouched; its owner's CANCEL (the SESSION_ID its own
     responses carry) ends it within 1 s."""
-    import tritonclient.grpc as grpcclient
-
     ids = list(long_turn_prompt(400))
     alone = Turn(server, ids, 160).tokens()
     probe = Turn(server, ids, 1)
@@ -203,8 +219,7 @@ def test_oversize_text_is_refused_at_once_and_delays_no_one(server):
         c = grpcclient.InferenceServerClient(server.grpc_url)
         q: queue.Queue = queue.Queue()
         c.start_stream(callback=lambda result, error: q.put(error))
-        ins = _tensors({schema_text.TEXT_INPUT: np.array([text], dtype=object),
-                        schema_text.MAX_TOKENS_IN: _I32(4)})
+        ins = _tensors({schema_text.TEXT_INPUT: np.array([text], dtype=object), schema_text.MAX_TOKENS_IN: _I32(4)})
         t0 = time.monotonic()
         c.async_stream_infer(schema_text.ENSEMBLE.name, ins)
         error = q.get(timeout=30)  # the answer (stream false: the whole turn) or the refusal
@@ -216,8 +231,10 @@ def test_oversize_text_is_refused_at_once_and_delays_no_one(server):
     small: dict = {}
     infer(b"hi", small)  # warm: the ensemble's steps are loaded and answering
     big: dict = {}
-    threads = [threading.Thread(target=infer, args=("字".encode() * 4_000_000, big)),
-               threading.Thread(target=infer, args=(b"hi", small))]
+    threads = [
+        threading.Thread(target=infer, args=("字".encode() * 4_000_000, big)),
+        threading.Thread(target=infer, args=(b"hi", small)),
+    ]
     for t in threads:
         t.start()
         time.sleep(0.05)
@@ -233,9 +250,11 @@ def test_oversize_tandem_inputs_are_refused_naming_the_field(server):
     from tritonclient.utils import InferenceServerException
     import tritonclient.grpc as grpcclient
 
-    cases = [({schema.INPUT_IDS: np.ones(3_000_000, np.int32)}, "INPUT_IDS has 3000000 elements, over the limit of 4096"),
-             ({schema.SPEC: np.array([b"x" * 5_000_000], object)}, "SPEC: a string of 5000000 bytes is over the limit"),
-             ({schema.STOP: np.array([b"x"] * 100_000, object)}, "STOP has 100000 elements, over the limit of 8")]
+    cases = [
+        ({schema.INPUT_IDS: np.ones(3_000_000, np.int32)}, "INPUT_IDS has 3000000 elements, over the limit of 4096"),
+        ({schema.SPEC: np.array([b"x" * 5_000_000], object)}, "SPEC: a string of 5000000 bytes is over the limit"),
+        ({schema.STOP: np.array([b"x"] * 100_000, object)}, "STOP has 100000 elements, over the limit of 8"),
+    ]
     for arrays, msg in cases:
         q: queue.Queue = queue.Queue()
         c = grpcclient.InferenceServerClient(server.grpc_url)

@@ -63,7 +63,7 @@ def test_stub_stacks_dump_to_the_log_and_the_models_stay_ready(server):
 
     before = server.log().count("most recent call first")
     assert dump_stub_stacks(server.proc.pid) == len(MODELS) - 1  # every Python model (not the ensemble)
-    dumped = server.log().split("most recent call first")[before + 1:]  # one section a thread
+    dumped = server.log().split("most recent call first")[before + 1 :]  # one section a thread
     assert len(dumped) >= len(MODELS) - 1
     assert "tandem/serving/front.py" in "".join(dumped)  # the tandem worker's thread, waiting for turns
     assert all(model_states(server.http_port).get(m) == "READY" for m in MODELS)
@@ -158,16 +158,19 @@ def test_oversize_prompt_names_input_ids(server):
     assert schema.INPUT_IDS in msg and str(MAX_CTX) in msg
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"spec": "medusa"}, "SPEC"),
-    ({"max_tokens": 0}, "MAX_TOKENS"),
-    ({"num_draft_tokens": 99}, "NUM_DRAFT_TOKENS"),
-    ({"sampling": {"TEMPERATURE": -1.0}}, r"TEMPERATURE must be in \[0.0, 10.0\], got -1.0"),
-    ({"sampling": {"TEMPERATURE": 0.5, "TOP_P": 0.0}}, r"TOP_P must be in \(0.0, 1.0\], got 0.0"),
-    ({"sampling": {"TEMPERATURE": 0.5, "TOP_K": -2}}, "TOP_K must be in"),
-    ({"sampling": {"TEMPERATURE": 0.5, "SEED": -5}}, "SEED must be in"),
-    ({"sampling": {"TEMPERATURE": 0.5, "SAMPLING": "typical"}}, "SAMPLING must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"spec": "medusa"}, "SPEC"),
+        ({"max_tokens": 0}, "MAX_TOKENS"),
+        ({"num_draft_tokens": 99}, "NUM_DRAFT_TOKENS"),
+        ({"sampling": {"TEMPERATURE": -1.0}}, r"TEMPERATURE must be in \[0.0, 10.0\], got -1.0"),
+        ({"sampling": {"TEMPERATURE": 0.5, "TOP_P": 0.0}}, r"TOP_P must be in \(0.0, 1.0\], got 0.0"),
+        ({"sampling": {"TEMPERATURE": 0.5, "TOP_K": -2}}, "TOP_K must be in"),
+        ({"sampling": {"TEMPERATURE": 0.5, "SEED": -5}}, "SEED must be in"),
+        ({"sampling": {"TEMPERATURE": 0.5, "SAMPLING": "typical"}}, "SAMPLING must be one of"),
+    ],
+)
 def test_bad_input_names_field(server, kwargs, field):
     args = {"max_tokens": 4, **kwargs}
     with pytest.raises(TandemClientError, match=field):
@@ -180,16 +183,22 @@ def test_multi_turn_sequence(server, engine):
     sid = new_sequence_id()
     tok = engine.tokenizer
     a = generate(tok.chat_prompt("Hi!"), max_tokens=6, url=server.grpc_url, sequence_id=sid, sequence_end=False)
-    b = generate(tok.chat_prompt("More"), max_tokens=6, url=server.grpc_url, sequence_id=sid,
-                 sequence_start=False)
+    b = generate(tok.chat_prompt("More"), max_tokens=6, url=server.grpc_url, sequence_id=sid, sequence_start=False)
     assert len(a["token_ids"]) <= 6 and 1 <= len(b["token_ids"]) <= 6
     # usage of each turn (its final response): the context it generated from, its own tokens and rounds
     p1, p2 = tok.chat_prompt("Hi!"), tok.chat_prompt("More")
-    assert a["usage"] == {"prompt_tokens": len(p1), "completion_tokens": len(a["token_ids"]), "rounds": a["rounds"],
-                          "mean_acceptance_length": pytest.approx(a["mean_acceptance_length"])}
+    assert a["usage"] == {
+        "prompt_tokens": len(p1),
+        "completion_tokens": len(a["token_ids"]),
+        "rounds": a["rounds"],
+        "mean_acceptance_length": pytest.approx(a["mean_acceptance_length"]),
+    }
     context = len(p1) + len(a["token_ids"]) - (a["finish_reason"] == "stop") + len(p2)  # a stop token is not context
-    assert (b["usage"]["prompt_tokens"], b["usage"]["completion_tokens"], b["usage"]["rounds"]) == \
-        (context, len(b["token_ids"]), b["rounds"])
+    assert (b["usage"]["prompt_tokens"], b["usage"]["completion_tokens"], b["usage"]["rounds"]) == (
+        context,
+        len(b["token_ids"]),
+        b["rounds"],
+    )
     with pytest.raises(TandemClientError, match="sequence_start"):  # END closed the sequence
         generate([], max_tokens=2, url=server.grpc_url, sequence_id=sid, sequence_start=False)
 
@@ -214,7 +223,9 @@ def test_cli_generate_json(server, engine):
 
 
 def test_cli_generate_text_and_unreachable(server, engine):
-    p = _cli("generate", "Hello", "--max-tokens", "8", "--spec", "off", "--url", server.grpc_url, "--checkpoint", str(CKPT))
+    p = _cli(
+        "generate", "Hello", "--max-tokens", "8", "--spec", "off", "--url", server.grpc_url, "--checkpoint", str(CKPT)
+    )
     assert p.returncode == 0, p.stderr
     ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=8, spec="off")
     assert p.stdout == engine.tokenizer.decode(ref["token_ids"]) + "\n"
@@ -235,8 +246,11 @@ def _infer(server, model, arrays):
         ins = []
         for name, a in arrays.items():
             a = np.asarray(a)
-            x = grpcclient.InferInput(name, list(a.shape), "BYTES" if a.dtype == object else
-                                      {"int64": "INT64", "int32": "INT32", "float32": "FP32"}[str(a.dtype)])
+            x = grpcclient.InferInput(
+                name,
+                list(a.shape),
+                "BYTES" if a.dtype == object else {"int64": "INT64", "int32": "INT32", "float32": "FP32"}[str(a.dtype)],
+            )
             x.set_data_from_numpy(a)
             ins.append(x)
         return stage_infer(c, schema.MODELS[model], ins)  # the trunk is decoupled: a stream
@@ -252,19 +266,47 @@ def test_stage_models_name_the_field(server):
     op = lambda s: np.array([s.encode()], dtype=object)  # noqa: E731
     sid = np.array([424242], np.int64)
     with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
-        _infer(server, "trunk", {"OP": op("verify"), "SIDS": sid, "TOKENS": np.array([1], np.int64),
-                                 "LENGTHS": np.array([1], np.int32)})
+        _infer(
+            server,
+            "trunk",
+            {"OP": op("verify"), "SIDS": sid, "TOKENS": np.array([1], np.int64), "LENGTHS": np.array([1], np.int32)},
+        )
     with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
-        _infer(server, "drafter_mtp", {"OP": op("draft"), "SIDS": sid, "HIDDEN": np.zeros((1, 8), np.float32),
-                                       "NEXT_TOKENS": np.array([1], np.int64), "LENGTHS": np.array([1], np.int32),
-                                       "NUM_DRAFT_TOKENS": np.array([2], np.int32)})
+        _infer(
+            server,
+            "drafter_mtp",
+            {
+                "OP": op("draft"),
+                "SIDS": sid,
+                "HIDDEN": np.zeros((1, 8), np.float32),
+                "NEXT_TOKENS": np.array([1], np.int64),
+                "LENGTHS": np.array([1], np.int32),
+                "NUM_DRAFT_TOKENS": np.array([2], np.int32),
+            },
+        )
     _infer(server, "trunk", {"OP": op("open"), "SIDS": sid})
     try:
         with pytest.raises(InferenceServerException, match="TOKENS: context full"):
-            _infer(server, "trunk", {"OP": op("prime"), "SIDS": sid, "TOKENS": np.ones(MAX_CTX + 1, np.int64),
-                                     "LENGTHS": np.array([MAX_CTX + 1], np.int32)})
-        r = _infer(server, "trunk", {"OP": op("prime"), "SIDS": sid, "TOKENS": np.array([5, 6, 7], np.int64),
-                                     "LENGTHS": np.array([3], np.int32)})
+            _infer(
+                server,
+                "trunk",
+                {
+                    "OP": op("prime"),
+                    "SIDS": sid,
+                    "TOKENS": np.ones(MAX_CTX + 1, np.int64),
+                    "LENGTHS": np.array([MAX_CTX + 1], np.int32),
+                },
+            )
+        r = _infer(
+            server,
+            "trunk",
+            {
+                "OP": op("prime"),
+                "SIDS": sid,
+                "TOKENS": np.array([5, 6, 7], np.int64),
+                "LENGTHS": np.array([3], np.int32),
+            },
+        )
         assert r.as_numpy("ARGMAX").shape == (3,) and r.as_numpy("HIDDEN").shape[0] == 3
     finally:
         _infer(server, "trunk", {"OP": op("close"), "SIDS": sid})
@@ -281,20 +323,39 @@ def test_seeded_sampling_is_reproducible_served(server, engine):
     another seed gives another output; an unseeded request run twice differs."""
     from tandem.engine.inprocess import Engine
 
-    p = _cli("generate", "Tell me about the river.", "--max-tokens", "32", "--temperature", "0.8", "--seed", "7",
-             "--url", server.grpc_url, "--json", "--checkpoint", str(CKPT))
+    p = _cli(
+        "generate",
+        "Tell me about the river.",
+        "--max-tokens",
+        "32",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "7",
+        "--url",
+        server.grpc_url,
+        "--json",
+        "--checkpoint",
+        str(CKPT),
+    )
     assert p.returncode == 0, p.stderr
     alone = json.loads(p.stdout)["token_ids"]
     prompt = engine.tokenizer.chat_prompt("Tell me about the river.")
     res: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda s=s: res.__setitem__(s, _sampled(server, prompt, s))) for s in range(7, 15)]
+    threads = [
+        threading.Thread(target=lambda s=s: res.__setitem__(s, _sampled(server, prompt, s))) for s in range(7, 15)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert res[7] == alone and len(alone) == 32
-    one_round = Engine(model=engine.model, tokenizer=engine.tokenizer, dflash={a: engine.drafters[a].drafters[a]
-                       for a in schema.DFLASH_ARMS if a in engine.drafters}, burst_rounds=1)
+    one_round = Engine(
+        model=engine.model,
+        tokenizer=engine.tokenizer,
+        dflash={a: engine.drafters[a].drafters[a] for a in schema.DFLASH_ARMS if a in engine.drafters},
+        burst_rounds=1,
+    )
     assert one_round.generate(prompt, 32, temperature=0.8, seed=7)["token_ids"] == alone
     assert len({tuple(v) for v in res.values()}) == 8  # other seeds, other outputs
     assert _sampled(server, prompt, None) != _sampled(server, prompt, None)
@@ -307,8 +368,12 @@ def test_mixed_greedy_and_sampled_batch(server, engine):
     refs = [engine.generate(p, 32)["token_ids"] for p in prompts]
     res: dict[tuple[int, float], list[int]] = {}
     jobs = [(i, t) for i in range(2) for t in (0.0, 0.9)]
-    threads = [threading.Thread(target=lambda i=i, t=t: res.__setitem__((i, t), _sampled(server, prompts[i], 3, temperature=t)))
-               for i, t in jobs]
+    threads = [
+        threading.Thread(
+            target=lambda i=i, t=t: res.__setitem__((i, t), _sampled(server, prompts[i], 3, temperature=t))
+        )
+        for i, t in jobs
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -333,8 +398,12 @@ def test_coupled_speculation_equals_plain_sampling_served(server, engine):
 def test_cli_reads_stdin_and_files_and_checks_flags(server, engine, tmp_path):
     """`-` reads the prompt from stdin and `--file` from a file (never sent as literal text); flags the
     server would refuse are refused by the client naming the flag; a URL or the HTTP port gets a hint."""
-    ref = engine.tokenizer.decode(engine.generate(engine.tokenizer.chat_prompt("Hello there"), max_tokens=6,
-                                                  spec="off")["token_ids"]) + "\n"
+    ref = (
+        engine.tokenizer.decode(
+            engine.generate(engine.tokenizer.chat_prompt("Hello there"), max_tokens=6, spec="off")["token_ids"]
+        )
+        + "\n"
+    )
     base = ("--max-tokens", "6", "--spec", "off", "--url", server.grpc_url, "--checkpoint", str(CKPT))
     exe = Path(sys.executable).parent / "tandem"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.cli"]
@@ -343,19 +412,22 @@ def test_cli_reads_stdin_and_files_and_checks_flags(server, engine, tmp_path):
     (tmp_path / "q.txt").write_text("Hello there")
     p = _cli("generate", "--file", str(tmp_path / "q.txt"), *base[:3], " OFF", *base[4:])  # --spec in any case, as SPEC
     assert p.returncode == 0 and p.stdout == ref, p.stderr
-    for args, msg in [(("-k", "50", "--spec", "mtp"), "--num-draft-tokens (-k) must be in [1, 8], got 50"),
-                      (("-k", "2", "--spec", "Off"), "--spec off decodes plain"),
-                      (("-k", "8", "--spec", "dflash2"), "--num-draft-tokens (-k) must be in [1, 7], got 8"),
-                      (("--max-tokens", "0"), "--max-tokens (-n) must be in [1, 4096], got 0"),
-                      (("--top-p", "1.5", "--temperature", "0.5"), "--top-p must be in (0.0, 1.0], got 1.5"),
-                      (("--sampling", "beam"), "--sampling must be one of"),
-                      (("--stop-token-id", "-1"), "--stop-token-id must be >= 0, got -1"),
-                      (("--stop", "x" * 65), "--stop: each stop string must have 1 to 64 characters, got 65"),
-                      (sum((("--stop", str(i)) for i in range(9)), ()), "--stop: at most 8 stop strings, got 9"),
-                      (("--url", f"http://127.0.0.1:{server.grpc_port}"), "not a URL"),
-                      (("--url", f"127.0.0.1:{server.http_port}"), "is Triton's HTTP port")]:
-        p = _cli("generate", "Hi", "--checkpoint", str(CKPT), *(() if "--url" in args else ("--url", server.grpc_url)),
-                 *args)
+    for args, msg in [
+        (("-k", "50", "--spec", "mtp"), "--num-draft-tokens (-k) must be in [1, 8], got 50"),
+        (("-k", "2", "--spec", "Off"), "--spec off decodes plain"),
+        (("-k", "8", "--spec", "dflash2"), "--num-draft-tokens (-k) must be in [1, 7], got 8"),
+        (("--max-tokens", "0"), "--max-tokens (-n) must be in [1, 4096], got 0"),
+        (("--top-p", "1.5", "--temperature", "0.5"), "--top-p must be in (0.0, 1.0], got 1.5"),
+        (("--sampling", "beam"), "--sampling must be one of"),
+        (("--stop-token-id", "-1"), "--stop-token-id must be >= 0, got -1"),
+        (("--stop", "x" * 65), "--stop: each stop string must have 1 to 64 characters, got 65"),
+        (sum((("--stop", str(i)) for i in range(9)), ()), "--stop: at most 8 stop strings, got 9"),
+        (("--url", f"http://127.0.0.1:{server.grpc_port}"), "not a URL"),
+        (("--url", f"127.0.0.1:{server.http_port}"), "is Triton's HTTP port"),
+    ]:
+        p = _cli(
+            "generate", "Hi", "--checkpoint", str(CKPT), *(() if "--url" in args else ("--url", server.grpc_url)), *args
+        )
         assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
     p = _cli("generate", "--checkpoint", str(CKPT), "--url", server.grpc_url)
     assert p.returncode == 2 and "no prompt" in p.stderr
@@ -370,14 +442,19 @@ def test_cli_chat_keeps_one_sequence(server, engine):
     input piped in, each turn's line is echoed as `> line` before its reply."""
     tok = engine.tokenizer
     sid = new_sequence_id()
-    a = generate(tok.chat_prompt("Hi!"), max_tokens=8, url=server.grpc_url, sequence_id=sid, sequence_end=False,
-                 spec="mtp")
-    b = generate(tok.chat_prompt("And then?"), max_tokens=8, url=server.grpc_url, sequence_id=sid,
-                 sequence_start=False)
+    a = generate(
+        tok.chat_prompt("Hi!"), max_tokens=8, url=server.grpc_url, sequence_id=sid, sequence_end=False, spec="mtp"
+    )
+    b = generate(tok.chat_prompt("And then?"), max_tokens=8, url=server.grpc_url, sequence_id=sid, sequence_start=False)
     exe = Path(sys.executable).parent / "tandem"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "tandem_client.cli"]
-    p = subprocess.run(cmd + ["chat", "--max-tokens", "8", "--spec", "mtp", "--url", server.grpc_url, "--checkpoint",
-                              str(CKPT)], input="Hi!\nAnd then?\n", capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        cmd + ["chat", "--max-tokens", "8", "--spec", "mtp", "--url", server.grpc_url, "--checkpoint", str(CKPT)],
+        input="Hi!\nAnd then?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout == "> Hi!\n" + tok.decode(a["token_ids"]) + "\n> And then?\n" + tok.decode(b["token_ids"]) + "\n"
 
@@ -388,8 +465,13 @@ def test_readme_python_example_runs(server):
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = re.search(r"```python\n(from tandem.model.tokenizer import ChatTokenizer\n.*?)```", readme, re.S).group(1)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "TANDEM_URL": server.grpc_url, "TANDEM_CHECKPOINT": str(CKPT)})
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TANDEM_URL": server.grpc_url, "TANDEM_CHECKPOINT": str(CKPT)},
+    )
     assert p.returncode == 0, p.stderr
     assert " | " in p.stdout and ("stop" in p.stdout or "length" in p.stdout)  # both turns and a finish reason
 

@@ -90,12 +90,18 @@ def test_plain_matches_full_recompute_greedy(engine, tokenizer):
             seq.append(t)
 
 
-@pytest.mark.parametrize("kw,field", [({"max_tokens": 0}, "MAX_TOKENS must be in [1, 4096], got 0"),
-                                      ({"spec": "eagle"}, "SPEC must be one of"),
-                                      ({"k": 99}, "NUM_DRAFT_TOKENS must be in [1, 8], got 99"),
-                                      ({"tokens": [10**6]}, "INPUT_IDS: token ids must be in [0, 8192), got 1000000"),
-                                      ({"tokens": []}, "INPUT_IDS: the first turn"), ({"tokens": [5] * 5000}, "INPUT_IDS"),
-                                      ({"start": False}, "sequence_id: unknown sequence id 9002")])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"max_tokens": 0}, "MAX_TOKENS must be in [1, 4096], got 0"),
+        ({"spec": "eagle"}, "SPEC must be one of"),
+        ({"k": 99}, "NUM_DRAFT_TOKENS must be in [1, 8], got 99"),
+        ({"tokens": [10**6]}, "INPUT_IDS: token ids must be in [0, 8192), got 1000000"),
+        ({"tokens": []}, "INPUT_IDS: the first turn"),
+        ({"tokens": [5] * 5000}, "INPUT_IDS"),
+        ({"start": False}, "sequence_id: unknown sequence id 9002"),
+    ],
+)
 def test_bad_turns_get_clear_errors_and_others_continue(engine, tokenizer, kw, field):
     sched = engine.sched
     good = []
@@ -103,8 +109,19 @@ def test_bad_turns_get_clear_errors_and_others_continue(engine, tokenizer, kw, f
     errs = []
     args = {"sid": 9002, "tokens": tokenizer.encode("hi"), "max_tokens": 5, "spec": "mtp", "start": True, "k": None}
     args.update(kw)
-    sched.admit([Turn(args["sid"], args["tokens"], args["max_tokens"], lambda r, e, f: errs.append((e, f)),
-                      spec=args["spec"], start=args["start"], num_draft_tokens=args["k"])])
+    sched.admit(
+        [
+            Turn(
+                args["sid"],
+                args["tokens"],
+                args["max_tokens"],
+                lambda r, e, f: errs.append((e, f)),
+                spec=args["spec"],
+                start=args["start"],
+                num_draft_tokens=args["k"],
+            )
+        ]
+    )
     assert len(errs) == 1 and errs[0][1] is True and field in errs[0][0]
     assert 9002 not in sched.sessions
     while 9001 in sched.turns:
@@ -117,7 +134,10 @@ def test_bad_turns_get_clear_errors_and_others_continue(engine, tokenizer, kw, f
 def test_multi_turn_session_and_idle_expiry(engine, tokenizer):
     sched = engine.sched
     got = []
-    emit = lambda r, e, f: got.append((r, e, f))
+
+    def emit(r, e, f):
+        got.append((r, e, f))
+
     sched.admit([Turn(9100, tokenizer.chat_prompt("Name a color."), 8, emit, end=False)])
     while 9100 in sched.turns:
         sched.burst()
@@ -167,8 +187,9 @@ def test_session_contract_members(engine, tokenizer, spec):
     """Each session-contract member's documented behaviour on the arms that exist."""
     sched = engine.sched
     sid = 9300
-    sched.admit([Turn(sid, tokenizer.chat_prompt("Name three rivers."), 24, lambda r, e, f: None, spec=spec,
-                      end=False)])
+    sched.admit(
+        [Turn(sid, tokenizer.chat_prompt("Name three rivers."), 24, lambda r, e, f: None, spec=spec, end=False)]
+    )
     s = sched.sessions[sid]
     assert s.rounds == 0 and s.mean_acceptance_length() is None
     _drive(sched, sid)
@@ -195,14 +216,22 @@ def test_two_turns_for_one_sequence_in_one_drain(engine, tokenizer):
     other, first, second = [], [], []
     sched.admit([Turn(9400, tokenizer.chat_prompt("Hello"), 12, lambda r, e, f: other.append((r, e, f)))])
     sched.burst()
-    sched.admit([Turn(9401, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: first.append((r, e, f))),
-                 Turn(9401, tokenizer.chat_prompt("Hi again"), 8, lambda r, e, f: second.append((r, e, f)))])
+    sched.admit(
+        [
+            Turn(9401, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: first.append((r, e, f))),
+            Turn(9401, tokenizer.chat_prompt("Hi again"), 8, lambda r, e, f: second.append((r, e, f))),
+        ]
+    )
     assert second == [(None, "sequence_id: sequence id 9401 sent two turns at once; the first one runs", True)]
     _drive(sched, 9401)
     _drive(sched, 9400)
     assert first[-1][2] and first[-1][1] is None and other[-1][2] and other[-1][1] is None
     assert all(e is None for _, e, _ in other)
-    assert 9400 not in engine.trunk.caches and 9401 not in engine.trunk.caches and 9401 not in engine.drafters["mtp"].states
+    assert (
+        9400 not in engine.trunk.caches
+        and 9401 not in engine.trunk.caches
+        and 9401 not in engine.drafters["mtp"].states
+    )
 
 
 class _FailingPrime:
@@ -230,8 +259,9 @@ def test_stage_failure_during_admission(trunk_fp32, tokenizer):
     running, failed = [], []
     sched.admit([Turn(1, tokenizer.chat_prompt("Hello"), 16, lambda r, e, f: running.append((r, e, f)), spec="mtp")])
     trunk.fail = True
-    sched.admit([Turn(s, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: failed.append((e, f)), spec="mtp")
-                 for s in (2, 3)])
+    sched.admit(
+        [Turn(s, tokenizer.chat_prompt("Hi"), 8, lambda r, e, f: failed.append((e, f)), spec="mtp") for s in (2, 3)]
+    )
     assert failed == [("admission failed: RuntimeError: trunk.prime: stage process gone", True)] * 2
     assert set(sched.sessions) == {1} and set(eng.trunk.caches) == {1} and set(eng.drafters["mtp"].states) == {1}
     _drive(sched, 1)
@@ -261,7 +291,7 @@ class _OracleDrafter:
         for it in items:
             self.pos[it.sid] += len(it.next_tokens)  # rows ingested so far; the anchor sits at this position
             p = self.pos[it.sid] + 1
-            out.append(self.seq[p: p + it.num_draft_tokens])
+            out.append(self.seq[p : p + it.num_draft_tokens])
         return out
 
 
@@ -271,7 +301,9 @@ def test_context_capacity_holds_when_every_draft_is_accepted(engine, tokenizer, 
     from tandem.engine.scheduler import Scheduler
     from tandem.schema import ServingConfig
 
-    ids = tokenizer.chat_prompt("Tell me a long story about a lighthouse keeper and the sea, in many short sentences.")[:20]
+    ids = tokenizer.chat_prompt("Tell me a long story about a lighthouse keeper and the sea, in many short sentences.")[
+        :20
+    ]
     assert len(ids) == 20
     plain = engine.generate(ids, 60, spec="off")["token_ids"]
     cfg = ServingConfig(max_ctx=max_ctx, num_draft_tokens=4)
@@ -295,15 +327,25 @@ def test_later_turn_changes_num_draft_tokens(engine, tokenizer):
     sched = engine.sched
     got = []
     emit = lambda r, e, f: got.append((r, e, f))  # noqa: E731
-    sched.admit([Turn(9500, tokenizer.chat_prompt("Name a fruit."), 6, emit, end=False, num_draft_tokens=1,
-                      spec=schema.DFLASH2)])
+    sched.admit(
+        [
+            Turn(
+                9500,
+                tokenizer.chat_prompt("Name a fruit."),
+                6,
+                emit,
+                end=False,
+                num_draft_tokens=1,
+                spec=schema.DFLASH2,
+            )
+        ]
+    )
     while 9500 in sched.turns:
         sched.burst()
     s = sched.sessions[9500]
     assert s.num_draft_tokens == 1 and s.drafted == s.rounds
     d0, r0 = s.drafted, s.rounds
-    sched.admit([Turn(9500, tokenizer.chat_prompt("Another."), 20, emit, start=False,
-                      num_draft_tokens=4)])
+    sched.admit([Turn(9500, tokenizer.chat_prompt("Another."), 20, emit, start=False, num_draft_tokens=4)])
     while 9500 in sched.turns:
         sched.burst()
     assert all(e is None for _, e, _ in got) and s.num_draft_tokens == 4 and len(s.accepted_at) == 4
@@ -330,8 +372,9 @@ def test_stop_token_ids_cut_inside_an_accepted_block(trunk_fp32, tokenizer):
         if ref.index(x) != k or x in tokenizer.stop_ids:
             continue
         sid, got = 9700 + k, []
-        eng.sched.admit([Turn(sid, ids, 40, lambda r, e, f: got.append((r, e)), spec="mtp", end=False,
-                              stop_token_ids=(x,))])
+        eng.sched.admit(
+            [Turn(sid, ids, 40, lambda r, e, f: got.append((r, e)), spec="mtp", end=False, stop_token_ids=(x,))]
+        )
         while sid in eng.sched.turns:
             eng.sched.burst()
         assert all(e is None for _, e in got)

@@ -57,16 +57,24 @@ def test_requests_run_in_order_one_final_response_each_and_a_failure_stops_nothi
         return f"response {r.value}"
 
     w = StageWorker(run, FINAL, logs.append, "t")
-    reqs = [Request(i, out) for i in range(3)] + [Request("boom", out), Request("gone", out, fail_send=True),
-                                                    Request(3, out)]
+    reqs = [Request(i, out) for i in range(3)] + [
+        Request("boom", out),
+        Request("gone", out, fail_send=True),
+        Request(3, out),
+    ]
     w.submit(reqs[:2])
     w.submit(reqs[2:])  # submit returned while request 0 still runs: execute never waits on the work
     assert ran == [] and out == []
     gate.set()
     _wait(lambda: len(out) == 5)
     assert ran == [0, 1, 2, "gone", 3]
-    assert out == [("response 0", FINAL), ("response 1", FINAL), ("response 2", FINAL), (None, FINAL),
-                   ("response 3", FINAL)]  # the failed request: the final flag alone
+    assert out == [
+        ("response 0", FINAL),
+        ("response 1", FINAL),
+        ("response 2", FINAL),
+        (None, FINAL),
+        ("response 3", FINAL),
+    ]  # the failed request: the final flag alone
     assert any("ValueError: bad request" in m for m in logs) and any("stream gone" in m for m in logs)
     assert w.stop() is True
 
@@ -196,8 +204,9 @@ def test_bls_transport_reads_a_decoupled_call_and_holds_its_iterator():
 
     names = schema.TRUNK.output_names
     full = [_T(n, np.arange(3) + i) for i, n in enumerate(names)]
-    t = BLSTransport(_fake_pb([[_Resp(full), _Resp()], [_Resp(error="SIDS: unknown sequence id 7"), _Resp()],
-                               [_Resp()]]))
+    t = BLSTransport(
+        _fake_pb([[_Resp(full), _Resp()], [_Resp(error="SIDS: unknown sequence id 7"), _Resp()], [_Resp()]])
+    )
     out = t(schema.TRUNK, "close", {"SIDS": np.zeros(0, np.int64)})
     assert list(out) == list(names) and (out[names[1]] == np.arange(3) + 1).all()
     assert len(t.held) == 1  # the iterator waits for a barrier
@@ -245,8 +254,6 @@ def test_decoupled_caller_gives_up_on_a_call_whose_process_died_and_waits_out_a_
 def test_a_death_found_by_one_call_ends_every_call_sent_before_it():
     """Two calls in flight (a burst's call and its pipelined next) when the process dies: the probe of
     one finds it; the other ends too, although the restarted model answers its own later probes."""
-    import pytest
-
     from tandem.serving.stage_worker import DecoupledCaller, StageDied
 
     forever = threading.Event()

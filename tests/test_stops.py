@@ -12,7 +12,7 @@ from tandem.engine.scheduler import Turn
 from tandem.engine.stops import StopText, validate_stops
 from tandem.serving.text import response_text
 
-TEXT = "Il était une fois, à Zürich — naïve café 😀 日本語 and \"quotes\"\n\nend."
+TEXT = 'Il était une fois, à Zürich — naïve café 😀 日本語 and "quotes"\n\nend.'
 
 
 def _complete(s: str) -> str:
@@ -32,7 +32,7 @@ def test_stop_text_follows_the_decode_and_never_shows_a_stop(tokenizer):
     ids, cases = tokenizer.encode(TEXT), 0
     for c in range(0, len(TEXT) - 2, 3):
         for n in (1, 2, 5):
-            stop = TEXT[c:c + n]
+            stop = TEXT[c : c + n]
             if TEXT.find(stop) != c or "\ufffd" in stop:
                 continue
             st = StopText(tokenizer.decode, (stop, "never-there"))
@@ -40,8 +40,8 @@ def test_stop_text_follows_the_decode_and_never_shows_a_stop(tokenizer):
             for k, t in enumerate(ids):
                 hit = st.push(t)
                 if not hit:
-                    assert st.text == _complete(tokenizer.decode(ids[:k + 1]))
-                    shown = _complete(tokenizer.decode(ids[:st.safe()]))
+                    assert st.text == _complete(tokenizer.decode(ids[: k + 1]))
+                    shown = _complete(tokenizer.decode(ids[: st.safe()]))
                     assert TEXT[:c].startswith(shown), (stop, k)  # nothing of the stop string is released
                 else:
                     assert k + 1 == want and st.matched == stop and st.cut == c
@@ -62,7 +62,7 @@ def test_stateless_postprocessing_over_any_split(tokenizer, seed):
     parts = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])]
     out, sent = "", []
     for i, p in enumerate(parts):
-        out += response_text(tokenizer.decode, p, sent[-schema.DETOKENIZE_WINDOW:], i == len(parts) - 1)
+        out += response_text(tokenizer.decode, p, sent[-schema.DETOKENIZE_WINDOW :], i == len(parts) - 1)
         sent += p
     assert out == TEXT
     stop = "café"
@@ -70,18 +70,19 @@ def test_stateless_postprocessing_over_any_split(tokenizer, seed):
     for p in parts:
         n = st.scan(p)
         toks, _ = st.hold_back(p[:n] if n else p, [0.0] * len(p[:n] if n else p), n is not None)
-        out += response_text(tokenizer.decode, toks, sent[-schema.DETOKENIZE_WINDOW:], n is not None,
-                             st.matched or "")
+        out += response_text(tokenizer.decode, toks, sent[-schema.DETOKENIZE_WINDOW :], n is not None, st.matched or "")
         sent += toks
         if n is not None:
             break
-    assert out == TEXT[:TEXT.find(stop)] and st.matched == stop
-    assert tokenizer.decode(sent).startswith(TEXT[:TEXT.find(stop) + len(stop)])
+    assert out == TEXT[: TEXT.find(stop)] and st.matched == stop
+    assert tokenizer.decode(sent).startswith(TEXT[: TEXT.find(stop) + len(stop)])
 
 
 def test_stop_limits_are_named():
     dec = str
-    assert validate_stops(("x",) * (schema.MAX_STOPS + 1), dec) == f"STOP: at most {schema.MAX_STOPS} stop strings, got 9"
+    assert (
+        validate_stops(("x",) * (schema.MAX_STOPS + 1), dec) == f"STOP: at most {schema.MAX_STOPS} stop strings, got 9"
+    )
     assert "1 to 64 characters, got 0" in validate_stops(("",), dec)
     assert "1 to 64 characters, got 65" in validate_stops(("y" * 65,), dec)
     assert "no tokenizer" in validate_stops(("a",), None)
@@ -102,27 +103,39 @@ def test_stop_strings_cut_inside_accepted_blocks(trunk_fp32, tokenizer):
     rounds: list[list[int]] = []
     eng.generate(ids, 60, spec="mtp", on_burst=lambda r: rounds.append(list(r.tokens)))
     round_of = [i for i, r in enumerate(rounds) for _ in r]  # the round that emitted each token
-    ends = {len(sum(rounds[:i + 1], [])) - 1 for i in range(len(rounds))}
+    ends = {len(sum(rounds[: i + 1], [])) - 1 for i in range(len(rounds))}
     inside = spanning = cases = 0
     for c in range(2, min(len(text) - 12, 120), 5):
         for n in (2, 9):
-            stop = text[c:c + n]
+            stop = text[c : c + n]
             if text.find(stop) != c or not stop.strip():
                 continue
-            j = next(k for k in range(len(ref)) if stop in _complete(tokenizer.decode(ref[:k + 1])))
-            first = next(k for k in range(len(ref)) if len(_complete(tokenizer.decode(ref[:k + 1]))) > c)
+            j = next(k for k in range(len(ref)) if stop in _complete(tokenizer.decode(ref[: k + 1])))
+            first = next(k for k in range(len(ref)) if len(_complete(tokenizer.decode(ref[: k + 1]))) > c)
             sid, got = 9800 + cases, []
-            eng.sched.admit([Turn(sid, ids, 60, lambda r, e, f: got.append((r, e, f)), spec="mtp", end=False,
-                                  stop=(stop, "\x00never"))])
+            eng.sched.admit(
+                [
+                    Turn(
+                        sid,
+                        ids,
+                        60,
+                        lambda r, e, f: got.append((r, e, f)),
+                        spec="mtp",
+                        end=False,
+                        stop=(stop, "\x00never"),
+                    )
+                ]
+            )
             while sid in eng.sched.turns:
                 eng.sched.burst()
             assert all(e is None for _, e, _ in got)
             out = [t for r, _, _ in got for t in r.tokens]
-            assert out == ref[:j + 1] and got[-1][0].finish_reason == "stop" and got[-1][0].stop_string == stop
+            assert out == ref[: j + 1] and got[-1][0].finish_reason == "stop" and got[-1][0].stop_string == stop
             shown, sent = "", []
             for r, _, final in got:
-                shown += response_text(tokenizer.decode, r.tokens, sent[-schema.DETOKENIZE_WINDOW:], final,
-                                       r.stop_string)
+                shown += response_text(
+                    tokenizer.decode, r.tokens, sent[-schema.DETOKENIZE_WINDOW :], final, r.stop_string
+                )
                 sent += r.tokens
                 assert text[:c].startswith(shown) or final, (stop, shown)
             assert shown == text[:c], stop
@@ -143,11 +156,32 @@ def test_a_turn_without_stream_is_one_response(trunk_fp32, tokenizer):
     here the receipt merge itself)."""
     from tandem.engine.session import Receipt
 
-    a = Receipt(tokens=[1, 2], rounds=1, drafted=3, accepted=1, accepted_at=[1, 0, 0], spec_rounds=1, top2_gaps=[.1, .2])
-    a.merge(Receipt(tokens=[3], rounds=1, drafted=3, accepted=0, accepted_at=[0, 0, 0], finish_reason="stop",
-                    spec_rounds=1, top2_gaps=[.3], stop_string="x"))
-    assert (a.tokens, a.rounds, a.drafted, a.accepted, a.accepted_at, a.spec_rounds, a.finish_reason, a.stop_string) == \
-        ([1, 2, 3], 2, 6, 1, [1, 0, 0], 2, "stop", "x")
+    a = Receipt(
+        tokens=[1, 2], rounds=1, drafted=3, accepted=1, accepted_at=[1, 0, 0], spec_rounds=1, top2_gaps=[0.1, 0.2]
+    )
+    a.merge(
+        Receipt(
+            tokens=[3],
+            rounds=1,
+            drafted=3,
+            accepted=0,
+            accepted_at=[0, 0, 0],
+            finish_reason="stop",
+            spec_rounds=1,
+            top2_gaps=[0.3],
+            stop_string="x",
+        )
+    )
+    assert (
+        a.tokens,
+        a.rounds,
+        a.drafted,
+        a.accepted,
+        a.accepted_at,
+        a.spec_rounds,
+        a.finish_reason,
+        a.stop_string,
+    ) == ([1, 2, 3], 2, 6, 1, [1, 0, 0], 2, "stop", "x")
 
 
 def _turn(eng, sid, ids, max_tokens, **kw):
@@ -171,7 +205,11 @@ def test_max_tokens_cut_inside_accepted_blocks(trunk_fp32, tokenizer):
     for n in range(2, 24):
         out, receipts, s = _turn(eng, 9900 + n, ids, n)
         assert out == ref[:n] and receipts[-1].finish_reason == "length", n
-        assert s.committed == ids + ref[:n - 1] and s.anchor == ref[n - 1] and eng.trunk.cache(s.sid).pos == len(s.committed)
+        assert (
+            s.committed == ids + ref[: n - 1]
+            and s.anchor == ref[n - 1]
+            and eng.trunk.cache(s.sid).pos == len(s.committed)
+        )
         assert sum(len(r.tokens) for r in receipts) == n
         last = receipts[-1]
         inside += last.rounds == 1 and last.accepted == len(last.tokens)  # the cut took drafts only: mid-block
@@ -195,7 +233,7 @@ def test_eos_inside_accepted_blocks(trunk_fp32, tokenizer):
             continue
         eng.sched.stop_ids = (x,)
         out, receipts, s = _turn(eng, 9950 + k, ids, 40)
-        assert out == ref[:k + 1] and receipts[-1].finish_reason == "stop", k
+        assert out == ref[: k + 1] and receipts[-1].finish_reason == "stop", k
         assert s.committed == ids + ref[:k] and s.anchor == x and eng.trunk.cache(s.sid).pos == len(s.committed)
         assert sum(len(r.tokens) for r in receipts) == k + 1
         last = receipts[-1]

@@ -20,9 +20,12 @@ PROMPT = "Write a haiku about the sea."
 
 
 def _post(server, endpoint: str, body: dict, timeout: float = 120.0) -> tuple[int, str]:
-    req = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v2/models/ensemble/{endpoint}",
-                                 data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v2/models/ensemble/{endpoint}",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -31,7 +34,7 @@ def _post(server, endpoint: str, body: dict, timeout: float = 120.0) -> tuple[in
 
 
 def _events(sse: str) -> list[dict]:
-    return [json.loads(line[len("data: "):]) for line in sse.splitlines() if line.startswith("data: ")]
+    return [json.loads(line[len("data: ") :]) for line in sse.splitlines() if line.startswith("data: ")]
 
 
 def _stream_inputs(text: str, max_tokens: int) -> list:
@@ -39,9 +42,11 @@ def _stream_inputs(text: str, max_tokens: int) -> list:
     import tritonclient.grpc as grpcclient
 
     ins = []
-    for name, arr, dt in [(schema_text.TEXT_INPUT, np.array([text.encode()], dtype=np.object_), "BYTES"),
-                          (schema_text.MAX_TOKENS_IN, np.array([max_tokens], np.int32), "INT32"),
-                          (schema_text.STREAM_IN, np.array([True]), "BOOL")]:
+    for name, arr, dt in [
+        (schema_text.TEXT_INPUT, np.array([text.encode()], dtype=np.object_), "BYTES"),
+        (schema_text.MAX_TOKENS_IN, np.array([max_tokens], np.int32), "INT32"),
+        (schema_text.STREAM_IN, np.array([True]), "BOOL"),
+    ]:
         x = grpcclient.InferInput(name, [1], dt)
         x.set_data_from_numpy(arr)
         ins.append(x)
@@ -66,8 +71,12 @@ def test_curl_generate_stream_equals_tandem_generate(server, cli_reply):
     curl = shutil.which("curl")
     assert curl, "curl is needed for the README's example"
     body = json.dumps({"text_input": PROMPT, "max_tokens": 64, "stream": True})
-    out = subprocess.run([curl, "-sN", "-d", body, f"127.0.0.1:{server.http_port}/v2/models/ensemble/generate_stream"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [curl, "-sN", "-d", body, f"127.0.0.1:{server.http_port}/v2/models/ensemble/generate_stream"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ev = _events(out.stdout)
     assert len(ev) >= 2 and all("error" not in e for e in ev), out.stdout[:2000]
     assert "".join(e["text_output"] for e in ev) == cli_reply["text"]
@@ -84,7 +93,9 @@ def test_generate_is_one_response(server, cli_reply):
     code, body = _post(server, "generate", {"text_input": PROMPT, "max_tokens": 64})
     assert code == 200, body
     ans = json.loads(body)
-    assert ans["text_output"] == cli_reply["text"] and ans["completion_tokens"] == 64 and ans["finish_reason"] == "length"
+    assert (
+        ans["text_output"] == cli_reply["text"] and ans["completion_tokens"] == 64 and ans["finish_reason"] == "length"
+    )
     code, body = _post(server, "generate", {"text_input": PROMPT, "max_tokens": 64, "stream": True})
     assert "use generate stream" in body
 
@@ -96,32 +107,45 @@ def test_stop_strings_over_http(server, cli_reply):
     from tandem_client.client import default_checkpoint, generate, turn_text
 
     text = cli_reply["text"]
-    stop = next(text[c:c + 4] for c in range(20, len(text)) if text.find(text[c:c + 4]) == c and text[c:c + 4].strip())
-    want = text[:text.find(stop)]
+    stop = next(
+        text[c : c + 4] for c in range(20, len(text)) if text.find(text[c : c + 4]) == c and text[c : c + 4].strip()
+    )
+    want = text[: text.find(stop)]
     code, body = _post(server, "generate", {"text_input": PROMPT, "max_tokens": 64, "stop": [stop, "zzzz"]})
     ans = json.loads(body)
     assert (ans["text_output"], ans["finish_reason"], ans["stop_string"]) == (want, "stop", stop)
-    code, body = _post(server, "generate_stream", {"text_input": PROMPT, "max_tokens": 64, "stream": True, "stop": [stop]})
+    code, body = _post(
+        server, "generate_stream", {"text_input": PROMPT, "max_tokens": 64, "stream": True, "stop": [stop]}
+    )
     ev = _events(body)
     assert "".join(e["text_output"] for e in ev) == want and ev[-1]["stop_string"] == stop
     tok = ChatTokenizer(default_checkpoint() / "tokenizer.json")
     res = generate(tok.chat_prompt(PROMPT), max_tokens=64, url=server.grpc_url, stop=[stop])
     assert turn_text(tok.decode, res["token_ids"], res["stop_string"]) == want
-    assert ev[-1]["completion_tokens"] == ans["completion_tokens"] == len(res["token_ids"]) == res["usage"]["completion_tokens"]
-    assert res["token_ids"] == cli_reply["token_ids"][:len(res["token_ids"])]
+    assert (
+        ev[-1]["completion_tokens"]
+        == ans["completion_tokens"]
+        == len(res["token_ids"])
+        == res["usage"]["completion_tokens"]
+    )
+    assert res["token_ids"] == cli_reply["token_ids"][: len(res["token_ids"])]
 
 
 def test_bad_text_requests_name_the_field(server):
     """Errors name the field (a missing text_input gets preprocessing's message, not Triton's silence),
     on both endpoints."""
-    for body, msg in [({"max_tokens": 8}, "text_input is required"),
-                      ({"text_input": "hi", "exclude_input_in_output": False}, "exclude_input_in_output must be true"),
-                      ({"text_input": "hi", "max_tokens": 0}, "MAX_TOKENS must be in [1, "),
-                      ({"text_input": "hi", "stop": ["x" * 65]}, "STOP: each stop string must have 1 to 64 characters"),
-                      ({"text_input": "hi", "temperature": -1.0}, "TEMPERATURE must be in"),
-                      ({"text_input": "hi", "cache_salt": "x" * 257}, "CACHE_SALT: a string of 257 bytes is over"),
-                      ({"text_input": "hi", "spec": "off", "num_draft_tokens": 3},
-                       "NUM_DRAFT_TOKENS: this request (it has no sequence id) decodes plain")]:
+    for body, msg in [
+        ({"max_tokens": 8}, "text_input is required"),
+        ({"text_input": "hi", "exclude_input_in_output": False}, "exclude_input_in_output must be true"),
+        ({"text_input": "hi", "max_tokens": 0}, "MAX_TOKENS must be in [1, "),
+        ({"text_input": "hi", "stop": ["x" * 65]}, "STOP: each stop string must have 1 to 64 characters"),
+        ({"text_input": "hi", "temperature": -1.0}, "TEMPERATURE must be in"),
+        ({"text_input": "hi", "cache_salt": "x" * 257}, "CACHE_SALT: a string of 257 bytes is over"),
+        (
+            {"text_input": "hi", "spec": "off", "num_draft_tokens": 3},
+            "NUM_DRAFT_TOKENS: this request (it has no sequence id) decodes plain",
+        ),
+    ]:
         for endpoint in ("generate", "generate_stream"):
             code, text = _post(server, endpoint, body)
             assert code == 400 and msg in text, (endpoint, body, code, text)
@@ -160,8 +184,14 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
     c.start_stream(callback=lambda result, error: q.put((result, error)))
 
     def turn(text, start, end):
-        c.async_stream_infer("ensemble", _stream_inputs(text, 64), sequence_id=4242, sequence_start=start, sequence_end=end,
-                             enable_empty_final_response=True)
+        c.async_stream_infer(
+            "ensemble",
+            _stream_inputs(text, 64),
+            sequence_id=4242,
+            sequence_start=start,
+            sequence_end=end,
+            enable_empty_final_response=True,
+        )
         parts, last = [], None
         while True:
             result, error = q.get(timeout=120)
@@ -177,7 +207,9 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
         import time
 
         deadline = time.monotonic() + 5
-        while (got := tandem_metrics(server.metrics_port)["tandem"]["cache_rows"]) != want and time.monotonic() < deadline:
+        while (
+            got := tandem_metrics(server.metrics_port)["tandem"]["cache_rows"]
+        ) != want and time.monotonic() < deadline:
             time.sleep(0.2)
         return got
 
@@ -216,8 +248,14 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
     log = tmp_path / "server.log"
     with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240, log_path=log) as srv:
         first = scrape(srv.metrics_port)  # every documented series from the start, at 0
-        for name in ("request_errors_total", "promotions_total", "prefix_cache_hits_total", "prefix_cache_misses_total"):
+        for name in (
+            "request_errors_total",
+            "promotions_total",
+            "prefix_cache_hits_total",
+            "prefix_cache_misses_total",
+        ):
             assert first.get((f"tandem_{name}", frozenset({("model", "tandem")}))) == 0.0, name
+
         def running():  # a turn streams (for 0.3 s: 3,000 plain tokens take ~2.5-3 s served here)
             deadline = time.monotonic() + 30
             while tandem_metrics(srv.metrics_port)["tandem"]["turns_running"] < 1:
@@ -227,15 +265,19 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
 
         def stopped(before):
             t0 = time.monotonic()
-            while (m := tandem_metrics(srv.metrics_port)["tandem"])["turns_running"] != 0 and time.monotonic() - t0 < 10:
+            while (m := tandem_metrics(srv.metrics_port)["tandem"])[
+                "turns_running"
+            ] != 0 and time.monotonic() - t0 < 10:
                 time.sleep(0.2)
             assert m["turns_running"] == 0 and m["cancelled"] == before + 1 and m["sessions_open"] == 0, m
             assert time.monotonic() - t0 < 5  # cancelled, not run out: the count above says so
 
         before = tandem_metrics(srv.metrics_port)["tandem"]["cancelled"]
         body = json.dumps({"text_input": PROMPT, "max_tokens": 3000, "stream": True})
-        p = subprocess.Popen([shutil.which("curl"), "-sN", "-d", body,
-                              f"127.0.0.1:{srv.http_port}/v2/models/ensemble/generate_stream"], stdout=subprocess.PIPE)
+        p = subprocess.Popen(
+            [shutil.which("curl"), "-sN", "-d", body, f"127.0.0.1:{srv.http_port}/v2/models/ensemble/generate_stream"],
+            stdout=subprocess.PIPE,
+        )
         running()
         p.kill()
         p.wait()
@@ -265,7 +307,9 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
         t0 = time.monotonic()
     text = log.read_text(errors="replace")
     assert time.monotonic() - t0 < 8, f"the server took its whole exit timeout; its log ends:\n{text[-6000:]}"
-    assert not re.search(r"has [1-9]\d* in-flight inferences", text) and "Exit timeout expired" not in text, text[-6000:]
+    assert not re.search(r"has [1-9]\d* in-flight inferences", text) and "Exit timeout expired" not in text, text[
+        -6000:
+    ]
 
 
 def test_postprocessing_cancels_each_turn_once():

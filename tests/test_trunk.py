@@ -13,8 +13,9 @@ def _hf_model(checkpoint, index_topk):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    m, info = Glm5NextTextModel.from_pretrained(checkpoint, output_loading_info=True, dtype=torch.float32,
-                                                index_topk=index_topk)
+    m, info = Glm5NextTextModel.from_pretrained(
+        checkpoint, output_loading_info=True, dtype=torch.float32, index_topk=index_topk
+    )
     return m.eval(), info
 
 
@@ -31,7 +32,13 @@ def test_checkpoint_loads_into_transformers(checkpoint, trunk_fp32):
 
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight", "shared_head.head.weight"):
+    for name in (
+        "eh_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+    ):
         assert f"layers.{n}.{name}" in keys
 
 
@@ -67,7 +74,7 @@ def test_cached_paths_equal_full_forward_sparse_regime(trunk_fp32, tokenizer, sh
         step = 0
         while p < len(ids):
             r = min(3 + step % 4, len(ids) - p)
-            h = model.verify(cache, x[:, p: p + r])
+            h = model.verify(cache, x[:, p : p + r])
             keep = max(1, r - step % 3)
             cache.commit(keep)
             parts.append(model.logits(h)[0, :keep])
@@ -84,7 +91,7 @@ def test_dense_expert_rows_equal_per_expert_dispatch(trunk_fp32, n):
     """The dense path for a few rows (every expert, unselected ones weighted 0) equals dispatch per expert."""
     from tandem.model.layers import MoE
 
-    moe = next(l.mlp for l in trunk_fp32.layers if isinstance(l.mlp, MoE))
+    moe = next(layer.mlp for layer in trunk_fp32.layers if isinstance(layer.mlp, MoE))
     x = torch.randn(n, trunk_fp32.cfg.hidden_size, generator=torch.Generator().manual_seed(n))
     _, w, idx = moe.gate(x)
     dense = moe.experts(x, idx, w)
@@ -115,7 +122,7 @@ def test_batch_invariant_rows_bit_identical(checkpoint):
         stage.prime([Rows(s, p[0].tolist()) for s, p in zip((1, 2, 3, 4), prompts)] + [Rows(5, prompts[0][0].tolist())])
         alone = []
         for i in range(8):  # session 5: the rows one at a time, each committed
-            alone.append(stage.verify([Rows(5, block[0, i:i + 1].tolist())])[0])
+            alone.append(stage.verify([Rows(5, block[0, i : i + 1].tolist())])[0])
             stage.cache(5).commit(1)
         batch = stage.verify([Rows(s, block[0].tolist()) for s in (1, 2, 3, 4)])
         one = TrunkStage(model, 4096, batch_invariant=bi)
@@ -202,7 +209,7 @@ def test_invariant_prime_does_not_depend_on_its_chunks(checkpoint, chunks):
         parts, i = model.new_cache(), 0
         hs = []
         for n in chunks:
-            hs.append(model.prime(parts, ids[:, i:i + n]))
+            hs.append(model.prime(parts, ids[:, i : i + n]))
             i += n
         v_parts = model.verify(parts, block)
     finally:
@@ -234,7 +241,9 @@ def test_serving_kernels_track_the_reference_on_the_checkpoint(checkpoint, token
         for p in sharegpt_prompts[:6]:
             ids = tokenizer.chat_prompt(p)[:96]
             cache = model.new_cache(256)
-            h = torch.cat([model.prime(cache, torch.tensor([ids[:-5]])), model.verify(cache, torch.tensor([ids[-5:]]))], 1)
+            h = torch.cat(
+                [model.prime(cache, torch.tensor([ids[:-5]])), model.verify(cache, torch.tensor([ids[-5:]]))], 1
+            )
             got = model.logits(h)[0]
             with cpu_kernels.reference():
                 model.batch_invariant = False
@@ -245,6 +254,8 @@ def test_serving_kernels_track_the_reference_on_the_checkpoint(checkpoint, token
             sure = (top2[:, 0] - top2[:, 1]) > 0.2
             assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
     per = torch.cat(per)
-    print(f"serving kernels vs reference, {len(per)} rows: max |logit diff| median {per.median():.3e}, "
-          f"90th percentile {per.quantile(0.9):.3e}, largest {per.max():.3e}")
+    print(
+        f"serving kernels vs reference, {len(per)} rows: max |logit diff| median {per.median():.3e}, "
+        f"90th percentile {per.quantile(0.9):.3e}, largest {per.max():.3e}"
+    )
     assert per.median() <= 0.05 and per.quantile(0.9) <= 0.1

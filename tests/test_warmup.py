@@ -39,8 +39,11 @@ def shipped(checkpoint):
 
 def _host(eng: Engine) -> StageHost:
     dflash = {a: st.drafters[a] for a, st in eng.drafters.items() if a in schema.DFLASH_ARMS}
-    return StageHost.build(TrunkStage(eng.model, eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant),
-                           dflash, eng.config.max_num_draft_tokens)
+    return StageHost.build(
+        TrunkStage(eng.model, eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant),
+        dflash,
+        eng.config.max_num_draft_tokens,
+    )
 
 
 def test_hosted_stage_runs_every_arm_and_leaves_nothing(shipped, tokenizer, sharegpt_prompts):
@@ -59,8 +62,11 @@ def test_hosted_stage_runs_every_arm_and_leaves_nothing(shipped, tokenizer, shar
     # the warmed stage serves a client's turn as the engine does
     tr = fr.HostedTransport(local := fr.LocalTransport({"trunk": host}))
     dfl = fr.DFlashProxy(tr)
-    sched = Scheduler(fr.TrunkProxy(local, shipped.model.cfg.vocab_size, hosted=True),
-                      {schema.MTP: fr.DrafterProxy(tr), schema.DFLASH: dfl, schema.DFLASH2: dfl}, shipped.config)
+    sched = Scheduler(
+        fr.TrunkProxy(local, shipped.model.cfg.vocab_size, hosted=True),
+        {schema.MTP: fr.DrafterProxy(tr), schema.DFLASH: dfl, schema.DFLASH2: dfl},
+        shipped.config,
+    )
     ids = tokenizer.chat_prompt(sharegpt_prompts[0])
     out = []
     sched.admit([Turn(5, ids, 24, lambda r, e, f: out.extend(r.tokens) if r else None, spec=schema.MTP)])
@@ -99,5 +105,7 @@ def test_stage_that_cannot_serve_fails_the_warm_up(shipped):
     first turn whose first burst cannot be, a sampled DFlash one.)"""
     with pytest.raises(RuntimeError, match=r"warm-up turn \(off\) failed: .*prime refused for the test"):
         warm_stage(_Spy(_host(shipped), fail_op="prime"), shipped.config)
-    with pytest.raises(RuntimeError, match=r"warm-up turn \(\w+(, sampled)?\) failed: trunk.draft_verify: draft_verify refused"):
+    with pytest.raises(
+        RuntimeError, match=r"warm-up turn \(\w+(, sampled)?\) failed: trunk.draft_verify: draft_verify refused"
+    ):
         warm_stage(_Spy(_host(shipped), fail_op="draft_verify"), shipped.config)

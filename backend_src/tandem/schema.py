@@ -14,9 +14,26 @@ from typing import Any
 
 import numpy as np
 
-from .wire import (NUMPY, Arrays, ModelSpec, TensorSpec, WireError, check_range, check_size, check_tokens,  # noqa: F401
-                   describe, get_scalar, get_string, get_strings, get_vector, sids_from_wire, sids_to_wire, split_rows,
-                   string_array)
+# re-exported: the engine, serving layer, client and tests reach the wire's types and helpers here
+from .wire import (
+    NUMPY as NUMPY,
+    Arrays as Arrays,
+    ModelSpec as ModelSpec,
+    TensorSpec as TensorSpec,
+    WireError as WireError,
+    check_range as check_range,
+    check_size as check_size,
+    check_tokens as check_tokens,
+    describe as describe,
+    get_scalar as get_scalar,
+    get_string as get_string,
+    get_strings as get_strings,
+    get_vector as get_vector,
+    sids_from_wire as sids_from_wire,
+    sids_to_wire as sids_to_wire,
+    split_rows as split_rows,
+    string_array as string_array,
+)
 
 #: Tokens per prefix-cache block: prompts are published and reused in whole blocks, and with the
 #: prefix cache on every prime and DFlash ingest is computed in pieces ending at multiples of it (a
@@ -113,7 +130,9 @@ class ServingConfig:
         if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
             raise ValueError(f"block_size must be in [2, {self.max_num_draft_tokens + 1}], got {self.block_size}")
         if not 1 <= self.num_draft_tokens <= self.max_num_draft_tokens:
-            raise ValueError(f"num_draft_tokens must be in [1, {self.max_num_draft_tokens}], got {self.num_draft_tokens}")
+            raise ValueError(
+                f"num_draft_tokens must be in [1, {self.max_num_draft_tokens}], got {self.num_draft_tokens}"
+            )
         if self.spec not in SPECS:
             raise ValueError(f"spec must be one of {SPECS}, got {self.spec!r}")
         if self.dtype not in DTYPES:
@@ -133,11 +152,22 @@ class ServingConfig:
         if self.prefill_budget < 0:
             raise ValueError(f"prefill_budget must be 0 (off) or a positive number of rows, got {self.prefill_budget}")
         if self.max_state_mb and self.max_state_mb <= self.prefix_cache_mb:
-            raise ValueError(f"max_state_mb ({self.max_state_mb}) must exceed prefix_cache_mb "
-                             f"({self.prefix_cache_mb}), which it includes (0: no limit)")
-        for name in ("prefix_cache_mb", "max_state_mb", "burst_ms", "admission_wait_s", "demote_below",
-                     "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash", "demote_load_slope",
-                     "demote_probe_rounds"):
+            raise ValueError(
+                f"max_state_mb ({self.max_state_mb}) must exceed prefix_cache_mb "
+                f"({self.prefix_cache_mb}), which it includes (0: no limit)"
+            )
+        for name in (
+            "prefix_cache_mb",
+            "max_state_mb",
+            "burst_ms",
+            "admission_wait_s",
+            "demote_below",
+            "round_cost_mtp",
+            "round_cost_mtp_draft",
+            "round_cost_dflash",
+            "demote_load_slope",
+            "demote_probe_rounds",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.promote_above < self.demote_below:
@@ -169,7 +199,12 @@ DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DE
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 KERNEL_MODES = ("auto", "triton", "torch")  # ServingConfig.kernels / $TANDEM_KERNELS
 DEFAULTS = ServingConfig()
-FINISH_REASONS = ("stop", "length", "context", CANCELLED := "cancelled")  # cancelled: by its client (it left, or a CANCEL)
+FINISH_REASONS = (
+    "stop",
+    "length",
+    "context",
+    CANCELLED := "cancelled",
+)  # cancelled: by its client (it left, or a CANCEL)
 
 # -- the tandem model ----------------------------------------------------------------------------------------
 INPUT_IDS, MAX_TOKENS, SPEC, NUM_DRAFT_TOKENS = "INPUT_IDS", "MAX_TOKENS", "SPEC", "NUM_DRAFT_TOKENS"
@@ -204,11 +239,17 @@ SESSION_LOST_MARKER, AT_CAPACITY_MARKER = "[tandem: session lost]", "[tandem: at
 def sequence_name(sid: int) -> str:
     """How an error names a sequence: ``"sequence 7"``, or ``"this request (it has no sequence id)"`` for a one-turn session."""
     return "this request (it has no sequence id)" if sid >= ONE_TURN_SEQUENCE_IDS else f"sequence {sid}"
+
+
 OUTPUT_IDS, ROUNDS, DRAFTED, ACCEPTED, FINISH_REASON = "OUTPUT_IDS", "ROUNDS", "DRAFTED", "ACCEPTED", "FINISH_REASON"
 PRECEDING_IDS, STOP_STRING = "PRECEDING_IDS", "STOP_STRING"
 #: the turn's usage so far, in every response (the final one: the turn's usage)
 PROMPT_TOKENS, COMPLETION_TOKENS, TOTAL_ROUNDS, MEAN_ACCEPTANCE_LENGTH = (
-    "PROMPT_TOKENS", "COMPLETION_TOKENS", "TOTAL_ROUNDS", "MEAN_ACCEPTANCE_LENGTH")
+    "PROMPT_TOKENS",
+    "COMPLETION_TOKENS",
+    "TOTAL_ROUNDS",
+    "MEAN_ACCEPTANCE_LENGTH",
+)
 TEMPERATURE, TOP_K, TOP_P, SEED, SAMPLING = "TEMPERATURE", "TOP_K", "TOP_P", "SEED", "SAMPLING"
 #: speculative sampling modes: ``rejection`` (lossless rejection sampling, Leviathan et al. 2023) and
 #: ``coupled`` (Gumbel-max over session-owned noise: token-identical to plain sampling, demote-eligible)
@@ -217,139 +258,383 @@ SAMPLING_MODES = (REJECTION, COUPLED)
 #: the per-turn sampling inputs of ``tandem``; the ``trunk`` takes them per sequence on ``prime``
 #: (``SAMPLING`` there as INT32: the mode's index in :data:`SAMPLING_MODES`)
 SAMPLING_INPUTS = (
-    TensorSpec(TEMPERATURE, "TYPE_FP32", (1,), optional=True, default=0.0, lo=0.0, hi=10.0,
-               doc="softmax temperature; 0 = greedy"),
-    TensorSpec(TOP_K, "TYPE_INT32", (1,), optional=True, default=0, lo=0, hi=1 << 20, doc="keep the k most likely tokens; 0 = all"),
-    TensorSpec(TOP_P, "TYPE_FP32", (1,), optional=True, default=1.0, lo=0.0, hi=1.0, lo_open=True,
-               doc="keep the smallest set of tokens with this probability mass; 1 = all"),
-    TensorSpec(SEED, "TYPE_INT64", (1,), optional=True, lo=0, doc="Philox key of the turn's noise (absent: a fresh random seed)"),
+    TensorSpec(
+        TEMPERATURE,
+        "TYPE_FP32",
+        (1,),
+        optional=True,
+        default=0.0,
+        lo=0.0,
+        hi=10.0,
+        doc="softmax temperature; 0 = greedy",
+    ),
+    TensorSpec(
+        TOP_K,
+        "TYPE_INT32",
+        (1,),
+        optional=True,
+        default=0,
+        lo=0,
+        hi=1 << 20,
+        doc="keep the k most likely tokens; 0 = all",
+    ),
+    TensorSpec(
+        TOP_P,
+        "TYPE_FP32",
+        (1,),
+        optional=True,
+        default=1.0,
+        lo=0.0,
+        hi=1.0,
+        lo_open=True,
+        doc="keep the smallest set of tokens with this probability mass; 1 = all",
+    ),
+    TensorSpec(
+        SEED,
+        "TYPE_INT64",
+        (1,),
+        optional=True,
+        lo=0,
+        doc="Philox key of the turn's noise (absent: a fresh random seed)",
+    ),
     TensorSpec(SAMPLING, "TYPE_STRING", (1,), optional=True, default=REJECTION, doc=" | ".join(SAMPLING_MODES)),
 )
 
 TANDEM = ModelSpec(
     name="tandem",
     inputs=(
-        TensorSpec(INPUT_IDS, "TYPE_INT32", (-1,), optional=True, default=(), max_items=DEFAULTS.max_ctx,
-                   doc="new tokens of this turn (at most max_ctx)"),
+        TensorSpec(
+            INPUT_IDS,
+            "TYPE_INT32",
+            (-1,),
+            optional=True,
+            default=(),
+            max_items=DEFAULTS.max_ctx,
+            doc="new tokens of this turn (at most max_ctx)",
+        ),
         TensorSpec(MAX_TOKENS, "TYPE_INT32", (1,), lo=1, hi=DEFAULTS.max_ctx, doc="tokens to generate at most"),
-        TensorSpec(SPEC, "TYPE_STRING", (1,), optional=True, doc=" | ".join(SPECS) + f" (default {DEFAULTS.spec}; "
-                   "later turns keep the sequence's arm)"),
-        TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (1,), optional=True, default=DEFAULTS.num_draft_tokens,
-                   lo=1, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per verify round"),
+        TensorSpec(
+            SPEC,
+            "TYPE_STRING",
+            (1,),
+            optional=True,
+            doc=" | ".join(SPECS) + f" (default {DEFAULTS.spec}; later turns keep the sequence's arm)",
+        ),
+        TensorSpec(
+            NUM_DRAFT_TOKENS,
+            "TYPE_INT32",
+            (1,),
+            optional=True,
+            default=DEFAULTS.num_draft_tokens,
+            lo=1,
+            hi=DEFAULTS.max_num_draft_tokens,
+            doc="drafts per verify round",
+        ),
         *SAMPLING_INPUTS,
-        TensorSpec(STOP_TOKEN_IDS, "TYPE_INT32", (-1,), optional=True, default=(), max_items=MAX_STOP_TOKEN_IDS,
-                   doc=f"token ids that also end this turn (emitted, nothing after them; at most {MAX_STOP_TOKEN_IDS})"),
-        TensorSpec(STOP, "TYPE_STRING", (-1,), optional=True, default=(), max_items=MAX_STOPS,
-                   max_bytes=4 * MAX_STOP_CHARS,
-                   doc=f"stop strings (at most {MAX_STOPS} of 1-{MAX_STOP_CHARS} characters): the ids run through the "
-                   "token completing one, the text ends before it"),
-        TensorSpec(STREAM, "TYPE_BOOL", (1,), optional=True, default=True,
-                   doc="true: one response per burst; false: one response with the whole turn"),
-        TensorSpec(CANCEL, "TYPE_BOOL", (1,), optional=True, default=False,
-                   doc="true: cancel the running turn of the session SESSION_ID names (the request's sequence id); "
-                   "answered at once with an empty final response (postprocessing sends it for a client that left)"),
-        TensorSpec(CANCEL_TURN, "TYPE_INT64", (1,), optional=True, lo=1,
-                   doc="with CANCEL: only the turn of this number (its responses' TURN) is cancelled; absent: the "
-                   "session's running turn"),
-        TensorSpec(CACHE_SALT, "TYPE_STRING", (1,), optional=True, default="", max_bytes=MAX_CACHE_SALT_BYTES,
-                   doc=f"prefix-cache namespace (at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes): only sequences primed "
-                   "with the same salt share cached prompt blocks; '' (default) = the shared namespace"),
+        TensorSpec(
+            STOP_TOKEN_IDS,
+            "TYPE_INT32",
+            (-1,),
+            optional=True,
+            default=(),
+            max_items=MAX_STOP_TOKEN_IDS,
+            doc=f"token ids that also end this turn (emitted, nothing after them; at most {MAX_STOP_TOKEN_IDS})",
+        ),
+        TensorSpec(
+            STOP,
+            "TYPE_STRING",
+            (-1,),
+            optional=True,
+            default=(),
+            max_items=MAX_STOPS,
+            max_bytes=4 * MAX_STOP_CHARS,
+            doc=f"stop strings (at most {MAX_STOPS} of 1-{MAX_STOP_CHARS} characters): the ids run through the "
+            "token completing one, the text ends before it",
+        ),
+        TensorSpec(
+            STREAM,
+            "TYPE_BOOL",
+            (1,),
+            optional=True,
+            default=True,
+            doc="true: one response per burst; false: one response with the whole turn",
+        ),
+        TensorSpec(
+            CANCEL,
+            "TYPE_BOOL",
+            (1,),
+            optional=True,
+            default=False,
+            doc="true: cancel the running turn of the session SESSION_ID names (the request's sequence id); "
+            "answered at once with an empty final response (postprocessing sends it for a client that left)",
+        ),
+        TensorSpec(
+            CANCEL_TURN,
+            "TYPE_INT64",
+            (1,),
+            optional=True,
+            lo=1,
+            doc="with CANCEL: only the turn of this number (its responses' TURN) is cancelled; absent: the "
+            "session's running turn",
+        ),
+        TensorSpec(
+            CACHE_SALT,
+            "TYPE_STRING",
+            (1,),
+            optional=True,
+            default="",
+            max_bytes=MAX_CACHE_SALT_BYTES,
+            doc=f"prefix-cache namespace (at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes): only sequences primed "
+            "with the same salt share cached prompt blocks; '' (default) = the shared namespace",
+        ),
     ),
     outputs=(
         TensorSpec(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
-        TensorSpec(PRECEDING_IDS, "TYPE_INT32", (-1,),
-                   doc=f"the turn's last tokens before OUTPUT_IDS (at most {DETOKENIZE_WINDOW}: a detokenizer's context)"),
+        TensorSpec(
+            PRECEDING_IDS,
+            "TYPE_INT32",
+            (-1,),
+            doc=f"the turn's last tokens before OUTPUT_IDS (at most {DETOKENIZE_WINDOW}: a detokenizer's context)",
+        ),
         TensorSpec(ROUNDS, "TYPE_INT32", (1,), doc="verify rounds in this burst"),
         TensorSpec(DRAFTED, "TYPE_INT32", (1,), doc="draft tokens proposed in this burst"),
         TensorSpec(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
         TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
-        TensorSpec(STOP_STRING, "TYPE_STRING", (1,), doc="the stop string that ended the turn ('' otherwise): "
-                   "its text ends where this string starts"),
-        TensorSpec(SESSION_ID, "TYPE_INT64", (1,), doc="the session's id (the sequence id, or a one-turn session's own; "
-                   "uint64 bits): what a CANCEL request names"),
-        TensorSpec(TURN, "TYPE_INT64", (1,), doc="the turn's number (1, 2, ... over the server's life): what a CANCEL "
-                   "request names in CANCEL_TURN, so a cancel never reaches a later turn of the session"),
+        TensorSpec(
+            STOP_STRING,
+            "TYPE_STRING",
+            (1,),
+            doc="the stop string that ended the turn ('' otherwise): its text ends where this string starts",
+        ),
+        TensorSpec(
+            SESSION_ID,
+            "TYPE_INT64",
+            (1,),
+            doc="the session's id (the sequence id, or a one-turn session's own; "
+            "uint64 bits): what a CANCEL request names",
+        ),
+        TensorSpec(
+            TURN,
+            "TYPE_INT64",
+            (1,),
+            doc="the turn's number (1, 2, ... over the server's life): what a CANCEL "
+            "request names in CANCEL_TURN, so a cancel never reaches a later turn of the session",
+        ),
         TensorSpec(PROMPT_TOKENS, "TYPE_INT32", (1,), doc="the turn's context: earlier turns + this prompt (usage)"),
         TensorSpec(COMPLETION_TOKENS, "TYPE_INT32", (1,), doc="tokens this turn has generated so far (usage)"),
         TensorSpec(TOTAL_ROUNDS, "TYPE_INT32", (1,), doc="verify rounds of this turn so far (usage)"),
-        TensorSpec(MEAN_ACCEPTANCE_LENGTH, "TYPE_FP32", (1,),
-                   doc="this turn's tau so far: 1 + accepted / rounds (0 before any round; usage)"),
+        TensorSpec(
+            MEAN_ACCEPTANCE_LENGTH,
+            "TYPE_FP32",
+            (1,),
+            doc="this turn's tau so far: 1 + accepted / rounds (0 before any round; usage)",
+        ),
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "spec", "num_draft_tokens", "max_num_draft_tokens", "block_size", "burst_rounds", "burst_ms", "max_ctx",
-                "idle_timeout_s", "max_sessions", "prefill_budget", "admission_wait_s", "stage_timeout_s", "prefix_cache_mb", "max_state_mb", "demote_below", "promote_above", "round_cost_mtp", "round_cost_mtp_draft", "round_cost_dflash",
-                "demote_load_slope", "demote_probe_rounds", "colocate", "pipeline"),
+    parameters=(
+        "checkpoint",
+        "dflash_checkpoint",
+        "dflash2_checkpoint",
+        "spec",
+        "num_draft_tokens",
+        "max_num_draft_tokens",
+        "block_size",
+        "burst_rounds",
+        "burst_ms",
+        "max_ctx",
+        "idle_timeout_s",
+        "max_sessions",
+        "prefill_budget",
+        "admission_wait_s",
+        "stage_timeout_s",
+        "prefix_cache_mb",
+        "max_state_mb",
+        "demote_below",
+        "promote_above",
+        "round_cost_mtp",
+        "round_cost_mtp_draft",
+        "round_cost_dflash",
+        "demote_load_slope",
+        "demote_probe_rounds",
+        "colocate",
+        "pipeline",
+    ),
     decoupled=True,
 )
 
 # -- stage models (called by tandem over BLS; one batched op over many sequences per call) ---------------------
-_OP, _SIDS = TensorSpec("OP", "TYPE_STRING", (1,)), TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)")
+_OP, _SIDS = (
+    TensorSpec("OP", "TYPE_STRING", (1,)),
+    TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)"),
+)
 #: every stage request carries the server's internal key (:mod:`tandem.serving.internal_key`); one without it is
 #: refused before it touches state: the stage models answer only tandem's own models
-_AUTH = TensorSpec("AUTH", "TYPE_STRING", (1,), optional=True, doc="the server's internal key (tandem's own calls only)")
+_AUTH = TensorSpec(
+    "AUTH", "TYPE_STRING", (1,), optional=True, doc="the server's internal key (tandem's own calls only)"
+)
 _LENGTHS = TensorSpec("LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="rows per sequence")
-_PREFIX_KEYS = TensorSpec("PREFIX_KEYS", "TYPE_INT64", (-1,), optional=True,
-                          doc="prefix-cache block keys (hash chain), concatenated over sequences")
-_PREFIX_LENGTHS = TensorSpec("PREFIX_LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=-1,
-                             doc="keys per sequence; prime: -1 = no prefix cache for that sequence")
+_PREFIX_KEYS = TensorSpec(
+    "PREFIX_KEYS",
+    "TYPE_INT64",
+    (-1,),
+    optional=True,
+    doc="prefix-cache block keys (hash chain), concatenated over sequences",
+)
+_PREFIX_LENGTHS = TensorSpec(
+    "PREFIX_LENGTHS",
+    "TYPE_INT32",
+    (-1,),
+    optional=True,
+    lo=-1,
+    doc="keys per sequence; prime: -1 = no prefix cache for that sequence",
+)
 _NBYTES = TensorSpec("NBYTES", "TYPE_INT64", (-1,), doc="publish: bytes newly stored per sequence")
-_NUM_DRAFTS = TensorSpec(NUM_DRAFT_TOKENS, "TYPE_INT32", (-1,), optional=True, lo=0, hi=DEFAULTS.max_num_draft_tokens, doc="drafts per sequence")
-_DRAFTS, _DRAFT_LENGTHS = (TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated"),
-                           TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence"))
+_NUM_DRAFTS = TensorSpec(
+    NUM_DRAFT_TOKENS,
+    "TYPE_INT32",
+    (-1,),
+    optional=True,
+    lo=0,
+    hi=DEFAULTS.max_num_draft_tokens,
+    doc="drafts per sequence",
+)
+_DRAFTS, _DRAFT_LENGTHS = (
+    TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated"),
+    TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence"),
+)
 #: ``draft_verify``'s round program per sequence (rounds at most; the trunk runs the accept walk between them)
-_ROUNDS_INPUTS = tuple(TensorSpec(n, t, (-1,), optional=True, doc="draft_verify: " + d) for n, t, d in (
-    ("ROUNDS", "TYPE_INT32", "rounds at most per sequence"), ("BUDGET", "TYPE_INT32", "tokens each turn may still emit"),
-    ("ROOM", "TYPE_INT32", "max_ctx minus each sequence's committed tokens (the pending commit included)"),
-    ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"), ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence"))) + (
-    TensorSpec("BURST_MS", "TYPE_FP32", (1,), optional=True, lo=0.0,
-               doc="draft_verify: end at the first round boundary after this many ms in the trunk (absent: ROUNDS only)"),
-    TensorSpec("CALL", "TYPE_INT64", (1,), optional=True, doc="draft_verify: the call's number (tandem counts them); "
-               "draft_verify_next: the same, it continues call CALL - 1 (SIDS, ROUNDS, BURST_MS; tandem.engine.pipeline)"))
+_ROUNDS_INPUTS = tuple(
+    TensorSpec(n, t, (-1,), optional=True, doc="draft_verify: " + d)
+    for n, t, d in (
+        ("ROUNDS", "TYPE_INT32", "rounds at most per sequence"),
+        ("BUDGET", "TYPE_INT32", "tokens each turn may still emit"),
+        ("ROOM", "TYPE_INT32", "max_ctx minus each sequence's committed tokens (the pending commit included)"),
+        ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"),
+        ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence"),
+    )
+) + (
+    TensorSpec(
+        "BURST_MS",
+        "TYPE_FP32",
+        (1,),
+        optional=True,
+        lo=0.0,
+        doc="draft_verify: end at the first round boundary after this many ms in the trunk (absent: ROUNDS only)",
+    ),
+    TensorSpec(
+        "CALL",
+        "TYPE_INT64",
+        (1,),
+        optional=True,
+        doc="draft_verify: the call's number (tandem counts them); "
+        "draft_verify_next: the same, it continues call CALL - 1 (SIDS, ROUNDS, BURST_MS; tandem.engine.pipeline)",
+    ),
+)
 #: the outputs a ``draft_verify`` answers with (the rows' hidden and features stay in the trunk's process)
 DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS", "ROUNDS_RUN", "ANCHORS")
 #: ``trunk`` ops with ``colocate`` on: ``<drafter model>.<op>``, a drafter op run by the trunk's process
-HOSTED_OPS = ("drafter_mtp.open", "drafter_mtp.close", "drafter_dflash.open", "drafter_dflash.close",
-              "drafter_dflash.publish", "drafter_dflash.evict")
+HOSTED_OPS = (
+    "drafter_mtp.open",
+    "drafter_mtp.close",
+    "drafter_dflash.open",
+    "drafter_dflash.close",
+    "drafter_dflash.publish",
+    "drafter_dflash.evict",
+)
 
 TRUNK = ModelSpec(
     name="trunk",
     inputs=(
-        _OP, _SIDS, _AUTH,
+        _OP,
+        _SIDS,
+        _AUTH,
         TensorSpec("TOKENS", "TYPE_INT64", (-1,), optional=True, doc="rows of every sequence, concatenated"),
         _LENGTHS,
-        TensorSpec("N_ROWS", "TYPE_INT32", (-1,), optional=True, lo=0,
-                   doc="rows of the pending verify kept per sequence (commit; prime / verify: first, 0 = none)"),
-        _PREFIX_KEYS, _PREFIX_LENGTHS,
-        *(dataclasses.replace(t, dims=(-1,), dtype="TYPE_INT32" if t.name == SAMPLING else t.dtype,
-                              doc=f"prime, per sequence: {t.doc}") for t in SAMPLING_INPUTS),
+        TensorSpec(
+            "N_ROWS",
+            "TYPE_INT32",
+            (-1,),
+            optional=True,
+            lo=0,
+            doc="rows of the pending verify kept per sequence (commit; prime / verify: first, 0 = none)",
+        ),
+        _PREFIX_KEYS,
+        _PREFIX_LENGTHS,
+        *(
+            dataclasses.replace(
+                t,
+                dims=(-1,),
+                dtype="TYPE_INT32" if t.name == SAMPLING else t.dtype,
+                doc=f"prime, per sequence: {t.doc}",
+            )
+            for t in SAMPLING_INPUTS
+        ),
         dataclasses.replace(_NUM_DRAFTS, doc="draft_verify: drafts per sequence (0: a plain row)"),
-        TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True,
-                   doc="arm per sequence (" + " | ".join(SPECS) + "): draft_verify, drafter_dflash.open; prime: open it first ('': open)"),
+        TensorSpec(
+            SPEC,
+            "TYPE_STRING",
+            (-1,),
+            optional=True,
+            doc="arm per sequence ("
+            + " | ".join(SPECS)
+            + "): draft_verify, drafter_dflash.open; prime: open it first ('': open)",
+        ),
         *_ROUNDS_INPUTS,
     ),
     outputs=(
-        TensorSpec("ARGMAX", "TYPE_INT64", (-1,), doc="each row's target token: the argmax, or with sampling "
-                   "the sampled / accept-walk token (see tandem.engine.sampling)"),
-        TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), doc="[rows, hidden_size] ([rows, 0] with colocate: the rows stay "
-                   "in the trunk's process)"),
+        TensorSpec(
+            "ARGMAX",
+            "TYPE_INT64",
+            (-1,),
+            doc="each row's target token: the argmax, or with sampling "
+            "the sampled / accept-walk token (see tandem.engine.sampling)",
+        ),
+        TensorSpec(
+            "HIDDEN",
+            "TYPE_FP32",
+            (-1, -1),
+            doc="[rows, hidden_size] ([rows, 0] with colocate: the rows stay in the trunk's process)",
+        ),
         TensorSpec("TOP2_GAP", "TYPE_FP32", (-1,), doc="top-1 minus top-2 logit"),
-        TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), doc="[rows, n_target * hidden_size] DFlash target-layer features "
-                   "([rows, 0] with colocate)"),
+        TensorSpec(
+            "FEATURES",
+            "TYPE_FP32",
+            (-1, -1),
+            doc="[rows, n_target * hidden_size] DFlash target-layer features ([rows, 0] with colocate)",
+        ),
         _NBYTES,
         dataclasses.replace(_DRAFTS, doc="draft_verify: the drafts verified (by sequence, then round)"),
         dataclasses.replace(_DRAFT_LENGTHS, doc="draft_verify: drafts per sequence and round"),
         TensorSpec("ROUNDS_RUN", "TYPE_INT32", (-1,), doc="draft_verify: rounds each sequence ran"),
-        TensorSpec("ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"),
+        TensorSpec(
+            "ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"
+        ),
     ),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "batch_invariant",
-                "colocate", "run_ahead", "decode_threads", "compute_nice", "amx", "max_num_draft_tokens"),
-    ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next") + HOSTED_OPS,
+    parameters=(
+        "checkpoint",
+        "dflash_checkpoint",
+        "dflash2_checkpoint",
+        "dtype",
+        "device",
+        "kernels",
+        "batch_invariant",
+        "colocate",
+        "run_ahead",
+        "decode_threads",
+        "compute_nice",
+        "amx",
+        "max_num_draft_tokens",
+    ),
+    ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next")
+    + HOSTED_OPS,
     decoupled=True,  # one response a request, with the final flag (tandem.serving.stage_worker)
 )
 
 DRAFTER_MTP = ModelSpec(
     name="drafter_mtp",
     inputs=(
-        _OP, _SIDS, _AUTH,
+        _OP,
+        _SIDS,
+        _AUTH,
         TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, hidden_size] trunk hidden to ingest"),
         TensorSpec("NEXT_TOKENS", "TYPE_INT64", (-1,), optional=True, doc="token after each ingested row"),
         _LENGTHS,
@@ -363,20 +648,33 @@ DRAFTER_MTP = ModelSpec(
 DRAFTER_DFLASH = ModelSpec(
     name="drafter_dflash",
     inputs=(
-        _OP, _SIDS, _AUTH,
+        _OP,
+        _SIDS,
+        _AUTH,
         TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, n_target * hidden_size] to ingest"),
         _LENGTHS,
         TensorSpec("ANCHORS", "TYPE_INT64", (-1,), optional=True, doc="the anchor token per sequence"),
         dataclasses.replace(_NUM_DRAFTS, doc="drafts per sequence (block size - 1 at most)"),
         TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True, doc="arm per sequence: " + " | ".join(DFLASH_ARMS)),
-        _PREFIX_KEYS, _PREFIX_LENGTHS,
+        _PREFIX_KEYS,
+        _PREFIX_LENGTHS,
     ),
     outputs=(_DRAFTS, _DRAFT_LENGTHS, _NBYTES),
-    parameters=("checkpoint", "dflash_checkpoint", "dflash2_checkpoint", "dtype", "device", "kernels", "amx", "max_num_draft_tokens"),
+    parameters=(
+        "checkpoint",
+        "dflash_checkpoint",
+        "dflash2_checkpoint",
+        "dtype",
+        "device",
+        "kernels",
+        "amx",
+        "max_num_draft_tokens",
+    ),
     ops=("open", "close", "draft", "publish", "evict"),
 )
 
 MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
+
 
 # -- array helpers of the stage models ------------------------------------------------------------------
 def lengths_of(arrays: Arrays, n_sids: int, total: int, of: str) -> list[int]:
@@ -393,8 +691,10 @@ def lengths_of(arrays: Arrays, n_sids: int, total: int, of: str) -> list[int]:
 
 def prefixes_to_wire(prefixes: list[list[int] | None]) -> Arrays:
     """Per-sequence prefix keys (None: no prefix cache) -> ``PREFIX_KEYS [sum n]`` int64, ``PREFIX_LENGTHS [S]`` int32 (-1: None)."""
-    return {_PREFIX_KEYS.name: np.array([k for p in prefixes if p for k in p], dtype=np.int64),
-            _PREFIX_LENGTHS.name: np.array([-1 if p is None else len(p) for p in prefixes], dtype=np.int32)}
+    return {
+        _PREFIX_KEYS.name: np.array([k for p in prefixes if p for k in p], dtype=np.int64),
+        _PREFIX_LENGTHS.name: np.array([-1 if p is None else len(p) for p in prefixes], dtype=np.int32),
+    }
 
 
 def prefixes_from_wire(arrays: Arrays, n_sids: int) -> list[list[int] | None]:
@@ -405,10 +705,12 @@ def prefixes_from_wire(arrays: Arrays, n_sids: int) -> list[list[int] | None]:
     lens = [int(x) for x in get_vector(arrays, _PREFIX_LENGTHS)]
     keys = get_vector(arrays, _PREFIX_KEYS) if _PREFIX_KEYS.name in arrays else np.zeros(0, np.int64)
     if len(lens) != n_sids or any(n < -1 for n in lens) or sum(max(0, n) for n in lens) != keys.size:
-        raise WireError(f"PREFIX_LENGTHS {lens} must hold one entry >= -1 per SIDS ({n_sids}) summing (over entries "
-                        f">= 0) to the {keys.size} PREFIX_KEYS")
+        raise WireError(
+            f"PREFIX_LENGTHS {lens} must hold one entry >= -1 per SIDS ({n_sids}) summing (over entries "
+            f">= 0) to the {keys.size} PREFIX_KEYS"
+        )
     offs = np.cumsum([0] + [max(0, n) for n in lens])
-    return [None if n < 0 else keys[offs[i]:offs[i + 1]].tolist() for i, n in enumerate(lens)]
+    return [None if n < 0 else keys[offs[i] : offs[i + 1]].tolist() for i, n in enumerate(lens)]
 
 
 def get_op(arrays: Arrays, spec: ModelSpec) -> str:

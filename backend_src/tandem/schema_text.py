@@ -21,53 +21,105 @@ MAX_TOKENS_IN, STREAM_IN = "max_tokens", "stream"
 DEFAULT_MAX_TOKENS = 128
 
 #: ``tandem`` inputs an ensemble request may send straight through (optional; absent: tandem's default)
-DIRECT_INPUTS = (schema.TEMPERATURE, schema.TOP_P, schema.TOP_K, schema.SEED, schema.STOP, schema.SPEC,
-                 schema.NUM_DRAFT_TOKENS, schema.SAMPLING, schema.CACHE_SALT)
+DIRECT_INPUTS = (
+    schema.TEMPERATURE,
+    schema.TOP_P,
+    schema.TOP_K,
+    schema.SEED,
+    schema.STOP,
+    schema.SPEC,
+    schema.NUM_DRAFT_TOKENS,
+    schema.SAMPLING,
+    schema.CACHE_SALT,
+)
 #: ``tandem`` outputs that ``postprocessing`` passes through under their lowercase names
-PASSED_THROUGH = (schema.FINISH_REASON, schema.STOP_STRING, schema.ROUNDS, schema.DRAFTED, schema.ACCEPTED,
-                  schema.PROMPT_TOKENS, schema.COMPLETION_TOKENS, schema.TOTAL_ROUNDS, schema.MEAN_ACCEPTANCE_LENGTH)
+PASSED_THROUGH = (
+    schema.FINISH_REASON,
+    schema.STOP_STRING,
+    schema.ROUNDS,
+    schema.DRAFTED,
+    schema.ACCEPTED,
+    schema.PROMPT_TOKENS,
+    schema.COMPLETION_TOKENS,
+    schema.TOTAL_ROUNDS,
+    schema.MEAN_ACCEPTANCE_LENGTH,
+)
 
 #: optional on the wire so that a request without it gets preprocessing's error (Triton answers an ensemble
 #: request lacking a required input with no response at all on HTTP generate / generate_stream)
 #: bytes of ``text_input`` at most, whatever the context; ``preprocessing`` refuses any text longer than
 #: ``max_ctx`` tokens could cover before it tokenizes (:class:`tandem.serving.text.Preprocessor`)
 MAX_TEXT_BYTES = 1 << 20
-_TEXT_IN = TensorSpec(TEXT_INPUT, "TYPE_STRING", (1,), optional=True, max_bytes=MAX_TEXT_BYTES,
-                      doc="the user message, required (rendered with the chat template; at most max_ctx x the "
-                      "longest token's bytes)")
+_TEXT_IN = TensorSpec(
+    TEXT_INPUT,
+    "TYPE_STRING",
+    (1,),
+    optional=True,
+    max_bytes=MAX_TEXT_BYTES,
+    doc="the user message, required (rendered with the chat template; at most max_ctx x the longest token's bytes)",
+)
 #: genai-perf's tensorrtllm requests send it; tandem never echoes the prompt, so only true is accepted
 EXCLUDE_INPUT = "exclude_input_in_output"
-_EXCLUDE = TensorSpec(EXCLUDE_INPUT, "TYPE_BOOL", (1,), optional=True, default=True,
-                      doc="true (default): the output holds only generated text (false is refused)")
-_MAX_TOKENS = TensorSpec(MAX_TOKENS_IN, "TYPE_INT32", (1,), optional=True, default=DEFAULT_MAX_TOKENS,
-                         doc=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})")
-_STREAM = TensorSpec(STREAM_IN, "TYPE_BOOL", (1,), optional=True, default=False,
-                     doc="true: a response per burst (generate_stream); false (default): one response")
+_EXCLUDE = TensorSpec(
+    EXCLUDE_INPUT,
+    "TYPE_BOOL",
+    (1,),
+    optional=True,
+    default=True,
+    doc="true (default): the output holds only generated text (false is refused)",
+)
+_MAX_TOKENS = TensorSpec(
+    MAX_TOKENS_IN,
+    "TYPE_INT32",
+    (1,),
+    optional=True,
+    default=DEFAULT_MAX_TOKENS,
+    doc=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})",
+)
+_STREAM = TensorSpec(
+    STREAM_IN,
+    "TYPE_BOOL",
+    (1,),
+    optional=True,
+    default=False,
+    doc="true: a response per burst (generate_stream); false (default): one response",
+)
 
 PREPROCESSING = ModelSpec(
     name="preprocessing",
     inputs=(_TEXT_IN, _MAX_TOKENS, _STREAM, _EXCLUDE),
-    outputs=tuple(dataclasses.replace(schema.TANDEM.input(n), optional=False)
-                  for n in (schema.INPUT_IDS, schema.MAX_TOKENS, schema.STREAM)),
+    outputs=tuple(
+        dataclasses.replace(schema.TANDEM.input(n), optional=False)
+        for n in (schema.INPUT_IDS, schema.MAX_TOKENS, schema.STREAM)
+    ),
     parameters=("checkpoint",),
 )
 
 _TEXT_OUT = TensorSpec(TEXT_OUTPUT, "TYPE_STRING", (1,), doc="this response's text (UTF-8, whole characters)")
-_PASSED = tuple(dataclasses.replace(schema.TANDEM.outputs[schema.TANDEM.output_names.index(n)], name=n.lower())
-                for n in PASSED_THROUGH)
+_PASSED = tuple(
+    dataclasses.replace(schema.TANDEM.outputs[schema.TANDEM.output_names.index(n)], name=n.lower())
+    for n in PASSED_THROUGH
+)
 
 POSTPROCESSING = ModelSpec(
     name="postprocessing",
-    inputs=tuple(schema.TANDEM.outputs[schema.TANDEM.output_names.index(n)]
-                 for n in (schema.OUTPUT_IDS, schema.PRECEDING_IDS, schema.SESSION_ID, schema.TURN) + PASSED_THROUGH),
+    inputs=tuple(
+        schema.TANDEM.outputs[schema.TANDEM.output_names.index(n)]
+        for n in (schema.OUTPUT_IDS, schema.PRECEDING_IDS, schema.SESSION_ID, schema.TURN) + PASSED_THROUGH
+    ),
     outputs=(_TEXT_OUT, *_PASSED),
     parameters=("checkpoint",),
 )
 
 ENSEMBLE = ModelSpec(
     name="ensemble",
-    inputs=(_TEXT_IN, _MAX_TOKENS, _STREAM, _EXCLUDE,
-            *(dataclasses.replace(schema.TANDEM.input(n), name=n.lower(), optional=True) for n in DIRECT_INPUTS)),
+    inputs=(
+        _TEXT_IN,
+        _MAX_TOKENS,
+        _STREAM,
+        _EXCLUDE,
+        *(dataclasses.replace(schema.TANDEM.input(n), name=n.lower(), optional=True) for n in DIRECT_INPUTS),
+    ),
     outputs=(_TEXT_OUT, *_PASSED),
     parameters=(),
 )

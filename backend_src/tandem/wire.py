@@ -15,8 +15,14 @@ import numpy as np
 Arrays = dict[str, np.ndarray]
 
 #: Triton data type -> numpy dtype (``TYPE_STRING`` tensors are numpy ``object`` arrays of bytes).
-NUMPY = {"TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32,
-         "TYPE_STRING": np.object_, "TYPE_BOOL": np.bool_}
+NUMPY = {
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_FP32": np.float32,
+    "TYPE_STRING": np.object_,
+    "TYPE_BOOL": np.bool_,
+}
 
 
 class WireError(ValueError):
@@ -87,7 +93,7 @@ def check_size(a: np.ndarray, spec: TensorSpec, max_items: int | None = None) ->
         raise WireError(f"{spec.name} has {a.size} elements, over the limit of {limit}")
     if spec.dtype == "TYPE_STRING":
         cap = MAX_STRING_BYTES if spec.max_bytes is None else spec.max_bytes
-        for v in a.reshape(-1)[:limit if limit is not None else None]:
+        for v in a.reshape(-1)[: limit if limit is not None else None]:
             n = len(v) if isinstance(v, (bytes, np.bytes_, str)) else 0
             if n > cap:
                 raise WireError(f"{spec.name}: a string of {n} bytes is over the limit of {cap} bytes")
@@ -163,7 +169,9 @@ def check_range(spec: TensorSpec, v: int | float, hi: int | float | None = None)
     lo, hi = spec.lo, spec.hi if hi is None else hi
     below = lo is not None and (v <= lo if spec.lo_open else v < lo)
     if below or (hi is not None and v > hi):
-        rng = f"{'(' if spec.lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if spec.lo_open else '>='} {lo}"
+        rng = (
+            f"{'(' if spec.lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if spec.lo_open else '>='} {lo}"
+        )
         raise WireError(f"{spec.name} must be {'in ' if hi is not None else ''}{rng}, got {v}")
 
 
@@ -194,7 +202,7 @@ def sids_from_wire(a: np.ndarray) -> list[int]:
 def split_rows(a, lengths) -> list:
     """Split the leading axis of ``a`` (array or tensor) into consecutive pieces of ``lengths`` rows (views)."""
     offs = np.cumsum([0] + [int(n) for n in lengths])
-    return [a[offs[i]: offs[i + 1]] for i in range(len(offs) - 1)]
+    return [a[offs[i] : offs[i + 1]] for i in range(len(offs) - 1)]
 
 
 def check_tokens(name: str, toks: np.ndarray, vocab: int) -> None:
@@ -206,16 +214,27 @@ def check_tokens(name: str, toks: np.ndarray, vocab: int) -> None:
 
 def describe(spec: ModelSpec) -> str:
     """A Markdown table of a model's tensors: name, direction, dtype, dims, optional, default, range, meaning."""
-    rows = [f"`{spec.name}`" + (" (decoupled; a request is a turn of the sequence its sequence id names)"
-                                if spec.decoupled else "") + (f"; OP: {' | '.join(spec.ops)}" if spec.ops else ""), "",
-            "| tensor | in/out | dtype | dims | optional | default | range | meaning |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        f"`{spec.name}`"
+        + (" (decoupled; a request is a turn of the sequence its sequence id names)" if spec.decoupled else "")
+        + (f"; OP: {' | '.join(spec.ops)}" if spec.ops else ""),
+        "",
+        "| tensor | in/out | dtype | dims | optional | default | range | meaning |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for io, ts in (("in", spec.inputs), ("out", spec.outputs)):
         for t in ts:
-            rng = "" if t.lo is None and t.hi is None else f"{'' if t.lo is None else t.lo}..{'' if t.hi is None else t.hi}"
+            rng = (
+                ""
+                if t.lo is None and t.hi is None
+                else f"{'' if t.lo is None else t.lo}..{'' if t.hi is None else t.hi}"
+            )
             if io == "in" and t.max_items is not None:
                 rng += f"{'; ' if rng else ''}at most {t.max_items} elements"
             if io == "in" and t.dtype == "TYPE_STRING":
                 rng += f"{'; ' if rng else ''}at most {MAX_STRING_BYTES if t.max_bytes is None else t.max_bytes} bytes each"
-            rows.append(f"| `{t.name}` | {io} | {t.dtype[5:]} | {list(t.dims)} | {'yes' if t.optional else ''} | "
-                        f"{'' if t.default in (None, ()) else t.default} | {rng} | {t.doc} |")
+            rows.append(
+                f"| `{t.name}` | {io} | {t.dtype[5:]} | {list(t.dims)} | {'yes' if t.optional else ''} | "
+                f"{'' if t.default in (None, ()) else t.default} | {rng} | {t.doc} |"
+            )
     return "\n".join(rows)

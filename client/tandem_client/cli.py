@@ -13,15 +13,32 @@ import typer
 
 from tandem import schema, schema_text
 
-from .client import (DEFAULT_URL, IncrementalDecoder, ServerUnreachable, TandemClientError, check_url, turn_text,
-                     default_checkpoint, generate, new_sequence_id, stage_health)
+from .client import (
+    DEFAULT_URL,
+    IncrementalDecoder,
+    ServerUnreachable,
+    TandemClientError,
+    check_url,
+    turn_text,
+    default_checkpoint,
+    generate,
+    new_sequence_id,
+    stage_health,
+)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="tandem: speculative decoding sessions served from Triton.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="tandem: speculative decoding sessions served from Triton."
+)
 
 #: command-line flag of each checked wire field
-FLAGS = {schema.MAX_TOKENS: "--max-tokens (-n)", schema.NUM_DRAFT_TOKENS: "--num-draft-tokens (-k)",
-         schema.TEMPERATURE: "--temperature", schema.TOP_K: "--top-k", schema.TOP_P: "--top-p", schema.SEED: "--seed"}
+FLAGS = {
+    schema.MAX_TOKENS: "--max-tokens (-n)",
+    schema.NUM_DRAFT_TOKENS: "--num-draft-tokens (-k)",
+    schema.TEMPERATURE: "--temperature",
+    schema.TOP_K: "--top-k",
+    schema.TOP_P: "--top-p",
+    schema.SEED: "--seed",
+}
 
 
 def spec_flag(spec: str | None) -> str | None:
@@ -39,8 +56,11 @@ def check_flags(max_tokens: int, spec: str | None, num_draft_tokens: int | None,
     mode = sampling.get(schema.SAMPLING)
     if mode is not None and mode not in schema.SAMPLING_MODES:
         raise ValueError(f"--sampling must be one of {schema.SAMPLING_MODES}, got {mode!r}")
-    values = {schema.MAX_TOKENS: max_tokens, schema.NUM_DRAFT_TOKENS: num_draft_tokens,
-              **{k: v for k, v in sampling.items() if k != schema.SAMPLING}}
+    values = {
+        schema.MAX_TOKENS: max_tokens,
+        schema.NUM_DRAFT_TOKENS: num_draft_tokens,
+        **{k: v for k, v in sampling.items() if k != schema.SAMPLING},
+    }
     for name, v in values.items():
         if v is None:
             continue
@@ -63,8 +83,9 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
         except OSError as e:
             raise ValueError(f"--file: cannot read {file}: {e.strerror or e}") from None
         except UnicodeDecodeError as e:
-            raise ValueError(f"--file: {file} is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); "
-                             "save it as UTF-8") from None
+            raise ValueError(
+                f"--file: {file} is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); save it as UTF-8"
+            ) from None
     if prompt is None:
         raise ValueError("no prompt: pass it as an argument, - to read stdin, or --file PATH")
     if prompt != "-":
@@ -92,19 +113,29 @@ def _fail(msg: str, code: int) -> None:
 
 def _stats(res: dict) -> str:
     tau = res["mean_acceptance_length"]
-    return (f"[{len(res['token_ids'])} tokens, {res['rounds']} rounds, tau {'-' if tau is None else f'{tau:.2f}'} "
-            f"({res['accepted']}/{res['drafted']} drafts accepted), {res['tokens_per_s']:.1f} tokens/s, "
-            f"finish {res['finish_reason']}]")
+    return (
+        f"[{len(res['token_ids'])} tokens, {res['rounds']} rounds, tau {'-' if tau is None else f'{tau:.2f}'} "
+        f"({res['accepted']}/{res['drafted']} drafts accepted), {res['tokens_per_s']:.1f} tokens/s, "
+        f"finish {res['finish_reason']}]"
+    )
 
 
-_SPEC_HELP = ("speculation: " + " | ".join(schema.SPECS)
-              + f" [default: the server's, {schema.DEFAULTS.spec} when its drafter is loaded]")
-_SAMPLING_HELP = ("speculative sampling: " + " | ".join(schema.SAMPLING_MODES)
-                  + f" [default: {schema.REJECTION}; {schema.COUPLED} equals --spec off token for token]")
+_SPEC_HELP = (
+    "speculation: "
+    + " | ".join(schema.SPECS)
+    + f" [default: the server's, {schema.DEFAULTS.spec} when its drafter is loaded]"
+)
+_SAMPLING_HELP = (
+    "speculative sampling: "
+    + " | ".join(schema.SAMPLING_MODES)
+    + f" [default: {schema.REJECTION}; {schema.COUPLED} equals --spec off token for token]"
+)
 
 
-_SALT_HELP = (f"prefix-cache namespace (at most {schema.MAX_CACHE_SALT_BYTES} UTF-8 bytes): only requests with the "
-              "same salt share cached prompt blocks [default: the shared namespace]")
+_SALT_HELP = (
+    f"prefix-cache namespace (at most {schema.MAX_CACHE_SALT_BYTES} UTF-8 bytes): only requests with the "
+    "same salt share cached prompt blocks [default: the shared namespace]"
+)
 
 
 def check_salt(salt: str | None) -> None:
@@ -117,29 +148,48 @@ def check_salt(salt: str | None) -> None:
 def generate_cmd(
     prompt: Optional[str] = typer.Argument(None, help="user message (wrapped in the chat template); - reads stdin"),
     file: Optional[Path] = typer.Option(None, "--file", "-f", help="read the user message from this file"),
-    max_tokens: int = typer.Option(schema_text.DEFAULT_MAX_TOKENS, "--max-tokens", "-n", help="tokens to generate at most"),
+    max_tokens: int = typer.Option(
+        schema_text.DEFAULT_MAX_TOKENS, "--max-tokens", "-n", help="tokens to generate at most"
+    ),
     spec: Optional[str] = typer.Option(None, "--spec", help=_SPEC_HELP),
     num_draft_tokens: Optional[int] = typer.Option(None, "--num-draft-tokens", "-k", help="drafts per round"),
     url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming text"),
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="folder with tokenizer.json "
-                                              "[default: $TANDEM_CHECKPOINT or the shipped checkpoint]"),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", help="folder with tokenizer.json [default: $TANDEM_CHECKPOINT or the shipped checkpoint]"
+    ),
     system: Optional[str] = typer.Option(None, "--system", help="optional system message"),
     timeout_s: float = typer.Option(300.0, "--timeout", help="seconds to wait between responses"),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="softmax temperature [default: 0, greedy]"),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="sample from the k most likely tokens [default: 0, all]"),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="sample from the top-p probability mass [default: 1, all]"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="noise seed of a sampled turn [default: a fresh random one]"),
+    top_p: Optional[float] = typer.Option(
+        None, "--top-p", help="sample from the top-p probability mass [default: 1, all]"
+    ),
+    seed: Optional[int] = typer.Option(
+        None, "--seed", help="noise seed of a sampled turn [default: a fresh random one]"
+    ),
     sampling: Optional[str] = typer.Option(None, "--sampling", help=_SAMPLING_HELP),
-    stop_token_id: list[int] = typer.Option([], "--stop-token-id", help="a token id that also ends the reply "
-                                            f"(repeatable, at most {schema.MAX_STOP_TOKEN_IDS})"),
-    stop: list[str] = typer.Option([], "--stop", help="a string that ends the reply (not printed; repeatable, at most "
-                                   f"{schema.MAX_STOPS} of 1-{schema.MAX_STOP_CHARS} characters)"),
+    stop_token_id: list[int] = typer.Option(
+        [],
+        "--stop-token-id",
+        help=f"a token id that also ends the reply (repeatable, at most {schema.MAX_STOP_TOKEN_IDS})",
+    ),
+    stop: list[str] = typer.Option(
+        [],
+        "--stop",
+        help="a string that ends the reply (not printed; repeatable, at most "
+        f"{schema.MAX_STOPS} of 1-{schema.MAX_STOP_CHARS} characters)",
+    ),
     cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help=_SALT_HELP),
 ) -> None:
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
-    smp = {schema.TEMPERATURE: temperature, schema.TOP_K: top_k, schema.TOP_P: top_p, schema.SEED: seed,
-           schema.SAMPLING: sampling}
+    smp = {
+        schema.TEMPERATURE: temperature,
+        schema.TOP_K: top_k,
+        schema.TOP_P: top_p,
+        schema.SEED: seed,
+        schema.SAMPLING: sampling,
+    }
     spec = spec_flag(spec)
     try:
         check_flags(max_tokens, spec, num_draft_tokens, smp)
@@ -153,7 +203,9 @@ def generate_cmd(
             raise ValueError(f"--stop: at most {schema.MAX_STOPS} stop strings, got {len(stop)}")
         bad = next((x for x in stop if not 1 <= len(x) <= schema.MAX_STOP_CHARS), None)
         if bad is not None:
-            raise ValueError(f"--stop: each stop string must have 1 to {schema.MAX_STOP_CHARS} characters, got {len(bad)}")
+            raise ValueError(
+                f"--stop: each stop string must have 1 to {schema.MAX_STOP_CHARS} characters, got {len(bad)}"
+            )
         text_in = read_prompt(prompt, file)
     except (ValueError, TandemClientError) as e:
         _fail(str(e), 2)
@@ -168,18 +220,44 @@ def generate_cmd(
             sys.stdout.flush()
 
     try:
-        res = generate(ids, max_tokens=max_tokens, url=url, spec=spec, num_draft_tokens=num_draft_tokens,
-                       on_tokens=None if as_json else on_tokens, timeout_s=timeout_s, sampling=smp,
-                       stop_token_ids=stop_token_id or None, stop=stop or None, cache_salt=cache_salt)
+        res = generate(
+            ids,
+            max_tokens=max_tokens,
+            url=url,
+            spec=spec,
+            num_draft_tokens=num_draft_tokens,
+            on_tokens=None if as_json else on_tokens,
+            timeout_s=timeout_s,
+            sampling=smp,
+            stop_token_ids=stop_token_id or None,
+            stop=stop or None,
+            cache_salt=cache_salt,
+        )
     except TandemClientError as e:
         typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
         raise typer.Exit(2 if isinstance(e, ServerUnreachable) else 1)
     if as_json:
-        keys = ("token_ids", "rounds", "drafted", "accepted", "mean_acceptance_length", "finish_reason", "tokens_per_s",
-                "stop_string", "usage")
-        print(json.dumps({**{k: res[k] for k in keys}, "text": turn_text(tok.decode, res["token_ids"], res["stop_string"]),
-                          "ttft_s": res["ttft_s"]},
-                         ensure_ascii=False))
+        keys = (
+            "token_ids",
+            "rounds",
+            "drafted",
+            "accepted",
+            "mean_acceptance_length",
+            "finish_reason",
+            "tokens_per_s",
+            "stop_string",
+            "usage",
+        )
+        print(
+            json.dumps(
+                {
+                    **{k: res[k] for k in keys},
+                    "text": turn_text(tok.decode, res["token_ids"], res["stop_string"]),
+                    "ttft_s": res["ttft_s"],
+                },
+                ensure_ascii=False,
+            )
+        )
         return
     sys.stdout.write(dec.flush() + "\n")
     sys.stdout.flush()
@@ -235,11 +313,19 @@ def chat_cmd(
                 sys.stdout.flush()
 
         try:
-            res = generate(tok.chat_prompt(text, system=system if first else None, later=not first),
-                           max_tokens=max_tokens,
-                           url=url, spec=spec if first else None, num_draft_tokens=num_draft_tokens, sequence_id=sid,
-                           sequence_start=first, sequence_end=False, on_tokens=on_tokens, timeout_s=timeout_s,
-                           cache_salt=cache_salt if first else None)
+            res = generate(
+                tok.chat_prompt(text, system=system if first else None, later=not first),
+                max_tokens=max_tokens,
+                url=url,
+                spec=spec if first else None,
+                num_draft_tokens=num_draft_tokens,
+                sequence_id=sid,
+                sequence_start=first,
+                sequence_end=False,
+                on_tokens=on_tokens,
+                timeout_s=timeout_s,
+                cache_salt=cache_salt if first else None,
+            )
         except TandemClientError as e:
             typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)
             raise typer.Exit(2 if isinstance(e, ServerUnreachable) else 1)
@@ -250,15 +336,18 @@ def chat_cmd(
         first = False
     if not first:  # end the sequence: the server frees its state now, not at the idle timeout
         try:
-            generate([], max_tokens=1, url=url, sequence_id=sid, sequence_start=False, sequence_end=True,
-                     timeout_s=timeout_s)
+            generate(
+                [], max_tokens=1, url=url, sequence_id=sid, sequence_start=False, sequence_end=True, timeout_s=timeout_s
+            )
         except TandemClientError:
             pass
 
 
 @app.command("health")
-def health_cmd(url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
-               timeout_s: float = typer.Option(5.0, "--timeout", help="seconds each probe may take")) -> None:
+def health_cmd(
+    url: str = typer.Option(DEFAULT_URL, "--url", help="Triton gRPC endpoint host:port"),
+    timeout_s: float = typer.Option(5.0, "--timeout", help="seconds each probe may take"),
+) -> None:
     """Check that the server is live, every tandem model is ready and every stage model's process
     answers (exit 1 otherwise, 2 when no server answers)."""
     try:

@@ -56,10 +56,17 @@ def error_from(error, url: str, sid: int) -> TandemClientError:
     msg = (error.message() or str(error)) if isinstance(error, InferenceServerException) else str(error)
     status = error.status() if isinstance(error, InferenceServerException) else None
     if status and schema.SESSION_LOST_MARKER not in msg and schema.AT_CAPACITY_MARKER not in msg:
-        return SessionLost(f"the stream of sequence {sid} via {url} broke ({status}: {msg}); the server holding it "
-                           f"is gone {schema.SESSION_LOST_MARKER}")
-    kind = (SessionLost if schema.SESSION_LOST_MARKER in msg else AtCapacity if schema.AT_CAPACITY_MARKER in msg
-            else TandemClientError)
+        return SessionLost(
+            f"the stream of sequence {sid} via {url} broke ({status}: {msg}); the server holding it "
+            f"is gone {schema.SESSION_LOST_MARKER}"
+        )
+    kind = (
+        SessionLost
+        if schema.SESSION_LOST_MARKER in msg
+        else AtCapacity
+        if schema.AT_CAPACITY_MARKER in msg
+        else TandemClientError
+    )
     return kind(f"server error: {msg}")
 
 
@@ -94,8 +101,8 @@ class IncrementalDecoder:
             return ""
         cut = min((i for s in self.stops if (i := full.find(s)) >= 0), default=-1)
         if cut >= 0:
-            full = full[:max(cut, len(self.text))]
-        new, self.text = full[len(self.text):], full
+            full = full[: max(cut, len(self.text))]
+        new, self.text = full[len(self.text) :], full
         return new
 
     def push(self, ids: list[int]) -> str:
@@ -119,8 +126,9 @@ def check_url(url: str) -> str:
     """``url`` if it is ``host:port`` (Triton's gRPC endpoint), else raise :class:`TandemClientError`
     saying what to pass instead (a scheme, a path, no port)."""
     if "://" in url or "/" in url:
-        raise TandemClientError(f"--url takes host:port of Triton's gRPC endpoint (e.g. {DEFAULT_URL}), not a URL: "
-                                f"{url!r}")
+        raise TandemClientError(
+            f"--url takes host:port of Triton's gRPC endpoint (e.g. {DEFAULT_URL}), not a URL: {url!r}"
+        )
     host, sep, port = url.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise TandemClientError(f"--url must be host:port of Triton's gRPC endpoint (e.g. {DEFAULT_URL}), got {url!r}")
@@ -153,23 +161,41 @@ def _check_reachable(client, url: str, timeout_s: float, headers: dict | None = 
                 time.sleep(REFUSED_PAUSE_S)
                 continue
             if _answers_http(url):
-                raise ServerUnreachable(f"{url} is Triton's HTTP port; the tandem client speaks gRPC: pass the gRPC "
-                                        f"port (8001 by default, e.g. --url {url.rpartition(':')[0]}:8001)") from None
+                raise ServerUnreachable(
+                    f"{url} is Triton's HTTP port; the tandem client speaks gRPC: pass the gRPC "
+                    f"port (8001 by default, e.g. --url {url.rpartition(':')[0]}:8001)"
+                ) from None
             if "status: 503" in (e.message() or ""):  # a proxy (make serve-cluster) answered, but no replica is up
-                raise ServerUnreachable(f"the proxy at {url} has no live replica to route to ({e.message()}); "
-                                        "restart a server behind it, or wait for its health check") from None
-            raise ServerUnreachable(f"cannot reach a Triton server at {url} ({e.message() or e}); "
-                                    f"start one with `make serve`") from None
+                raise ServerUnreachable(
+                    f"the proxy at {url} has no live replica to route to ({e.message()}); "
+                    "restart a server behind it, or wait for its health check"
+                ) from None
+            raise ServerUnreachable(
+                f"cannot reach a Triton server at {url} ({e.message() or e}); start one with `make serve`"
+            ) from None
     if not live:
         raise ServerUnreachable(f"the Triton server at {url} is not live")
 
 
-def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TOKENS, url: str = DEFAULT_URL, spec: str | None = None,
-             num_draft_tokens: int | None = None, sequence_id: int | None = None, model: str = schema.TANDEM.name,
-             on_tokens: Callable[[list[int]], None] | None = None, timeout_s: float = 300.0,
-             connect_timeout_s: float = 5.0, sequence_start: bool = True, sequence_end: bool = True,
-             sampling: dict | None = None, stop_token_ids: list[int] | None = None,
-             stop: list[str] | None = None, start_retries: int = 0, cache_salt: str | None = None) -> dict:
+def generate(
+    prompt_ids: list[int],
+    max_tokens: int = schema_text.DEFAULT_MAX_TOKENS,
+    url: str = DEFAULT_URL,
+    spec: str | None = None,
+    num_draft_tokens: int | None = None,
+    sequence_id: int | None = None,
+    model: str = schema.TANDEM.name,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    timeout_s: float = 300.0,
+    connect_timeout_s: float = 5.0,
+    sequence_start: bool = True,
+    sequence_end: bool = True,
+    sampling: dict | None = None,
+    stop_token_ids: list[int] | None = None,
+    stop: list[str] | None = None,
+    start_retries: int = 0,
+    cache_salt: str | None = None,
+) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
 
@@ -246,15 +272,32 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
                 add(t.name, np.array([v.encode() if isinstance(v, str) else v], dtype=dt), _TRITON[t.dtype])
         q: queue.Queue = queue.Queue()
         # the routing key a proxy reads (schema.ROUTING_HEADER; the sequence id itself sits in the protobuf body)
-        client.start_stream(callback=lambda result, error: q.put((result, error)),
-                            headers={schema.ROUTING_HEADER: str(sid)})
-        out = {"token_ids": [], "rounds": 0, "drafted": 0, "accepted": 0, "finish_reason": None, "bursts": 0,
-               "ttft_s": None, "sequence_id": sid, "usage": None, "stop_string": ""}
+        client.start_stream(
+            callback=lambda result, error: q.put((result, error)), headers={schema.ROUTING_HEADER: str(sid)}
+        )
+        out = {
+            "token_ids": [],
+            "rounds": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "finish_reason": None,
+            "bursts": 0,
+            "ttft_s": None,
+            "sequence_id": sid,
+            "usage": None,
+            "stop_string": "",
+        }
         t0 = time.perf_counter()
         completed = False
         try:
-            client.async_stream_infer(model, inputs, sequence_id=sid, sequence_start=sequence_start,
-                                      sequence_end=sequence_end, enable_empty_final_response=True)
+            client.async_stream_infer(
+                model,
+                inputs,
+                sequence_id=sid,
+                sequence_start=sequence_start,
+                sequence_end=sequence_end,
+                enable_empty_final_response=True,
+            )
             while True:
                 try:
                     result, error = q.get(timeout=timeout_s)
@@ -263,8 +306,11 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
                 if error is not None:
                     raise error_from(error, url, sid)
                 resp = result.get_response()
-                final = resp.parameters["triton_final_response"].bool_param if "triton_final_response" in \
-                    resp.parameters else False
+                final = (
+                    resp.parameters["triton_final_response"].bool_param
+                    if "triton_final_response" in resp.parameters
+                    else False
+                )
                 if resp.outputs:
                     ids = result.as_numpy(schema.OUTPUT_IDS).astype(np.int64).tolist()
                     if ids and out["ttft_s"] is None:
@@ -279,10 +325,12 @@ def generate(prompt_ids: list[int], max_tokens: int = schema_text.DEFAULT_MAX_TO
                     if fr:
                         out["finish_reason"] = fr
                         out["stop_string"] = result.as_numpy(schema.STOP_STRING)[0].decode()
-                        out["usage"] = {"prompt_tokens": int(result.as_numpy(schema.PROMPT_TOKENS)[0]),
-                                        "completion_tokens": int(result.as_numpy(schema.COMPLETION_TOKENS)[0]),
-                                        "rounds": int(result.as_numpy(schema.TOTAL_ROUNDS)[0]),
-                                        "mean_acceptance_length": float(result.as_numpy(schema.MEAN_ACCEPTANCE_LENGTH)[0])}
+                        out["usage"] = {
+                            "prompt_tokens": int(result.as_numpy(schema.PROMPT_TOKENS)[0]),
+                            "completion_tokens": int(result.as_numpy(schema.COMPLETION_TOKENS)[0]),
+                            "rounds": int(result.as_numpy(schema.TOTAL_ROUNDS)[0]),
+                            "mean_acceptance_length": float(result.as_numpy(schema.MEAN_ACCEPTANCE_LENGTH)[0]),
+                        }
                     if ids and on_tokens is not None:
                         on_tokens(ids)
                 if final:
@@ -325,7 +373,9 @@ def stage_infer(c, spec, inputs: list, timeout_s: float = 5.0):
         try:
             result, error = got.get(timeout=timeout_s)
         except queue.Empty:
-            raise InferenceServerException(f"Deadline Exceeded: {spec.name} did not answer within {timeout_s:g} s") from None
+            raise InferenceServerException(
+                f"Deadline Exceeded: {spec.name} did not answer within {timeout_s:g} s"
+            ) from None
     finally:
         c.stop_stream(cancel_requests=True)
     if error is not None:

@@ -25,8 +25,9 @@ class Conversation:
     before the first turn and after a loss), ``reprimes`` (turns sent as a re-prime).
     """
 
-    def __init__(self, url: str = DEFAULT_URL, stop_ids: tuple[int, ...] = (), start_retries: int = 2,
-                 **defaults) -> None:
+    def __init__(
+        self, url: str = DEFAULT_URL, stop_ids: tuple[int, ...] = (), start_retries: int = 2, **defaults
+    ) -> None:
         self.url, self.stop_ids, self.start_retries, self.defaults = url, tuple(stop_ids), start_retries, defaults
         self.transcript: list[int] = []
         self.sequence_id: int | None = None
@@ -44,9 +45,16 @@ class Conversation:
         start = self.sequence_id is None
         ids = self.transcript + list(prompt_ids) if start else list(prompt_ids)
         try:
-            res = generate(ids, max_tokens, url=self.url, sequence_id=self.sequence_id, sequence_start=start,
-                           sequence_end=end, start_retries=self.start_retries if start else 0,
-                           **{**self.defaults, **kw})
+            res = generate(
+                ids,
+                max_tokens,
+                url=self.url,
+                sequence_id=self.sequence_id,
+                sequence_start=start,
+                sequence_end=end,
+                start_retries=self.start_retries if start else 0,
+                **{**self.defaults, **kw},
+            )
         except SessionLost:
             self.sequence_id = None
             raise

@@ -16,7 +16,9 @@ class Walk:
     finish: str | None
 
 
-def accept_walk(drafts: list[int], target: list[int], stop_ids: tuple[int, ...] = (), budget: int | None = None) -> Walk:
+def accept_walk(
+    drafts: list[int], target: list[int], stop_ids: tuple[int, ...] = (), budget: int | None = None
+) -> Walk:
     """Accept the longest draft prefix equal to the trunk's argmax, then emit the trunk's token.
 
     Args: ``drafts`` — k drafted tokens; ``target`` — the trunk argmax at each of the k+1 verify rows

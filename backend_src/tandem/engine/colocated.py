@@ -76,8 +76,13 @@ class StageHost(DraftVerifyWire):
         self.pending: dict[int, tuple[VerifyOut, list[int]]] = {}
 
     @classmethod
-    def build(cls, trunk: TrunkStage, dflash: dict | None = None,
-              max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens, run_ahead: bool = False) -> "StageHost":
+    def build(
+        cls,
+        trunk: TrunkStage,
+        dflash: dict | None = None,
+        max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens,
+        run_ahead: bool = False,
+    ) -> "StageHost":
         """The host of ``trunk`` with :func:`drafter_stages` (the drafters an in-process engine builds)."""
         return cls(trunk, drafter_stages(trunk.model, dflash, max_num_draft_tokens), run_ahead)
 
@@ -121,7 +126,9 @@ class StageHost(DraftVerifyWire):
         prefixes = schema.prefixes_from_wire(arrays, len(sids))
         self.open([s for s, a in zip(sids, arms) if a])
         for stage in {id(st): st for st in self.drafters.values()}.values():
-            new = [(s, a, p) for s, a, p in zip(sids, arms, prefixes) if a in self.drafters and self.drafters[a] is stage]
+            new = [
+                (s, a, p) for s, a, p in zip(sids, arms, prefixes) if a in self.drafters and self.drafters[a] is stage
+            ]
             warm = [(a, p) if p and a in schema.DFLASH_ARMS else None for _, a, p in new]
             try:
                 stage.open([s for s, _, _ in new], warm) if any(warm) else stage.open([s for s, _, _ in new])
@@ -177,7 +184,9 @@ class StageHost(DraftVerifyWire):
 
     # -- the round ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def draft_verify(self, items: list[Rows], plans: list[tuple[str, int] | None]) -> tuple[list[list[int]], list[VerifyOut]]:
+    def draft_verify(
+        self, items: list[Rows], plans: list[tuple[str, int] | None]
+    ) -> tuple[list[list[int]], list[VerifyOut]]:
         """One verify round in one call. ``items[j]``: sequence ``j``'s anchor (``tokens == [anchor]``)
         and the rows of its pending verify to commit first (``commit``); ``plans[j]``: ``(arm, k)`` —
         ingest its committed rows in the arm's drafter and draft ``k`` tokens (``k`` may be 0) — or
@@ -211,11 +220,14 @@ class StageHost(DraftVerifyWire):
         for r in rows:
             c = self.trunk.cache(r.sid)
             if c.pos + len(r.tokens) > c.max_ctx:
-                raise ValueError(f"context full for sequence {r.sid}: {c.pos} + {len(r.tokens)} rows > max_ctx {c.max_ctx}")
+                raise ValueError(
+                    f"context full for sequence {r.sid}: {c.pos} + {len(r.tokens)} rows > max_ctx {c.max_ctx}"
+                )
         return drafts, self.verify(rows)
 
-    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None
-                            ) -> list[list[tuple[int, list[int], VerifyOut]]]:
+    def draft_verify_rounds(
+        self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None
+    ) -> list[list[tuple[int, list[int], VerifyOut]]]:
         """Up to ``max(plan.rounds)`` :meth:`draft_verify` rounds in one call: after each round this host
         runs the scheduler's accept walk (:func:`~tandem.engine.accept.accept_walk`, the same function on
         the same inputs) to find each sequence's commit and next anchor. ``items[j]``: the first
@@ -226,8 +238,9 @@ class StageHost(DraftVerifyWire):
         after a plain decode call that ran the rounds the clock gave it at the last call's pace."""
         return self._run_rounds(items, plans, ms=ms)[0]
 
-    def _run_rounds(self, items: list[Rows], plans: list[RoundsPlan], should_stop=None,
-                    ms: float | None = None) -> tuple[list, list]:
+    def _run_rounds(
+        self, items: list[Rows], plans: list[RoundsPlan], should_stop=None, ms: float | None = None
+    ) -> tuple[list, list]:
         """:meth:`draft_verify_rounds`, also returning per sequence ``(anchor, commit, used, alive)``
         after its last round (its next call's anchor and commit, the tokens this call committed, whether
         its turn goes on; None without a round); ``should_stop()`` true ends it at a round boundary, as
@@ -244,13 +257,20 @@ class StageHost(DraftVerifyWire):
         r, rounds, paced = 0, max((p.rounds for p in plans), default=0), False
         while r < rounds and not paced:  # (a decode call that ran the rounds ``ms`` gave it ends the call)
             live = [j for j in live if r < plans[j].rounds]
-            if not live or (should_stop is not None and should_stop()) or (r and end is not None and time.perf_counter() >= end):
+            if (
+                not live
+                or (should_stop is not None and should_stop())
+                or (r and end is not None and time.perf_counter() >= end)
+            ):
                 break
             steps, by_clock = self._plain_steps(items, plans, live, r, used, budget, end)
             if steps:  # every live sequence decodes plain greedy rows: the rounds in one compiled call
                 t0 = time.perf_counter()
-                outs = self.decode_rows([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], steps,
-                                        [tuple(plans[j].stop_ids) for j in live])
+                outs = self.decode_rows(
+                    [Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live],
+                    steps,
+                    [tuple(plans[j].stop_ids) for j in live],
+                )
                 n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
                 self._decode_round_s = (time.perf_counter() - t0) / n
                 paced = end is not None and n == steps == by_clock
@@ -266,8 +286,10 @@ class StageHost(DraftVerifyWire):
                 r += n
                 continue
             else:
-                pl = [(plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
-                      for j in live]
+                pl = [
+                    (plans[j].arm, max(0, min(plans[j].k, plans[j].room - used[j] - 2))) if plans[j].arm else None
+                    for j in live
+                ]
                 drafts, outs = self.draft_verify([Rows(items[j].sid, [anchor[j]], commit=commit[j]) for j in live], pl)
                 rounds_run = [list(zip(live, drafts, outs))]
             for one in rounds_run:
@@ -287,8 +309,16 @@ class StageHost(DraftVerifyWire):
     #: seconds a round of the last :meth:`decode_rows` call took (0: none yet), to end a call near its ``ms``
     _decode_round_s = 0.0
 
-    def _plain_steps(self, items: list[Rows], plans: list[RoundsPlan], live: list[int], r: int, used: list[int],
-                     budget: list[int], end: float | None) -> tuple[int, int]:
+    def _plain_steps(
+        self,
+        items: list[Rows],
+        plans: list[RoundsPlan],
+        live: list[int],
+        r: int,
+        used: list[int],
+        budget: list[int],
+        end: float | None,
+    ) -> tuple[int, int]:
         """:func:`~tandem.engine.plain_rounds.plain_steps` at the last call's pace, when every live
         sequence is plain (no arm) and greedy; else ``(0, 0)``."""
         if any(plans[j].arm or items[j].sid in self.trunk.sampling for j in live):
@@ -302,12 +332,17 @@ class StageHost(DraftVerifyWire):
         self.ingest[it.sid] = _Ingest()
         if not ing.outs:
             raise ValueError(f"sequence {it.sid}: no committed rows for its drafter (each round commits at least one)")
-        out = ing.outs[0] if len(ing.outs) == 1 else VerifyOut(*(torch.cat([getattr(o, f.name) for o in ing.outs])
-                                                                   for f in dataclasses.fields(VerifyOut)))
+        out = (
+            ing.outs[0]
+            if len(ing.outs) == 1
+            else VerifyOut(*(torch.cat([getattr(o, f.name) for o in ing.outs]) for f in dataclasses.fields(VerifyOut)))
+        )
         covered = getattr(self.drafters[arm], "covered_rows", None)
         if covered is not None and self.trunk.cache(it.sid).pos != covered(it.sid) + len(ing.tokens):
-            raise ValueError(f"sequence {it.sid}: the drafter covers {covered(it.sid)} rows + {len(ing.tokens)} kept, "
-                             f"the trunk holds {self.trunk.cache(it.sid).pos}")
+            raise ValueError(
+                f"sequence {it.sid}: the drafter covers {covered(it.sid)} rows + {len(ing.tokens)} kept, "
+                f"the trunk holds {self.trunk.cache(it.sid).pos}"
+            )
         return DraftRequest(it.sid, out.hidden, ing.tokens[1:] + [it.tokens[0]], k, out.features, arm)
 
     # -- wire form ----------------------------------------------------------------------------------
@@ -346,8 +381,9 @@ class StageHost(DraftVerifyWire):
         items, plans = self._call_of(call)
         return self._answer(items, plans, *self._run_rounds(items, plans, ms=ms), number)
 
-    def _answer(self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list, number: int | None
-                ) -> schema.Arrays:
+    def _answer(
+        self, items: list[Rows], plans: list[RoundsPlan], res: list, cont: list, number: int | None
+    ) -> schema.Arrays:
         """The packed answer of call ``number`` (remembered for a ``draft_verify_next``); first, with
         ``run_ahead``, the next call starts on its thread (not after a numbered call: the ``tandem``
         process pipelines, its next call is already queued)."""
@@ -371,9 +407,14 @@ class StageHost(DraftVerifyWire):
                 lengths.append(len(d))
                 anchors.append(a)
         packed = self.trunk._pack(outs, with_rows=False)
-        return {"ARGMAX": packed["ARGMAX"], "TOP2_GAP": packed["TOP2_GAP"], "DRAFTS": np.array(drafts, np.int64),
-                "DRAFT_LENGTHS": np.array(lengths, np.int32), "ROUNDS_RUN": np.array([len(per) for per in res], np.int32),
-                "ANCHORS": np.array(anchors, np.int64)}
+        return {
+            "ARGMAX": packed["ARGMAX"],
+            "TOP2_GAP": packed["TOP2_GAP"],
+            "DRAFTS": np.array(drafts, np.int64),
+            "DRAFT_LENGTHS": np.array(lengths, np.int32),
+            "ROUNDS_RUN": np.array([len(per) for per in res], np.int32),
+            "ANCHORS": np.array(anchors, np.int64),
+        }
 
     def _hosted(self, op: str, arrays: schema.Arrays) -> schema.Arrays:
         """A drafter model's op (``drafter_dflash.open``) on the stage hosted here."""

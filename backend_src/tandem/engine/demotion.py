@@ -49,7 +49,9 @@ class Demotion:
     def cost(self, arm: str, drafts: int, load: int) -> float:
         """A verify round of ``arm`` with ``drafts`` drafts in plain decode steps, ``load`` sessions active."""
         c = self.config
-        base = c.round_cost_mtp + c.round_cost_mtp_draft * max(0, drafts - 1) if arm == schema.MTP else c.round_cost_dflash
+        base = (
+            c.round_cost_mtp + c.round_cost_mtp_draft * max(0, drafts - 1) if arm == schema.MTP else c.round_cost_dflash
+        )
         return base * (1.0 + c.demote_load_slope * max(0, load - 1))
 
     def speculates(self, s) -> bool:
@@ -107,7 +109,9 @@ class Demotion:
         if st.demoted:
             if speedup >= c.promote_above:
                 self._promote(st)
-        elif c.demote_probe_rounds and st.spec_rounds >= MIN_ROUNDS and speedup < c.demote_below and s.demote_eligible():
+        elif (
+            c.demote_probe_rounds and st.spec_rounds >= MIN_ROUNDS and speedup < c.demote_below and s.demote_eligible()
+        ):
             st.demoted, st.since = True, 0
             self.stats["demotions"] += 1
 

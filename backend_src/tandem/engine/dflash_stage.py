@@ -44,8 +44,13 @@ class DFlashStage(DrafterStage):
 
     spec = schema.DRAFTER_DFLASH
 
-    def __init__(self, drafters: dict[str, DFlashDrafter], embed: nn.Embedding, head: nn.Linear,
-                 max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> None:
+    def __init__(
+        self,
+        drafters: dict[str, DFlashDrafter],
+        embed: nn.Embedding,
+        head: nn.Linear,
+        max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens,
+    ) -> None:
         if not drafters:
             raise ValueError("DFlashStage needs at least one drafter")
         sizes = {m.cfg.feature_size for m in drafters.values()}
@@ -68,7 +73,7 @@ class DFlashStage(DrafterStage):
         opened) when a tail is not published."""
         prefixes = prefixes or [None] * len(sids)
         for p in prefixes:
-            for k in (p[1] if p else []):
+            for k in p[1] if p else []:
                 if (p[0], k) not in self.tails:
                     raise KeyError(f"no {p[0]} drafter tail for prefix block {k}")
         super().open(sids)
@@ -76,8 +81,10 @@ class DFlashStage(DrafterStage):
             if p and p[1]:
                 st, blocks = self.states[sid], [self.tails[(p[0], k)] for k in p[1]]
                 st.arm, st.rows = p[0], len(p[1]) * schema.PREFIX_BLOCK
-                st.kv = [(torch.cat([b[i][0] for b in blocks], 2), torch.cat([b[i][1] for b in blocks], 2))
-                         for i in range(len(blocks[0]))]
+                st.kv = [
+                    (torch.cat([b[i][0] for b in blocks], 2), torch.cat([b[i][1] for b in blocks], 2))
+                    for i in range(len(blocks[0]))
+                ]
 
     def export_tail(self, sid: int, upto: int) -> KV | None:
         """The context K/V of rows ``[0, upto)`` (views), or None when the drafter covers fewer rows."""
@@ -93,15 +100,17 @@ class DFlashStage(DrafterStage):
         C = schema.PREFIX_BLOCK
         for sid, keys in items:
             if keys and self.export_tail(sid, len(keys) * C) is None:
-                raise ValueError(f"sequence {sid}: the drafter covers {self.state(sid).rows} rows, "
-                                 f"not the {len(keys) * C} of its prefix")
+                raise ValueError(
+                    f"sequence {sid}: the drafter covers {self.state(sid).rows} rows, "
+                    f"not the {len(keys) * C} of its prefix"
+                )
         out = []
         for sid, keys in items:
             st, n = self.state(sid), 0
             for j, key in enumerate(keys):
                 if (st.arm, key) in self.tails:
                     continue
-                blk = [(k[:, :, j * C:(j + 1) * C].clone(), v[:, :, j * C:(j + 1) * C].clone()) for k, v in st.kv]
+                blk = [(k[:, :, j * C : (j + 1) * C].clone(), v[:, :, j * C : (j + 1) * C].clone()) for k, v in st.kv]
                 self.tails[(st.arm, key)] = blk
                 n += sum(t.numel() * t.element_size() for kv in blk for t in kv)
             out.append(n)
@@ -136,12 +145,18 @@ class DFlashStage(DrafterStage):
                 n = len(it.next_tokens)
                 feats = it.features.to(self.device).reshape(1, n, -1)
                 pts = split_points(st.rows, st.rows + n)  # pieces end at multiples of PREFIX_BLOCK: warm == cold
-                pieces = [model.context_kv(model.context(feats[:, a - pts[0]: b - pts[0]]), torch.arange(a, b, device=self.device))
-                          for a, b in zip(pts, pts[1:])]
+                pieces = [
+                    model.context_kv(
+                        model.context(feats[:, a - pts[0] : b - pts[0]]), torch.arange(a, b, device=self.device)
+                    )
+                    for a, b in zip(pts, pts[1:])
+                ]
                 if st.kv is not None:
                     pieces.insert(0, st.kv)
-                st.kv = [(torch.cat([p[i][0] for p in pieces], 2), torch.cat([p[i][1] for p in pieces], 2))
-                         for i in range(len(pieces[0]))]
+                st.kv = [
+                    (torch.cat([p[i][0] for p in pieces], 2), torch.cat([p[i][1] for p in pieces], 2))
+                    for i in range(len(pieces[0]))
+                ]
                 st.rows += n
                 k = min(it.num_draft_tokens, model.cfg.block_size - 1)
                 res.append([])
@@ -150,13 +165,19 @@ class DFlashStage(DrafterStage):
             for (arm, k), idx in blocks.items():  # one block forward per arm and block size, all sequences
                 model, sts = self.drafters[arm], [self.state(items[i].sid) for i in idx]
                 anchors = [int(items[i].next_tokens[-1]) for i in idx]
-                x = model.block_input(torch.tensor(anchors, device=self.device), self.embed, k + 1).reshape(1, -1, model.cfg.hidden_size)
+                x = model.block_input(torch.tensor(anchors, device=self.device), self.embed, k + 1).reshape(
+                    1, -1, model.cfg.hidden_size
+                )
                 pos = torch.cat([torch.arange(st.rows, st.rows + k + 1, device=self.device) for st in sts])
                 kv = [([st.kv[i][0] for st in sts], [st.kv[i][1] for st in sts]) for i in range(len(model.layers))]
                 h = model(x, pos, kv, block=k + 1)[0].view(len(idx), k + 1, -1)[:, 1:]
                 logits = self.head(h).float()
                 for j, (i, a) in enumerate(zip(idx, anchors)):
-                    res[i] = model.selector.walk(h[j], logits[j], a) if model.selector is not None else logits[j].argmax(-1).tolist()
+                    res[i] = (
+                        model.selector.walk(h[j], logits[j], a)
+                        if model.selector is not None
+                        else logits[j].argmax(-1).tolist()
+                    )
             return res
 
     def handle(self, arrays: schema.Arrays) -> schema.Arrays:
@@ -179,9 +200,10 @@ class DFlashStage(DrafterStage):
                     for s in sids:
                         if s not in self.states:
                             raise WireError(f"SIDS: unknown sequence id {s} (not open in the drafter)")
-                    nbytes = np.array(self.publish(list(zip(sids, [p or [] for p in
-                                                                  schema.prefixes_from_wire(arrays, len(sids))]))),
-                                      np.int64)
+                    nbytes = np.array(
+                        self.publish(list(zip(sids, [p or [] for p in schema.prefixes_from_wire(arrays, len(sids))]))),
+                        np.int64,
+                    )
             except WireError:
                 raise
             except (KeyError, ValueError) as e:  # an unpublished tail, a too-short drafter cover
@@ -190,7 +212,9 @@ class DFlashStage(DrafterStage):
         return {**super().handle(arrays), "NBYTES": nbytes}
 
     def _arms(self, arrays: schema.Arrays, n: int) -> list[str]:
-        arms = [a.decode() if isinstance(a, bytes) else str(a) for a in np.asarray(arrays.get(schema.SPEC, [])).reshape(-1)]
+        arms = [
+            a.decode() if isinstance(a, bytes) else str(a) for a in np.asarray(arrays.get(schema.SPEC, [])).reshape(-1)
+        ]
         if len(arms) != n:
             raise WireError(f"{schema.SPEC} has {len(arms)} entries for {n} SIDS")
         for a in arms:
@@ -215,5 +239,7 @@ class DFlashStage(DrafterStage):
         schema.check_tokens("ANCHORS", anchors, self.embed.num_embeddings)
         fs = schema.split_rows(torch.from_numpy(np.ascontiguousarray(feats)).to(self.device), lengths)
         # the stage reads only each sequence's anchor (the last next token); the others are not sent
-        return [DraftRequest(s, torch.zeros(0), [0] * (n - 1) + [int(a)], k, f, arm)
-                for s, n, a, k, f, arm in zip(sids, lengths, anchors.tolist(), ks, fs, arms)]
+        return [
+            DraftRequest(s, torch.zeros(0), [0] * (n - 1) + [int(a)], k, f, arm)
+            for s, n, a, k, f, arm in zip(sids, lengths, anchors.tolist(), ks, fs, arms)
+        ]

@@ -40,7 +40,9 @@ class DraftVerifyWire:
             call = self._parse_draft_verify(arrays, sids)
             self._check_draft_verify(arrays, call)
             items, plans = self._call_of(call)
-            plans = [dataclasses.replace(p, rounds=0) if it.tokens[0] in p.stop_ids else p for it, p in zip(items, plans)]
+            plans = [
+                dataclasses.replace(p, rounds=0) if it.tokens[0] in p.stop_ids else p for it, p in zip(items, plans)
+            ]
             return self._answer(items, plans, *self._run_rounds(items, plans, ms=self._burst_ms(arrays)), number)
         rounds = [r for r, _, _, _ in self._rounds_program(arrays, len(sids))]
         ms = self._burst_ms(arrays)
@@ -70,8 +72,10 @@ class DraftVerifyWire:
         ks = [int(x) for x in schema.get_vector(arrays, k_spec)]
         arms = schema.get_strings(arrays, schema.TRUNK.input(schema.SPEC))
         if len(ks) != len(sids) or len(arms) != len(sids):
-            raise WireError(f"{schema.NUM_DRAFT_TOKENS} and {schema.SPEC} need one entry per SIDS ({len(sids)}), "
-                            f"got {len(ks)} and {len(arms)}")
+            raise WireError(
+                f"{schema.NUM_DRAFT_TOKENS} and {schema.SPEC} need one entry per SIDS ({len(sids)}), "
+                f"got {len(ks)} and {len(arms)}"
+            )
         for k, arm in zip(ks, arms):
             if arm not in schema.SPECS:
                 raise WireError(f"{schema.SPEC} must be one of {schema.SPECS}, got {arm!r}")
@@ -85,8 +89,10 @@ class DraftVerifyWire:
     def _call_of(call: list[tuple]) -> tuple[list[Rows], list[RoundsPlan]]:
         """The items and plans of a parsed ``draft_verify`` (:meth:`_parse_draft_verify`)."""
         items = [Rows(s, [int(t)], commit=n) for s, t, n, _, _, _ in call]
-        plans = [RoundsPlan(None, 0, r, b, st, m) if arm == schema.OFF else RoundsPlan(arm, k, r, b, st, m)
-                 for _, _, _, k, arm, (r, b, m, st) in call]
+        plans = [
+            RoundsPlan(None, 0, r, b, st, m) if arm == schema.OFF else RoundsPlan(arm, k, r, b, st, m)
+            for _, _, _, k, arm, (r, b, m, st) in call
+        ]
         return items, plans
 
     def _check_draft_verify(self, arrays: schema.Arrays, call: list[tuple]) -> None:
@@ -97,10 +103,14 @@ class DraftVerifyWire:
             if c.pending is not None and not n:
                 raise WireError(f"OP: draft_verify for sequence {s} while a verify is pending (N_ROWS)")
             if room > c.max_ctx - c.pos - n:
-                raise WireError(f"ROOM: {room} for sequence {s} exceeds the {c.max_ctx - c.pos - n} rows its trunk cache has left")
+                raise WireError(
+                    f"ROOM: {room} for sequence {s} exceeds the {c.max_ctx - c.pos - n} rows its trunk cache has left"
+                )
             first = 1 + max(0, min(k, room - 2))  # the first round's rows (later rounds: ROOM bounds them)
             if c.pos + n + first > c.max_ctx:
-                raise WireError(f"TOKENS: context full for sequence {s}: {c.pos + n} + {first} rows > max_ctx {c.max_ctx}")
+                raise WireError(
+                    f"TOKENS: context full for sequence {s}: {c.pos + n} + {first} rows > max_ctx {c.max_ctx}"
+                )
             if arm == schema.OFF:
                 continue
             stage = self.drafters[arm]
@@ -109,8 +119,10 @@ class DraftVerifyWire:
             if getattr(stage.states[s], "arm", None) not in (None, arm):
                 raise WireError(f"{schema.SPEC}: sequence {s} drafts with {stage.states[s].arm}, not {arm}")
             if not self.ingest[s].outs and not n:
-                raise WireError(f"SIDS: sequence {s} has no committed rows its {arm} drafter has not seen "
-                                "(open the drafter before the prime)")
+                raise WireError(
+                    f"SIDS: sequence {s} has no committed rows its {arm} drafter has not seen "
+                    "(open the drafter before the prime)"
+                )
 
     def _rounds_program(self, arrays: schema.Arrays, n: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
         """Per sequence ``(rounds, budget, room, stop ids)`` of a ``draft_verify`` (absent: one round, no
@@ -126,9 +138,14 @@ class DraftVerifyWire:
                 raise WireError(f"{name} needs one entry >= {lo} per SIDS ({n}), got {v}")
             cols.append(v)
         ids = schema.get_vector(arrays, schema.TRUNK.input("STOP_IDS")).tolist() if "STOP_IDS" in arrays else []
-        lens = ([int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("STOP_LENGTHS"))]
-                if "STOP_LENGTHS" in arrays else [0] * n)
+        lens = (
+            [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("STOP_LENGTHS"))]
+            if "STOP_LENGTHS" in arrays
+            else [0] * n
+        )
         if len(lens) != n or min(lens, default=0) < 0 or sum(lens) != len(ids):
-            raise WireError(f"STOP_LENGTHS {lens} must hold one count >= 0 per SIDS ({n}) summing to the {len(ids)} STOP_IDS")
+            raise WireError(
+                f"STOP_LENGTHS {lens} must hold one count >= 0 per SIDS ({n}) summing to the {len(ids)} STOP_IDS"
+            )
         offs = np.cumsum([0] + lens).tolist()
-        return [(r, b, m, tuple(ids[offs[j]:offs[j + 1]])) for j, (r, b, m) in enumerate(zip(*cols))]
+        return [(r, b, m, tuple(ids[offs[j] : offs[j + 1]])) for j, (r, b, m) in enumerate(zip(*cols))]

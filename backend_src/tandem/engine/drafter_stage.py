@@ -50,12 +50,15 @@ class DrafterStage(KeyedStates):
         for k in ks:
             schema.check_range(k_spec, k, hi=self.max_num_draft_tokens)
         res = self.draft(self.requests(arrays, sids, ks))
-        return {"DRAFTS": np.array([t for d in res for t in d], dtype=np.int64),
-                "DRAFT_LENGTHS": np.array([len(d) for d in res], dtype=np.int32)}
+        return {
+            "DRAFTS": np.array([t for d in res for t in d], dtype=np.int64),
+            "DRAFT_LENGTHS": np.array([len(d) for d in res], dtype=np.int32),
+        }
 
 
-def drafter_stages(model, dflash: dict | None = None,
-                   max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> dict[str, DrafterStage]:
+def drafter_stages(
+    model, dflash: dict | None = None, max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens
+) -> dict[str, DrafterStage]:
     """Arm -> drafter stage over the trunk ``model``: its MTP layer (when the checkpoint has one) and one
     :class:`~tandem.engine.dflash_stage.DFlashStage` for ``dflash`` (arm ->
     :class:`~tandem.model.dflash.DFlashDrafter`) on the trunk's embedding and LM head. The in-process

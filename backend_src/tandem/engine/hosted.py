@@ -43,9 +43,13 @@ class HostedRounds:
             q, now = pipe.queued, set(burst)
             act = [s for sid in q.sids if (s := self.sessions.get(sid)) is q.owners[sid] and sid in now]
             assert q.number == pipe.numbered, (q.number, pipe.numbered)  # the last call sent
-            chained = not q.followed and self._may_chain(act) and self._launch(pipe, q.number, act, q.plan, q.most, q.sids)
+            chained = (
+                not q.followed and self._may_chain(act) and self._launch(pipe, q.number, act, q.plan, q.most, q.sids)
+            )
             self._take_queued(pipe, receipts, left, ended)
-            if chained and pipe.queued is not None:  # the call after it is queued: nothing else may reach the trunk first
+            if (
+                chained and pipe.queued is not None
+            ):  # the call after it is queued: nothing else may reach the trunk first
                 return
         while act := [s for s in self.active() if left.get(s.sid, 0) > 0]:
             ms = None if deadline is None else max(0.0, (deadline - time.perf_counter()) * 1e3)
@@ -71,9 +75,15 @@ class HostedRounds:
         """Whether a pipelined call may follow the next one over ``act``: nothing can need the trunk
         before it (no turn waiting or arriving, no chunked prime, no cancel, no prefix capture to
         publish) and only the trunk's walk decides (no stop strings: only this side can cut them)."""
-        return (bool(act) and not self._waiting and not self._to_cancel and not self.prefilling() and self.quiet()
-                and all(s.stop_text is None and s.prefix_capture is None for s in act)
-                and {s.sid for s in act} == {s.sid for s in self.active()})  # (else the others would wait for the chain)
+        return (
+            bool(act)
+            and not self._waiting
+            and not self._to_cancel
+            and not self.prefilling()
+            and self.quiet()
+            and all(s.stop_text is None and s.prefix_capture is None for s in act)
+            and {s.sid for s in act} == {s.sid for s in self.active()}
+        )  # (else the others would wait for the chain)
 
     def _chain_prime(self, ok: list) -> int | None:
         """Before the admission's prime (``ok``: its ``(turn, session, prime item)``): when one turn is
@@ -88,8 +98,15 @@ class HostedRounds:
             return None
         t, s, item = ok[0]
         room = s.max_ctx - len(s.committed) - len(item.tokens)  # after the prime
-        if (s.prefill is not None or s.stop_text is not None or s.prefix_capture is not None or item.prefix
-                or t.max_tokens < 2 or room < 2 or pipe.queued is not None):
+        if (
+            s.prefill is not None
+            or s.stop_text is not None
+            or s.prefix_capture is not None
+            or item.prefix
+            or t.max_tokens < 2
+            or room < 2
+            or pipe.queued is not None
+        ):
             return None
         b = self.config.burst_rounds
         d, k = self.demotion.steady(s, 2 * b, 1, s.num_draft_tokens)  # as _hosted_call plans a chained first call
@@ -99,16 +116,23 @@ class HostedRounds:
         plan = RoundsPlan(s.arm if d else None, s.num_draft_tokens, rounds, t.max_tokens - 1, s.stop_ids, room)
         ms, number, sid = self._next_ms(), pipe.number(), s.sid
         nxt = pipe.number()
-        pipe.launch(nxt, [sid], {sid: (d, rounds)}, 1, {sid: s},
-                    lambda: self.trunk.draft_verify_next(nxt, [sid], [rounds], ms, plans=[plan]))
+        pipe.launch(
+            nxt,
+            [sid],
+            {sid: (d, rounds)},
+            1,
+            {sid: s},
+            lambda: self.trunk.draft_verify_next(nxt, [sid], [rounds], ms, plans=[plan]),
+        )
         return number
 
     def _next_ms(self) -> float | None:
         """A pipelined call's ``BURST_MS``: a whole burst's (None: bursts by rounds only)."""
         return self.config.burst_ms if self.config.burst_ms > 0 else None
 
-    def _launch(self, pipe, after: int, act: list[SpecSession], plan: dict[int, tuple[bool, int]], most: int,
-                sids: list[int]) -> bool:
+    def _launch(
+        self, pipe, after: int, act: list[SpecSession], plan: dict[int, tuple[bool, int]], most: int, sids: list[int]
+    ) -> bool:
         """Send call ``after + 1`` continuing call ``after`` over ``sids`` (in its order) when every session
         of ``act`` keeps its plan ``plan[sid] = (drafts?, rounds)`` of call ``after`` for at least one
         round after that call's rounds (:meth:`Demotion.steady` over both calls, at load ``most``) and
@@ -142,17 +166,28 @@ class HostedRounds:
             pipe.drop()  # the calls chained on it will be refused too: forget them (numbers only grow)
         else:
             now = {s.sid for s in self.active()}
-            live = [(s, x) for sid, x in zip(q.sids, per) if x and sid in now and (s := self.sessions[sid]) is q.owners[sid]]
+            live = [
+                (s, x) for sid, x in zip(q.sids, per) if x and sid in now and (s := self.sessions[sid]) is q.owners[sid]
+            ]
             n = self.config.burst_rounds
-            for sid, ran in self._replay(live, q.plan, receipts, left, ended,
-                                         lambda t: sum(1 for s, _ in live if ended.get(s.sid, n) >= t)).items():
+            for sid, ran in self._replay(
+                live, q.plan, receipts, left, ended, lambda t: sum(1 for s, _ in live if ended.get(s.sid, n) >= t)
+            ).items():
                 left[sid] -= ran
         self.timing["verify_s"] += t1 - t0
         self.timing["accept_s"] += clock() - t1
 
-    def _hosted_call(self, act: list[SpecSession], receipts: dict[int, Receipt], left: dict[int, int], most: int,
-                     load: Callable[[int], int], ended: dict[int, int], ms: float | None = None,
-                     chain: bool = False) -> dict[int, int]:
+    def _hosted_call(
+        self,
+        act: list[SpecSession],
+        receipts: dict[int, Receipt],
+        left: dict[int, int],
+        most: int,
+        load: Callable[[int], int],
+        ended: dict[int, int],
+        ms: float | None = None,
+        chain: bool = False,
+    ) -> dict[int, int]:
         """One ``draft_verify`` call of a trunk that hosts the drafters, up to ``left[sid]`` rounds per
         session (one for a session with stop strings: only this side can cut them; fewer where the
         demotion policy could change its plan, :meth:`Demotion.steady`), then each round replayed in
@@ -168,17 +203,31 @@ class HostedRounds:
         pipe = getattr(self.trunk, "pipeline", None)
         assert pipe is None or pipe.queued is None, "a pipelined call is not replayed yet"
         chain = chain and pipe is not None and self._may_chain(act)
+
         def plan_over(b: int) -> dict[int, tuple[bool, int]]:  # (drafts?, rounds) per session, b rounds after
-            return {s.sid: self.demotion.steady(s, 1 if s.stop_text is not None else max(1, left[s.sid]) + b, most,
-                                                s.num_draft_tokens) for s in act}
+            return {
+                s.sid: self.demotion.steady(
+                    s, 1 if s.stop_text is not None else max(1, left[s.sid]) + b, most, s.num_draft_tokens
+                )
+                for s in act
+            }
 
         plan = plan_over(self.config.burst_rounds if chain else 0)  # a pipelined call after it: over both calls
         if chain and min(k for _, k in plan.values()) < 2:  # a plan that may change after one round: no next call
             chain, plan = False, plan_over(0)
         if chain:  # rounds beyond this burst's go to the next call; the policy's steady rounds are split between them
             plan = {sid: (d, _first_share(left[sid], k)) for sid, (d, k) in plan.items()}
-        plans = [RoundsPlan(s.arm if plan[s.sid][0] else None, s.num_draft_tokens, plan[s.sid][1], s.turn_remaining,
-                            s.stop_ids, s.max_ctx - len(s.committed)) for s in act]
+        plans = [
+            RoundsPlan(
+                s.arm if plan[s.sid][0] else None,
+                s.num_draft_tokens,
+                plan[s.sid][1],
+                s.turn_remaining,
+                s.stop_ids,
+                s.max_ctx - len(s.committed),
+            )
+            for s in act
+        ]
         items = [Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act]
         if pipe is None:
             per = self.trunk.draft_verify_rounds(items, plans, ms)
@@ -198,8 +247,15 @@ class HostedRounds:
         self.timing["accept_s"] += clock() - t1
         return ran
 
-    def _replay(self, live: list[tuple[SpecSession, list]], plan: dict[int, tuple[bool, int]], receipts: dict[int, Receipt],
-                left: dict[int, int], ended: dict[int, int], load: Callable[[int], int]) -> dict[int, int]:
+    def _replay(
+        self,
+        live: list[tuple[SpecSession, list]],
+        plan: dict[int, tuple[bool, int]],
+        receipts: dict[int, Receipt],
+        left: dict[int, int],
+        ended: dict[int, int],
+        load: Callable[[int], int],
+    ) -> dict[int, int]:
         """Each round of a call's answer (``live``: per session, ``(anchor, drafts, verify output)`` per
         round) applied in order exactly as :meth:`round` would apply it (the accept walk, receipts, the
         policy asked round by round), checking that the trunk's walk chose the same anchors and the
@@ -211,8 +267,15 @@ class HostedRounds:
                 rest.append((s, x))
                 continue
             if not isinstance(x, DecodedRounds):  # (rounds a round at a time: as one)
-                x = DecodedRounds([a for a, _, _ in x], VerifyOut(*(torch.cat([getattr(o, f) for _, _, o in x]) for f in
-                                                                   ("argmax", "hidden", "top2_gap", "features"))))
+                x = DecodedRounds(
+                    [a for a, _, _ in x],
+                    VerifyOut(
+                        *(
+                            torch.cat([getattr(o, f) for _, _, o in x])
+                            for f in ("argmax", "hidden", "top2_gap", "features")
+                        )
+                    ),
+                )
                 assert not plan[s.sid][0] and x.out.argmax.shape[0] == len(x), (s.sid, plan[s.sid])  # no drafts
             assert x.anchors == [s.anchor] + x.targets[:-1], (s.sid, s.anchor)  # the walks replay exactly
             rc = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))

@@ -14,7 +14,14 @@ from pathlib import Path
 import torch
 
 from .. import schema
-from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, parse_dtype
+from ..model.checkpoint import (
+    DEFAULT_CHECKPOINT,
+    dflash_arms,
+    dflash_feature_layers,
+    load_dflash,
+    load_trunk,
+    parse_dtype,
+)
 from ..model.cpu_amx import set_amx
 from ..model.device import gemm_inputs
 from ..model.tokenizer import ChatTokenizer
@@ -39,9 +46,15 @@ class Engine:
     the last Engine made sets it).
     """
 
-    def __init__(self, checkpoint: str | Path = DEFAULT_CHECKPOINT, dtype: str | torch.dtype = schema.DEFAULTS.dtype,
-                 model: Trunk | None = None, tokenizer: ChatTokenizer | None = None, dflash: dict | None = None,
-                 **config) -> None:
+    def __init__(
+        self,
+        checkpoint: str | Path = DEFAULT_CHECKPOINT,
+        dtype: str | torch.dtype = schema.DEFAULTS.dtype,
+        model: Trunk | None = None,
+        tokenizer: ChatTokenizer | None = None,
+        dflash: dict | None = None,
+        **config,
+    ) -> None:
         dt = dtype
         self.config = dataclasses.replace(schema.DEFAULTS, **config)
         if isinstance(dtype, str):
@@ -53,14 +66,27 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         if dflash is None:
             dflash = {arm: load_dflash(checkpoint, arm, self.model.dtype) for arm in dflash_arms(checkpoint)}
-        feature_layers = next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
-        self.trunk = TrunkStage(self.model, self.config.max_ctx, tuple(feature_layers), self.config.batch_invariant,
-                                self.config.decode_threads)
+        feature_layers = (
+            next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
+        )
+        self.trunk = TrunkStage(
+            self.model,
+            self.config.max_ctx,
+            tuple(feature_layers),
+            self.config.batch_invariant,
+            self.config.decode_threads,
+        )
         self.drafters: dict = drafter_stages(self.model, dflash, self.config.max_num_draft_tokens)
-        self.sched = Scheduler(self.trunk, self.drafters, self.config, stop_ids=self.tokenizer.stop_ids,
-                               decode=getattr(self.tokenizer, "decode", None),  # None: no stop strings
-                               state_size=StateSize.from_configs(self.model.cfg.to_hf_dict(),
-                                                                 {a: d.cfg.__dict__ for a, d in dflash.items()}))
+        self.sched = Scheduler(
+            self.trunk,
+            self.drafters,
+            self.config,
+            stop_ids=self.tokenizer.stop_ids,
+            decode=getattr(self.tokenizer, "decode", None),  # None: no stop strings
+            state_size=StateSize.from_configs(
+                self.model.cfg.to_hf_dict(), {a: d.cfg.__dict__ for a, d in dflash.items()}
+            ),
+        )
         self._ids = itertools.count(1 << 40)
 
     def reset_prefix_cache(self) -> None:
@@ -71,10 +97,22 @@ class Engine:
         for stage in {id(d): d for d in self.drafters.values()}.values():
             getattr(stage, "tails", {}).clear()
 
-    def generate(self, prompt_ids: list[int], max_tokens: int = 128, spec: str | None = None,
-                 num_draft_tokens: int | None = None, on_burst=None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, sampling: str = schema.REJECTION,
-                 stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = (), cache_salt: str = "") -> dict:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int = 128,
+        spec: str | None = None,
+        num_draft_tokens: int | None = None,
+        on_burst=None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        sampling: str = schema.REJECTION,
+        stop_token_ids: tuple[int, ...] = (),
+        stop: tuple[str, ...] = (),
+        cache_salt: str = "",
+    ) -> dict:
         """Generate one turn in a fresh sequence (``temperature`` 0: greedy; else sampled with
         ``top_k``, ``top_p``, ``seed`` — None: a fresh one — and ``sampling`` mode, see
         :mod:`tandem.engine.sampling`; ``stop_token_ids`` and ``stop`` strings end the turn too; ``cache_salt``: the
@@ -87,8 +125,20 @@ class Engine:
         """
         params = SamplingParams.create(temperature, top_k, top_p, seed, sampling) if temperature else None
         sid = next(self._ids)
-        out = {"token_ids": [], "rounds": 0, "spec_rounds": 0, "drafted": 0, "accepted": 0, "accepted_at": [], "finish_reason": None,
-               "bursts": 0, "top2_gaps": [], "error": None, "ttft_s": None, "stop_string": ""}
+        out = {
+            "token_ids": [],
+            "rounds": 0,
+            "spec_rounds": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "accepted_at": [],
+            "finish_reason": None,
+            "bursts": 0,
+            "top2_gaps": [],
+            "error": None,
+            "ttft_s": None,
+            "stop_string": "",
+        }
         t0 = time.perf_counter()
 
         def emit(r, err, final):
@@ -111,9 +161,22 @@ class Engine:
             if on_burst is not None:
                 on_burst(r)
 
-        self.sched.admit([Turn(sid, list(prompt_ids), max_tokens, emit, spec=spec, num_draft_tokens=num_draft_tokens,
-                               sampling=params, stop_token_ids=tuple(stop_token_ids), stop=tuple(stop),
-                               cache_salt=cache_salt)])
+        self.sched.admit(
+            [
+                Turn(
+                    sid,
+                    list(prompt_ids),
+                    max_tokens,
+                    emit,
+                    spec=spec,
+                    num_draft_tokens=num_draft_tokens,
+                    sampling=params,
+                    stop_token_ids=tuple(stop_token_ids),
+                    stop=tuple(stop),
+                    cache_salt=cache_salt,
+                )
+            ]
+        )
         while sid in self.sched.turns:
             self.sched.burst()
         if out["error"]:

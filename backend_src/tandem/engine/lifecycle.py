@@ -106,9 +106,11 @@ class Lifecycle:
     def _no_free_session(self, t: Turn) -> str:
         self.stats["sessions_refused_full"] = self.stats.get("sessions_refused_full", 0) + 1
         cfg = self.config
-        return (f"{schema.SEQUENCE_ID}: no free session for {schema.sequence_name(t.sid)}: all {cfg.max_sessions} sessions are open "
-                f"(max_sessions) and none closed within {cfg.admission_wait_s:g} s (admission_wait_s); end finished "
-                f"sequences with {schema.SEQUENCE_END}, or retry later {schema.AT_CAPACITY_MARKER}")
+        return (
+            f"{schema.SEQUENCE_ID}: no free session for {schema.sequence_name(t.sid)}: all {cfg.max_sessions} sessions are open "
+            f"(max_sessions) and none closed within {cfg.admission_wait_s:g} s (admission_wait_s); end finished "
+            f"sequences with {schema.SEQUENCE_END}, or retry later {schema.AT_CAPACITY_MARKER}"
+        )
 
     def waiting(self) -> int:
         """Turns of new sequences waiting for a free session slot."""
@@ -120,11 +122,15 @@ class Lifecycle:
         ``cache_rows`` (trunk cache rows the open sessions hold: their committed tokens),
         ``prefix_cache_blocks`` (published prompt blocks of 64 tokens held by the prefix cache) and
         ``state_bytes`` (the estimated bytes of the open sessions' state, :meth:`state_bytes`)."""
-        return {"sessions_open": len(self.sessions), "session_slots_free": self.config.max_sessions - len(self.sessions),
-                "turns_running": len(self.turns), "turns_waiting": len(self._waiting),
-                "cache_rows": sum(len(s.committed) for s in self.sessions.values()),
-                "prefix_cache_blocks": self.prefix.stats["blocks"] if self.prefix is not None else 0,
-                "state_bytes": self.state_bytes()}
+        return {
+            "sessions_open": len(self.sessions),
+            "session_slots_free": self.config.max_sessions - len(self.sessions),
+            "turns_running": len(self.turns),
+            "turns_waiting": len(self._waiting),
+            "cache_rows": sum(len(s.committed) for s in self.sessions.values()),
+            "prefix_cache_blocks": self.prefix.stats["blocks"] if self.prefix is not None else 0,
+            "state_bytes": self.state_bytes(),
+        }
 
     def close(self, sid: int) -> None:
         """Forget ``sid``; its stage state is dropped with the next batched close."""
@@ -144,8 +150,11 @@ class Lifecycle:
     def expire_idle(self, now: float | None = None) -> list[int]:
         """Close sessions with no turn in progress and no activity for ``idle_timeout_s``."""
         now = time.monotonic() if now is None else now
-        gone = [sid for sid, s in self.sessions.items()
-                if sid not in self.turns and now - s.last_active > self.config.idle_timeout_s]
+        gone = [
+            sid
+            for sid, s in self.sessions.items()
+            if sid not in self.turns and now - s.last_active > self.config.idle_timeout_s
+        ]
         for sid in gone:
             self.close(sid)
         self._flush_closes()

@@ -79,15 +79,22 @@ class LastCall:
         not ``number - 1`` over the same ``sids``."""
         last = self._last
         if last is None or last[0] != number - 1 or [it.sid for it in last[1]] != sids:
-            have = (f"prime {self._primed[0]} over {len(self._primed[1])} sequences" if self._primed is not None
-                    else "none" if last is None else f"call {last[0]} over {len(last[1])} sequences")
+            have = (
+                f"prime {self._primed[0]} over {len(self._primed[1])} sequences"
+                if self._primed is not None
+                else "none"
+                if last is None
+                else f"call {last[0]} over {len(last[1])} sequences"
+            )
             raise WireError(f"{NOT_NEXT} {number - 1} over these SIDS (the trunk's last call: {have})")
         _, items, plans, cont = last
         nxt_items, nxt_plans = next_call(items, plans, cont)
         by_sid = {it.sid: (it, dataclasses.replace(p, rounds=0)) for it, p in zip(items, plans)}  # ended: no round
         by_sid.update((it.sid, (it, p)) for it, p in zip(nxt_items, nxt_plans))
         out = [by_sid[s] for s in sids]
-        return [it for it, _ in out], [dataclasses.replace(p, rounds=r if p.rounds else 0) for (_, p), r in zip(out, rounds)]
+        return [it for it, _ in out], [
+            dataclasses.replace(p, rounds=r if p.rounds else 0) for (_, p), r in zip(out, rounds)
+        ]
 
 
 @dataclasses.dataclass
@@ -143,8 +150,15 @@ class Pipeline:
                     q.followed = True
         return self.inner(model, op, arrays)
 
-    def launch(self, number: int, sids: list[int], plan: dict[int, tuple[bool, int]], most: int, owners: dict,
-               send: Callable[[], list]) -> None:
+    def launch(
+        self,
+        number: int,
+        sids: list[int],
+        plan: dict[int, tuple[bool, int]],
+        most: int,
+        owners: dict,
+        send: Callable[[], list],
+    ) -> None:
         """Send ``send()`` (the proxy's ``draft_verify_next``) ``delay_s`` from now on a helper thread (a
         daemon: a call that never answers cannot hold the process at exit)."""
         assert len(self._flight) < 2, "two pipelined calls in flight at most"
@@ -190,4 +204,3 @@ class Pipeline:
         """Forget the calls in flight without waiting (a failure is ending their turns: the stage may not
         answer). Their sessions are closed next; a close that reaches the trunk first makes them refused."""
         self._flight.clear()
-

@@ -41,9 +41,12 @@ class PlainRounds:
     def _all_plain(self, act: list) -> bool:
         """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
         stop strings) on a trunk that decodes them in one call (not a hosting one: it decides itself)."""
-        return (bool(act) and getattr(self.trunk, "decode_rows", None) is not None
-                and not getattr(self.trunk, "hosts_drafters", False)
-                and all(s.arm == schema.OFF and s.sampling is None and s.stop_text is None for s in act))
+        return (
+            bool(act)
+            and getattr(self.trunk, "decode_rows", None) is not None
+            and not getattr(self.trunk, "hosts_drafters", False)
+            and all(s.arm == schema.OFF and s.sampling is None and s.stop_text is None for s in act)
+        )
 
     def _after_plain(self, s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOut, r: Receipt) -> int:
         """``len(targets)`` plain greedy rounds of ``s`` (arm ``off``) applied at once: round ``t`` emitted
@@ -53,9 +56,17 @@ class PlainRounds:
         its budget or at the context end), without a walk a round. Returns the rows the next call
         commits (1). Raises ``AssertionError`` (nothing changed) when the turn ended before the last round."""
         n, n0, budget = len(targets), len(s.committed), s.turn_remaining
-        assert s.arm == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (s.sid, s.arm, s.turn_done, n)
-        end = min(budget, max(1, s.max_ctx - 1 - n0),  # the first round that ends the turn (1-based)
-                  next((t + 1 for t, x in enumerate(targets) if x in s.stop_ids), n))
+        assert s.arm == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (
+            s.sid,
+            s.arm,
+            s.turn_done,
+            n,
+        )
+        end = min(
+            budget,
+            max(1, s.max_ctx - 1 - n0),  # the first round that ends the turn (1-based)
+            next((t + 1 for t, x in enumerate(targets) if x in s.stop_ids), n),
+        )
         assert end >= n, f"sequence {s.sid}: a plain decode call ran past a finished turn (round {end} of {n})"
         s.rounds += n
         r.rounds += n
@@ -84,8 +95,9 @@ class PlainRounds:
         if steps < 2:
             return 0, False
         t0 = time.perf_counter()
-        outs = self.trunk.decode_rows([Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], steps,
-                                      [tuple(s.stop_ids) for s in act])
+        outs = self.trunk.decode_rows(
+            [Rows(s.sid, [s.anchor], commit=s.trunk_commit) for s in act], steps, [tuple(s.stop_ids) for s in act]
+        )
         t1 = time.perf_counter()
         n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
         self._decode_round_s = (t1 - t0) / n
@@ -114,8 +126,9 @@ def rounds_until(deadline: float | None, round_s: float) -> int:
     return max(2, math.ceil(left / round_s)) if round_s > 0 else 1 << 30
 
 
-def plain_steps(plans: list, live: list[int], r: int, used: list[int], budget: list[int], end: float | None,
-                round_s: float) -> tuple[int, int]:
+def plain_steps(
+    plans: list, live: list[int], r: int, used: list[int], budget: list[int], end: float | None, round_s: float
+) -> tuple[int, int]:
     """``(steps, by_clock)``: the rounds the plain greedy sequences ``live`` (indices into ``plans``, the
     call's :class:`~tandem.engine.protocols.RoundsPlan` list) can run in one decode call from round
     ``r`` (0: not one call): at least two, each within its plan, ``budget[j]`` (tokens) and context

@@ -73,7 +73,7 @@ class PendingPrefill:
     def piece(self, n: int, first: bool) -> Rows:
         """The prime item of the next ``n`` rows (the first carries the prefix keys and the pending commit)."""
         it = self.item
-        rows = it.tokens[self.done: self.done + n]
+        rows = it.tokens[self.done : self.done + n]
         if first:
             return Rows(it.sid, rows, it.prefix, it.commit, it.sampling)
         return Rows(it.sid, rows, None if it.prefix is None else [], 0, it.sampling)

@@ -78,7 +78,7 @@ def _blocks(tokens: list[int], n_blocks: int) -> list[bytes]:
     c = schema.PREFIX_BLOCK
     if n_blocks * c > len(tokens):
         raise ValueError(f"{n_blocks} blocks of {c} need {n_blocks * c} tokens, got {len(tokens)}")
-    return [np.asarray(tokens[i * c:(i + 1) * c], dtype="<i8").tobytes() for i in range(n_blocks)]
+    return [np.asarray(tokens[i * c : (i + 1) * c], dtype="<i8").tobytes() for i in range(n_blocks)]
 
 
 @dataclasses.dataclass
@@ -140,8 +140,15 @@ class PrefixIndex:
         self.hasher = KeyedHasher() if hasher is None else hasher
         self.entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()
         self._uids = itertools.count(1)
-        self.stats = {"hits": 0, "misses": 0, "collisions": 0, "evictions": 0, "rows_skipped": 0, "bytes": 0,
-                      "blocks": 0}
+        self.stats = {
+            "hits": 0,
+            "misses": 0,
+            "collisions": 0,
+            "evictions": 0,
+            "rows_skipped": 0,
+            "bytes": 0,
+            "blocks": 0,
+        }
 
     def _chain(self, blocks: list[bytes], salt: str) -> list[int]:
         s = salt.encode("utf-8")

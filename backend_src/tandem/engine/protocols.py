@@ -92,12 +92,15 @@ class VerifyOut:
 
     def rows_at(self, i: int) -> "VerifyOut":
         """Row ``i`` alone (one row)."""
-        return VerifyOut(self.argmax[i: i + 1], self.hidden[i: i + 1], self.top2_gap[i: i + 1], self.features[i: i + 1])
+        return VerifyOut(
+            self.argmax[i : i + 1], self.hidden[i : i + 1], self.top2_gap[i : i + 1], self.features[i : i + 1]
+        )
 
     def then(self, other: "VerifyOut") -> "VerifyOut":
         """These rows followed by ``other``'s."""
-        return VerifyOut(*(torch.cat([getattr(self, f.name), getattr(other, f.name)])
-                           for f in dataclasses.fields(self)))
+        return VerifyOut(
+            *(torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in dataclasses.fields(self))
+        )
 
 
 class DecodedRounds(collections.abc.Sequence):

@@ -50,12 +50,15 @@ Key = tuple
 
 def call_key(items: list[Rows], plans: list[RoundsPlan]) -> Key:
     """The identity of a ``draft_verify`` call: equal keys, equal answers (on equal states)."""
-    return tuple((it.sid, tuple(it.tokens), it.commit, p.arm, p.k, p.rounds, p.budget, tuple(p.stop_ids), p.room)
-                 for it, p in zip(items, plans))
+    return tuple(
+        (it.sid, tuple(it.tokens), it.commit, p.arm, p.k, p.rounds, p.budget, tuple(p.stop_ids), p.room)
+        for it, p in zip(items, plans)
+    )
 
 
-def next_call(items: list[Rows], plans: list[RoundsPlan], cont: list[tuple[int, int, int, bool] | None]
-              ) -> tuple[list[Rows], list[RoundsPlan]]:
+def next_call(
+    items: list[Rows], plans: list[RoundsPlan], cont: list[tuple[int, int, int, bool] | None]
+) -> tuple[list[Rows], list[RoundsPlan]]:
     """The call the scheduler makes next when nothing else happens: per sequence whose turn goes on
     (``cont[j] = (anchor, commit, used, alive)`` from :meth:`StageHost._run_rounds`; ``used``: the
     tokens this call committed, the pending commit of its last round included) its next anchor and
@@ -95,11 +98,16 @@ class Snapshot:
             c = host.trunk.cache(it.sid)
             ing = host.ingest.get(it.sid)
             self.seqs[it.sid] = _Seq(
-                c.pos, list(c.layers), c.pending, c.pending_rows,
+                c.pos,
+                list(c.layers),
+                c.pending,
+                c.pending_rows,
                 [(m, m._n, m._np) for m in c.layers if isinstance(m, MLACache)],
                 host.pending.get(it.sid),
                 None if ing is None else (ing, list(ing.outs), list(ing.tokens)),
-                self._drafter(host, p.arm, it.sid), it.commit)
+                self._drafter(host, p.arm, it.sid),
+                it.commit,
+            )
 
     @staticmethod
     def _drafter(host, arm: str | None, sid: int) -> tuple | None:
@@ -185,7 +193,12 @@ class RunAhead:
         assert self._thread is None, "one speculative call at a time"
         if not items:
             return
-        self._key, self._snap, self._out, self._error = call_key(items, plans), Snapshot(self.host, items, plans), None, None
+        self._key, self._snap, self._out, self._error = (
+            call_key(items, plans),
+            Snapshot(self.host, items, plans),
+            None,
+            None,
+        )
         self.call = (items, plans)
         self._stop.clear()
         self._t0 = time.perf_counter()
@@ -222,8 +235,10 @@ class RunAhead:
     def summary(self) -> str:
         """Hits, misses and the hits' mean head start and wait (ms), for the log."""
         n = max(self.hits, 1)
-        return (f"run-ahead {self.hits} hits (head start {1e3 * self.head_s / n:.1f} ms, then waited "
-                f"{1e3 * self.wait_s / n:.1f} ms), {self.misses} misses")
+        return (
+            f"run-ahead {self.hits} hits (head start {1e3 * self.head_s / n:.1f} ms, then waited "
+            f"{1e3 * self.wait_s / n:.1f} ms), {self.misses} misses"
+        )
 
     def settle(self) -> None:
         """Stop and undo the speculative call, if any (before any op but a ``draft_verify``)."""

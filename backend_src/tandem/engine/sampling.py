@@ -53,8 +53,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def create(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               mode: str = schema.REJECTION) -> "SamplingParams":
+    def create(
+        cls,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        mode: str = schema.REJECTION,
+    ) -> "SamplingParams":
         """Checked parameters (``seed`` None: a fresh random seed, never a shared stream). Raises
         :class:`~tandem.schema.WireError` naming the field and its range."""
         specs = {t.name: t for t in schema.SAMPLING_INPUTS}
@@ -66,7 +72,9 @@ class SamplingParams:
             schema.check_range(specs[schema.SEED], seed, hi=_SEED_MAX)
         if mode not in schema.SAMPLING_MODES:
             raise WireError(f"{schema.SAMPLING} must be one of {schema.SAMPLING_MODES}, got {mode!r}")
-        return cls(float(temperature), int(top_k), float(top_p), secrets.randbits(63) if seed is None else int(seed), mode)
+        return cls(
+            float(temperature), int(top_k), float(top_p), secrets.randbits(63) if seed is None else int(seed), mode
+        )
 
 
 def uniforms(seed: int, position: int, purpose: int, n: int = 1) -> np.ndarray:
@@ -103,8 +111,14 @@ def sample(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum(idx, probs.shape[-1] - 1)
 
 
-def rejection_targets(probs: np.ndarray, drafts: np.ndarray, u_accept: np.ndarray, u_residual: np.ndarray,
-                      u_bonus: np.ndarray, q: np.ndarray | None = None) -> np.ndarray:
+def rejection_targets(
+    probs: np.ndarray,
+    drafts: np.ndarray,
+    u_accept: np.ndarray,
+    u_residual: np.ndarray,
+    u_bonus: np.ndarray,
+    q: np.ndarray | None = None,
+) -> np.ndarray:
     """Per-row targets of lossless speculative sampling, batched over ``B`` independent walks.
 
     Args: ``probs [B, R, V]`` the transformed trunk distribution at each of the ``R = k + 1`` rows;
@@ -133,7 +147,9 @@ def rejection_targets(probs: np.ndarray, drafts: np.ndarray, u_accept: np.ndarra
     return out
 
 
-def row_targets(logits: torch.Tensor, tokens: list[int], pos0: int, p: SamplingParams, last_only: bool = False) -> torch.Tensor:
+def row_targets(
+    logits: torch.Tensor, tokens: list[int], pos0: int, p: SamplingParams, last_only: bool = False
+) -> torch.Tensor:
     """Target tokens of one sequence's trunk pass under sampling ``p`` (not greedy).
 
     ``logits [R, V]`` of rows at positions ``pos0 .. pos0 + R - 1`` whose tokens are ``tokens``
@@ -154,15 +170,17 @@ def row_targets(logits: torch.Tensor, tokens: list[int], pos0: int, p: SamplingP
         drafts = np.array(tokens[1:] if k else [], np.int64)[None]
         u_a = np.array([uniforms(p.seed, t, ACCEPT)[0] for t in pos[:k]])[None]
         u_r = np.array([uniforms(p.seed, t, RESIDUAL)[0] for t in pos[:k]])[None]
-        tgt = rejection_targets(probs[None], drafts.reshape(1, k), u_a.reshape(1, k), u_r.reshape(1, k),
-                                uniforms(p.seed, pos[-1], BONUS))[0]
+        tgt = rejection_targets(
+            probs[None], drafts.reshape(1, k), u_a.reshape(1, k), u_r.reshape(1, k), uniforms(p.seed, pos[-1], BONUS)
+        )[0]
     out = torch.zeros(R, dtype=torch.int64, device="cpu")  # drawn on the host (numpy); the caller moves it
     out[lo:] = torch.from_numpy(np.asarray(tgt, np.int64))
     return out
 
 
-def targets_and_gaps(logits: torch.Tensor, lengths: list[int], samplers: list | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def targets_and_gaps(
+    logits: torch.Tensor, lengths: list[int], samplers: list | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's target token ``[R]`` int64 and top-2 logit gap ``[R]`` (the reference of the fused
     Triton sampler, :func:`tandem_kernels.sampler.targets_and_gaps`; on the CPU the greedy targets
     and gaps come from :func:`~tandem.model.cpu_kernels.top2`).
@@ -179,7 +197,9 @@ def targets_and_gaps(logits: torch.Tensor, lengths: list[int], samplers: list | 
         target, off = target.clone(), 0
         for n, smp in zip(lengths, samplers):
             if smp is not None:
-                target[off: off + n] = row_targets(logits[off: off + n], smp[1], smp[2], smp[0], smp[3]).to(target.device)
+                target[off : off + n] = row_targets(logits[off : off + n], smp[1], smp[2], smp[0], smp[3]).to(
+                    target.device
+                )
             off += n
     return target, gap
 
@@ -190,11 +210,13 @@ def to_wire(params: list[SamplingParams | None]) -> dict[str, np.ndarray]:
     if all(p is None or p.greedy for p in params):
         return {}
     ps = [p or SamplingParams() for p in params]
-    return {schema.TEMPERATURE: np.array([p.temperature for p in ps], np.float32),
-            schema.TOP_K: np.array([p.top_k for p in ps], np.int32),
-            schema.TOP_P: np.array([p.top_p for p in ps], np.float32),
-            schema.SEED: np.array([p.seed for p in ps], np.int64),
-            schema.SAMPLING: np.array([schema.SAMPLING_MODES.index(p.mode) for p in ps], np.int32)}
+    return {
+        schema.TEMPERATURE: np.array([p.temperature for p in ps], np.float32),
+        schema.TOP_K: np.array([p.top_k for p in ps], np.int32),
+        schema.TOP_P: np.array([p.top_p for p in ps], np.float32),
+        schema.SEED: np.array([p.seed for p in ps], np.int64),
+        schema.SAMPLING: np.array([schema.SAMPLING_MODES.index(p.mode) for p in ps], np.int32),
+    }
 
 
 def from_wire(arrays: dict[str, np.ndarray], n: int) -> list[SamplingParams | None]:
@@ -212,6 +234,10 @@ def from_wire(arrays: dict[str, np.ndarray], n: int) -> list[SamplingParams | No
     modes = schema.SAMPLING_MODES
     if any(not 0 <= m < len(modes) for m in cols[schema.SAMPLING]):
         raise WireError(f"{schema.SAMPLING} entries must be in [0, {len(modes) - 1}] (indices of {modes})")
-    out = [SamplingParams.create(t, k, p, s, modes[m]) for t, k, p, s, m in zip(
-        *(cols[name] for name in (schema.TEMPERATURE, schema.TOP_K, schema.TOP_P, schema.SEED, schema.SAMPLING)))]
+    out = [
+        SamplingParams.create(t, k, p, s, modes[m])
+        for t, k, p, s, m in zip(
+            *(cols[name] for name in (schema.TEMPERATURE, schema.TOP_K, schema.TOP_P, schema.SEED, schema.SAMPLING))
+        )
+    ]
     return [None if p.greedy else p for p in out]

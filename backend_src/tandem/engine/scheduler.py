@@ -26,6 +26,7 @@ from .session import Receipt, SpecSession, Turn  # noqa: F401 - Turn: re-exporte
 from .state_size import StateSize
 from .stops import StopText, validate_stops
 
+
 class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
     """Sessions by sequence id, and the round / burst loop over them.
 
@@ -37,9 +38,15 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
     ``request_cancel`` may be called from any thread; everything else from one thread.
     """
 
-    def __init__(self, trunk: TrunkAPI, drafters: dict[str, DrafterAPI] | None = None,
-                 config: ServingConfig = schema.DEFAULTS, stop_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None, state_size: StateSize | None = None) -> None:
+    def __init__(
+        self,
+        trunk: TrunkAPI,
+        drafters: dict[str, DrafterAPI] | None = None,
+        config: ServingConfig = schema.DEFAULTS,
+        stop_ids: tuple[int, ...] = (),
+        decode: Callable[[list[int]], str] | None = None,
+        state_size: StateSize | None = None,
+    ) -> None:
         self.trunk, self.drafters = trunk, dict(drafters or {})
         #: estimates each session's state in bytes (None: admission by count alone, ``state_bytes`` 0)
         self.state_size = state_size
@@ -60,8 +67,14 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         self.admitting: list[Turn] = []
         self._cancel_lock = threading.Lock()
         self._to_cancel: dict[int, tuple[Turn | None, str | None]] = {}
-        self.stats = {"sessions_opened": 0, "sessions_expired": 0, "cancelled": 0, "rounds": 0, "drafted": 0,
-                      "accepted": 0}
+        self.stats = {
+            "sessions_opened": 0,
+            "sessions_expired": 0,
+            "cancelled": 0,
+            "rounds": 0,
+            "drafted": 0,
+            "accepted": 0,
+        }
         #: the prefix cache's index (None when ``config.prefix_cache_mb`` is 0)
         self.prefix = PrefixIndex(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
         #: wall seconds per stage of :meth:`round` (summed; a batched round counts once)
@@ -84,21 +97,27 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         arm = self._arm(t)
         if arm != schema.OFF and arm not in self.drafters:
             model = schema.DRAFTER_MTP.name if arm == schema.MTP else schema.DRAFTER_DFLASH.name
-            return (f"{schema.SPEC} {arm!r} needs the {model} model with a {arm} drafter, which is not loaded"
-                    + (" (the checkpoint has none: `make drafter` trains it)" if arm in schema.DFLASH_ARMS else ""))
+            return f"{schema.SPEC} {arm!r} needs the {model} model with a {arm} drafter, which is not loaded" + (
+                " (the checkpoint has none: `make drafter` trains it)" if arm in schema.DFLASH_ARMS else ""
+            )
         if s is not None and not t.start and t.spec is not None and t.spec != s.arm:
             return f"{schema.SPEC}: sequence {t.sid} runs {s.arm!r}; a later turn cannot switch to {t.spec!r}"
         if t.num_draft_tokens is not None and arm == schema.OFF:  # never silently ignored
-            return (f"{schema.NUM_DRAFT_TOKENS}: {schema.sequence_name(t.sid)} decodes plain ({schema.SPEC} 'off'), "
-                    f"which takes no drafts")
+            return (
+                f"{schema.NUM_DRAFT_TOKENS}: {schema.sequence_name(t.sid)} decodes plain ({schema.SPEC} 'off'), "
+                f"which takes no drafts"
+            )
         try:
             schema.check_range(schema.TANDEM.input(schema.MAX_TOKENS), t.max_tokens, hi=cfg.max_ctx)
         except schema.WireError as e:
             return str(e)
         try:
             if t.num_draft_tokens is not None:  # a DFlash block holds the anchor and block_size - 1 drafts
-                schema.check_range(schema.TANDEM.input(schema.NUM_DRAFT_TOKENS), t.num_draft_tokens,
-                                   hi=cfg.block_size - 1 if arm in schema.DFLASH_ARMS else cfg.max_num_draft_tokens)
+                schema.check_range(
+                    schema.TANDEM.input(schema.NUM_DRAFT_TOKENS),
+                    t.num_draft_tokens,
+                    hi=cfg.block_size - 1 if arm in schema.DFLASH_ARMS else cfg.max_num_draft_tokens,
+                )
         except schema.WireError as e:
             return str(e) + (f" (the {arm} block is {cfg.block_size} rows)" if arm in schema.DFLASH_ARMS else "")
         vocab = getattr(self.trunk, "vocab_size", None)
@@ -115,16 +134,20 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         if len(salt := t.cache_salt.encode("utf-8")) > schema.MAX_CACHE_SALT_BYTES:
             return f"{schema.CACHE_SALT}: at most {schema.MAX_CACHE_SALT_BYTES} bytes, got {len(salt)}"
         if not t.start and s is None:
-            return (f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid}: this server holds no such session (set "
-                    f"{schema.SEQUENCE_START} on the first turn; behind a proxy, send the {schema.ROUTING_HEADER} "
-                    f"header, the sequence id, with every turn so it reaches the server holding the session) "
-                    f"{schema.SESSION_LOST_MARKER}")
+            return (
+                f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid}: this server holds no such session (set "
+                f"{schema.SEQUENCE_START} on the first turn; behind a proxy, send the {schema.ROUTING_HEADER} "
+                f"header, the sequence id, with every turn so it reaches the server holding the session) "
+                f"{schema.SESSION_LOST_MARKER}"
+            )
         if t.sid in self.turns:
             return f"{schema.SEQUENCE_ID}: sequence id {t.sid} already has a turn in progress"
         base = 0 if t.start or s is None else len(s.committed) + (s.anchor is not None and not self._drops_anchor(s, t))
         if base + len(t.tokens) >= cfg.max_ctx:
-            return (f"{schema.INPUT_IDS}: {base} context + {len(t.tokens)} new tokens leaves no room to generate "
-                    f"within the context capacity of {cfg.max_ctx} tokens (at most {cfg.max_ctx - 1 - base} new tokens)")
+            return (
+                f"{schema.INPUT_IDS}: {base} context + {len(t.tokens)} new tokens leaves no room to generate "
+                f"within the context capacity of {cfg.max_ctx} tokens (at most {cfg.max_ctx - 1 - base} new tokens)"
+            )
         if base == 0 and not t.tokens:
             return f"{schema.INPUT_IDS}: the first turn of a sequence needs at least 1 token"
         return None
@@ -213,7 +236,9 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             items = [rows for _, _, rows in ok]
             if hosted:  # each new session's arm: the prime opens its trunk and drafter state first
                 opened, number = {s.sid for s in new}, self._chain_prime(ok)  # (the first burst's call sent after it)
-                outs = self.trunk.prime(items, opens=[s.arm if s.sid in opened else "" for _, s, _ in ok], number=number)
+                outs = self.trunk.prime(
+                    items, opens=[s.arm if s.sid in opened else "" for _, s, _ in ok], number=number
+                )
             else:
                 outs = self.trunk.prime(items)
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
@@ -297,22 +322,30 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         total = self.state_size.session(self._arm(t), end, unread=len(t.tokens) + 1)
         if total > self._state_budget():
             budget = self._state_budget() / 2**20
-            return 0, total, (f"{schema.MAX_TOKENS}: a turn reaching {end} tokens of context needs about "
-                              f"{total / 2**20:.1f} MB of session state, more than the {budget:.0f} MB "
-                              f"sessions may hold (max_state_mb {cfg.max_state_mb} less prefix_cache_mb "
-                              f"{cfg.prefix_cache_mb}); ask for fewer tokens")
+            return (
+                0,
+                total,
+                (
+                    f"{schema.MAX_TOKENS}: a turn reaching {end} tokens of context needs about "
+                    f"{total / 2**20:.1f} MB of session state, more than the {budget:.0f} MB "
+                    f"sessions may hold (max_state_mb {cfg.max_state_mb} less prefix_cache_mb "
+                    f"{cfg.prefix_cache_mb}); ask for fewer tokens"
+                ),
+            )
         return total - (self._session_bytes(s) if s is not None else 0), total, None
 
     def _no_room(self, t: Turn, total: int, room: int) -> str:
         """The refusal of a turn whose state did not fit within ``admission_wait_s`` (counted as at capacity)."""
         self.stats["sessions_refused_memory"] = self.stats.get("sessions_refused_memory", 0) + 1
         cfg = self.config
-        return (f"{schema.SEQUENCE_ID}: no room for {schema.sequence_name(t.sid)}: its turn needs about "
-                f"{total / 2**20:.1f} MB of session state and {max(room, 0) / 2**20:.1f} MB of "
-                f"{self._state_budget() / 2**20:.0f} MB are free (max_state_mb {cfg.max_state_mb} less prefix_cache_mb "
-                f"{cfg.prefix_cache_mb}, {len(self.sessions)} sessions open), and not enough was freed within "
-                f"{cfg.admission_wait_s:g} s (admission_wait_s); end finished sequences with {schema.SEQUENCE_END}, "
-                f"ask for fewer tokens, or retry later {schema.AT_CAPACITY_MARKER}")
+        return (
+            f"{schema.SEQUENCE_ID}: no room for {schema.sequence_name(t.sid)}: its turn needs about "
+            f"{total / 2**20:.1f} MB of session state and {max(room, 0) / 2**20:.1f} MB of "
+            f"{self._state_budget() / 2**20:.0f} MB are free (max_state_mb {cfg.max_state_mb} less prefix_cache_mb "
+            f"{cfg.prefix_cache_mb}, {len(self.sessions)} sessions open), and not enough was freed within "
+            f"{cfg.admission_wait_s:g} s (admission_wait_s); end finished sequences with {schema.SEQUENCE_END}, "
+            f"ask for fewer tokens, or retry later {schema.AT_CAPACITY_MARKER}"
+        )
 
     def refuse_overdue(self, now: float | None = None) -> int:
         """Thread-safe: refuse every waiting turn whose ``admission_wait_s`` has passed, without waiting
@@ -329,8 +362,13 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             self._admit_lock.release()
         for _, t in late:
             full = len(self.sessions) >= self.config.max_sessions
-            t.emit(None, self._no_free_session(t) if full or self.state_size is None
-                   else self._no_room(t, self.state_need(t)[1], self.state_room() or 0), True)
+            t.emit(
+                None,
+                self._no_free_session(t)
+                if full or self.state_size is None
+                else self._no_room(t, self.state_need(t)[1], self.state_room() or 0),
+                True,
+            )
         return len(late)
 
     def _refused(self, t: Turn, err: str, twice: bool) -> None:
@@ -346,8 +384,14 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         s = self.sessions.get(t.sid)
         if s is None:
             arm = self._arm(t)
-            s = SpecSession(t.sid, self._num_draft_tokens(t), self.config.max_ctx, trunk=self.trunk, arm=arm,
-                            drafter=self.drafters.get(arm))
+            s = SpecSession(
+                t.sid,
+                self._num_draft_tokens(t),
+                self.config.max_ctx,
+                trunk=self.trunk,
+                arm=arm,
+                drafter=self.drafters.get(arm),
+            )
         elif t.num_draft_tokens is not None:  # a later turn may change the draft count
             s.num_draft_tokens = self._num_draft_tokens(t)
             s.accepted_at += [0] * (s.num_draft_tokens - len(s.accepted_at))
@@ -381,7 +425,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         hit = self.prefix.lookup(cap, s.arm)
         s.prefix_capture, s.warm_rows = cap, hit * schema.PREFIX_BLOCK
         s.drafter_rows = s.warm_rows if s.arm in schema.DFLASH_ARMS else 0
-        return Rows(s.sid, rows[s.warm_rows:], cap.keys[:hit])
+        return Rows(s.sid, rows[s.warm_rows :], cap.keys[:hit])
 
     def _after_prime(self, s: SpecSession, item: Rows, out: VerifyOut, max_tokens: int) -> Receipt | None:
         """A turn's prime is complete (``out``: its rows' outputs): commit its rows and return the receipt
@@ -444,7 +488,9 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         arm = self._arm(t)
         if arm == schema.OFF:
             return 0
-        return t.num_draft_tokens or (self.config.block_size - 1 if arm in schema.DFLASH_ARMS else self.config.num_draft_tokens)
+        return t.num_draft_tokens or (
+            self.config.block_size - 1 if arm in schema.DFLASH_ARMS else self.config.num_draft_tokens
+        )
 
     def _by_drafter(self, sessions: list[SpecSession]) -> list[tuple[DrafterAPI, list[SpecSession]]]:
         """Sessions that draft, grouped by drafter stage (one call per stage)."""
@@ -479,8 +525,10 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
         spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
         for stage, group in self._by_drafter(spec):
-            reqs = [DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
-                    for s in group]
+            reqs = [
+                DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
+                for s in group
+            ]
             for s, d in zip(group, self._draft(stage, group, reqs)):
                 s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
         t1 = clock()
@@ -551,8 +599,9 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         once more before its final response: cancelled, it ends as cancelled and publishes nothing."""
         turns = list(self.turns.values())
         for sync in (False, True):  # a turn in chunked prefill has sent nothing yet: asked now
-            for t in self._cancelled_by_client([t for t in turns if (self.sessions[t.sid].prefill is not None) == sync],
-                                               sync):
+            for t in self._cancelled_by_client(
+                [t for t in turns if (self.sessions[t.sid].prefill is not None) == sync], sync
+            ):
                 self.request_cancel(t.sid, t)
         self._apply_cancels()
         self._prefill_step()

@@ -54,8 +54,12 @@ class StateSize:
         Raises ``KeyError`` naming a missing field."""
         t = trunk
         H = t["num_attention_heads"]
-        row = (t["kv_lora_rank"] + H * (t["qk_nope_head_dim"] + t["qk_rope_head_dim"]) + H * t["v_head_dim"]
-               + 2 * t["index_head_dim"])
+        row = (
+            t["kv_lora_rank"]
+            + H * (t["qk_nope_head_dim"] + t["qk_rope_head_dim"])
+            + H * t["v_head_dim"]
+            + 2 * t["index_head_dim"]
+        )
         types = t["layer_types"]
         n_mla, n_kda = types.count("indexed_attention"), types.count("linear_attention")
         lh, ld, K = t["linear_num_heads"], t["linear_head_dim"], t["linear_conv_kernel_dim"]
@@ -65,17 +69,24 @@ class StateSize:
         for arm, d in (dflash or {}).items():
             drafters[arm] = d["num_hidden_layers"] * 2 * d["num_attention_heads"] * d["head_dim"] * ELEMENT
             feats = max(feats, len(d["target_layer_ids"]) * d["hidden_size"] * ELEMENT)
-        return cls(mla_row=n_mla * row * ELEMENT, mla_pool=n_mla * t["index_head_dim"] * ELEMENT,
-                   kpool=t["index_kpool"], kda=n_kda * kda * ELEMENT, hidden=t["hidden_size"] * ELEMENT,
-                   features=feats, drafter_row=drafters)
+        return cls(
+            mla_row=n_mla * row * ELEMENT,
+            mla_pool=n_mla * t["index_head_dim"] * ELEMENT,
+            kpool=t["index_kpool"],
+            kda=n_kda * kda * ELEMENT,
+            hidden=t["hidden_size"] * ELEMENT,
+            features=feats,
+            drafter_row=drafters,
+        )
 
     @classmethod
     def from_folders(cls, checkpoint: str | Path, dflash: dict[str, str | Path] | None = None) -> "StateSize":
         """From a checkpoint folder's ``config.json`` and the DFlash drafter folders by arm (each with a
         ``config.json``; missing ones are skipped). Raises ``OSError`` / ``KeyError``."""
         read = lambda p: json.loads(Path(p, "config.json").read_text())  # noqa: E731
-        return cls.from_configs(read(checkpoint), {a: read(p) for a, p in (dflash or {}).items()
-                                                   if Path(p, "config.json").exists()})
+        return cls.from_configs(
+            read(checkpoint), {a: read(p) for a, p in (dflash or {}).items() if Path(p, "config.json").exists()}
+        )
 
     def session(self, arm: str, tokens: int, unread: int = 0) -> int:
         """Bytes of a session of arm ``arm`` holding ``tokens`` tokens of context, ``unread`` of them

@@ -33,8 +33,13 @@ def _complete(text: str) -> str:
     return text[:-1] if text.endswith(REPLACEMENT) else text
 
 
-def response_text(decode: Callable[[list[int]], str], output_ids: list[int], preceding_ids: list[int],
-                  final: bool, stop_string: str = "") -> str:
+def response_text(
+    decode: Callable[[list[int]], str],
+    output_ids: list[int],
+    preceding_ids: list[int],
+    final: bool,
+    stop_string: str = "",
+) -> str:
     """The text of ``output_ids`` after ``preceding_ids`` (a ``tandem`` response's ``OUTPUT_IDS`` and
     ``PRECEDING_IDS``): the decode of both minus the decode of the preceding ones, each without an
     incomplete trailing character (U+FFFD), which the next response completes; a ``final`` response
@@ -46,8 +51,11 @@ def response_text(decode: Callable[[list[int]], str], output_ids: list[int], pre
     full = decode(list(preceding_ids) + list(output_ids))
     if not final:
         full = _complete(full)
-    n = len(before) if full.startswith(before) else next(
-        (i for i, (a, b) in enumerate(zip(before, full)) if a != b), min(len(before), len(full)))
+    n = (
+        len(before)
+        if full.startswith(before)
+        else next((i for i, (a, b) in enumerate(zip(before, full)) if a != b), min(len(before), len(full)))
+    )
     text = full[n:]
     if stop_string and (i := text.find(stop_string)) >= 0:
         text = text[:i]
@@ -119,21 +127,23 @@ class StopText:
         longest end of :attr:`text` that is a proper prefix of a stop string."""
         if self.matched is not None:
             return len(self.ids)
-        tail = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.text)), 0, -1)
-                    if self.text.endswith(s[:n])), default=0)
+        tail = max(
+            (n for s in self.stops for n in range(min(len(s) - 1, len(self.text)), 0, -1) if self.text.endswith(s[:n])),
+            default=0,
+        )
         return bisect.bisect_right(self.ends, len(self.text) - tail)
 
     def hold_back(self, tokens: list[int], gaps: list[float], final: bool) -> tuple[list[int], list[float]]:
         """A burst's response tokens: the held ones, then ``tokens`` (the burst's accepted tokens, the
         last ones pushed), cut at :meth:`safe` unless ``final``; returns (tokens, top-2 gaps) to send."""
-        assert self.ids[len(self.ids) - len(tokens):] == list(tokens), "tokens must be the last ones pushed"
+        assert self.ids[len(self.ids) - len(tokens) :] == list(tokens), "tokens must be the last ones pushed"
         n = len(self.ids) if final else self.safe()
         self._gaps += gaps
-        out, k = self.ids[self.sent:n], n - self.sent
+        out, k = self.ids[self.sent : n], n - self.sent
         gaps, self._gaps = self._gaps[:k], self._gaps[k:]
         self.sent = n
         return out, gaps
 
     def final_text(self) -> str:
         """The turn's text as a client shows it: cut before the stop string."""
-        return self.text if self.cut is None else self.text[:self.cut]
+        return self.text if self.cut is None else self.text[: self.cut]

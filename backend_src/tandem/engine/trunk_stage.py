@@ -34,13 +34,16 @@ class TrunkBlock:
     kda: dict[int, KDAState]
 
     def nbytes(self) -> int:
-        ts = [t for d in self.mla.values() for t in d.values()] + [t for st in self.kda.values() for t in (st.tail, st.S)]
+        ts = [t for d in self.mla.values() for t in d.values()] + [
+            t for st in self.kda.values() for t in (st.tail, st.S)
+        ]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
 @torch.no_grad()
-def _outs(model: Trunk, outs: list, features: tuple[int, ...], samplers: list | None = None,
-          last_only: bool = False) -> list[VerifyOut]:
+def _outs(
+    model: Trunk, outs: list, features: tuple[int, ...], samplers: list | None = None, last_only: bool = False
+) -> list[VerifyOut]:
     """Per sequence a :class:`VerifyOut` from its pass output (hidden ``[1, R, D]``, or the pair with
     features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
     greedy) is ``(params, row tokens, position of row 0, last row only)`` for
@@ -55,8 +58,11 @@ def _outs(model: Trunk, outs: list, features: tuple[int, ...], samplers: list | 
     h = torch.cat(hs, 1)[0] if len(hs) > 1 else hs[0][0]
     if last_only:
         ends = torch.tensor(lengths, device=h.device).cumsum(0) - 1
-        smp = None if samplers is None else [None if x is None else (x[0], x[1][-1:], x[2] + n - 1, True)
-                                             for x, n in zip(samplers, lengths)]
+        smp = (
+            None
+            if samplers is None
+            else [None if x is None else (x[0], x[1][-1:], x[2] + n - 1, True) for x, n in zip(samplers, lengths)]
+        )
         last_t, last_g = _targets(model.logits(h[ends]), [1] * len(lengths), smp)
         target = torch.full((h.shape[0],), -1, dtype=last_t.dtype, device=last_t.device)
         gap = torch.full((h.shape[0],), float("nan"), dtype=last_g.dtype, device=last_g.device)
@@ -75,6 +81,7 @@ def _targets(logits: torch.Tensor, lengths: list[int], samplers: list | None) ->
     """Targets ``[R]`` and top-2 gaps ``[R]`` of ``logits [R, V]`` (the fused Triton sampler on CUDA)."""
     if dispatch.use_triton(logits):
         from tandem_kernels import sampler
+
         return sampler.targets_and_gaps(logits, lengths, samplers)
     return sampling.targets_and_gaps(logits, lengths, samplers)
 
@@ -90,9 +97,14 @@ class TrunkStage(KeyedStates):
     for context overflow or out-of-order calls.
     """
 
-    def __init__(self, model: Trunk, max_ctx: int | None = None, feature_layers: tuple[int, ...] = (),
-                 batch_invariant: bool = schema.DEFAULTS.batch_invariant,
-                 decode_threads: int = schema.DEFAULTS.decode_threads) -> None:
+    def __init__(
+        self,
+        model: Trunk,
+        max_ctx: int | None = None,
+        feature_layers: tuple[int, ...] = (),
+        batch_invariant: bool = schema.DEFAULTS.batch_invariant,
+        decode_threads: int = schema.DEFAULTS.decode_threads,
+    ) -> None:
         super().__init__()
         self.model = model
         model.batch_invariant = batch_invariant
@@ -162,23 +174,31 @@ class TrunkStage(KeyedStates):
         together = self.model._invariant_rows()  # else one item a forward: a row's sums would depend on the others'
         for w in range(max((len(p[2]) for p in plans), default=1) - 1):  # piece w of every item, one forward
             live = [j for j, (_, _, pts) in enumerate(plans) if w + 1 < len(pts)]
-            for group in ([live] if together else [[j] for j in live]):
+            for group in [live] if together else [[j] for j in live]:
                 self._prime_piece(items, plans, parts, group, w)
         cats = [tuple(torch.cat(xs, 1) for xs in zip(*ps)) for ps in parts]
-        return _outs(self.model, [c if f else c[0] for c in cats], f,
-                     [self._sampler(it, p[0].pos - len(it.tokens), True) for it, p in zip(items, plans)], last_only=True)
+        return _outs(
+            self.model,
+            [c if f else c[0] for c in cats],
+            f,
+            [self._sampler(it, p[0].pos - len(it.tokens), True) for it, p in zip(items, plans)],
+            last_only=True,
+        )
 
     def _prime_piece(self, items: list[Rows], plans: list, parts: list[list[tuple]], group: list[int], w: int) -> None:
         """Piece ``w`` of the items ``group`` in one forward; their outputs into ``parts``, and the
         KDA state captured where a piece ends at a multiple of ``PREFIX_BLOCK`` (prefix cache)."""
         f = self.feature_layers
-        ids = [plans[j][1][:, plans[j][2][w] - plans[j][2][0]: plans[j][2][w + 1] - plans[j][2][0]] for j in group]
+        ids = [plans[j][1][:, plans[j][2][w] - plans[j][2][0] : plans[j][2][w + 1] - plans[j][2][0]] for j in group]
         for j, o in zip(group, self.model.prime_many([plans[j][0] for j in group], ids, f)):
             parts[j].append(o if f else (o,))
             cache = plans[j][0]
-            if items[j].prefix is not None and cache.pos % schema.PREFIX_BLOCK == 0:  # also at the end: a chunked prime goes on from there
+            if (
+                items[j].prefix is not None and cache.pos % schema.PREFIX_BLOCK == 0
+            ):  # also at the end: a chunked prime goes on from there
                 self.captures.setdefault(items[j].sid, {})[cache.pos] = {
-                    i: l.clone() for i, l in enumerate(cache.layers) if isinstance(l, KDAState)}
+                    i: layer.clone() for i, layer in enumerate(cache.layers) if isinstance(layer, KDAState)
+                }
 
     def _restore(self, sid: int, cache: TrunkCache, keys: list[int]) -> None:
         if cache.pos != 0:
@@ -219,7 +239,7 @@ class TrunkStage(KeyedStates):
                     if isinstance(layer, MLACache):
                         d = {n: getattr(layer, n)[:, lo:end].clone() for n in _MLA_ROWS}
                         d.update({n: getattr(layer, n)[:, :, lo:end].clone() for n in _MLA_HEAD_ROWS})
-                        d["pk"] = layer.pk[:, lo // layer.kp: end // layer.kp].clone()
+                        d["pk"] = layer.pk[:, lo // layer.kp : end // layer.kp].clone()
                         mla[i] = d
                 self.blocks[key] = blk = TrunkBlock(mla, {i: st.clone() for i, st in caps[end].items()})
                 n += blk.nbytes()
@@ -269,8 +289,9 @@ class TrunkStage(KeyedStates):
         self._commit_first(items)
         if not items:
             return []
-        r = self.model.decode_many([self.cache(it.sid) for it in items], [it.tokens[0] for it in items], steps,
-                                   stop_ids, self.feature_layers)
+        r = self.model.decode_many(
+            [self.cache(it.sid) for it in items], [it.tokens[0] for it in items], steps, stop_ids, self.feature_layers
+        )
         return [VerifyOut(q["tokens"], q["hidden"], q["gaps"], q["features"]) for q in r]
 
     def commit(self, items: list[Commit]) -> None:
@@ -291,8 +312,10 @@ class TrunkStage(KeyedStates):
         """
         op = schema.get_op(arrays, schema.TRUNK)
         if op == "draft_verify" or op in schema.HOSTED_OPS:
-            raise WireError(f"OP {op!r}: this trunk does not run the drafters (the trunk model's parameter colocate "
-                            "is false; the tandem model's must be too)")
+            raise WireError(
+                f"OP {op!r}: this trunk does not run the drafters (the trunk model's parameter colocate "
+                "is false; the tandem model's must be too)"
+            )
         run, pack = run or self, lambda outs, nbytes=(): self._pack(outs, nbytes, with_rows)
         sids = schema.get_sids(arrays)
         if op in ("open", "close"):
@@ -323,7 +346,9 @@ class TrunkStage(KeyedStates):
                 raise WireError(f"OP: {op} for sequence {s} while a verify is pending (commit first, or N_ROWS)")
             if op == "prime" and p:
                 if c.pos != 0:
-                    raise WireError(f"PREFIX_KEYS: sequence {s} is not empty ({c.pos} rows); a prefix starts a sequence")
+                    raise WireError(
+                        f"PREFIX_KEYS: sequence {s} is not empty ({c.pos} rows); a prefix starts a sequence"
+                    )
                 missing = [k for k in p if k not in self.blocks]
                 if missing:
                     raise WireError(f"PREFIX_KEYS: block {missing[0]} is not published")
@@ -331,8 +356,10 @@ class TrunkStage(KeyedStates):
             if c.pos + n > c.max_ctx:
                 raise WireError(f"TOKENS: context full for sequence {s}: {c.pos} + {n} rows > max_ctx {c.max_ctx}")
         smp = sampling.from_wire(arrays, len(sids)) if op == "prime" else [None] * len(sids)
-        items = [Rows(s, rows.tolist(), p if op == "prime" else None, n, sp)
-                 for s, rows, p, n, sp in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows, smp)]
+        items = [
+            Rows(s, rows.tolist(), p if op == "prime" else None, n, sp)
+            for s, rows, p, n, sp in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows, smp)
+        ]
         return pack(getattr(run, op)(items))
 
     def _n_rows(self, arrays: schema.Arrays, sids: list[int], required: bool, check: bool = True) -> list[int]:
@@ -358,16 +385,28 @@ class TrunkStage(KeyedStates):
         """The wire outputs over ``outs``' rows (``with_rows`` False: ``HIDDEN`` / ``FEATURES`` ``[R, 0]``, the
         rows stay in this process)."""
         nb = np.array(list(nbytes), np.int64)
-        none = {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(0, np.int32),  # draft_verify's (colocate)
-                "ROUNDS_RUN": np.zeros(0, np.int32), "ANCHORS": np.zeros(0, np.int64)}
+        none = {
+            "DRAFTS": np.zeros(0, np.int64),
+            "DRAFT_LENGTHS": np.zeros(0, np.int32),  # draft_verify's (colocate)
+            "ROUNDS_RUN": np.zeros(0, np.int32),
+            "ANCHORS": np.zeros(0, np.int64),
+        }
         R = sum(o.argmax.shape[0] for o in outs)
         D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
 
-        def wire(name: str, dtype, width: int | None = None) -> np.ndarray:  # the one copy back to the host (bf16 has no numpy dtype)
+        def wire(
+            name: str, dtype, width: int | None = None
+        ) -> np.ndarray:  # the one copy back to the host (bf16 has no numpy dtype)
             if not outs or (width is not None and not with_rows):
                 return np.zeros((R, width if with_rows else 0) if width is not None else 0, dtype)
             t = torch.cat([getattr(o, name) for o in outs])
             return (t if dtype is np.int64 else t.float()).cpu().numpy().astype(dtype, copy=False)
 
-        return {"ARGMAX": wire("argmax", np.int64), "HIDDEN": wire("hidden", np.float32, D),
-                "TOP2_GAP": wire("top2_gap", np.float32), "FEATURES": wire("features", np.float32, F), "NBYTES": nb, **none}
+        return {
+            "ARGMAX": wire("argmax", np.int64),
+            "HIDDEN": wire("hidden", np.float32, D),
+            "TOP2_GAP": wire("top2_gap", np.float32),
+            "FEATURES": wire("features", np.float32, F),
+            "NBYTES": nb,
+            **none,
+        }

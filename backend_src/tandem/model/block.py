@@ -36,8 +36,13 @@ class DecoderLayer(nn.Module):
     def ffn(self, streams: torch.Tensor) -> torch.Tensor:
         """The block's FFN half (mHC weights and norm, MLP / MoE, mHC merge) on streams ``[B, T, N, D]``;
         in the CPU row-invariant mode (fp32) one :func:`~tandem.model.cpu_block.ffn_block` call for a MoE."""
-        if (cpu_gemm.invariant() and streams.dtype == torch.float32 and streams.shape[0] == 1
-                and cpu_kernels.active(streams) and cpu_block.ffn_fits(self)):
+        if (
+            cpu_gemm.invariant()
+            and streams.dtype == torch.float32
+            and streams.shape[0] == 1
+            and cpu_kernels.active(streams)
+            and cpu_block.ffn_fits(self)
+        ):
             return cpu_block.ffn_block(self, streams)
         post, comb, x = self.ffn_hc.normed(streams, self.post_attention_layernorm)
         return hc_merge(post, comb, self.mlp(x), streams)

@@ -196,8 +196,13 @@ class KDAState:
 
     __slots__ = ("_tail", "_S", "rows", "n_rows")
 
-    def __init__(self, tail: torch.Tensor | None = None, S: torch.Tensor | None = None,
-                 rows: KDARows | None = None, n_rows: int = 0) -> None:
+    def __init__(
+        self,
+        tail: torch.Tensor | None = None,
+        S: torch.Tensor | None = None,
+        rows: KDARows | None = None,
+        n_rows: int = 0,
+    ) -> None:
         if (tail is None) != (S is None) or (tail is None) == (rows is None):
             raise ValueError("KDAState takes tail and S, or rows (a KDARows) and n_rows")
         self._tail, self._S, self.rows, self.n_rows = tail, S, rows, n_rows
@@ -206,7 +211,7 @@ class KDAState:
     def tail(self) -> torch.Tensor:
         if self._tail is None:
             c = self.rows.col + self.n_rows
-            self._tail = self.rows.full[:, :, c: c + self.rows.km1]
+            self._tail = self.rows.full[:, :, c : c + self.rows.km1]
         return self._tail
 
     @property
@@ -254,15 +259,15 @@ class TrunkCache:
     def clone(self) -> "TrunkCache":
         c = TrunkCache(self.layer_types, 1, self.max_ctx)
         c.pos = self.pos
-        c.layers = [None if l is None else l.clone() for l in self.layers]
+        c.layers = [None if layer is None else layer.clone() for layer in self.layers]
         return c
 
     def nbytes(self) -> int:
         """Bytes held by the committed state."""
         n = 0
-        for l in self.layers:
-            if isinstance(l, MLACache):
-                n += l.nbytes()
-            elif isinstance(l, KDAState):
-                n += l.tail.numel() * l.tail.element_size() + l.S.numel() * l.S.element_size()
+        for layer in self.layers:
+            if isinstance(layer, MLACache):
+                n += layer.nbytes()
+            elif isinstance(layer, KDAState):
+                n += layer.tail.numel() * layer.tail.element_size() + layer.S.numel() * layer.S.element_size()
         return n

@@ -61,8 +61,9 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (``[{"role": ..., "content": ...}]``). Raises
         ``jinja2.TemplateError`` (the template's own ``raise_exception`` too)."""
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                    documents=None, **self.special)
+        return self.template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special
+        )
 
     def pieces(self, messages: list[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
         """The rendered prompt as ``(text, is_content)`` pieces: the template's own text, and each

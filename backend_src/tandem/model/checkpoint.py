@@ -17,8 +17,17 @@ from .trunk import Trunk
 #: The shipped checkpoint: ``model_repository/<ServingConfig.checkpoint>``.
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[3] / "model_repository" / schema.DEFAULTS.checkpoint
 
-FP32_KEEP = ("e_score_correction_bias", "gate.weight", "conv1d", "dt_bias", "A_log",
-             "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale")
+FP32_KEEP = (
+    "e_score_correction_bias",
+    "gate.weight",
+    "conv1d",
+    "dt_bias",
+    "A_log",
+    "attn_hc.base",
+    "attn_hc.scale",
+    "ffn_hc.base",
+    "ffn_hc.scale",
+)
 
 
 def is_fp32_param(name: str) -> bool:
@@ -73,19 +82,30 @@ def param_bytes(cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool = True) -> 
     return n, b
 
 
-def check_fits(cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool, folder: str | Path,
-               device: str | torch.device = "cpu") -> int:
+def check_fits(
+    cfg: TrunkConfig, dtype: torch.dtype, with_mtp: bool, folder: str | Path, device: str | torch.device = "cpu"
+) -> int:
     """Refuse a checkpoint whose weights cannot fit on ``device`` before anything is allocated:
     :func:`param_bytes` against :func:`~tandem.model.device.free_bytes` (host ``MemAvailable``, or
     the GPU's free memory). Returns the estimate in bytes; raises ``MemoryError`` giving both."""
     n, need = param_bytes(cfg, dtype, with_mtp)
-    check_bytes(need, free_bytes(device), f"checkpoint {folder}", device,
-                f" ({n / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})")
+    check_bytes(
+        need,
+        free_bytes(device),
+        f"checkpoint {folder}",
+        device,
+        f" ({n / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})",
+    )
     return need
 
 
-def load_trunk(folder: str | Path, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = True,
-               overrides: dict | None = None, device: str | torch.device = "cpu") -> Trunk:
+def load_trunk(
+    folder: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    with_mtp: bool = True,
+    overrides: dict | None = None,
+    device: str | torch.device = "cpu",
+) -> Trunk:
     """Load a checkpoint folder: ``config.json`` (:meth:`TrunkConfig.from_dict`, strict) and its
     weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, read one
     file at a time into a model built on the meta device and allocated once on ``device`` in
@@ -119,8 +139,10 @@ def load_trunk(folder: str | Path, dtype: torch.dtype = torch.bfloat16, with_mtp
         files = {k: f for k, f in files.items() if not k.startswith(prefix)}
     missing, unexpected = sorted(sd.keys() - files.keys()), sorted(files.keys() - sd.keys())
     if missing or unexpected:
-        raise KeyError(f"checkpoint {folder} does not fit its config: {len(missing)} missing key(s) {missing[:5]}, "
-                       f"{len(unexpected)} unexpected key(s) {unexpected[:5]}")
+        raise KeyError(
+            f"checkpoint {folder} does not fit its config: {len(missing)} missing key(s) {missing[:5]}, "
+            f"{len(unexpected)} unexpected key(s) {unexpected[:5]}"
+        )
     by_file: dict[Path, list[str]] = {}
     for k, f in files.items():
         by_file.setdefault(f, []).append(k)
@@ -143,7 +165,10 @@ def save_sharded(model: Trunk, folder: str | Path, shards: int, dtype: torch.dty
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.cfg.save(folder)
-    sd = {k: v.detach().to(torch.float32 if is_fp32_param(k) else dtype).contiguous() for k, v in model.state_dict().items()}
+    sd = {
+        k: v.detach().to(torch.float32 if is_fp32_param(k) else dtype).contiguous()
+        for k, v in model.state_dict().items()
+    }
     total = sum(v.numel() * v.element_size() for v in sd.values())
     parts, acc, cur = [[]], 0, 0
     for k, v in sd.items():
@@ -233,12 +258,19 @@ def dflash_feature_layers(folder: str | Path, dirs: DrafterDirs | None = None) -
     dirs = dirs if dirs is not None else drafter_dirs(folder)
     sets = {tuple(DFlashConfig.load(d).target_layer_ids) for d in dirs.values()}
     if len(sets) > 1:
-        raise ValueError(f"the DFlash drafters {sorted(map(str, dirs.values()))} read different target layers: {sorted(sets)}")
+        raise ValueError(
+            f"the DFlash drafters {sorted(map(str, dirs.values()))} read different target layers: {sorted(sets)}"
+        )
     return sets.pop() if sets else ()
 
 
-def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16, path: str | Path | None = None,
-                device: str | torch.device = "cpu"):
+def load_dflash(
+    folder: str | Path,
+    arm: str,
+    dtype: torch.dtype = torch.bfloat16,
+    path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+):
     """The ``arm`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder (or
     from its own folder ``path``), in eval mode, in ``dtype`` on ``device`` (read on the host, moved
     once). Raises ``FileNotFoundError`` when it is missing, ``KeyError`` on missing or unexpected keys,
@@ -250,13 +282,20 @@ def load_dflash(folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat1
 
     sub = Path(path) if path is not None else Path(folder) / arm
     if not (sub / "model.safetensors").exists():
-        raise FileNotFoundError(f"no {arm} drafter in {sub.parent} (expected {sub}/model.safetensors; `make model` trains it)")
+        raise FileNotFoundError(
+            f"no {arm} drafter in {sub.parent} (expected {sub}/model.safetensors; `make model` trains it)"
+        )
     cfg = DFlashConfig.load(sub)
     with torch.device("meta"):
         shapes = DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2).state_dict()
     need = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in shapes.values())
-    check_bytes(need, free_bytes(device), f"the {arm} drafter {sub}", device,
-                f" ({sum(t.numel() for t in shapes.values()) / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})")
+    check_bytes(
+        need,
+        free_bytes(device),
+        f"the {arm} drafter {sub}",
+        device,
+        f" ({sum(t.numel() for t in shapes.values()) / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})",
+    )
     model = DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2)
     missing, unexpected = model.load_state_dict(load_file(str(sub / "model.safetensors")), strict=False)
     if missing or unexpected:
@@ -270,5 +309,8 @@ def save_dflash(model, folder: str | Path, arm: str, dtype: torch.dtype = torch.
 
     sub = Path(folder) / arm
     model.cfg.save(sub)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()},
-              str(sub / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()},
+        str(sub / "model.safetensors"),
+        metadata={"format": "pt"},
+    )

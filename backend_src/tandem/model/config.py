@@ -83,12 +83,16 @@ class TrunkConfig:
         if self.index_topk % self.index_kpool:
             raise ValueError("index_topk must be divisible by index_kpool")
         for name, ok, what in (
-                ("index_kpool_always_select_tail", self.index_kpool_always_select_tail, "tandem's DSA always selects the "
-                 "incomplete k-pool tail"),
-                ("tie_word_embeddings", not self.tie_word_embeddings, "tandem keeps lm_head separate from embed_tokens"),
-                ("topk_group", self.topk_group == 1, "with n_group 1 the only group is always selected"),
-                ("num_nextn_predict_layers", self.num_nextn_predict_layers in (0, 1), "tandem runs at most one MTP layer"),
-                ("linear_lower_bound", self.linear_lower_bound is not None, "tandem's KDA gate needs the safe-gate bound")):
+            (
+                "index_kpool_always_select_tail",
+                self.index_kpool_always_select_tail,
+                "tandem's DSA always selects the incomplete k-pool tail",
+            ),
+            ("tie_word_embeddings", not self.tie_word_embeddings, "tandem keeps lm_head separate from embed_tokens"),
+            ("topk_group", self.topk_group == 1, "with n_group 1 the only group is always selected"),
+            ("num_nextn_predict_layers", self.num_nextn_predict_layers in (0, 1), "tandem runs at most one MTP layer"),
+            ("linear_lower_bound", self.linear_lower_bound is not None, "tandem's KDA gate needs the safe-gate bound"),
+        ):
             if not ok:
                 raise ValueError(f"{name} = {getattr(self, name)!r} is not supported: {what}")
 
@@ -122,23 +126,37 @@ class TrunkConfig:
         unknown field, a value tandem cannot serve, or another model type."""
         d = dict(d)
         if d.get("model_type", "glm5_next_text") != "glm5_next_text":
-            raise ValueError(f"config.json: model_type must be 'glm5_next_text' (a flat GLM-5.3-Flash text config), "
-                             f"got {d.get('model_type')!r}")
+            raise ValueError(
+                f"config.json: model_type must be 'glm5_next_text' (a flat GLM-5.3-Flash text config), "
+                f"got {d.get('model_type')!r}"
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
         lin = d.pop("linear_attn_config", None)
         if lin is not None:  # transformers' nested form of the KDA fields
-            for k, f in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
-                         ("short_conv_kernel_size", "linear_conv_kernel_dim"), ("gate_lower_bound", "linear_lower_bound")):
+            for k, f in (
+                ("head_dim", "linear_head_dim"),
+                ("num_heads", "linear_num_heads"),
+                ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+                ("gate_lower_bound", "linear_lower_bound"),
+            ):
                 if k in lin:
                     d[f] = lin[k]
             if lin.get("safe_gate", True) and d.get("linear_lower_bound", -5.0) is None:
                 d["linear_lower_bound"] = -5.0
         n = int(d.get("num_hidden_layers", HF_DEFAULTS["num_hidden_layers"]))
-        pattern, freq, offset = d.pop("index_topk_pattern", None), d.pop("index_topk_freq", 1), d.pop("index_skip_topk_offset", 2)
+        pattern, freq, offset = (
+            d.pop("index_topk_pattern", None),
+            d.pop("index_topk_freq", 1),
+            d.pop("index_skip_topk_offset", 2),
+        )
         if d.get("indexer_types") is None:
-            d["indexer_types"] = ([{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str)
-                                  else list(pattern) if pattern is not None else
-                                  ["full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared" for i in range(n)])
+            d["indexer_types"] = (
+                [{"F": "full", "S": "shared"}[c] for c in pattern]
+                if isinstance(pattern, str)
+                else list(pattern)
+                if pattern is not None
+                else ["full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared" for i in range(n)]
+            )
         if d.get("mlp_layer_types") is None:
             d["mlp_layer_types"] = ["dense"] * min(3, n) + ["sparse"] * (n - 3)
         if d.get("layer_types") is None:
@@ -146,20 +164,29 @@ class TrunkConfig:
         d["layer_types"] = ["indexed_attention" if t == "full_attention" else t for t in d["layer_types"]]
         for k, want in FIXED.items():
             if k in d and d[k] != want:
-                raise ValueError(f"config.json: {k} must be {want!r} (the only glm5_next form tandem serves), got {d[k]!r}")
+                raise ValueError(
+                    f"config.json: {k} must be {want!r} (the only glm5_next form tandem serves), got {d[k]!r}"
+                )
         if d.get("num_key_value_heads") is None:
             d["num_key_value_heads"] = d.get("num_attention_heads", HF_DEFAULTS["num_attention_heads"])
-        unknown = sorted(k for k in d if k not in fields and k not in INFERENCE_FREE and k not in FIXED
-                         and k not in ("head_dim", "qk_head_dim"))
+        unknown = sorted(
+            k
+            for k in d
+            if k not in fields and k not in INFERENCE_FREE and k not in FIXED and k not in ("head_dim", "qk_head_dim")
+        )
         if unknown:
             raise ValueError(f"config.json: unknown field(s) {unknown}: tandem cannot honour them")
         cfg = cls(**{**{k: v for k, v in HF_DEFAULTS.items()}, **{k: v for k, v in d.items() if k in fields}})
         if "qk_head_dim" in d and d["qk_head_dim"] != cfg.qk_head_dim:
-            raise ValueError(f"config.json: qk_head_dim {d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim "
-                             f"({cfg.qk_head_dim})")
+            raise ValueError(
+                f"config.json: qk_head_dim {d['qk_head_dim']} != qk_nope_head_dim + qk_rope_head_dim "
+                f"({cfg.qk_head_dim})"
+            )
         if cfg.num_attention_heads != cfg.num_key_value_heads:
-            raise ValueError(f"config.json: num_key_value_heads ({cfg.num_key_value_heads}) must equal "
-                             f"num_attention_heads ({cfg.num_attention_heads})")
+            raise ValueError(
+                f"config.json: num_key_value_heads ({cfg.num_key_value_heads}) must equal "
+                f"num_attention_heads ({cfg.num_attention_heads})"
+            )
         return cfg
 
     @classmethod
@@ -178,22 +205,68 @@ class TrunkConfig:
 #: (``tests/test_config.py`` checks them against transformers); the per-layer patterns (None) are
 #: computed from ``num_hidden_layers`` as transformers does (:meth:`TrunkConfig.from_dict`)
 HF_DEFAULTS = {
-    "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
-    "n_routed_experts": 288, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
-    "qk_rope_head_dim": 0, "v_head_dim": 256, "qk_nope_head_dim": 256, "n_group": 1, "topk_group": 1,
-    "num_experts_per_tok": 8, "norm_topk_prob": True, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5,
-    "pad_token_id": 154820, "bos_token_id": None, "eos_token_id": None, "tie_word_embeddings": False,
-    "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32, "swiglu_limit": 10.0, "linear_head_dim": 128,
-    "linear_num_heads": 64, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0, "hc_mult": 4, "hc_eps": 1e-6,
-    "hc_sinkhorn_iters": 20, "index_kpool": 16, "index_kpool_always_select_tail": True,
+    "vocab_size": 154880,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 45,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_shared_experts": 1,
+    "n_routed_experts": 288,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 256,
+    "qk_nope_head_dim": 256,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 1048576,
+    "rms_norm_eps": 1e-5,
+    "pad_token_id": 154820,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "tie_word_embeddings": False,
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 32,
+    "swiglu_limit": 10.0,
+    "linear_head_dim": 128,
+    "linear_num_heads": 64,
+    "linear_conv_kernel_dim": 4,
+    "linear_lower_bound": -5.0,
+    "hc_mult": 4,
+    "hc_eps": 1e-6,
+    "hc_sinkhorn_iters": 20,
+    "index_kpool": 16,
+    "index_kpool_always_select_tail": True,
 }
 #: fields with one value tandem implements (transformers' only value too, but for a config naming another)
 FIXED = {"hidden_act": "silu", "attention_bias": False}
 #: config.json fields that do not change inference (training, bookkeeping, storage dtype), accepted as given
-INFERENCE_FREE = frozenset({
-    "model_type", "architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "initializer_range",
-    "router_aux_loss_coef", "output_router_logits", "use_cache", "attention_dropout", "id2label", "label2id",
-    "problem_type", "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
-    "is_encoder_decoder",
-})
+INFERENCE_FREE = frozenset(
+    {
+        "model_type",
+        "architectures",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_name_or_path",
+        "initializer_range",
+        "router_aux_loss_coef",
+        "output_router_logits",
+        "use_cache",
+        "attention_dropout",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+    }
+)

@@ -28,6 +28,7 @@ request succeeded at import. Each call loads its tile configuration (``ldtilecfg
 assembly through numba intrinsics; numba's cache does not see edits here from the files that call
 them: clear ``backend_src/tandem/model/__pycache__`` after changing this file.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -50,7 +51,9 @@ def _request_tiles() -> bool:
         if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XTILEDATA) != 0:
             return False
         mask = ctypes.c_uint64(0)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0 and bool(mask.value >> _XTILEDATA & 1)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0 and bool(
+            mask.value >> _XTILEDATA & 1
+        )
     except (OSError, AttributeError):
         return False
 
@@ -95,6 +98,7 @@ def _codegen(template: str, nargs: int):
         fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * nargs)
         builder.call(ir.InlineAsm(fn, template, ",".join(["r"] * nargs + ["~{memory}"]), side_effect=True), list(args))
         return context.get_dummy_value()
+
     return codegen
 
 
@@ -102,17 +106,21 @@ def _op(template: str, nargs: int):
     """An intrinsic running ``template`` (AT&T inline assembly) on ``nargs`` int64 operands (byte
     addresses and strides), ordered against every memory access around it."""
     if nargs == 0:
+
         @intrinsic
         def op(typingctx):
             return types.void(), _codegen(template, 0)
     elif nargs == 2:
+
         @intrinsic
         def op(typingctx, address, stride):
             return types.void(types.int64, types.int64), _codegen(template, 2)
     else:
+
         @intrinsic
         def op(typingctx, a_address, a_stride, b_address, b_stride):
             return types.void(types.int64, types.int64, types.int64, types.int64), _codegen(template, 4)
+
     return op
 
 
@@ -206,7 +214,7 @@ def amx_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
         else:  # the tiles store rows of contiguous float32
             tmp = np.empty((x.shape[0], 64 * (s1 - s0)), np.float32)
             amx_strips(xp, strips, s0, s1, tmp)
-            out[:, :tmp.shape[1]] = tmp
+            out[:, : tmp.shape[1]] = tmp
     done = max(s1 * 64, c0)
     if done < c1:
         _pair_tail(xp, tail, done - S * 64, c1 - S * 64, out, done - c0)

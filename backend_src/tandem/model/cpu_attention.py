@@ -57,7 +57,9 @@ def dot_fma(typingctx, a, b):
     steps of 8 from 0, combined ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))``, then ``acc = fma(a[j], b[j], acc)`` over the
     last ``n % 8``), with the partial sums as one vector of eight: ``a``, ``b`` float32 C-contiguous 1-D of one length
     (unchecked)."""
-    if not all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32 and x.layout == "C" for x in (a, b)):
+    if not all(
+        isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32 and x.layout == "C" for x in (a, b)
+    ):
         return None
     sig = types.float32(a, b)
 
@@ -73,13 +75,31 @@ def dot_fma(typingctx, a, b):
         def at(arr, k):
             return builder.gep(arr.data, [k])
 
-        s = _carry_loop(builder, ir.Constant(i64, 0), n8, 8, ir.Constant(_V8, [0.0] * 8), "dot.j8", lambda j, acc: builder.call(
-            fma8, [builder.load(builder.bitcast(at(x, j), _V8.as_pointer()), align=4) for x in (aa, ba)] + [acc]))
+        s = _carry_loop(
+            builder,
+            ir.Constant(i64, 0),
+            n8,
+            8,
+            ir.Constant(_V8, [0.0] * 8),
+            "dot.j8",
+            lambda j, acc: builder.call(
+                fma8, [builder.load(builder.bitcast(at(x, j), _V8.as_pointer()), align=4) for x in (aa, ba)] + [acc]
+            ),
+        )
         p = [builder.extract_element(s, ir.Constant(ir.IntType(32), k)) for k in range(8)]
-        tot = builder.fadd(builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3])),
-                           builder.fadd(builder.fadd(p[4], p[5]), builder.fadd(p[6], p[7])))
-        return _carry_loop(builder, n8, n, 1, tot, "dot.tail", lambda k, t: builder.call(
-            fma1, [builder.load(at(aa, k)), builder.load(at(ba, k)), t]))
+        tot = builder.fadd(
+            builder.fadd(builder.fadd(p[0], p[1]), builder.fadd(p[2], p[3])),
+            builder.fadd(builder.fadd(p[4], p[5]), builder.fadd(p[6], p[7])),
+        )
+        return _carry_loop(
+            builder,
+            n8,
+            n,
+            1,
+            tot,
+            "dot.tail",
+            lambda k, t: builder.call(fma1, [builder.load(at(aa, k)), builder.load(at(ba, k)), t]),
+        )
 
     return sig, codegen
 
@@ -109,7 +129,7 @@ def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_sc
     for t in range(T):
         for h in range(Hi):
             for p in range(P):
-                dots[t, h, p] = _dotc(iq[t, h * di: (h + 1) * di], pk[p])
+                dots[t, h, p] = _dotc(iq[t, h * di : (h + 1) * di], pk[p])
     mask = np.empty((T, L), np.bool_)
     _dsa_mask(dots, iw, q_scale, w_scale, q_pos, kp, k_pools, mask)
     idx = np.empty(L, np.int64)
@@ -130,7 +150,7 @@ def _mla_rows(q, K, V, L, iq, iw, pk, q_pos, kp, k_pools, scaling, q_scale, w_sc
             tot = np.float32(0.0)
             for a in range(n):
                 tot += s[a]
-            o = out[t, h * dv: (h + 1) * dv]
+            o = out[t, h * dv : (h + 1) * dv]
             o[:] = np.float32(0.0)
             for a in range(n):
                 w, vj = s[a] / tot, V[h, idx[a]]
@@ -146,6 +166,7 @@ def _f32_ptr(typingctx, addr):
 
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
     return types.CPointer(types.float32)(addr), codegen
 
 
@@ -207,7 +228,9 @@ def _append_many(lat, k, v, ik, ig, ape, offs, ptrs, used, pools):  # pragma: no
 
 
 @njit(cache=True, nogil=True)
-def _attend_many(q, iq, iw, offs, ptrs, used, pools, kp, k_pools, scaling, q_scale, w_scale, out):  # pragma: no cover - numba
+def _attend_many(
+    q, iq, iw, offs, ptrs, used, pools, kp, k_pools, scaling, q_scale, w_scale, out
+):  # pragma: no cover - numba
     # _mla_rows of sequence j's rows offs[j]:offs[j+1] over its cache buffers (ptrs[j]), whose used[j]
     # rows already include them, and its pools[j] complete pools
     H, dq, di = q.shape[1], q.shape[2], iq.shape[1] // iw.shape[1]
@@ -217,8 +240,22 @@ def _attend_many(q, iq, iw, offs, ptrs, used, pools, kp, k_pools, scaling, q_sca
         K = carray(_f32_ptr(ptrs[j, 1]), (H, ptrs[j, 6], dq))
         V = carray(_f32_ptr(ptrs[j, 2]), (H, ptrs[j, 7], dv))
         pk = carray(_f32_ptr(ptrs[j, 5]), (pools[j], di))
-        _mla_rows(q[a:b], K, V, L, iq[a:b], iw[a:b], pk, np.arange(L - (b - a), L), kp, k_pools, scaling, q_scale,
-                  w_scale, out[a:b])
+        _mla_rows(
+            q[a:b],
+            K,
+            V,
+            L,
+            iq[a:b],
+            iw[a:b],
+            pk,
+            np.arange(L - (b - a), L),
+            kp,
+            k_pools,
+            scaling,
+            q_scale,
+            w_scale,
+            out[a:b],
+        )
 
 
 def query_arrays(rows: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -233,8 +270,19 @@ def empty_out(rows: dict[str, torch.Tensor]) -> np.ndarray:
     return np.empty((N, H * dv), _F)
 
 
-def mla_rows_into(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], off: int, n: int, cache, pos0: int, kp: int,
-                  k_pools: int, scaling: float, q_scale: float, w_scale: float, out: np.ndarray) -> None:
+def mla_rows_into(
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray],
+    off: int,
+    n: int,
+    cache,
+    pos0: int,
+    kp: int,
+    k_pools: int,
+    scaling: float,
+    q_scale: float,
+    w_scale: float,
+    out: np.ndarray,
+) -> None:
     """MLA heads' outputs, with DSA selection, of rows ``off .. off + n`` of :func:`query_arrays`: one
     sequence's rows, which its ``cache`` (an :class:`~tandem.model.cache.MLACache`) already holds at
     ``pos0 ..`` (its K / V buffers are read in place). ``kp`` pool size; ``k_pools`` pools kept;
@@ -245,9 +293,22 @@ def mla_rows_into(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], off: int, n
     q, iq, iw = arrays
     n_pools = cache.n_pools()
     pk = np.zeros((0, iq.shape[1] // iw.shape[1]), _F) if not n_pools else cache.buffer_np("pk")[0, :n_pools]
-    _mla_rows(q[off: off + n], cache.buffer_np("k")[0], cache.buffer_np("v")[0], len(cache), iq[off: off + n],
-              iw[off: off + n], pk, np.arange(pos0, pos0 + n, dtype=np.int64), kp, k_pools, _F(scaling), _F(q_scale),
-              _F(w_scale), out[off: off + n])
+    _mla_rows(
+        q[off : off + n],
+        cache.buffer_np("k")[0],
+        cache.buffer_np("v")[0],
+        len(cache),
+        iq[off : off + n],
+        iw[off : off + n],
+        pk,
+        np.arange(pos0, pos0 + n, dtype=np.int64),
+        kp,
+        k_pools,
+        _F(scaling),
+        _F(q_scale),
+        _F(w_scale),
+        out[off : off + n],
+    )
 
 
 def cache_args(caches: list, lengths: list[int], like: dict[str, torch.Tensor]) -> tuple[np.ndarray, ...]:
@@ -259,12 +320,25 @@ def cache_args(caches: list, lengths: list[int], like: dict[str, torch.Tensor]) 
         c.reserve(m, like)
     offs = np.zeros(len(caches) + 1, np.int64)
     np.cumsum(lengths, out=offs[1:])
-    return (offs, np.array([c.kernel_ptrs() for c in caches], np.int64), np.array([len(c) for c in caches], np.int64),
-            np.array([c.n_pools() for c in caches], np.int64))
+    return (
+        offs,
+        np.array([c.kernel_ptrs() for c in caches], np.int64),
+        np.array([len(c) for c in caches], np.int64),
+        np.array([c.n_pools() for c in caches], np.int64),
+    )
 
 
-def mla_many(rows: dict[str, torch.Tensor], caches: list, lengths: list[int], ape: torch.Tensor, kp: int, k_pools: int,
-             scaling: float, q_scale: float, w_scale: float) -> np.ndarray:
+def mla_many(
+    rows: dict[str, torch.Tensor],
+    caches: list,
+    lengths: list[int],
+    ape: torch.Tensor,
+    kp: int,
+    k_pools: int,
+    scaling: float,
+    q_scale: float,
+    w_scale: float,
+) -> np.ndarray:
     """The serving path of several sequences' MLA rows in two kernel calls: every sequence's rows of
     ``rows`` (``MLAttention.project``'s serving layout, ``[1, sum R, .]`` / ``[1, H, sum R, .]``, the
     sequences' ``lengths`` in turn) appended in place to its :class:`~tandem.model.cache.MLACache`
@@ -272,8 +346,18 @@ def mla_many(rows: dict[str, torch.Tensor], caches: list, lengths: list[int], ap
     each sequence's heads' outputs as :func:`mla_rows_into` computes them (the same per-row
     arithmetic, so bit-identical to it). Returns ``[sum R, H * dv]`` fp32."""
     offs, ptrs, used, pools = cache_args(caches, lengths, rows)
-    _append_many(np_rows(rows["latent"][0]), np_rows(rows["k"][0]), np_rows(rows["v"][0]), np_rows(rows["ik"][0]),
-                 np_rows(rows["ig"][0]), np_param(ape), offs, ptrs, used, pools)
+    _append_many(
+        np_rows(rows["latent"][0]),
+        np_rows(rows["k"][0]),
+        np_rows(rows["v"][0]),
+        np_rows(rows["ik"][0]),
+        np_rows(rows["ig"][0]),
+        np_param(ape),
+        offs,
+        ptrs,
+        used,
+        pools,
+    )
     for c, m in zip(caches, lengths):
         c.extend(m)
     q, iq, iw = query_arrays(rows)

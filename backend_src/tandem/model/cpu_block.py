@@ -108,12 +108,34 @@ def _kda_attn(s, hc, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  #
     C = H * dk
     post, comb, x = _hc_in(s, hc)
     ox = _gemm(x, w_x)  # q | k | v | f_a | b | g_a
-    mixed = np.ascontiguousarray(ox[:, :3 * C])
-    blog = np.ascontiguousarray(ox[:, 3 * C + dk: 3 * C + dk + H])
-    fb, gb = _gemm(ox[:, 3 * C: 3 * C + dk], w_fb), _gemm(ox[:, 3 * C + dk + H: 3 * C + 2 * dk + H], w_gb)
+    mixed = np.ascontiguousarray(ox[:, : 3 * C])
+    blog = np.ascontiguousarray(ox[:, 3 * C + dk : 3 * C + dk + H])
+    fb, gb = _gemm(ox[:, 3 * C : 3 * C + dk], w_fb), _gemm(ox[:, 3 * C + dk + H : 3 * C + 2 * dk + H], w_gb)
     y = np.empty((N, C), _F)
-    _kda_many(mixed, tails, t_col, convw, fb, a_log, dt_bias, lower, blog, gb, onw, o_eps, S0, s_idx, qscale, H,
-              dk, offs, full, states, keep, y)
+    _kda_many(
+        mixed,
+        tails,
+        t_col,
+        convw,
+        fb,
+        a_log,
+        dt_bias,
+        lower,
+        blog,
+        gb,
+        onw,
+        o_eps,
+        S0,
+        s_idx,
+        qscale,
+        H,
+        dk,
+        offs,
+        full,
+        states,
+        keep,
+        y,
+    )
     out = np.empty((N, n, D), _F)
     _hc_merge(post, comb, _gemm(y, w_o), s, out)
     return out
@@ -126,13 +148,16 @@ def _kda_block(s, hc_a, hc_f, moe, kda, tails, t_col, S0, s_idx, offs, full, sta
 
 
 @njit(cache=True, nogil=True)
-def _kda_dense_block(s, hc_a, hc_f, dense, kda, tails, t_col, S0, s_idx, offs, full, states, keep):  # pragma: no cover - numba
+def _kda_dense_block(
+    s, hc_a, hc_f, dense, kda, tails, t_col, S0, s_idx, offs, full, states, keep
+):  # pragma: no cover - numba
     # a KDA + dense MLP block: s [N, n, D] -> [N, n, D]
     return _dense_ffn(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep), hc_f, dense)
 
 
 class _Plan:
     """A layer's weight arguments for the kernels, with the tensors they come from."""
+
     __slots__ = ("sources", "key", "fits", "args", "epoch")
 
 
@@ -182,14 +207,30 @@ def relayout() -> None:
 
 
 def _hc_args(hc, norm) -> tuple:
-    return (np_param_t(hc.fn), np_param(hc.base), np_param(hc.scale), hc.iters, _F(hc.eps), _F(hc.norm_eps),
-            np_param(norm.weight), _F(norm.variance_epsilon))
+    return (
+        np_param_t(hc.fn),
+        np_param(hc.base),
+        np_param(hc.scale),
+        hc.iters,
+        _F(hc.eps),
+        _F(hc.norm_eps),
+        np_param(norm.weight),
+        _F(norm.variance_epsilon),
+    )
 
 
 def _moe_args(mo) -> tuple:
     g = mo.gate
-    return (kernel_weight(g.weight), np_param(g.e_score_correction_bias), g.top_k, g.norm_topk_prob, _F(g.scale),
-            kernel_weight(mo._w_up, experts=mo._w_down.shape[0]), kernel_weight(mo._w_down, transpose=False), _F(mo.experts.limit))
+    return (
+        kernel_weight(g.weight),
+        np_param(g.e_score_correction_bias),
+        g.top_k,
+        g.norm_topk_prob,
+        _F(g.scale),
+        kernel_weight(mo._w_up, experts=mo._w_down.shape[0]),
+        kernel_weight(mo._w_down, transpose=False),
+        _F(mo.experts.limit),
+    )
 
 
 def _f32(*ts) -> bool:
@@ -203,50 +244,108 @@ def _ffn_fits(layer) -> bool:
 
 def _kda_fits(layer) -> bool:
     a = layer.self_attn
-    return (layer.layer_type == "linear_attention"
-            and _f32(getattr(a, "_fused_x", (None,))[0], a.o_proj.weight, a.g_b_proj.weight, layer.attn_hc.fn))
+    return layer.layer_type == "linear_attention" and _f32(
+        getattr(a, "_fused_x", (None,))[0], a.o_proj.weight, a.g_b_proj.weight, layer.attn_hc.fn
+    )
 
 
 def _ffn_sources(layer) -> list[torch.Tensor]:
     mo, hc = layer.mlp, layer.ffn_hc
-    return [mo._w_up, mo._w_down, mo.gate.weight, mo.gate.e_score_correction_bias, hc.fn, hc.base, hc.scale,
-            layer.post_attention_layernorm.weight]
+    return [
+        mo._w_up,
+        mo._w_down,
+        mo.gate.weight,
+        mo.gate.e_score_correction_bias,
+        hc.fn,
+        hc.base,
+        hc.scale,
+        layer.post_attention_layernorm.weight,
+    ]
 
 
 def _kda_sources(layer) -> list[torch.Tensor]:
     a, hc = layer.self_attn, layer.attn_hc
-    return [hc.fn, hc.base, hc.scale, layer.input_layernorm.weight, a._fused_x[0], a.forget_gate.f_b_proj.weight,
-            a.g_b_proj.weight, a.o_proj.weight, a.conv1d.weight, a.forget_gate.A_log, a.forget_gate.dt_bias, a.o_norm.weight]
+    return [
+        hc.fn,
+        hc.base,
+        hc.scale,
+        layer.input_layernorm.weight,
+        a._fused_x[0],
+        a.forget_gate.f_b_proj.weight,
+        a.g_b_proj.weight,
+        a.o_proj.weight,
+        a.conv1d.weight,
+        a.forget_gate.A_log,
+        a.forget_gate.dt_bias,
+        a.o_norm.weight,
+    ]
 
 
 def _dense_fits(layer) -> bool:
     mo = layer.mlp
-    return hasattr(mo, "gate_proj") and _f32(mo.gate_proj.weight, mo.up_proj.weight, mo.down_proj.weight, layer.ffn_hc.fn)
+    return hasattr(mo, "gate_proj") and _f32(
+        mo.gate_proj.weight, mo.up_proj.weight, mo.down_proj.weight, layer.ffn_hc.fn
+    )
 
 
 def _dense_plan(layer) -> _Plan:
     mo, hc = layer.mlp, layer.ffn_hc
-    return _plan(layer, "dense", lambda: [mo.gate_proj.weight, mo.up_proj.weight, mo.down_proj.weight, hc.fn, hc.base,
-                                          hc.scale, layer.post_attention_layernorm.weight],
-                 lambda: _dense_fits(layer),
-                 lambda: (_hc_args(hc, layer.post_attention_layernorm), (kernel_weight(mo.gate_proj.weight),
-                          kernel_weight(mo.up_proj.weight), kernel_weight(mo.down_proj.weight), _F(mo.limit))))
+    return _plan(
+        layer,
+        "dense",
+        lambda: [
+            mo.gate_proj.weight,
+            mo.up_proj.weight,
+            mo.down_proj.weight,
+            hc.fn,
+            hc.base,
+            hc.scale,
+            layer.post_attention_layernorm.weight,
+        ],
+        lambda: _dense_fits(layer),
+        lambda: (
+            _hc_args(hc, layer.post_attention_layernorm),
+            (
+                kernel_weight(mo.gate_proj.weight),
+                kernel_weight(mo.up_proj.weight),
+                kernel_weight(mo.down_proj.weight),
+                _F(mo.limit),
+            ),
+        ),
+    )
 
 
 def _ffn_plan(layer) -> _Plan:
-    return _plan(layer, "ffn", lambda: _ffn_sources(layer), lambda: _ffn_fits(layer),
-                 lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp)))
+    return _plan(
+        layer,
+        "ffn",
+        lambda: _ffn_sources(layer),
+        lambda: _ffn_fits(layer),
+        lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp)),
+    )
 
 
 def _kda_plan(layer) -> _Plan:
     def make():
         a = layer.self_attn
         g = a.forget_gate
-        kda = (kernel_weight(a._fused_x[0]), kernel_weight(g.f_b_proj.weight), kernel_weight(a.g_b_proj.weight),
-               kernel_weight(a.o_proj.weight), conv_taps(a.conv1d.weight), np_param(g.A_log),
-               np_param(g.dt_bias), _F(g.lower), np_param(a.o_norm.weight), _F(a.o_norm.variance_epsilon),
-               _F(a.dk ** -0.5), a.h, a.dk)
+        kda = (
+            kernel_weight(a._fused_x[0]),
+            kernel_weight(g.f_b_proj.weight),
+            kernel_weight(a.g_b_proj.weight),
+            kernel_weight(a.o_proj.weight),
+            conv_taps(a.conv1d.weight),
+            np_param(g.A_log),
+            np_param(g.dt_bias),
+            _F(g.lower),
+            np_param(a.o_norm.weight),
+            _F(a.o_norm.variance_epsilon),
+            _F(a.dk**-0.5),
+            a.h,
+            a.dk,
+        )
         return _hc_args(layer.attn_hc, layer.input_layernorm), kda
+
     return _plan(layer, "kda", lambda: _kda_sources(layer), lambda: _kda_fits(layer), make)
 
 
@@ -273,8 +372,9 @@ def ffn_block(layer, streams: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(_dense_ffn(np_rows(streams[0]), *_dense_plan(layer).args))[None]
 
 
-def kda_block(layer, streams: torch.Tensor, starts: list, lengths: list[int], keep_states: bool = True
-              ) -> tuple[torch.Tensor, list]:
+def kda_block(
+    layer, streams: torch.Tensor, starts: list, lengths: list[int], keep_states: bool = True
+) -> tuple[torch.Tensor, list]:
     """``layer`` (KDA attention; :func:`kda_fits` must hold) on several sequences' rows: streams ``[1,
     sum T, n, D]`` fp32, sequence ``j``'s ``lengths[j]`` rows in turn, starting from ``starts[j]`` (as
     :func:`~tandem.model.cpu_kda.kda_rows_fused` takes them, read only), in the row-invariant mode:
@@ -293,10 +393,15 @@ def kda_block(layer, streams: torch.Tensor, starts: list, lengths: list[int], ke
     dense = ffn if ffn.fits else _dense_plan(layer)
     CALLS["block" if dense.fits else "attn"] += 1
     if ffn.fits:
-        out = torch.from_numpy(_kda_block(s, hc_a, *ffn.args, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states))[None]
+        out = torch.from_numpy(
+            _kda_block(s, hc_a, *ffn.args, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states)
+        )[None]
     elif dense.fits:
-        out = torch.from_numpy(_kda_dense_block(s, hc_a, *dense.args, kda, tails, t_col, S0, s_idx, offs, full, states,
-                                                keep_states))[None]
+        out = torch.from_numpy(
+            _kda_dense_block(s, hc_a, *dense.args, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states)
+        )[None]
     else:
-        out = layer.ffn(torch.from_numpy(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states))[None])
+        out = layer.ffn(
+            torch.from_numpy(_kda_attn(s, hc_a, kda, tails, t_col, S0, s_idx, offs, full, states, keep_states))[None]
+        )
     return out, kda_results(offs, full, states, K, keep_states)

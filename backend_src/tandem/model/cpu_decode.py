@@ -66,9 +66,42 @@ def stream_mean(s: torch.Tensor) -> torch.Tensor:
 
 
 @njit(cache=True, nogil=True)
-def _decode(tok, steps, hc_n, embed, hcs_a, hcs_f, kind, a_idx, f_kind, f_idx, feat_slot, kdas, mlas, moes, denses,
-            tails0, col0, S00, km1, full_buf, st_buf, ptrs, used, pools, kps, norm_w, norm_eps, lm_w, stops, stop_offs,
-            out_tok, out_gap, out_h, out_f):  # pragma: no cover - numba
+def _decode(
+    tok,
+    steps,
+    hc_n,
+    embed,
+    hcs_a,
+    hcs_f,
+    kind,
+    a_idx,
+    f_kind,
+    f_idx,
+    feat_slot,
+    kdas,
+    mlas,
+    moes,
+    denses,
+    tails0,
+    col0,
+    S00,
+    km1,
+    full_buf,
+    st_buf,
+    ptrs,
+    used,
+    pools,
+    kps,
+    norm_w,
+    norm_eps,
+    lm_w,
+    stops,
+    stop_offs,
+    out_tok,
+    out_gap,
+    out_h,
+    out_f,
+):  # pragma: no cover - numba
     # up to `steps` greedy decode steps of S sequences from anchors tok [S] (int64, updated in place);
     # returns the steps run; hc_n mHC streams. Per KDA layer a (in order): tails0[a] [3C, W] (sequence j's
     # tail at columns col0[j] .. col0[j]+km1) / S00[a] [S, H, dk, dk] the states before,
@@ -94,11 +127,23 @@ def _decode(tok, steps, hc_n, embed, hcs_a, hcs_f, kind, a_idx, f_kind, f_idx, f
             a = a_idx[i]
             if kind[i] == 0:
                 if t == 0:
-                    s = _kda_attn(s, hcs_a[i], kdas[a], tails0[a], col0, S00[a], s_idx, offs, full_buf[p, a],
-                                  st_buf[p, a], False)
+                    s = _kda_attn(
+                        s, hcs_a[i], kdas[a], tails0[a], col0, S00[a], s_idx, offs, full_buf[p, a], st_buf[p, a], False
+                    )
                 else:
-                    s = _kda_attn(s, hcs_a[i], kdas[a], full_buf[q, a], col, st_buf[q, a], s_idx, offs,
-                                  full_buf[p, a], st_buf[p, a], False)
+                    s = _kda_attn(
+                        s,
+                        hcs_a[i],
+                        kdas[a],
+                        full_buf[q, a],
+                        col,
+                        st_buf[q, a],
+                        s_idx,
+                        offs,
+                        full_buf[p, a],
+                        st_buf[p, a],
+                        False,
+                    )
             else:
                 s = _mla_attn(s, hcs_a[i], mlas[a], offs, ptrs[a], used[a], pools[a])
                 for j in range(S):
@@ -110,7 +155,7 @@ def _decode(tok, steps, hc_n, embed, hcs_a, hcs_f, kind, a_idx, f_kind, f_idx, f
                 s = _dense_ffn(s, hcs_f[i], denses[f_idx[i]])
             if feat_slot[i] >= 0:
                 _stream_mean(s, mean)
-                out_f[t, :, feat_slot[i] * D: (feat_slot[i] + 1) * D] = mean
+                out_f[t, :, feat_slot[i] * D : (feat_slot[i] + 1) * D] = mean
         _stream_mean(s, mean)
         _rms(mean, norm_w, norm_eps, h)
         out_h[t] = h
@@ -130,6 +175,7 @@ def _decode(tok, steps, hc_n, embed, hcs_a, hcs_f, kind, a_idx, f_kind, f_idx, f
 
 class _Plan:
     """The compiled loop's per-layer arguments for one model (remade when a layer's plan is)."""
+
     __slots__ = ("key", "args", "kda_layers", "mla_layers", "like", "kda_idx", "mla_idx")
 
 
@@ -195,19 +241,35 @@ def _plan(model) -> _Plan | None:
     p.mla_idx = [i for i, x in enumerate(layers) if x[0] == _MLA]
     norm = model.norm
     p.args = dict(
-        embed=np_param(model.embed_tokens.weight), hcs_a=_typed([x[1][0] for x in layers]),
-        hcs_f=_typed([x[3][0] for x in layers]), kind=np.array([x[0] for x in layers], np.int64),
-        a_idx=np.array(a_idx, np.int64), f_kind=np.array([x[2] for x in layers], np.int64),
-        f_idx=np.array(f_idx, np.int64), kdas=_typed([x[1][1] for x in kinds[_KDA]]),
-        mlas=_typed([x[1][1] for x in kinds[_MLA]]), moes=_typed([x[3][1] for x in ffns[_MOE]]),
-        denses=_typed([x[3][1] for x in ffns[_DENSE]]), kps=np.array([x[1][1][12] for x in kinds[_MLA]], np.int64),
-        norm_w=np_param(norm.weight), norm_eps=_F(norm.variance_epsilon), lm_w=lm)
+        embed=np_param(model.embed_tokens.weight),
+        hcs_a=_typed([x[1][0] for x in layers]),
+        hcs_f=_typed([x[3][0] for x in layers]),
+        kind=np.array([x[0] for x in layers], np.int64),
+        a_idx=np.array(a_idx, np.int64),
+        f_kind=np.array([x[2] for x in layers], np.int64),
+        f_idx=np.array(f_idx, np.int64),
+        kdas=_typed([x[1][1] for x in kinds[_KDA]]),
+        mlas=_typed([x[1][1] for x in kinds[_MLA]]),
+        moes=_typed([x[3][1] for x in ffns[_MOE]]),
+        denses=_typed([x[3][1] for x in ffns[_DENSE]]),
+        kps=np.array([x[1][1][12] for x in kinds[_MLA]], np.int64),
+        norm_w=np_param(norm.weight),
+        norm_eps=_F(norm.variance_epsilon),
+        lm_w=lm,
+    )
     _PLANS[model] = p
     return p
 
 
-def decode_steps(model, caches: list[TrunkCache], anchors: list[int], steps: int, stop_ids: list[tuple[int, ...]],
-                 features: tuple[int, ...] = (), threads: int = 1) -> list[dict] | None:
+def decode_steps(
+    model,
+    caches: list[TrunkCache],
+    anchors: list[int],
+    steps: int,
+    stop_ids: list[tuple[int, ...]],
+    features: tuple[int, ...] = (),
+    threads: int = 1,
+) -> list[dict] | None:
     """Up to ``steps`` plain greedy decode steps of every sequence in one call (see the module text):
     sequence ``j`` starts from ``anchors[j]`` after the committed rows of ``caches[j]`` (no verify
     pending; room for ``steps`` rows) and each step's target is its next anchor. The sequences go in
@@ -268,8 +330,15 @@ def set_pool_initializer(fn) -> None:
         _POOL[0], _POOL[1] = None, 0
 
 
-def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_ids: list[tuple[int, ...]], steps: int,
-           features: tuple[int, ...]) -> list[dict]:
+def _group(
+    model,
+    p: _Plan,
+    caches: list[TrunkCache],
+    anchors: list[int],
+    stop_ids: list[tuple[int, ...]],
+    steps: int,
+    features: tuple[int, ...],
+) -> list[dict]:
     """:func:`decode_steps` of one group of sequences: their arrays, one :func:`_decode` call, their caches."""
     S, D, cfg = len(caches), model.cfg.hidden_size, model.cfg
     a0 = p.kda_layers[0].self_attn
@@ -286,7 +355,7 @@ def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_i
             for j, c in enumerate(caches):
                 st = c.layers[i]
                 if st is not None:
-                    tails0[a, :, j * km1: (j + 1) * km1] = st.tail[0].numpy()
+                    tails0[a, :, j * km1 : (j + 1) * km1] = st.tail[0].numpy()
                     S00[a, j] = st.S[0].numpy()
     ptrs, used, pools = np.empty((Lm, S, 10), np.int64), np.empty((Lm, S), np.int64), np.empty((Lm, S), np.int64)
     for m, i in enumerate(m_idx):
@@ -301,10 +370,42 @@ def _group(model, p: _Plan, caches: list[TrunkCache], anchors: list[int], stop_i
     out_h, out_f = np.empty((steps, S, D), _F), np.zeros((steps, S, len(feats) * D), _F)
     tok = np.array(anchors, np.int64)
     a = p.args
-    n = _decode(tok, steps, cfg.hc_mult, a["embed"], a["hcs_a"], a["hcs_f"], a["kind"], a["a_idx"], a["f_kind"],
-                a["f_idx"], slot, a["kdas"], a["mlas"], a["moes"], a["denses"], tails0, col0, S00, km1, full_buf, st_buf,
-                ptrs, used, pools, a["kps"], a["norm_w"], a["norm_eps"], a["lm_w"], stops, stop_offs, out_tok,
-                out_gap, out_h, out_f)
+    n = _decode(
+        tok,
+        steps,
+        cfg.hc_mult,
+        a["embed"],
+        a["hcs_a"],
+        a["hcs_f"],
+        a["kind"],
+        a["a_idx"],
+        a["f_kind"],
+        a["f_idx"],
+        slot,
+        a["kdas"],
+        a["mlas"],
+        a["moes"],
+        a["denses"],
+        tails0,
+        col0,
+        S00,
+        km1,
+        full_buf,
+        st_buf,
+        ptrs,
+        used,
+        pools,
+        a["kps"],
+        a["norm_w"],
+        a["norm_eps"],
+        a["lm_w"],
+        stops,
+        stop_offs,
+        out_tok,
+        out_gap,
+        out_h,
+        out_f,
+    )
     _leave(caches, idx, m_idx, n, km1, full_buf, st_buf)
     tok_t, gap_t, h_t, f_t = (torch.from_numpy(x[:n]) for x in (out_tok, out_gap, out_h, out_f))
     return [{"tokens": tok_t[:, j], "gaps": gap_t[:, j], "hidden": h_t[:, j], "features": f_t[:, j]} for j in range(S)]
@@ -320,6 +421,7 @@ def _carry(view: torch.Tensor, full_buf: np.ndarray, st_buf: np.ndarray, last: i
     def gone(ref, key=id(view)):  # (any thread: a newer entry under the same id stays)
         if _CARRY.get(key, (None,))[0] is ref:
             _CARRY.pop(key, None)
+
     _CARRY[id(view)] = (weakref.ref(view, gone), full_buf, st_buf, last)
 
 
@@ -336,14 +438,28 @@ def _carried(caches: list[TrunkCache], kda_idx: list[int], km1: int) -> tuple | 
         fp, sp = full_buf[last, a].ctypes.data, st_buf[last, a].ctypes.data
         for j, c in enumerate(caches):
             st = c.layers[i]
-            if (type(st) is not KDAState or st.rows is None or st.n_rows != 1 or st.rows.col != j * (km1 + 1)
-                    or st.rows.row != j or st.rows.full.data_ptr() != fp or st.rows.states.data_ptr() != sp):
+            if (
+                type(st) is not KDAState
+                or st.rows is None
+                or st.n_rows != 1
+                or st.rows.col != j * (km1 + 1)
+                or st.rows.row != j
+                or st.rows.full.data_ptr() != fp
+                or st.rows.states.data_ptr() != sp
+            ):
                 return None
     return full_buf[last], st_buf[last], np.arange(len(caches), dtype=np.int64) * (km1 + 1) + 1
 
 
-def _leave(caches: list[TrunkCache], kda_idx: list[int], mla_idx: list[int], n: int, km1: int,
-           full_buf: np.ndarray, st_buf: np.ndarray) -> None:
+def _leave(
+    caches: list[TrunkCache],
+    kda_idx: list[int],
+    mla_idx: list[int],
+    n: int,
+    km1: int,
+    full_buf: np.ndarray,
+    st_buf: np.ndarray,
+) -> None:
     """The caches after ``n`` steps as one-row verifies leave them: the first ``n - 1`` rows committed
     (each KDA layer's state after them: views of the step buffers), the last pending (recorded in
     :data:`_CARRY` for the next call)."""

@@ -55,8 +55,16 @@ _INPUTS = ["bf16"]
 @njit(cache=True, nogil=True, inline="always")
 def _w8(wt, k, wc, n):  # pragma: no cover - numba
     # weight rows k .. k+7, columns wc .. wc+n
-    return (wt[k, wc:wc + n], wt[k + 1, wc:wc + n], wt[k + 2, wc:wc + n], wt[k + 3, wc:wc + n],
-            wt[k + 4, wc:wc + n], wt[k + 5, wc:wc + n], wt[k + 6, wc:wc + n], wt[k + 7, wc:wc + n])
+    return (
+        wt[k, wc : wc + n],
+        wt[k + 1, wc : wc + n],
+        wt[k + 2, wc : wc + n],
+        wt[k + 3, wc : wc + n],
+        wt[k + 4, wc : wc + n],
+        wt[k + 5, wc : wc + n],
+        wt[k + 6, wc : wc + n],
+        wt[k + 7, wc : wc + n],
+    )
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -67,7 +75,7 @@ def _x8(x, r, k):  # pragma: no cover - numba
 @njit(cache=True, nogil=True, inline="always")
 def _w4(wt, k, wc, n):  # pragma: no cover - numba
     # weight rows k .. k+3, columns wc .. wc+n
-    return wt[k, wc:wc + n], wt[k + 1, wc:wc + n], wt[k + 2, wc:wc + n], wt[k + 3, wc:wc + n]
+    return wt[k, wc : wc + n], wt[k + 1, wc : wc + n], wt[k + 2, wc : wc + n], wt[k + 3, wc : wc + n]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -80,8 +88,11 @@ def _rows4(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
     # rows r .. r+3, columns o0 .. o0+n of out (wt's from wc): k in steps of 4 (the 16 inputs, four
     # weight rows and four accumulators stay in registers: with steps of 8 the 32 inputs spilled and
     # the loop ran on loads, 1.2-2x slower), then one at a time
-    a0, a1, a2, a3 = out[r, o0:o0 + n], out[r + 1, o0:o0 + n], out[r + 2, o0:o0 + n], out[r + 3, o0:o0 + n]
-    a0[:] = 0.0; a1[:] = 0.0; a2[:] = 0.0; a3[:] = 0.0  # noqa: E702
+    a0, a1, a2, a3 = out[r, o0 : o0 + n], out[r + 1, o0 : o0 + n], out[r + 2, o0 : o0 + n], out[r + 3, o0 : o0 + n]
+    a0[:] = 0.0
+    a1[:] = 0.0
+    a2[:] = 0.0
+    a3[:] = 0.0  # noqa: E702
     D = x.shape[1]
     for k in range(0, D - D % 4, 4):
         w0, w1, w2, w3 = _w4(wt, k, wc, n)
@@ -96,7 +107,7 @@ def _rows4(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
             a2[j] = a2[j] + x20 * v0 + x21 * v1 + x22 * v2 + x23 * v3
             a3[j] = a3[j] + x30 * v0 + x31 * v1 + x32 * v2 + x33 * v3
     for k in range(D - D % 4, D):
-        w = wt[k, wc:wc + n]
+        w = wt[k, wc : wc + n]
         x0, x1, x2, x3 = x[r, k], x[r + 1, k], x[r + 2, k], x[r + 3, k]
         for j in range(n):
             a0[j] += x0 * _f32(w[j])
@@ -108,20 +119,39 @@ def _rows4(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
 def _rows2(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
     # rows r .. r+1, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
-    a0, a1 = out[r, o0:o0 + n], out[r + 1, o0:o0 + n]
-    a0[:] = 0.0; a1[:] = 0.0  # noqa: E702
+    a0, a1 = out[r, o0 : o0 + n], out[r + 1, o0 : o0 + n]
+    a0[:] = 0.0
+    a1[:] = 0.0  # noqa: E702
     D = x.shape[1]
     for k in range(0, D - D % 8, 8):
         w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
         x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
         x10, x11, x12, x13, x14, x15, x16, x17 = _x8(x, r + 1, k)
         for j in range(n):
-            a0[j] = (a0[j] + x00 * _f32(w0[j]) + x01 * _f32(w1[j]) + x02 * _f32(w2[j]) + x03 * _f32(w3[j])
-                     + x04 * _f32(w4[j]) + x05 * _f32(w5[j]) + x06 * _f32(w6[j]) + x07 * _f32(w7[j]))
-            a1[j] = (a1[j] + x10 * _f32(w0[j]) + x11 * _f32(w1[j]) + x12 * _f32(w2[j]) + x13 * _f32(w3[j])
-                     + x14 * _f32(w4[j]) + x15 * _f32(w5[j]) + x16 * _f32(w6[j]) + x17 * _f32(w7[j]))
+            a0[j] = (
+                a0[j]
+                + x00 * _f32(w0[j])
+                + x01 * _f32(w1[j])
+                + x02 * _f32(w2[j])
+                + x03 * _f32(w3[j])
+                + x04 * _f32(w4[j])
+                + x05 * _f32(w5[j])
+                + x06 * _f32(w6[j])
+                + x07 * _f32(w7[j])
+            )
+            a1[j] = (
+                a1[j]
+                + x10 * _f32(w0[j])
+                + x11 * _f32(w1[j])
+                + x12 * _f32(w2[j])
+                + x13 * _f32(w3[j])
+                + x14 * _f32(w4[j])
+                + x15 * _f32(w5[j])
+                + x16 * _f32(w6[j])
+                + x17 * _f32(w7[j])
+            )
     for k in range(D - D % 8, D):
-        w = wt[k, wc:wc + n]
+        w = wt[k, wc : wc + n]
         x0, x1 = x[r, k], x[r + 1, k]
         for j in range(n):
             a0[j] += x0 * _f32(w[j])
@@ -131,17 +161,26 @@ def _rows2(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy", boundscheck=False)
 def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
     # rows r .. r+0, columns o0 .. o0+n of out (wt's from wc): k in steps of 8, then one at a time
-    a0 = out[r, o0:o0 + n]
+    a0 = out[r, o0 : o0 + n]
     a0[:] = 0.0  # noqa: E702
     D = x.shape[1]
     for k in range(0, D - D % 8, 8):
         w0, w1, w2, w3, w4, w5, w6, w7 = _w8(wt, k, wc, n)
         x00, x01, x02, x03, x04, x05, x06, x07 = _x8(x, r, k)
         for j in range(n):
-            a0[j] = (a0[j] + x00 * _f32(w0[j]) + x01 * _f32(w1[j]) + x02 * _f32(w2[j]) + x03 * _f32(w3[j])
-                     + x04 * _f32(w4[j]) + x05 * _f32(w5[j]) + x06 * _f32(w6[j]) + x07 * _f32(w7[j]))
+            a0[j] = (
+                a0[j]
+                + x00 * _f32(w0[j])
+                + x01 * _f32(w1[j])
+                + x02 * _f32(w2[j])
+                + x03 * _f32(w3[j])
+                + x04 * _f32(w4[j])
+                + x05 * _f32(w5[j])
+                + x06 * _f32(w6[j])
+                + x07 * _f32(w7[j])
+            )
     for k in range(D - D % 8, D):
-        w = wt[k, wc:wc + n]
+        w = wt[k, wc : wc + n]
         x0 = x[r, k]
         for j in range(n):
             a0[j] += x0 * _f32(w[j])
@@ -179,7 +218,7 @@ def _mm_blocked(x, wt, c0, c1, out, oc):  # pragma: no cover - numba
     p = 4 if M % 4 == 3 else 0  # rows of the padded block (none unless three are left)
     pad, pad_out = np.zeros((p, x.shape[1]), x.dtype), np.empty((p, _BLOCK), np.float32)
     if M % 4 == 3:
-        pad[:3] = x[M - 3:]
+        pad[:3] = x[M - 3 :]
     for o0 in range(0, c1 - c0, _BLOCK):
         n = min(_BLOCK, c1 - c0 - o0)
         r = 0
@@ -188,7 +227,7 @@ def _mm_blocked(x, wt, c0, c1, out, oc):  # pragma: no cover - numba
             r += 4
         if r + 3 == M:  # the last three rows as four (a zero row): the weight slice is read once
             _rows4(pad, wt, 0, c0 + o0, 0, n, pad_out)
-            out[r:, oc + o0:oc + o0 + n] = pad_out[:3, :n]
+            out[r:, oc + o0 : oc + o0 + n] = pad_out[:3, :n]
         elif r + 2 == M:
             _rows2(x, wt, r, c0 + o0, oc + o0, n, out)
         elif r < M:
@@ -271,10 +310,10 @@ def pack_strips(wt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``wt [..., D, O]`` (float32 or bfloat16 bits, :func:`kernel_weight`'s layout) strip-packed:
     ``(strips [..., O // 64, D, 64], tail [..., D, O % 64])``, each C-contiguous, so a 64-column strip
     of the weight is one contiguous run of ``D * 64`` elements, read front to back by :func:`_mmp`."""
-    *lead, D, O = wt.shape
-    S = O // TILE
-    strips = np.ascontiguousarray(np.swapaxes(wt[..., :S * TILE].reshape(*lead, D, S, TILE), -3, -2))
-    return strips, np.ascontiguousarray(wt[..., S * TILE:])
+    *lead, D, n_out = wt.shape
+    S = n_out // TILE
+    strips = np.ascontiguousarray(np.swapaxes(wt[..., : S * TILE].reshape(*lead, D, S, TILE), -3, -2))
+    return strips, np.ascontiguousarray(wt[..., S * TILE :])
 
 
 def mm_rows(x: np.ndarray, wt, c0: int = 0, c1: int | None = None) -> np.ndarray:
@@ -283,10 +322,10 @@ def mm_rows(x: np.ndarray, wt, c0: int = 0, c1: int | None = None) -> np.ndarray
     :func:`kernel_weight` makes it; then ``c0`` must be a multiple of 64 and ``c1`` one or ``O``).
     Returns a new ``[M, c1 - c0]`` float32 array. Raises ``ValueError`` for a packed range off the strips."""
     packed = isinstance(wt, tuple)
-    O = cols(wt) if packed else wt.shape[1]
-    c1 = O if c1 is None else c1
-    if packed and (c0 % TILE or (c1 % TILE and c1 != O)):
-        raise ValueError(f"a packed weight's columns go in strips of {TILE}: got {c0}..{c1} of {O}")
+    n_out = cols(wt) if packed else wt.shape[1]
+    c1 = n_out if c1 is None else c1
+    if packed and (c0 % TILE or (c1 % TILE and c1 != n_out)):
+        raise ValueError(f"a packed weight's columns go in strips of {TILE}: got {c0}..{c1} of {n_out}")
     out = np.empty((x.shape[0], c1 - c0), np.float32)
     (_mmp if packed else _mm)(np.ascontiguousarray(x), wt, c0, c1, out)
     return out
@@ -387,7 +426,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     from . import cpu_kernels  # here: cpu_kernels' users import this module
 
     if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and cpu_kernels.active(x):
-        y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w))).view(*x.shape[:-1], w.shape[0])
+        y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w))).view(
+            *x.shape[:-1], w.shape[0]
+        )
         return y if b is None else y + b
     return F.linear(x, w, b)
 

@@ -33,23 +33,34 @@ def _state_passes(src, dst, dec, kn, qn, mem, o, v, beta, dk):  # pragma: no cov
     # a head's state passes with their accumulators in registers (cpu_tile), where dk has them;
     # False: the caller runs them as loops
     if dk == 64:
-        decay4(src, dst, dec, kn, mem); _beta_step(mem, v, beta); update4(dst, kn, qn, mem, o)  # noqa: E702
+        decay4(src, dst, dec, kn, mem)
+        _beta_step(mem, v, beta)
+        update4(dst, kn, qn, mem, o)  # noqa: E702
     elif dk == 128:
-        decay8(src, dst, dec, kn, mem); _beta_step(mem, v, beta); update8(dst, kn, qn, mem, o)  # noqa: E702
+        decay8(src, dst, dec, kn, mem)
+        _beta_step(mem, v, beta)
+        update8(dst, kn, qn, mem, o)  # noqa: E702
     elif dk == 32:
-        decay2(src, dst, dec, kn, mem); _beta_step(mem, v, beta); update2(dst, kn, qn, mem, o)  # noqa: E702
+        decay2(src, dst, dec, kn, mem)
+        _beta_step(mem, v, beta)
+        update2(dst, kn, qn, mem, o)  # noqa: E702
     elif dk == 16:
-        decay1(src, dst, dec, kn, mem); _beta_step(mem, v, beta); update1(dst, kn, qn, mem, o)  # noqa: E702
+        decay1(src, dst, dec, kn, mem)
+        _beta_step(mem, v, beta)
+        update1(dst, kn, qn, mem, o)  # noqa: E702
     elif dk == 48:
-        decay3(src, dst, dec, kn, mem); _beta_step(mem, v, beta); update3(dst, kn, qn, mem, o)  # noqa: E702
+        decay3(src, dst, dec, kn, mem)
+        _beta_step(mem, v, beta)
+        update3(dst, kn, qn, mem, o)  # noqa: E702
     else:
         return False
     return True
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"}, error_model="numpy")
-def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S0, qscale,
-              H, dk, full, states, keep, y):  # pragma: no cover - numba
+def _kda_rows(
+    mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S0, qscale, H, dk, full, states, keep, y
+):  # pragma: no cover - numba
     # mixed [T, 3C] pre-conv q|k|v; tail [3C, K-1]; convw [K, 3C] (the conv weight transposed: the conv
     # runs along channels, vectorised); fgate [T, C] (f_b output); a_log [H];
     # blog [T, H] beta logits; gate [T, C] output-gate logits; S0 [H, dk, dk] the state before row 0
@@ -89,7 +100,7 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
         src = S0 if t == 0 else (states[t - 1] if keep else states[0])
         for h in range(H):
             q0, k0, v0 = h * dk, C + h * dk, 2 * C + h * dk
-            qa, ka = act[q0: q0 + dk], act[k0: k0 + dk]
+            qa, ka = act[q0 : q0 + dk], act[k0 : k0 + dk]
             iq = qscale / np.sqrt(_dot(qa, qa) + np.float32(1e-6))
             ik = one / np.sqrt(_dot(ka, ka) + np.float32(1e-6))
             beta = one / (one + np.exp(-blog[t, h]))
@@ -100,7 +111,9 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
             for i in range(dk):
                 kn[i], qn[i] = ka[i] * ik, qa[i] * iq
             Sp, Sh = src[h], dst[h]
-            if not _state_passes(Sh if t > 0 and not keep else Sp, Sh, dec, kn, qn, mem, o, act[v0: v0 + dk], beta, dk):
+            if not _state_passes(
+                Sh if t > 0 and not keep else Sp, Sh, dec, kn, qn, mem, o, act[v0 : v0 + dk], beta, dk
+            ):
                 mem[:] = zero
                 for i in range(dk):  # decay the previous state into this row's, then S'^T k
                     d, ki, row = dec[i], kn[i], Sh[i]
@@ -115,7 +128,7 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
                             s = prev[j] * d
                             row[j] = s
                             mem[j] += s * ki
-                _beta_step(mem, act[v0: v0 + dk], beta)
+                _beta_step(mem, act[v0 : v0 + dk], beta)
                 o[:] = zero
                 for i in range(dk):  # delta-rule update, S^T q
                     ki, qi, row = kn[i], qn[i], Sh[i]
@@ -130,8 +143,30 @@ def _kda_rows(mixed, tail, convw, fgate, a_log, dt_bias, lower, blog, gate, onw,
 
 
 @njit(cache=True, nogil=True)
-def _kda_many(mixed, tails, t_col, convw, fgate, a_log, dt_bias, lower, blog, gate, onw, eps, S0, s_idx, qscale, H,
-              dk, offs, full, states, keep, y):  # pragma: no cover - numba
+def _kda_many(
+    mixed,
+    tails,
+    t_col,
+    convw,
+    fgate,
+    a_log,
+    dt_bias,
+    lower,
+    blog,
+    gate,
+    onw,
+    eps,
+    S0,
+    s_idx,
+    qscale,
+    H,
+    dk,
+    offs,
+    full,
+    states,
+    keep,
+    y,
+):  # pragma: no cover - numba
     # convw [K, 3C]: the conv weight transposed (conv_taps); sequence j owns rows offs[j]:offs[j+1], full columns offs[j] + j*(K-1) ..., its conv tail is
     # tails[:, t_col[j]: t_col[j] + K-1] and it starts from S0[s_idx[j]] (both read only); its states go
     # to states[offs[j]:offs[j+1]] (keep) or states[j]
@@ -139,9 +174,27 @@ def _kda_many(mixed, tails, t_col, convw, fgate, a_log, dt_bias, lower, blog, ga
     for j in range(offs.shape[0] - 1):
         a, b = offs[j], offs[j + 1]
         f0 = a + j * km1
-        _kda_rows(mixed[a:b], tails[:, t_col[j]: t_col[j] + km1], convw, fgate[a:b], a_log, dt_bias, lower, blog[a:b], gate[a:b], onw, eps,
-                  S0[s_idx[j]], qscale, H, dk, full[:, f0: f0 + km1 + b - a], states[a:b] if keep else states[j: j + 1],
-                  keep, y[a:b])
+        _kda_rows(
+            mixed[a:b],
+            tails[:, t_col[j] : t_col[j] + km1],
+            convw,
+            fgate[a:b],
+            a_log,
+            dt_bias,
+            lower,
+            blog[a:b],
+            gate[a:b],
+            onw,
+            eps,
+            S0[s_idx[j]],
+            qscale,
+            H,
+            dk,
+            full[:, f0 : f0 + km1 + b - a],
+            states[a:b] if keep else states[j : j + 1],
+            keep,
+            y[a:b],
+        )
 
 
 def conv_taps(conv_w: torch.Tensor) -> np.ndarray:
@@ -157,8 +210,13 @@ def _shared_states(S0s: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     one = S0s[0]
     size = one[0].numel()
     st = one.untyped_storage()
-    if all(s.dtype == torch.float32 and s.is_contiguous() and s.untyped_storage().data_ptr() == st.data_ptr()
-           and s.storage_offset() % size == 0 for s in S0s):
+    if all(
+        s.dtype == torch.float32
+        and s.is_contiguous()
+        and s.untyped_storage().data_ptr() == st.data_ptr()
+        and s.storage_offset() % size == 0
+        for s in S0s
+    ):
         base = torch.empty(0, dtype=torch.float32).set_(st, 0, (st.nbytes() // 4 // size, *one.shape[1:]))
         return base.numpy(), np.array([s.storage_offset() // size for s in S0s], np.int64)
     return np_rows(torch.cat(S0s) if len(S0s) > 1 else S0s[0]), np.arange(len(S0s), dtype=np.int64)
@@ -172,9 +230,16 @@ def _shared_tails(tails: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     _, C3, km1 = one.shape
     W = one.stride(1)
     st = one.untyped_storage()
-    if (one.dtype == torch.float32 and st.nbytes() == 4 * C3 * W and
-            all(t.stride() == (C3 * W, W, 1) and t.untyped_storage().data_ptr() == st.data_ptr()
-                and t.storage_offset() + km1 <= W for t in tails)):
+    if (
+        one.dtype == torch.float32
+        and st.nbytes() == 4 * C3 * W
+        and all(
+            t.stride() == (C3 * W, W, 1)
+            and t.untyped_storage().data_ptr() == st.data_ptr()
+            and t.storage_offset() + km1 <= W
+            for t in tails
+        )
+    ):
         base = torch.empty(0, dtype=torch.float32).set_(st, 0, (C3, W))
         return base.numpy(), np.array([t.storage_offset() for t in tails], np.int64)
     return np_rows(torch.cat(tails, 2)[0]), np.arange(0, len(tails) * km1, km1, dtype=np.int64)
@@ -186,18 +251,35 @@ def _starts(starts: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
     previous pass's buffers themselves when every state is a row of one pass (a decode round), else
     :func:`_shared_tails` / :func:`_shared_states` of their tensors."""
     r0 = getattr(starts[0], "rows", None)
-    if r0 is not None and all(getattr(s, "rows", None) is not None and s.rows.full is r0.full
-                              and s.rows.states is r0.states for s in starts):
-        return (np_rows(r0.full[0]), np.array([s.rows.col + s.n_rows for s in starts], np.int64),
-                np_rows(r0.states[0]), np.array([s.rows.row + s.n_rows - 1 for s in starts], np.int64))
+    if r0 is not None and all(
+        getattr(s, "rows", None) is not None and s.rows.full is r0.full and s.rows.states is r0.states for s in starts
+    ):
+        return (
+            np_rows(r0.full[0]),
+            np.array([s.rows.col + s.n_rows for s in starts], np.int64),
+            np_rows(r0.states[0]),
+            np.array([s.rows.row + s.n_rows - 1 for s in starts], np.int64),
+        )
     pairs = [(s.tail, s.S) if isinstance(s, KDAState) else s for s in starts]
     return (*_shared_tails([t for t, _ in pairs]), *_shared_states([S for _, S in pairs]))
 
 
-def kda_rows_fused(mixed: torch.Tensor, starts: list, conv_w: torch.Tensor, fgate: torch.Tensor,
-                   A_log: torch.Tensor, dt_bias: torch.Tensor, lower: float, beta_logits: torch.Tensor,
-                   gate: torch.Tensor, onorm_w: torch.Tensor, eps: float, heads: int,
-                   lengths: list[int], keep_states: bool = True) -> tuple[torch.Tensor, list]:
+def kda_rows_fused(
+    mixed: torch.Tensor,
+    starts: list,
+    conv_w: torch.Tensor,
+    fgate: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower: float,
+    beta_logits: torch.Tensor,
+    gate: torch.Tensor,
+    onorm_w: torch.Tensor,
+    eps: float,
+    heads: int,
+    lengths: list[int],
+    keep_states: bool = True,
+) -> tuple[torch.Tensor, list]:
     """KDA rows of several sequences after their projections, each row by row (the recurrence of
     Kimi Linear, arXiv:2510.26692, eq. 1-2): conv + SiLU, L2-normalised q (scaled ``dk^-1/2``) and k,
     the safe forget gate ``lower * sigmoid(exp(A_log) * (f + dt_bias))``, ``beta = sigmoid(b)``, the
@@ -219,9 +301,30 @@ def kda_rows_fused(mixed: torch.Tensor, starts: list, conv_w: torch.Tensor, fgat
     dk = C // heads
     offs, full, states, (tl, t_col, S0, s_idx) = kda_buffers(starts, lengths, C3, K, heads, keep_states)
     y = np.empty((N, C), _F)
-    _kda_many(np_rows(mixed[0]), tl, t_col, conv_taps(conv_w), np_rows(fgate[0]), np_param(A_log),
-              np_param(dt_bias), _F(lower), np_rows(beta_logits[0]), np_rows(gate[0]), np_param(onorm_w), _F(eps), S0,
-              s_idx, _F(dk ** -0.5), heads, dk, offs, full, states, keep_states, y)
+    _kda_many(
+        np_rows(mixed[0]),
+        tl,
+        t_col,
+        conv_taps(conv_w),
+        np_rows(fgate[0]),
+        np_param(A_log),
+        np_param(dt_bias),
+        _F(lower),
+        np_rows(beta_logits[0]),
+        np_rows(gate[0]),
+        np_param(onorm_w),
+        _F(eps),
+        S0,
+        s_idx,
+        _F(dk**-0.5),
+        heads,
+        dk,
+        offs,
+        full,
+        states,
+        keep_states,
+        y,
+    )
     return torch.from_numpy(y)[None], kda_results(offs, full, states, K, keep_states)
 
 
@@ -243,7 +346,9 @@ def kda_results(offs: np.ndarray, full: np.ndarray, states: np.ndarray, K: int, 
     o, n = offs.tolist(), offs.shape[0] - 1
     if not keep_states:
         ends = [o[j + 1] + (j + 1) * (K - 1) for j in range(n)]  # one past sequence j's last full column
-        return [(torch.from_numpy(full[None, :, e - (K - 1): e].copy()), torch.from_numpy(states[j: j + 1]))
-                for j, e in enumerate(ends)]
+        return [
+            (torch.from_numpy(full[None, :, e - (K - 1) : e].copy()), torch.from_numpy(states[j : j + 1]))
+            for j, e in enumerate(ends)
+        ]
     ft, st = torch.from_numpy(full)[None], torch.from_numpy(states)[None]
     return [KDARows(ft, st, K - 1, o[j] + j * (K - 1), o[j]) for j in range(n)]

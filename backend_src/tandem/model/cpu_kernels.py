@@ -52,7 +52,9 @@ def reference():
         ENABLED = old
 
 
-_PARAMS: dict[object, tuple[int, np.ndarray, torch.Tensor]] = {}  # id(weight) or ("T", id(weight)) -> (storage, array, weight)
+_PARAMS: dict[
+    object, tuple[int, np.ndarray, torch.Tensor]
+] = {}  # id(weight) or ("T", id(weight)) -> (storage, array, weight)
 
 
 def _cached(key, p: torch.Tensor, make) -> np.ndarray:
@@ -94,6 +96,7 @@ def _pow2i(typingctx, k):
     def codegen(context, builder, sig, args):
         bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(32), 127)), ir.Constant(ir.IntType(32), 23))
         return builder.bitcast(bits, ir.FloatType())
+
     return types.float32(k), codegen
 
 
@@ -145,7 +148,9 @@ def _dot(a, b):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def _hc_weights(streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, collapsed):  # pragma: no cover - numba
+def _hc_weights(
+    streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps, post, comb, collapsed
+):  # pragma: no cover - numba
     # fn_t [N*D, (2+N)N]: the mixing weight transposed (np_param_t)
     M, ND = streams.shape
     D = ND // n
@@ -168,8 +173,9 @@ def _hc_weights(streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps,
                     for o in range(n_mix):
                         acc[o] += xv * w[o]
         for o in range(n_mix):
-            acc_o = ((part[0, o] + part[1, o]) + (part[2, o] + part[3, o])) + \
-                ((part[4, o] + part[5, o]) + (part[6, o] + part[7, o]))
+            acc_o = ((part[0, o] + part[1, o]) + (part[2, o] + part[3, o])) + (
+                (part[4, o] + part[5, o]) + (part[6, o] + part[7, o])
+            )
             for j in range(n8, ND):
                 acc_o += x[j] * fn_t[j, o]
             mix[o] = acc_o * inv
@@ -211,8 +217,17 @@ def _hc_weights(streams, fn_t, base, scale, n, iters, eps, norm_eps, nw, nw_eps,
                         c[a, b] = c[a, b] / s
 
 
-def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               iters: int, eps: float, norm_eps: float, norm_w: torch.Tensor, norm_w_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_weights(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    norm_w: torch.Tensor,
+    norm_w_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC weights of rows ``streams [B, T, N, D]`` (any float dtype): ``post [B,T,N]`` and ``comb [B,T,N,N]`` fp32, and
     the block's RMSNorm (weight ``norm_w [D]``, eps ``norm_w_eps``) of the collapsed block input, ``[B, T, D]`` in the
     streams' dtype.
@@ -222,10 +237,26 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     b, t, n, d = streams.shape
     s = np_rows(streams.reshape(b * t, n * d))
     post, comb, col = np.empty((b * t, n), _F), np.empty((b * t, n, n), _F), np.empty((b * t, d), _F)
-    _hc_weights(s, np_param_t(fn), np_param(base), np_param(scale), n, iters, _F(eps), _F(norm_eps),
-                np_param(norm_w), _F(norm_w_eps), post, comb, col)
-    return (torch.from_numpy(post).view(b, t, n), torch.from_numpy(comb).view(b, t, n, n),
-            torch.from_numpy(col).view(b, t, d).to(streams.dtype))
+    _hc_weights(
+        s,
+        np_param_t(fn),
+        np_param(base),
+        np_param(scale),
+        n,
+        iters,
+        _F(eps),
+        _F(norm_eps),
+        np_param(norm_w),
+        _F(norm_w_eps),
+        post,
+        comb,
+        col,
+    )
+    return (
+        torch.from_numpy(post).view(b, t, n),
+        torch.from_numpy(comb).view(b, t, n, n),
+        torch.from_numpy(col).view(b, t, d).to(streams.dtype),
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -253,8 +284,13 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, re
     ``post [B,T,N]``, ``comb [B,T,N,N]``, ``block_out [B,T,D]``, ``residual [B,T,N,D]`` -> ``[B,T,N,D]``."""
     b, t, n, d = residual.shape
     out = np.empty((b * t, n, d), _F)
-    _hc_merge(np_rows(post.reshape(b * t, n)), np_rows(comb.reshape(b * t, n, n)), np_rows(block_out.reshape(b * t, d)),
-              np_rows(residual.reshape(b * t, n, d)), out)
+    _hc_merge(
+        np_rows(post.reshape(b * t, n)),
+        np_rows(comb.reshape(b * t, n, n)),
+        np_rows(block_out.reshape(b * t, d)),
+        np_rows(residual.reshape(b * t, n, d)),
+        out,
+    )
     return torch.from_numpy(out).view(b, t, n, d)
 
 
@@ -358,8 +394,16 @@ def _dsa_mask(dots, w, sq, sw, q_pos, kp, k_pools, mask):  # pragma: no cover - 
             mask[t, j] = True
 
 
-def dsa_mask(dots: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, kv_len: int, kp: int,
-             k_pools: int, q_scale: float, w_scale: float) -> torch.Tensor:
+def dsa_mask(
+    dots: torch.Tensor,
+    weights: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_len: int,
+    kp: int,
+    k_pools: int,
+    q_scale: float,
+    w_scale: float,
+) -> torch.Tensor:
     """DSA k-pool selection of one sequence (:meth:`tandem.model.mla.Indexer.select` over
     :meth:`~tandem.model.mla.Indexer.scores`, the reference): pool score
     ``sum_h (w_h * w_scale) * relu(dot_hp * q_scale)``, the ``k_pools`` best complete pools, ties
@@ -368,8 +412,7 @@ def dsa_mask(dots: torch.Tensor, weights: torch.Tensor, q_pos: torch.Tensor, kv_
     Returns the visibility mask ``[1, T, kv_len]`` bool."""
     _, T, H, P = dots.shape
     mask = np.empty((T, kv_len), np.bool_)
-    _dsa_mask(np_rows(dots[0]), np_rows(weights[0]), _F(q_scale),
-              _F(w_scale), q_pos.numpy(), kp, k_pools, mask)
+    _dsa_mask(np_rows(dots[0]), np_rows(weights[0]), _F(q_scale), _F(w_scale), q_pos.numpy(), kp, k_pools, mask)
     return torch.from_numpy(mask)[None]
 
 

@@ -36,8 +36,32 @@ from .cpu_kernels import _F, _hc_merge, _layer_norm, _rms, np_param, np_rows
 def _mla_attn(s, hc, mla, offs, ptrs, used, pools):  # pragma: no cover - numba
     # the attention half of an MLA block: streams s [N, n, D] -> [N, n, D]; every sequence j's rows
     # offs[j]:offs[j+1] appended to its cache buffers (ptrs[j], used[j] rows and pools[j] pools before)
-    (w_fx, w_fq, w_kvb, w_o, qa_w, qa_eps, kva_w, kva_eps, kn_w, kn_b, kn_eps, ape, kp, k_pools, scaling, q_scale,
-     w_scale, H, dqk, dv, qr, kvr, di, Hi) = mla
+    (
+        w_fx,
+        w_fq,
+        w_kvb,
+        w_o,
+        qa_w,
+        qa_eps,
+        kva_w,
+        kva_eps,
+        kn_w,
+        kn_b,
+        kn_eps,
+        ape,
+        kp,
+        k_pools,
+        scaling,
+        q_scale,
+        w_scale,
+        H,
+        dqk,
+        dv,
+        qr,
+        kvr,
+        di,
+        Hi,
+    ) = mla
     N = s.shape[0]
     post, comb, x = _hc_in(s, hc)
     fx = _gemm(x, w_fx)  # q_a | kv_a | indexer key | indexer head weights | pool gate
@@ -47,17 +71,17 @@ def _mla_attn(s, hc, mla, offs, ptrs, used, pools):  # pragma: no cover - numba
     _rms(fx[:, :c1], qa_w, qa_eps, q_resid)
     _rms(fx[:, c1:c2], kva_w, kva_eps, latent)
     _layer_norm(fx[:, c2:c3], kn_w, kn_b, kn_eps, ik)
-    iw, ig = np.ascontiguousarray(fx[:, c3:c4]), np.ascontiguousarray(fx[:, c4:c4 + di])
+    iw, ig = np.ascontiguousarray(fx[:, c3:c4]), np.ascontiguousarray(fx[:, c4 : c4 + di])
     fq = _gemm(q_resid, w_fq)  # q_b | indexer queries
     kv = _gemm(latent, w_kvb)  # per head: k | v
     q, k, v = np.empty((N, H, dqk), _F), np.empty((H, N, dqk), _F), np.empty((H, N, dv), _F)
     for r in range(N):
         for h in range(H):
             a = h * (dqk + dv)
-            q[r, h] = fq[r, h * dqk:(h + 1) * dqk]
-            k[h, r] = kv[r, a:a + dqk]
-            v[h, r] = kv[r, a + dqk:a + dqk + dv]
-    iq = np.ascontiguousarray(fq[:, H * dqk:])
+            q[r, h] = fq[r, h * dqk : (h + 1) * dqk]
+            k[h, r] = kv[r, a : a + dqk]
+            v[h, r] = kv[r, a + dqk : a + dqk + dv]
+    iq = np.ascontiguousarray(fq[:, H * dqk :])
     _append_many(latent, k, v, ik, ig, ape, offs, ptrs, used, pools)
     seen = used + (offs[1:] - offs[:-1])
     o = np.empty((N, H * dv), _F)
@@ -75,17 +99,40 @@ def _mla_block(s, hc_a, hc_f, moe, mla, offs, ptrs, used, pools):  # pragma: no 
 
 def _fits(layer) -> bool:
     a = layer.self_attn
-    return (layer.layer_type == "indexed_attention" and getattr(a, "_fused_q", None) is not None
-            and _f32(getattr(a, "_fused_x", (None,))[0], a._fused_q[0], a.kv_b_proj.weight, a.o_proj.weight,
-                     a.q_a_layernorm.weight, a.kv_a_layernorm.weight, a.indexer.k_norm.weight, layer.attn_hc.fn))
+    return (
+        layer.layer_type == "indexed_attention"
+        and getattr(a, "_fused_q", None) is not None
+        and _f32(
+            getattr(a, "_fused_x", (None,))[0],
+            a._fused_q[0],
+            a.kv_b_proj.weight,
+            a.o_proj.weight,
+            a.q_a_layernorm.weight,
+            a.kv_a_layernorm.weight,
+            a.indexer.k_norm.weight,
+            layer.attn_hc.fn,
+        )
+    )
 
 
 def _sources(layer) -> list[torch.Tensor]:
     a, hc = layer.self_attn, layer.attn_hc
     ix = a.indexer
-    return [hc.fn, hc.base, hc.scale, layer.input_layernorm.weight, a._fused_x[0], a._fused_q[0], a.kv_b_proj.weight,
-            a.o_proj.weight, a.q_a_layernorm.weight, a.kv_a_layernorm.weight, ix.k_norm.weight, ix.k_norm.bias,
-            ix.index_kpool_compress_ape]
+    return [
+        hc.fn,
+        hc.base,
+        hc.scale,
+        layer.input_layernorm.weight,
+        a._fused_x[0],
+        a._fused_q[0],
+        a.kv_b_proj.weight,
+        a.o_proj.weight,
+        a.q_a_layernorm.weight,
+        a.kv_a_layernorm.weight,
+        ix.k_norm.weight,
+        ix.k_norm.bias,
+        ix.index_kpool_compress_ape,
+    ]
 
 
 def _mla_plan(layer):
@@ -93,15 +140,46 @@ def _mla_plan(layer):
         a = layer.self_attn
         ix = a.indexer
         qr, kvr, di, Hi, dg = a._fused_x[1]
-        assert dg == di == ix.d and Hi == ix.h, (a._fused_x[1], ix.d, ix.h)  # the fused group's order (MLAttention.FUSED)
-        mla = (kernel_weight(a._fused_x[0]), kernel_weight(a._fused_q[0]), kernel_weight(a.kv_b_proj.weight),
-               kernel_weight(a.o_proj.weight), np_param(a.q_a_layernorm.weight), _F(a.q_a_layernorm.variance_epsilon),
-               np_param(a.kv_a_layernorm.weight), _F(a.kv_a_layernorm.variance_epsilon), np_param(ix.k_norm.weight),
-               np_param(ix.k_norm.bias), _F(ix.k_norm.eps), np_param(ix.index_kpool_compress_ape), ix.kp, ix.k_pools,
-               _F(a.scaling), _F(ix.d ** -0.5), _F(ix.h ** -0.5), a.h, a.dqk, a.dv, qr, kvr, di, Hi)
-        like = {"latent": torch.empty(1, 0, kvr), "k": torch.empty(1, a.h, 0, a.dqk), "v": torch.empty(1, a.h, 0, a.dv),
-                "ik": torch.empty(1, 0, di), "ig": torch.empty(1, 0, di)}
+        assert dg == di == ix.d and Hi == ix.h, (
+            a._fused_x[1],
+            ix.d,
+            ix.h,
+        )  # the fused group's order (MLAttention.FUSED)
+        mla = (
+            kernel_weight(a._fused_x[0]),
+            kernel_weight(a._fused_q[0]),
+            kernel_weight(a.kv_b_proj.weight),
+            kernel_weight(a.o_proj.weight),
+            np_param(a.q_a_layernorm.weight),
+            _F(a.q_a_layernorm.variance_epsilon),
+            np_param(a.kv_a_layernorm.weight),
+            _F(a.kv_a_layernorm.variance_epsilon),
+            np_param(ix.k_norm.weight),
+            np_param(ix.k_norm.bias),
+            _F(ix.k_norm.eps),
+            np_param(ix.index_kpool_compress_ape),
+            ix.kp,
+            ix.k_pools,
+            _F(a.scaling),
+            _F(ix.d**-0.5),
+            _F(ix.h**-0.5),
+            a.h,
+            a.dqk,
+            a.dv,
+            qr,
+            kvr,
+            di,
+            Hi,
+        )
+        like = {
+            "latent": torch.empty(1, 0, kvr),
+            "k": torch.empty(1, a.h, 0, a.dqk),
+            "v": torch.empty(1, a.h, 0, a.dv),
+            "ik": torch.empty(1, 0, di),
+            "ig": torch.empty(1, 0, di),
+        }
         return _hc_args(layer.attn_hc, layer.input_layernorm), mla, like
+
     return _plan(layer, "mla", lambda: _sources(layer), lambda: _fits(layer), make)
 
 

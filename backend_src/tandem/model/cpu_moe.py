@@ -45,13 +45,13 @@ def _moe_route(logits, bias, top_k, norm, scale, w):  # pragma: no cover - numba
 @njit(cache=True, nogil=True)
 def _moe_act(gu, limit, act):  # pragma: no cover - numba
     # gu [N, n * 2I] (n experts' gate | up) -> clamped SwiGLU act [n, N, I]
-    n, N, I = act.shape
+    n, N, n_inter = act.shape
     one = np.float32(1.0)
     for e in range(n):
         for r in range(N):
-            for i in range(I):
-                g = min(gu[r, e * 2 * I + i], limit)
-                u = min(max(gu[r, e * 2 * I + I + i], -limit), limit)
+            for i in range(n_inter):
+                g = min(gu[r, e * 2 * n_inter + i], limit)
+                u = min(max(gu[r, e * 2 * n_inter + n_inter + i], -limit), limit)
                 act[e, r, i] = g / (one + np.exp(-g)) * u
 
 
@@ -74,10 +74,10 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
     # clamped SwiGLU, down GEMM (row-invariant _mmp), out[r] += w[r, e] * h; out [N, D] zeros; up and
     # down strip-packed per expert (kernel_weight: [E+1, D, 2I] and [E+1, I, D])
     N, D = x.shape
-    E1, I = down[1].shape[0], down[1].shape[1]  # the tail [E+1, I, D % 64] (pairs halve the strips' I)
+    E1, n_inter = down[1].shape[0], down[1].shape[1]  # the tail [E+1, I, D % 64] (pairs halve the strips' I)
     rows = np.empty(N, np.int64)
-    xs, gu = np.empty((N, D), _F), np.empty((N, 2 * I), _F)
-    act, h = np.empty((N, I), _F), np.empty((N, D), _F)
+    xs, gu = np.empty((N, D), _F), np.empty((N, 2 * n_inter), _F)
+    act, h = np.empty((N, n_inter), _F), np.empty((N, D), _F)
     for e in range(E1):
         n = 0
         for r in range(N):
@@ -87,9 +87,9 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
                 n += 1
         if n == 0:
             continue
-        _mmp(xs[:n], (up[0][e], up[1][e]), 0, 2 * I, gu[:n])
+        _mmp(xs[:n], (up[0][e], up[1][e]), 0, 2 * n_inter, gu[:n])
         for j in range(n):  # gate | up of a row: contiguous halves (vectorised; strided [n, I] views ran scalar)
-            _swiglu_row(gu[j, :I], gu[j, I:], limit, act[j])
+            _swiglu_row(gu[j, :n_inter], gu[j, n_inter:], limit, act[j])
         _mmp(act[:n], (down[0][e], down[1][e]), 0, D, h[:n])
         for j in range(n):
             r = rows[j]
@@ -108,8 +108,18 @@ def _runs(used: list[bool]) -> list[list[int]]:
     return runs
 
 
-def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm: bool, scale: float,
-             w_up: torch.Tensor, w_down: torch.Tensor, limit: float, invariant: bool = False) -> torch.Tensor:
+def moe_rows(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    norm: bool,
+    scale: float,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    limit: float,
+    invariant: bool = False,
+) -> torch.Tensor:
     """Sigmoid-routed MoE plus shared expert over a few fp32 rows (:meth:`tandem.model.layers.MoE.forward`
     is the reference). Only the experts some row selects are computed, each run of consecutive ones
     in one GEMM over all rows (a row's weight for an expert it did not select is 0), so a decode row
@@ -125,19 +135,29 @@ def moe_rows(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k:
     of :mod:`~tandem.model.cpu_gemm` (a row's output bit-identical for any number of rows; the
     trunk's verify under ``batch_invariant``)."""
     N = x.shape[0]
-    E1, I, D = w_down.shape
+    E1, n_inter, D = w_down.shape
     w = np.empty((N, E1), _F)
     xn = np.ascontiguousarray(x.numpy())
-    logits = cpu_gemm.mm_rows(xn, cpu_gemm.kernel_weight(router_w)) if invariant else torch.nn.functional.linear(x, router_w).numpy()
+    logits = (
+        cpu_gemm.mm_rows(xn, cpu_gemm.kernel_weight(router_w))
+        if invariant
+        else torch.nn.functional.linear(x, router_w).numpy()
+    )
     _moe_route(logits, np_param(bias), top_k, norm, _F(scale), w)
     out = np.zeros((N, D), _F)
     if invariant:
-        _moe_sparse(xn, w, cpu_gemm.kernel_weight(w_up, experts=E1), cpu_gemm.kernel_weight(w_down, transpose=False),
-                    _F(limit), out)
+        _moe_sparse(
+            xn,
+            w,
+            cpu_gemm.kernel_weight(w_up, experts=E1),
+            cpu_gemm.kernel_weight(w_down, transpose=False),
+            _F(limit),
+            out,
+        )
         return torch.from_numpy(out)
     up = w_up.t()  # [D, (E+1) * 2I], contiguous
     for a, b in _runs(w.any(0).tolist()):
-        act = np.empty((b - a, N, I), _F)
-        _moe_act(torch.mm(x, up[:, a * 2 * I: b * 2 * I]).numpy(), _F(limit), act)
+        act = np.empty((b - a, N, n_inter), _F)
+        _moe_act(torch.mm(x, up[:, a * 2 * n_inter : b * 2 * n_inter]).numpy(), _F(limit), act)
         _moe_combine(torch.bmm(torch.from_numpy(act), w_down[a:b]).numpy(), w[:, a:b], out)
     return torch.from_numpy(out)

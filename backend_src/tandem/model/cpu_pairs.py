@@ -60,7 +60,7 @@ def _pair_tail(xp, tail, t0, t1, out, oc):  # pragma: no cover - numba
     M, K = xp.shape
     n = t1 - t0
     for r in range(M):
-        a = out[r, oc:oc + n]
+        a = out[r, oc : oc + n]
         a[:] = 0.0
         for k in range(K):
             p = xp[r, k]
@@ -74,10 +74,8 @@ def pack_pairs(wt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``wt [..., D, O]`` uint16 bfloat16 bits, ``D`` even, packed for the bfloat16 dot-product tiles:
     ``(pairs [..., O // 64, D / 2, 64] uint32, tail [..., D, O % 64] uint16)``, each pair ``wt[2k, j] |
     wt[2k+1, j] << 16`` (``vdpbf16ps``'s operand), a strip one contiguous run as in :func:`pack_strips`."""
-    *lead, D, O = wt.shape
-    S = O // TILE
-    st = wt[..., :S * TILE].reshape(*lead, D // 2, 2, S, TILE)
+    *lead, D, n_out = wt.shape
+    S = n_out // TILE
+    st = wt[..., : S * TILE].reshape(*lead, D // 2, 2, S, TILE)
     pairs = np.ascontiguousarray(np.moveaxis(st, (-4, -3, -2, -1), (-3, -1, -4, -2)))  # [..., S, D/2, 64, 2]
-    return pairs.view(np.uint32).reshape(*lead, S, D // 2, TILE), np.ascontiguousarray(wt[..., S * TILE:])
-
-
+    return pairs.view(np.uint32).reshape(*lead, S, D // 2, TILE), np.ascontiguousarray(wt[..., S * TILE :])

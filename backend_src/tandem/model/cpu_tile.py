@@ -24,6 +24,7 @@ Weights are float32 or the uint16 bits of bfloat16 (``bits << 16``, exact), as
 them in range. numba's cache does not see edits here from the files that call these: clear
 ``backend_src/tandem/model/__pycache__`` after changing them.
 """
+
 from __future__ import annotations
 
 from llvmlite import binding as llvm, ir
@@ -42,8 +43,15 @@ _ZERO = ir.Constant(_VTY, [0.0] * _LANES)
 
 
 def _ptr(context, builder, ary, aryty, i, j):
-    return cgutils.get_item_pointer2(context, builder, ary.data, cgutils.unpack_tuple(builder, ary.shape, 2),
-                                     cgutils.unpack_tuple(builder, ary.strides, 2), aryty.layout, [i, j])
+    return cgutils.get_item_pointer2(
+        context,
+        builder,
+        ary.data,
+        cgutils.unpack_tuple(builder, ary.shape, 2),
+        cgutils.unpack_tuple(builder, ary.strides, 2),
+        aryty.layout,
+        [i, j],
+    )
 
 
 def _vec_ptr(context, builder, ary, aryty, i, j):
@@ -58,7 +66,9 @@ def _fma(builder):
 def _splat(builder, x, vty=_VTY):
     """A scalar (a float; an int32 for ``vty`` of int32) broadcast to every lane."""
     one = builder.insert_element(ir.Constant(vty, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
+    return builder.shuffle_vector(
+        one, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+    )
 
 
 @intrinsic
@@ -68,9 +78,11 @@ def _f32(typingctx, v):
     if v == types.float32:
         return types.float32(v), lambda context, builder, sig, args: args[0]
     if v == types.uint16:
+
         def codegen(context, builder, sig, args):
             bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
             return builder.bitcast(bits, ir.FloatType())
+
         return types.float32(v), codegen
     return None
 
@@ -107,8 +119,18 @@ def _acc_loop(context, builder, K, R: int, body, out):
             a.add_incoming(n, loop)
     for i, rrow in enumerate(res):
         for v, a in enumerate(rrow):
-            builder.store(a, _vec_ptr(context, builder, oa, ot, builder.add(r0, ir.Constant(i64, i)),
-                                      builder.add(o0, ir.Constant(i64, v * _LANES))), align=4)
+            builder.store(
+                a,
+                _vec_ptr(
+                    context,
+                    builder,
+                    oa,
+                    ot,
+                    builder.add(r0, ir.Constant(i64, i)),
+                    builder.add(o0, ir.Constant(i64, v * _LANES)),
+                ),
+                align=4,
+            )
     return context.get_dummy_value()
 
 
@@ -119,9 +141,17 @@ def _tile(R: int):
 
     @intrinsic
     def tile(typingctx, x, wt, r, c, out, o):
-        if not (isinstance(x, types.Array) and x.ndim == 2 and x.dtype == types.float32
-                and isinstance(wt, types.Array) and wt.ndim == 2 and wt.dtype in (types.float32, types.uint16)
-                and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
+        if not (
+            isinstance(x, types.Array)
+            and x.ndim == 2
+            and x.dtype == types.float32
+            and isinstance(wt, types.Array)
+            and wt.ndim == 2
+            and wt.dtype in (types.float32, types.uint16)
+            and isinstance(out, types.Array)
+            and out.ndim == 2
+            and out.dtype == types.float32
+        ):
             return None
         sig = types.void(x, wt, types.int64, types.int64, out, types.int64)
         bf16 = wt.dtype == types.uint16
@@ -139,15 +169,21 @@ def _tile(R: int):
                 for v in range(_VECS):
                     p = _ptr(context, builder, wa, wtt, k, builder.add(c0, ir.Constant(i64, v * _LANES)))
                     if bf16:
-                        bits = builder.load(builder.bitcast(p, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
-                        bits = builder.shl(builder.zext(bits, ir.VectorType(ir.IntType(32), _LANES)),
-                                           ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [16] * _LANES))
+                        bits = builder.load(
+                            builder.bitcast(p, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2
+                        )
+                        bits = builder.shl(
+                            builder.zext(bits, ir.VectorType(ir.IntType(32), _LANES)),
+                            ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [16] * _LANES),
+                        )
                         ws.append(builder.bitcast(bits, vty))
                     else:
                         ws.append(builder.load(builder.bitcast(p, vty.as_pointer()), align=4))
                 new = []
                 for i, row in enumerate(acc):
-                    xb = _splat(builder, builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k)))
+                    xb = _splat(
+                        builder, builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k))
+                    )
                     new.append([builder.call(fma, [xb, ws[v], row[v]]) for v in range(_VECS)])
                 return new
 
@@ -184,9 +220,17 @@ def _pair_tile(R: int, emulate: bool = not HW_BF16):
 
     @intrinsic
     def tile(typingctx, xp, wp, r, out, o):
-        if not (isinstance(xp, types.Array) and xp.ndim == 2 and xp.dtype == types.uint32
-                and isinstance(wp, types.Array) and wp.ndim == 2 and wp.dtype == types.uint32
-                and isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32):
+        if not (
+            isinstance(xp, types.Array)
+            and xp.ndim == 2
+            and xp.dtype == types.uint32
+            and isinstance(wp, types.Array)
+            and wp.ndim == 2
+            and wp.dtype == types.uint32
+            and isinstance(out, types.Array)
+            and out.ndim == 2
+            and out.dtype == types.float32
+        ):
             return None
         sig = types.void(xp, wp, types.int64, out, types.int64)
 
@@ -203,18 +247,34 @@ def _pair_tile(R: int, emulate: bool = not HW_BF16):
                 return builder.bitcast(builder.and_(v, _HI), vty), builder.bitcast(builder.shl(v, _SH), vty)
 
             def body(k, acc):
-                ws = [builder.load(builder.bitcast(_ptr(context, builder, wa, wt, k, ir.Constant(i64, v * _LANES)),
-                                                   _VI.as_pointer()), align=4) for v in range(_VECS)]
+                ws = [
+                    builder.load(
+                        builder.bitcast(
+                            _ptr(context, builder, wa, wt, k, ir.Constant(i64, v * _LANES)), _VI.as_pointer()
+                        ),
+                        align=4,
+                    )
+                    for v in range(_VECS)
+                ]
                 if emulate:
                     ws = [halves(w) for w in ws]
                 new = []
                 for i, row in enumerate(acc):  # x's pair (an int32) in every lane
-                    xb = _splat(builder, builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k)), _VI)
+                    xb = _splat(
+                        builder,
+                        builder.load(_ptr(context, builder, xa, xt, builder.add(r0, ir.Constant(i64, i)), k)),
+                        _VI,
+                    )
                     if not emulate:
                         new.append([builder.call(dot, [xb, ws[v], row[v]]) for v in range(_VECS)])
                         continue
                     xo, xe = halves(xb)
-                    new.append([builder.call(fma, [xe, ws[v][1], builder.call(fma, [xo, ws[v][0], row[v]])]) for v in range(_VECS)])
+                    new.append(
+                        [
+                            builder.call(fma, [xe, ws[v][1], builder.call(fma, [xo, ws[v][0], row[v]])])
+                            for v in range(_VECS)
+                        ]
+                    )
                 return new
 
             return _acc_loop(context, builder, cgutils.unpack_tuple(builder, xa.shape, 2)[1], R, body, (oa, ot, r0, o0))
@@ -281,11 +341,15 @@ def _state_pass(V: int, update: bool):
                     new.append(builder.call(fma, [s, qi, acc[v]]))
             else:
                 di, ki = splat(2, i), splat(3, i)
-                rows = [builder.load(_vec_ptr(context, builder, arrs[0], tys[0], i, ir.Constant(i64, v * _LANES)), align=4)
-                        for v in range(V)]  # every load of the row before its stores (src may be dst)
+                rows = [
+                    builder.load(_vec_ptr(context, builder, arrs[0], tys[0], i, ir.Constant(i64, v * _LANES)), align=4)
+                    for v in range(V)
+                ]  # every load of the row before its stores (src may be dst)
                 for v in range(V):
                     s = builder.fmul(rows[v], di)
-                    builder.store(s, _vec_ptr(context, builder, arrs[1], tys[1], i, ir.Constant(i64, v * _LANES)), align=4)
+                    builder.store(
+                        s, _vec_ptr(context, builder, arrs[1], tys[1], i, ir.Constant(i64, v * _LANES)), align=4
+                    )
                     new.append(builder.call(fma, [s, ki, acc[v]]))
             i1 = builder.add(i, ir.Constant(i64, 1))
             i.add_incoming(i1, loop)
@@ -332,7 +396,9 @@ def hc_mix8(typingctx, xs, r, fn_t, out):
             new = []
             for v in range(4):  # inputs 8b + 2v and 8b + 2v + 1: their weight rows are 16 consecutive floats
                 j = builder.add(builder.mul(b, ir.Constant(i64, 8)), ir.Constant(i64, 2 * v))
-                w = builder.load(builder.bitcast(_ptr(context, builder, wa, wt, j, ir.Constant(i64, 0)), _VTY.as_pointer()), align=4)
+                w = builder.load(
+                    builder.bitcast(_ptr(context, builder, wa, wt, j, ir.Constant(i64, 0)), _VTY.as_pointer()), align=4
+                )
                 x2 = ir.Constant(ir.VectorType(ir.FloatType(), 2), ir.Undefined)
                 for h in range(2):
                     xe = builder.load(_ptr(context, builder, xa, xt, r0, builder.add(j, ir.Constant(i64, h))))

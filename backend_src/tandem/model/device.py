@@ -31,12 +31,16 @@ def resolve_device(name: str) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} (model parameter 'device', $TANDEM_DEVICE): torch sees no CUDA device "
-                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use 'cpu' or 'auto'")
+            raise ValueError(
+                f"device {name!r} (model parameter 'device', $TANDEM_DEVICE): torch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use 'cpu' or 'auto'"
+            )
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
-            raise ValueError(f"device {name!r} (model parameter 'device', $TANDEM_DEVICE): GPU index {dev.index} is "
-                             f"out of range, torch sees {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
+            raise ValueError(
+                f"device {name!r} (model parameter 'device', $TANDEM_DEVICE): GPU index {dev.index} is "
+                f"out of range, torch sees {n} GPU(s) (cuda:0 .. cuda:{n - 1})"
+            )
     return dev
 
 
@@ -72,7 +76,12 @@ def invariant_prime(cfg: schema.ServingConfig) -> bool:
     CPU kernels in fp32 (:meth:`tandem.model.trunk.Trunk._invariant_rows`), so chunked prefill may cut a prompt
     anywhere, prefix cache or not (else, with the prefix cache, only at multiples of ``PREFIX_BLOCK``)."""
     dev = resolve_device(cfg.device)
-    return cfg.batch_invariant and cfg.kernels == "auto" and dev.type == "cpu" and parse_dtype(cfg.dtype, dev) == torch.float32
+    return (
+        cfg.batch_invariant
+        and cfg.kernels == "auto"
+        and dev.type == "cpu"
+        and parse_dtype(cfg.dtype, dev) == torch.float32
+    )
 
 
 def gemm_inputs(name: str, amx: bool = schema.DEFAULTS.amx) -> None:
@@ -93,9 +102,11 @@ def check_kernels(kernels: str, device: torch.device) -> None:
     from tandem_kernels import dispatch
 
     if kernels == dispatch.TRITON and device.type == "cpu" and not dispatch.interpreted():
-        raise ValueError("kernels=triton ($TANDEM_KERNELS) on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter: "
-                         "correctness only, seconds a round); use kernels=auto (the default: Triton on CUDA, torch / "
-                         "numba on the CPU) or kernels=torch")
+        raise ValueError(
+            "kernels=triton ($TANDEM_KERNELS) on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter: "
+            "correctness only, seconds a round); use kernels=auto (the default: Triton on CUDA, torch / "
+            "numba on the CPU) or kernels=torch"
+        )
 
 
 def free_bytes(device: str | torch.device = "cpu") -> int:
@@ -122,7 +133,12 @@ def check_bytes(need: int, free: int, what: str, device: str | torch.device, det
     giving both numbers and what to do; ``what`` names the load, ``detail`` says what was counted."""
     if need > free:
         dev = torch.device(device)
-        hint = ("another GPU (device=cuda:N), a larger one, or bf16" if dev.type == "cuda"
-                else "a larger machine, a GPU (device=cuda), or bf16")
-        raise MemoryError(f"{what} needs about {_size(need)} for its weights{detail}, but {dev} has only {_size(free)} free; "
-                          f"serve it on {hint}")
+        hint = (
+            "another GPU (device=cuda:N), a larger one, or bf16"
+            if dev.type == "cuda"
+            else "a larger machine, a GPU (device=cuda), or bf16"
+        )
+        raise MemoryError(
+            f"{what} needs about {_size(need)} for its weights{detail}, but {dev} has only {_size(free)} free; "
+            f"serve it on {hint}"
+        )

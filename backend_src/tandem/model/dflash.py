@@ -44,8 +44,9 @@ class DFlashConfig:
     num_hidden_layers: int = 1
     num_attention_heads: int = 4
     head_dim: int = 64
-    target_layer_ids: list[int] = dataclasses.field(default_factory=lambda: [5, 14, 24, 33, 42],
-                                                    metadata={"doc": "trunk layers read (GLM-5.3-Flash's)"})
+    target_layer_ids: list[int] = dataclasses.field(
+        default_factory=lambda: [5, 14, 24, 33, 42], metadata={"doc": "trunk layers read (GLM-5.3-Flash's)"}
+    )
     intermediate_size: int = 512
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
@@ -65,8 +66,12 @@ class DFlashConfig:
         ``ValueError`` naming a field tandem does not know."""
         d = json.loads(Path(folder, "config.json").read_text())
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in names and k not in ("model_type", "architectures", "torch_dtype", "dtype",
-                                                                         "transformers_version"))
+        unknown = sorted(
+            k
+            for k in d
+            if k not in names
+            and k not in ("model_type", "architectures", "torch_dtype", "dtype", "transformers_version")
+        )
         if unknown:
             raise ValueError(f"{Path(folder, 'config.json')}: unknown field(s) {unknown}: tandem cannot honour them")
         return cls(**{k: v for k, v in d.items() if k in names})
@@ -110,17 +115,26 @@ class TwoTapConv(nn.Module):
         return y.view(b, s, d)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list[torch.Tensor],
-                    ctx_v: list[torch.Tensor]) -> torch.Tensor:
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor]
+) -> torch.Tensor:
     """Block attention of ``N = len(ctx_k)`` sequences (the reference of
     :func:`tandem_kernels.block_attention.block_attention`): ``q``, ``k``, ``v [1, H, N * S, d]`` hold
     the sequences' blocks of ``S`` rows in turn; the queries of block ``j`` attend, without a mask,
     to ``[ctx_k[j], block j's keys]`` (``ctx_k[j]``, ``ctx_v[j] [1, H, C_j, d]``, ``C_j >= 0``)
     with scale ``d ** -0.5``. Returns ``o [1, H, N * S, d]``."""
     n = q.shape[2] // len(ctx_k)
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, j * n:(j + 1) * n], torch.cat([ck, k[:, :, j * n:(j + 1) * n]], 2),
-                                                     torch.cat([cv, v[:, :, j * n:(j + 1) * n]], 2))
-                      for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v))], 2)
+    return torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, :, j * n : (j + 1) * n],
+                torch.cat([ck, k[:, :, j * n : (j + 1) * n]], 2),
+                torch.cat([cv, v[:, :, j * n : (j + 1) * n]], 2),
+            )
+            for j, (ck, cv) in enumerate(zip(ctx_k, ctx_v))
+        ],
+        2,
+    )
 
 
 class DFlashAttention(nn.Module):
@@ -145,7 +159,9 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
         return rope(k, pos, self.theta), v
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, pos: torch.Tensor, ctx_k, ctx_v, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``x [B, S, D]`` block rows at ``pos``; ``ctx_k/v [B, H, C, d]``; ``mask [B or 1, S, C + S]``
         (True = visible; None = everything visible). Returns ``[B, S, D]``. With ``ctx_k``/``ctx_v``
         lists (one ``[1, H, C_i, d]`` per sequence, ``B = 1``), ``x`` holds the sequences' blocks in
@@ -156,6 +172,7 @@ class DFlashAttention(nn.Module):
         if isinstance(ctx_k, list):
             if dispatch.use_triton(x):
                 from tandem_kernels import block_attention as kernel
+
                 o = kernel.block_attention(q, k, v, ctx_k, ctx_v)
             else:
                 o = block_attention(q, k, v, ctx_k, ctx_v)
@@ -217,7 +234,9 @@ class CandidateSelector(nn.Module):
         Every pair score is computed in one pass (``[S, K_prev, K]``: position 0's only predecessor is
         the anchor); the walk itself is ``S`` argmaxes over ``K`` numbers."""
         unary, cand = logits.float().topk(self.top_k, dim=-1)  # [S, K]
-        prev = torch.cat([torch.full((1, self.top_k), anchor, dtype=cand.dtype, device=cand.device), cand[:-1]])  # [S, K_prev]
+        prev = torch.cat(
+            [torch.full((1, self.top_k), anchor, dtype=cand.dtype, device=cand.device), cand[:-1]]
+        )  # [S, K_prev]
         g = self.predecessor(prev).float() * self.hidden_proj(h).float().unsqueeze(1)  # [S, K_prev, r]
         pair = unary.unsqueeze(1) + torch.einsum("sar,sbr->sab", g, self.successor(cand).float())  # [S, K_prev, K]
         pair, cand_l = pair.cpu().numpy(), cand.tolist()
@@ -235,8 +254,8 @@ class CandidateSelector(nn.Module):
         prev = torch.tensor([anchor], device=cand.device)
         out = []
         for t in range(h.shape[0]):
-            sc = self.pair_scores(h[t: t + 1], prev, cand[t: t + 1], unary[t: t + 1])
-            prev = cand[t: t + 1].gather(-1, sc.argmax(-1, keepdim=True))[:, 0]
+            sc = self.pair_scores(h[t : t + 1], prev, cand[t : t + 1], unary[t : t + 1])
+            prev = cand[t : t + 1].gather(-1, sc.argmax(-1, keepdim=True))[:, 0]
             out.append(int(prev))
         return out
 
@@ -271,8 +290,14 @@ class DFlashDrafter(nn.Module):
         m = self.mask_embedding.to(e.dtype).view(1, 1, -1).expand(e.shape[0], size - 1, -1)
         return torch.cat([e, m], 1)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], block: int,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        block: int,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Block rows ``x [B, S, D]`` (S a multiple of ``block``) at ``pos`` over per-layer context
         ``kv`` -> normalised hidden ``[B, S, D]``. With ``kv`` per layer a pair of lists (each
         sequence's context), ``x [1, S, D]`` holds the sequences' blocks in turn (see

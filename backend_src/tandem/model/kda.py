@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from tandem_kernels import dispatch
 
 from . import cpu_kda, cpu_kernels
-from .cache import KDARows
 from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
 
@@ -31,8 +30,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def kda_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, keep_states: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-by-row KDA.
 
@@ -57,7 +61,11 @@ def kda_recurrent(
 
 
 def kda_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's KDA output and state in one closed-form pass (verify: a few rows, fixed op count).
@@ -81,7 +89,8 @@ def kda_rows(
     D = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~incl, float("-inf")).exp()  # [B, H, T, T, dk]
     KD = D * k.unsqueeze(-3)  # [B, H, T(t), T(j), dk]: D_tj * k_j
     A = torch.einsum("bhtd,bhtjd->bhtj", k, KD).masked_fill(
-        ~incl[..., 0] | torch.eye(T, dtype=torch.bool, device=k.device), 0.0)
+        ~incl[..., 0] | torch.eye(T, dtype=torch.bool, device=k.device), 0.0
+    )
     eG = G.exp()
     rhs = beta.unsqueeze(-1) * (v - (eG * k) @ state)
     Tm = torch.eye(T, dtype=k.dtype, device=k.device) + beta.unsqueeze(-1) * A
@@ -92,8 +101,13 @@ def kda_rows(
 
 
 def kda_chunked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor | None, chunk: int = 16,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    chunk: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-parallel KDA; same contract as :func:`kda_recurrent` (final state only).
 
@@ -116,7 +130,7 @@ def kda_chunked(
     G = g.cumsum(-2)
     # exp(G_t - G_j) = exp(G_t - G_m) * exp(G_m - G_j) around the chunk midpoint m: each factor is
     # at most exp(|lower| * chunk / 2), finite in fp32 for chunk <= 16 and lower >= -5.
-    Gm = G[..., chunk // 2: chunk // 2 + 1, :]
+    Gm = G[..., chunk // 2 : chunk // 2 + 1, :]
     k_t = k * (G - Gm).exp()
     k_j = k * (Gm - G).exp()
     q_t = q * (G - Gm).exp()
@@ -184,8 +198,9 @@ class LinearAttention(nn.Module):
         self.q_proj = nn.Linear(D, qkv, bias=False)
         self.k_proj = nn.Linear(D, qkv, bias=False)
         self.v_proj = nn.Linear(D, qkv, bias=False)
-        self.conv1d = nn.Conv1d(3 * qkv, 3 * qkv, self.kernel, groups=3 * qkv, bias=False,
-                                padding=self.kernel - 1, dtype=torch.float32)
+        self.conv1d = nn.Conv1d(
+            3 * qkv, 3 * qkv, self.kernel, groups=3 * qkv, bias=False, padding=self.kernel - 1, dtype=torch.float32
+        )
         self.forget_gate = ForgetGate(cfg)
         self.b_proj = nn.Linear(D, self.h, bias=False)
         self.g_a_proj = nn.Linear(D, self.dk, bias=False)
@@ -195,8 +210,10 @@ class LinearAttention(nn.Module):
 
     def init_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero conv tail ``[B, 3*qkv, K-1]`` (fp32) and recurrent state ``[B, H, dk, dk]`` (fp32)."""
-        return (torch.zeros(batch, 3 * self.qkv, self.kernel - 1, device=device),
-                torch.zeros(batch, self.h, self.dk, self.dk, device=device))
+        return (
+            torch.zeros(batch, 3 * self.qkv, self.kernel - 1, device=device),
+            torch.zeros(batch, self.h, self.dk, self.dk, device=device),
+        )
 
     def _qkv(self, x: torch.Tensor, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Projections + causal conv. Returns activated ``[B, T, 3*qkv]`` and pre-conv
@@ -211,7 +228,7 @@ class LinearAttention(nn.Module):
             K = self.kernel
             out = full[:, :, 0:T] * w[:, 0, None]
             for j in range(1, K):
-                out = out + full[:, :, j: j + T] * w[:, j, None]
+                out = out + full[:, :, j : j + T] * w[:, j, None]
         else:
             out = F.conv1d(full, self.conv1d.weight.float(), groups=full.shape[1])[:, :, -T:]
         return F.silu(out).to(x.dtype).transpose(1, 2), full
@@ -219,7 +236,7 @@ class LinearAttention(nn.Module):
     def _heads(self, x: torch.Tensor, act: torch.Tensor):
         b, t = x.shape[:2]
         q, k, v = act.split([self.qkv] * 3, -1)
-        q = l2norm(q.float().view(b, t, self.h, self.dk)) * self.dk ** -0.5
+        q = l2norm(q.float().view(b, t, self.h, self.dk)) * self.dk**-0.5
         k = l2norm(k.float().view(b, t, self.h, self.dk))
         v = v.float().view(b, t, self.h, self.dk)
         g = self.forget_gate(x)
@@ -232,18 +249,20 @@ class LinearAttention(nn.Module):
         y = self.o_norm(o.to(x.dtype), gate).reshape(b, t, -1)
         return self.o_proj(y)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None,
-                chunk: int = 16) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None, chunk: int = 16
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Prime / training path (chunked). ``x [B, T, D]`` -> ``y [B, T, D]`` and the state after
         the last row ``(tail [B, 3qkv, K-1], S [B, H, dk, dv])``."""
         tail, S = state if state is not None else (None, None)
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
         o, S = kda_chunked(q, k, v, g, beta, S, chunk=chunk)
-        return self._out(x, o), (full[:, :, -(self.kernel - 1):].contiguous(), S)
+        return self._out(x, o), (full[:, :, -(self.kernel - 1) :].contiguous(), S)
 
-    def forward_rows(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_rows(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Verify / decode path (row by row). ``x [B, T, D]`` -> ``y [B, T, D]``, pre-conv inputs with
         the old tail ``[B, 3qkv, K-1+T]`` (the tail after row r is ``[..., r+1 : r+K]``) and every
         row's recurrent state ``[B, T, H, dk, dv]``. Without autograd (serving) one sequence runs in
@@ -257,13 +276,15 @@ class LinearAttention(nn.Module):
         q, k, v, g, beta = self._heads(x, act)
         if dispatch.use_triton(x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
             from tandem_kernels import kda_verify
+
             o, states = kda_verify.kda_rows(q, k, v, g, beta, S)
         else:
             o, states = kda_rows(q, k, v, g, beta, S)
         return self._out(x, o), full, states
 
-    def forward_rows_many(self, x: torch.Tensor, states: list, lengths: list[int],
-                          keep_states: bool = True) -> tuple[torch.Tensor, list]:
+    def forward_rows_many(
+        self, x: torch.Tensor, states: list, lengths: list[int], keep_states: bool = True
+    ) -> tuple[torch.Tensor, list]:
         """:meth:`forward_rows` for several sequences (serving): ``x [1, sum R, D]`` holds each
         sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)`` or
         :class:`~tandem.model.cache.KDAState` (read in place). The projections run over
@@ -274,11 +295,34 @@ class LinearAttention(nn.Module):
         C, dk, H = self.qkv, self.dk, self.h
         out = fused_linear(self, "_fused_x", x)
         if out is None:
-            out = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x), self.forget_gate.f_a_proj(x),
-                             self.b_proj(x), self.g_a_proj(x)], -1)
+            out = torch.cat(
+                [
+                    self.q_proj(x),
+                    self.k_proj(x),
+                    self.v_proj(x),
+                    self.forget_gate.f_a_proj(x),
+                    self.b_proj(x),
+                    self.g_a_proj(x),
+                ],
+                -1,
+            )
         mixed, fa, b, ga = out.split([3 * C, dk, H, dk], -1)
         fg = self.forget_gate
         fb, gb = fg.f_b_proj(fa), self.g_b_proj(ga)
-        y, per = cpu_kda.kda_rows_fused(mixed, states, self.conv1d.weight, fb, fg.A_log, fg.dt_bias, fg.lower, b,
-                                            gb, self.o_norm.weight, self.o_norm.variance_epsilon, H, lengths, keep_states)
+        y, per = cpu_kda.kda_rows_fused(
+            mixed,
+            states,
+            self.conv1d.weight,
+            fb,
+            fg.A_log,
+            fg.dt_bias,
+            fg.lower,
+            b,
+            gb,
+            self.o_norm.weight,
+            self.o_norm.variance_epsilon,
+            H,
+            lengths,
+            keep_states,
+        )
         return self.o_proj(y.to(x.dtype)), per

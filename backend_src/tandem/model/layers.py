@@ -36,7 +36,7 @@ def input_major_linears(module: nn.Module) -> nn.Module:
             w = torch.cat([p.data.t() for p in ps], 1).contiguous()  # [in, sum out]
             outs, a = [p.shape[0] for p in ps], 0
             for p, o in zip(ps, outs):
-                p.data, a = w[:, a: a + o].t(), a + o
+                p.data, a = w[:, a : a + o].t(), a + o
             setattr(m, attr, (w.t(), outs))
         if hasattr(m, "serving_layout"):
             m.serving_layout()
@@ -218,18 +218,35 @@ class MoE(nn.Module):
         up = torch.cat([ex.gate_up_proj.data.reshape(e * i2, d), sh.gate_proj.weight.data, sh.up_proj.weight.data])
         self._w_up = up.t().contiguous().t()
         ex.gate_up_proj.data = self._w_up[: e * i2].view(e, i2, d)
-        sh.gate_proj.weight.data, sh.up_proj.weight.data = self._w_up[e * i2: e * i2 + i2 // 2], self._w_up[e * i2 + i2 // 2:]
+        sh.gate_proj.weight.data, sh.up_proj.weight.data = (
+            self._w_up[e * i2 : e * i2 + i2 // 2],
+            self._w_up[e * i2 + i2 // 2 :],
+        )
         self._w_down = torch.cat([ex.down_proj.data.transpose(1, 2), sh.down_proj.weight.data.t()[None]]).contiguous()
         ex.down_proj.data, sh.down_proj.weight.data = self._w_down[:e].transpose(1, 2), self._w_down[e].t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if (cpu_kernels.active(x) and getattr(self, "_w_up", None) is not None and x.dtype == torch.float32
-                and self._w_up.dtype == torch.float32 and (x.numel() <= shape[-1] * self.kernel_rows or cpu_gemm.invariant())):
+        if (
+            cpu_kernels.active(x)
+            and getattr(self, "_w_up", None) is not None
+            and x.dtype == torch.float32
+            and self._w_up.dtype == torch.float32
+            and (x.numel() <= shape[-1] * self.kernel_rows or cpu_gemm.invariant())
+        ):
             g = self.gate
-            return cpu_moe.moe_rows(x.reshape(-1, shape[-1]), g.weight, g.e_score_correction_bias, g.top_k,
-                                    g.norm_topk_prob, g.scale, self._w_up, self._w_down, self.experts.limit,
-                                    cpu_gemm.invariant()).view(shape)
+            return cpu_moe.moe_rows(
+                x.reshape(-1, shape[-1]),
+                g.weight,
+                g.e_score_correction_bias,
+                g.top_k,
+                g.norm_topk_prob,
+                g.scale,
+                self._w_up,
+                self._w_down,
+                self.experts.limit,
+                cpu_gemm.invariant(),
+            ).view(shape)
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)
         if self.training:
@@ -272,13 +289,21 @@ class HyperConnection(nn.Module):
         collapsed = (pre.unsqueeze(-1) * streams).sum(2).to(streams.dtype)
         return post, comb, collapsed
 
-
     def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the block's ``norm`` applied to the collapsed input; in serving (no
         autograd) one :func:`~tandem.model.cpu_kernels.hc_weights` call."""
         if cpu_kernels.active(streams):
-            return cpu_kernels.hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.eps,
-                                          self.norm_eps, norm.weight, norm.variance_epsilon)
+            return cpu_kernels.hc_weights(
+                streams,
+                self.fn,
+                self.base,
+                self.scale,
+                self.iters,
+                self.eps,
+                self.norm_eps,
+                norm.weight,
+                norm.variance_epsilon,
+            )
         post, comb, x = self(streams)
         return post, comb, norm(x)
 

@@ -44,8 +44,8 @@ def pool_scores(iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor) -> torch.T
     """DSA pool scores ``sum_h (w_h Hi^-1/2) relu(q_h . pk_j di^-1/2)`` (fp32 ``[B, T, P]``) of
     indexer queries ``iq [B, T, Hi, di]`` with head weights ``iw [B, T, Hi]`` over pool keys ``pk [B, P, di]``."""
     hi, di = iq.shape[-2:]
-    s = F.relu(torch.matmul(iq.float(), pk.float().transpose(-1, -2).unsqueeze(1)) * di ** -0.5)  # [B,T,H,P]
-    w = iw.float() * hi ** -0.5
+    s = F.relu(torch.matmul(iq.float(), pk.float().transpose(-1, -2).unsqueeze(1)) * di**-0.5)  # [B,T,H,P]
+    w = iw.float() * hi**-0.5
     return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
 
 
@@ -72,8 +72,9 @@ def select_pools(scores: torch.Tensor, q_pos: torch.Tensor, kv_len: int, kp: int
     return mask | tail.unsqueeze(0)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scaling: float) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """Softmax attention of ``q [B, H, T, dqk]`` over ``k [B, H, L, dqk]``, ``v [B, H, L, dv]`` where
     ``mask [B, T, L]`` (bool) is True, logits scaled by ``scaling``. Returns ``[B, H, T, dv]``."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scaling)
@@ -118,16 +119,18 @@ class Indexer(nn.Module):
         lg = gates[:, : p * self.kp].view(b, p, self.kp, d).float() + self.index_kpool_compress_ape.float()
         return (lg.softmax(dim=2).to(kk.dtype) * kk).sum(2)
 
-    def mask(self, x: torch.Tensor, rows: dict[str, torch.Tensor], pk: torch.Tensor, q_pos: torch.Tensor,
-             kv_len: int) -> torch.Tensor:
+    def mask(
+        self, x: torch.Tensor, rows: dict[str, torch.Tensor], pk: torch.Tensor, q_pos: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
         """Visibility mask ``[B, T, kv_len]`` of rows ``x [B, T, D]`` (``rows`` from
         :meth:`MLAttention.project`) over pool keys ``pk [B, P, di]``: :meth:`select` of
         :meth:`scores`, or for one sequence in serving :func:`~tandem.model.cpu_kernels.dsa_mask`."""
         if cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows:
             b, t = x.shape[:2]
             dots = torch.matmul(pk[0], rows["iq"].reshape(t * self.h, self.d).t()).t().reshape(b, t, self.h, -1)
-            return cpu_kernels.dsa_mask(dots, rows["iw"], q_pos, kv_len, self.kp, self.k_pools,
-                                        self.d ** -0.5, self.h ** -0.5)
+            return cpu_kernels.dsa_mask(
+                dots, rows["iw"], q_pos, kv_len, self.kp, self.k_pools, self.d**-0.5, self.h**-0.5
+            )
         if _kernels(x):
             from tandem_kernels import dsa_indexer
 
@@ -173,13 +176,20 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.h * (cfg.qk_nope_head_dim + self.dv), bias=False)
         self.o_proj = nn.Linear(self.h * self.dv, D, bias=False)
         self.indexer = Indexer(cfg)
-        self.scaling = self.dqk ** -0.5
+        self.scaling = self.dqk**-0.5
         self.last_aux_loss: torch.Tensor | None = None
 
     #: linears reading the same input, fused in the serving layout
-    FUSED = {"_fused_x": ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk", "indexer.weights_proj",
-                          "indexer.index_kpool_compress_gate"),
-             "_fused_q": ("q_b_proj", "indexer.wq_b")}
+    FUSED = {
+        "_fused_x": (
+            "q_a_proj",
+            "kv_a_proj_with_mqa",
+            "indexer.wk",
+            "indexer.weights_proj",
+            "indexer.index_kpool_compress_gate",
+        ),
+        "_fused_q": ("q_b_proj", "indexer.wq_b"),
+    }
 
     def project(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token tensors of rows ``x [B, T, D]``: query ``q [B,H,T,dqk]``, ``q_resid``, and the
@@ -200,8 +210,15 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(kva)
         kv = self.kv_b_proj(latent).view(b, t, self.h, self.dqk + self.dv).transpose(1, 2)
         k, v = kv.split([self.dqk, self.dv], dim=-1)
-        rows.update(q=q.view(b, t, self.h, self.dqk).transpose(1, 2), q_resid=q_resid, latent=latent,
-                    k=k.contiguous(), v=v.contiguous(), ik=ik, ig=ig)
+        rows.update(
+            q=q.view(b, t, self.h, self.dqk).transpose(1, 2),
+            q_resid=q_resid,
+            latent=latent,
+            k=k.contiguous(),
+            v=v.contiguous(),
+            ik=ik,
+            ig=ig,
+        )
         return rows
 
     def attend(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,8 +274,8 @@ class MLAttention(nn.Module):
         if _kernels(x) and x.shape[0] == 1:
             return self.o_proj(self._triton_rows(x, rows, caches, lengths))
         for cache, n in zip(caches, lengths):
-            seg = {k: v[:, :, off: off + n] if k in ("q", "k", "v") else v[:, off: off + n] for k, v in rows.items()}
-            outs.append(self._cached(x[:, off: off + n], seg, cache))
+            seg = {k: v[:, :, off : off + n] if k in ("q", "k", "v") else v[:, off : off + n] for k, v in rows.items()}
+            outs.append(self._cached(x[:, off : off + n], seg, cache))
             off += n
         return self.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
 
@@ -268,19 +285,35 @@ class MLAttention(nn.Module):
         :meth:`_kernel_rows`: fp32 with the serving kernels on, up to 16 rows a sequence (verify blocks),
         any number under the row-invariant mode (:func:`~tandem.model.cpu_gemm.rows_mode`), so a prime's
         rows do not depend on its chunks."""
-        return (cpu_kernels.active(x) and x.shape[0] == 1 and x.dtype == torch.float32
-                and (longest <= 16 or cpu_gemm.invariant()))
+        return (
+            cpu_kernels.active(x)
+            and x.shape[0] == 1
+            and x.dtype == torch.float32
+            and (longest <= 16 or cpu_gemm.invariant())
+        )
 
     def _kernel_rows(self, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
         """Serving path of :meth:`rows_many` before ``o_proj``: every sequence's rows appended to its
         cache and the heads' outputs ``[1, sum R, H * dv]`` of all of them, in two kernel calls
         (:func:`~tandem.model.cpu_attention.mla_many`)."""
         ix = self.indexer
-        return torch.from_numpy(cpu_attention.mla_many(rows, caches, lengths, ix.index_kpool_compress_ape, ix.kp, ix.k_pools,
-                                                       self.scaling, ix.d ** -0.5, ix.h ** -0.5))[None]
+        return torch.from_numpy(
+            cpu_attention.mla_many(
+                rows,
+                caches,
+                lengths,
+                ix.index_kpool_compress_ape,
+                ix.kp,
+                ix.k_pools,
+                self.scaling,
+                ix.d**-0.5,
+                ix.h**-0.5,
+            )
+        )[None]
 
-    def _triton_rows(self, x: torch.Tensor, rows: dict[str, torch.Tensor], caches: list["MLACache"],
-                     lengths: list[int]) -> torch.Tensor:
+    def _triton_rows(
+        self, x: torch.Tensor, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]
+    ) -> torch.Tensor:
         """CUDA path of :meth:`rows_many` before ``o_proj``: each sequence's rows appended to its cache,
         then one DSA indexer and one attention launch over all sequences' rows (ragged; each reads its
         own cache in place). Returns the heads' outputs ``[1, sum R, H * dv]``."""
@@ -294,10 +327,17 @@ class MLAttention(nn.Module):
             off += n
         iq, iw = ix.queries(x, rows)
         pks = [c.pk[0] if c.pk is not None else iq.new_zeros(0, ix.d) for c in caches]
-        _, mask = dsa_indexer.select_rows(iq[0], iw[0], pks, lengths, torch.cat(pos),
-                                          [len(c) for c in caches], ix.kp, ix.k_pools)
-        o = mla_attention.attend_rows(rows["q"][0].transpose(0, 1), [c.k[0] for c in caches],
-                                      [c.v[0] for c in caches], mask, lengths, self.scaling)
+        _, mask = dsa_indexer.select_rows(
+            iq[0], iw[0], pks, lengths, torch.cat(pos), [len(c) for c in caches], ix.kp, ix.k_pools
+        )
+        o = mla_attention.attend_rows(
+            rows["q"][0].transpose(0, 1),
+            [c.k[0] for c in caches],
+            [c.v[0] for c in caches],
+            mask,
+            lengths,
+            self.scaling,
+        )
         return o.reshape(1, o.shape[0], -1)
 
     def _add_pools(self, cache: "MLACache") -> None:

@@ -18,22 +18,40 @@ from pathlib import Path
 from typing import Iterable
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
-ROLE_TOKEN = {"human": "<|user|>", "user": "<|user|>", "gpt": "<|assistant|>", "assistant": "<|assistant|>",
-              "system": "<|system|>"}
+ROLE_TOKEN = {
+    "human": "<|user|>",
+    "user": "<|user|>",
+    "gpt": "<|assistant|>",
+    "assistant": "<|assistant|>",
+    "system": "<|system|>",
+}
 #: roles as templates name them (ShareGPT's ``human`` / ``gpt`` too)
 ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 #: the shipped miniature's chat template (its ``tokenizer_config.json``)
-MINIATURE_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] }}{% endfor %}"
-                      "{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}")
+MINIATURE_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + '\\n' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' + '\\n' }}{% endif %}"
+)
 
 
 def write_tokenizer_config(folder: str | Path, stop_ids: list[int]) -> None:
     """Write the miniature's ``tokenizer_config.json`` (its chat template, for tandem and
     transformers' ``AutoTokenizer``) and ``generation_config.json`` (``eos_token_id``: ``stop_ids``)."""
     folder = Path(folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": MINIATURE_TEMPLATE, "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "model_max_length": 4096, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": MINIATURE_TEMPLATE,
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": list(stop_ids)}, indent=2) + "\n")
 
 
@@ -44,8 +62,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
@@ -98,8 +121,9 @@ class ChatTokenizer:
         that could shrink it; with one, the bound is taken 4 times)."""
         spec = json.loads(self.tok.to_str())
         vocab = self.tok.get_vocab(with_added_tokens=False)
-        byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel" or \
-            (spec.get("decoder") or {}).get("type") == "ByteLevel"
+        byte_level = (spec.get("pre_tokenizer") or {}).get("type") == "ByteLevel" or (spec.get("decoder") or {}).get(
+            "type"
+        ) == "ByteLevel"
         longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1)
         return longest * (1 if spec.get("normalizer") is None else 4)
 
@@ -126,7 +150,7 @@ class ChatTokenizer:
         one boundary token between the turns."""
         ids = self.render(([("system", system)] if system else []) + [("user", user_text)])
         pre = self.render([], add_generation_prompt=False) if later else []
-        return ids[len(pre):] if pre and ids[:len(pre)] == pre else ids
+        return ids[len(pre) :] if pre and ids[: len(pre)] == pre else ids
 
     def render(self, messages: list[tuple[str, str]], add_generation_prompt: bool | None = None) -> list[int]:
         """Token ids of the template's rendering of a conversation ``[(role, text), ...]`` (no stop
@@ -150,5 +174,8 @@ class ChatTokenizer:
 
     def conversation(self, turns: list[dict]) -> list[int]:
         """Token ids of a whole ShareGPT conversation, ending with EOS (training documents)."""
-        return [i for t in turns for i in self.message(t.get("from") if t.get("from") in ROLE_TOKEN else "user",
-                                                         str(t.get("value", "")))] + [self.eos_id]
+        return [
+            i
+            for t in turns
+            for i in self.message(t.get("from") if t.get("from") in ROLE_TOKEN else "user", str(t.get("value", "")))
+        ] + [self.eos_id]

@@ -103,7 +103,12 @@ class Trunk(nn.Module):
     def _mean(streams: torch.Tensor) -> torch.Tensor:
         """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
         decode steps take (:func:`~tandem.model.cpu_decode.stream_mean`), so their rows match."""
-        if cpu_gemm.invariant() and streams.shape[0] == 1 and streams.dtype == torch.float32 and cpu_kernels.active(streams):
+        if (
+            cpu_gemm.invariant()
+            and streams.shape[0] == 1
+            and streams.dtype == torch.float32
+            and cpu_kernels.active(streams)
+        ):
             return cpu_decode.stream_mean(streams)
         return streams.mean(2)
 
@@ -118,7 +123,9 @@ class Trunk(nn.Module):
         ``[B, T, n*D]``)."""
         feats = []
         cpu_block.new_pass()
-        for i, layer in enumerate(itertools.islice(self.layers, self.cfg.num_hidden_layers)):  # (a slice: a new ModuleList)
+        for i, layer in enumerate(
+            itertools.islice(self.layers, self.cfg.num_hidden_layers)
+        ):  # (a slice: a new ModuleList)
             run = block_fn(i, layer) if block_fn is not None else None
             s = run(s) if run is not None else layer.run(s, attn_fn(i, layer))
             if i in features:
@@ -130,7 +137,7 @@ class Trunk(nn.Module):
     def hidden(self, ids: torch.Tensor, features: tuple[int, ...] = ()):
         """Full causal pass. ``ids [B, T]`` -> final normalised hidden ``[B, T, D]`` (and with
         ``features``, the target-layer features ``[B, T, len(features) * D]``)."""
-        return self._layers(self._streams(ids), lambda i, l: (lambda x: l.self_attn(x)[0]), tuple(features))
+        return self._layers(self._streams(ids), lambda i, layer: lambda x: layer.self_attn(x)[0], tuple(features))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head in fp32: ``[..., D] -> [..., V]`` (under :attr:`batch_invariant` row-invariant, see there)."""
@@ -162,14 +169,18 @@ class Trunk(nn.Module):
         and ``keep(i, per_sequence)`` takes layer ``i``'s KDA rows (``keep_states``) or final states;
         each MLA block that fits in one :func:`~tandem.model.cpu_mla_block.mla_block` call (the rows
         appended to the caches, as the unfused path appends them)."""
+
         def block_fn(i, layer):
             if not on:
                 return None
             if not cpu_block.kda_fits(layer):
                 if not cpu_mla_block.fits(layer):
                     return None
-                return lambda s: (layer.run(s, attn_fn(i, layer)) if s.shape[0] != 1 else
-                                  cpu_mla_block.mla_block(layer, s, [c.layers[i] for c in caches], lengths))
+                return lambda s: (
+                    layer.run(s, attn_fn(i, layer))
+                    if s.shape[0] != 1
+                    else cpu_mla_block.mla_block(layer, s, [c.layers[i] for c in caches], lengths)
+                )
 
             def run(s):
                 if s.shape[0] != 1:
@@ -177,13 +188,17 @@ class Trunk(nn.Module):
                 s, per = cpu_block.kda_block(layer, s, self._kda_starts(caches, i, layer), lengths, keep_states)
                 keep(i, per)
                 return s
+
             return run
+
         return block_fn
 
     def _kda_starts(self, caches: list[TrunkCache], i: int, layer, batch: int = 1) -> list:
         """Each sequence's state of KDA layer ``i`` before its rows (a zero state of ``batch`` rows
         before its first)."""
-        return [st if (st := c.layers[i]) is not None else layer.self_attn.init_state(batch, self.device) for c in caches]
+        return [
+            st if (st := c.layers[i]) is not None else layer.self_attn.init_state(batch, self.device) for c in caches
+        ]
 
     def _invariant_rows(self) -> bool:
         """The row-invariant kernels apply (:attr:`batch_invariant` on the CPU in fp32)."""
@@ -207,12 +222,17 @@ class Trunk(nn.Module):
         groups = row_groups(lengths, self.decode_threads) if self._invariant_rows() else [range(len(caches))]
         if len(groups) == 1:
             return self._prime_rows(caches, ids, lengths, features)
-        return cpu_decode.run_groups(lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g],
-                                                                [lengths[j] for j in g], features), groups)
+        return cpu_decode.run_groups(
+            lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g], [lengths[j] for j in g], features),
+            groups,
+        )
 
     @torch.no_grad()
-    def _prime_rows(self, caches: list[TrunkCache], ids: list[torch.Tensor], lengths: list[int], features: tuple[int, ...]) -> list:
+    def _prime_rows(
+        self, caches: list[TrunkCache], ids: list[torch.Tensor], lengths: list[int], features: tuple[int, ...]
+    ) -> list:
         """:meth:`prime_many`'s forward over one group of sequences (rows checked)."""
+
         def keep(i, finals):  # each sequence's KDA state after its rows
             for c, (tail, S) in zip(caches, finals):
                 c.layers[i] = KDAState(tail, S)
@@ -224,7 +244,9 @@ class Trunk(nn.Module):
                 if layer.layer_type == "linear_attention" and cpu_kernels.active(x) and x.shape[0] == 1:
                     # the recurrence row by row, every sequence in one kernel call (faster here than
                     # the chunked form up to 256 rows, and the same whatever the chunking)
-                    y, finals = attn.forward_rows_many(x, self._kda_starts(caches, i, layer), lengths, keep_states=False)
+                    y, finals = attn.forward_rows_many(
+                        x, self._kda_starts(caches, i, layer), lengths, keep_states=False
+                    )
                     keep(i, finals)
                     return y
                 ys = []
@@ -237,12 +259,17 @@ class Trunk(nn.Module):
                     c.layers[i] = KDAState(tail, S)
                     ys.append(y)
                 return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
+
             return fn
 
         fused = self._invariant_rows()
         with cpu_gemm.rows_mode(fused):
-            out = self._layers(self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]), attn_fn, tuple(features),
-                               self._kda_blocks(fused, caches, lengths, attn_fn, False, keep))
+            out = self._layers(
+                self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]),
+                attn_fn,
+                tuple(features),
+                self._kda_blocks(fused, caches, lengths, attn_fn, False, keep),
+            )
         for c, n in zip(caches, lengths):
             c.pos += n
         parts = [o.split(lengths, 1) for o in (out if features else (out,))]
@@ -291,17 +318,24 @@ class Trunk(nn.Module):
                 if cpu_kernels.active(x) and x.shape[0] == 1:
                     y, per = attn.forward_rows_many(x, sts, comp)
                 else:  # the torch reference, one sequence at a time
-                    res = [attn.forward_rows(xs, (st.tail, st.S) if isinstance(st, KDAState) else st)
-                           for xs, st in zip(x.split(comp, 1), sts)]
+                    res = [
+                        attn.forward_rows(xs, (st.tail, st.S) if isinstance(st, KDAState) else st)
+                        for xs, st in zip(x.split(comp, 1), sts)
+                    ]
                     y = torch.cat([r[0] for r in res], 1)
                     per = [KDARows(full, states, full.shape[-1] - states.shape[1]) for _, full, states in res]
                 keep(i, per)
                 return y
+
             return fn
 
         with cpu_gemm.rows_mode(kernel):
-            out = self._layers(self._streams(torch.cat(rows, 1)), attn_fn, tuple(features),
-                               self._kda_blocks(kernel, caches, comp, attn_fn, True, keep))
+            out = self._layers(
+                self._streams(torch.cat(rows, 1)),
+                attn_fn,
+                tuple(features),
+                self._kda_blocks(kernel, caches, comp, attn_fn, True, keep),
+            )
         for c, p, n in zip(caches, pending, lengths):
             c.pending, c.pending_rows = p, n
         parts = [o.split(comp, 1) for o in (out if features else (out,))]
@@ -309,8 +343,15 @@ class Trunk(nn.Module):
         return res if features else [r[0] for r in res]
 
     @torch.no_grad()
-    def decode_many(self, caches: list[TrunkCache], anchors: list[int], steps: int, stop_ids: list[tuple[int, ...]],
-                    features: tuple[int, ...] = (), threads: int | None = None) -> list[dict]:
+    def decode_many(
+        self,
+        caches: list[TrunkCache],
+        anchors: list[int],
+        steps: int,
+        stop_ids: list[tuple[int, ...]],
+        features: tuple[int, ...] = (),
+        threads: int | None = None,
+    ) -> list[dict]:
         """Up to ``steps`` plain greedy decode steps of several sequences: sequence ``j`` runs its anchor
         ``anchors[j]`` as a one-row :meth:`verify_many`, its argmax is the next step's anchor, and the
         rows of every step but the last are committed (the last stays pending, as after a verify); the
@@ -329,8 +370,9 @@ class Trunk(nn.Module):
             raise ValueError(f"decode: steps {steps} >= 1 and one anchor and stop set per cache ({len(caches)})")
         if self._invariant_rows():
             with cpu_gemm.rows_mode():
-                out = cpu_decode.decode_steps(self, caches, anchors, steps, stop_ids, features,
-                                              threads or self.decode_threads)
+                out = cpu_decode.decode_steps(
+                    self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads
+                )
             if out is not None:
                 return out
         return self._decode_reference(caches, anchors, steps, stop_ids, features)
@@ -357,4 +399,6 @@ class Trunk(nn.Module):
             if any(a in ids for a, ids in zip(anchor, stop_ids)):
                 break
         cols = [torch.stack(x) for x in (toks, gaps, hs, fs)]
-        return [dict(zip(("tokens", "gaps", "hidden", "features"), (x[:, j] for x in cols))) for j in range(len(caches))]
+        return [
+            dict(zip(("tokens", "gaps", "hidden", "features"), (x[:, j] for x in cols))) for j in range(len(caches))
+        ]

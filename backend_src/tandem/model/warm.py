@@ -24,11 +24,28 @@ def compile_kernels() -> float:
     a set of argument types of the fused blocks), on a CPU with AMX for both GEMM tiles (:mod:`~tandem.model.cpu_amx`:
     the ``amx`` parameter picks one). Returns the seconds it took."""
     t0 = time.perf_counter()
-    cfg = TrunkConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_attention_heads=2,
-                      num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=16, v_head_dim=16,
-                      index_head_dim=8, index_n_heads=2, index_topk=8, linear_head_dim=16, linear_num_heads=2,
-                      num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "indexed_attention"],
-                      mlp_layer_types=["dense", "sparse", "sparse"], indexer_types=["full"] * 3, max_position_embeddings=64)
+    cfg = TrunkConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_head_dim=8,
+        index_n_heads=2,
+        index_topk=8,
+        linear_head_dim=16,
+        linear_num_heads=2,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        indexer_types=["full"] * 3,
+        max_position_embeddings=64,
+    )
 
     def trunk(weights: str) -> Trunk:  # random fp32 weights; "shipped": bf16-exact but the fp32-kept ones; "bf16": all
         m = cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=0), torch.float32)
@@ -45,7 +62,9 @@ def compile_kernels() -> float:
         for c in caches:
             model.prime(c, torch.arange(1, 21)[None])
         for _ in range(2):
-            cpu_kernels.top2(model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0]))
+            cpu_kernels.top2(
+                model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0])
+            )
             for c in caches:
                 c.commit(1)
         if model.batch_invariant:  # plain decode steps in one call (cpu_decode.py): two sequences, then one
@@ -61,7 +80,9 @@ def compile_kernels() -> float:
             for amx in (True, False) if cpu_amx.HW_AMX else (before,):  # both tiles where the `amx` parameter picks one
                 cpu_amx.set_amx(amx)  # (fp32 weights take neither: once)
                 for weights in ("fp32", "shipped", "bf16") if amx == before else ("shipped", "bf16"):
-                    model = input_major_linears(trunk(weights))  # the serving layout (fused linears and experts: cpu_block.py)
+                    model = input_major_linears(
+                        trunk(weights)
+                    )  # the serving layout (fused linears and experts: cpu_block.py)
                     model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py), the fused blocks
                     run(model)
     finally:

@@ -92,8 +92,10 @@ def resolve_checkpoint(config: schema.ServingConfig, model_dir: str | Path, requ
     weights = "model.safetensors.index.json" if (p / "model.safetensors.index.json").exists() else "model.safetensors"
     for f in ["config.json", "tokenizer.json"] + ([weights] if require_weights else []):
         if not (p / f).exists():
-            raise FileNotFoundError(f"checkpoint folder {p} lacks {f} (set TANDEM_CHECKPOINT or the model's "
-                                    f"'checkpoint' parameter; `make model` trains the default)")
+            raise FileNotFoundError(
+                f"checkpoint folder {p} lacks {f} (set TANDEM_CHECKPOINT or the model's "
+                f"'checkpoint' parameter; `make model` trains the default)"
+            )
     return p
 
 
@@ -104,7 +106,11 @@ def drafter_dirs(config: schema.ServingConfig, model_dir: str | Path, checkpoint
     from ..model.checkpoint import drafter_dirs as dirs
 
     repo = Path(model_dir).resolve().parent
-    given = {a: (p if Path(p).is_absolute() else repo / p) for a in schema.DFLASH_ARMS if (p := getattr(config, f"{a}_checkpoint"))}
+    given = {
+        a: (p if Path(p).is_absolute() else repo / p)
+        for a in schema.DFLASH_ARMS
+        if (p := getattr(config, f"{a}_checkpoint"))
+    }
     return dirs(checkpoint, given)
 
 
@@ -131,8 +137,10 @@ def set_torch_threads(n: int = 1) -> None:
         pass
 
 
-_ONE_PROCESS = ("tandem keeps each sequence's state in one process per model (Triton would route a sequence's calls "
-                "to any instance)")
+_ONE_PROCESS = (
+    "tandem keeps each sequence's state in one process per model (Triton would route a sequence's calls "
+    "to any instance)"
+)
 #: why ``postprocessing`` runs one instance
 IN_ORDER = "two instances could finish a stream's responses out of order"
 
@@ -160,7 +168,8 @@ def require_one_instance(model_config: dict, reason: str = _ONE_PROCESS) -> None
     if count > 1:
         raise ValueError(
             f"model {model_config.get('name', '?')!r}: instance_group asks for {count} instances, but {reason}; "
-            f"keep count: 1 and scale out with replicas of the whole repository (README, 'Deploying safely')")
+            f"keep count: 1 and scale out with replicas of the whole repository (README, 'Deploying safely')"
+        )
 
 
 class Gauges:
@@ -214,21 +223,38 @@ def tensors_by_name(tensors, names) -> dict:
     return {n: by[n].as_numpy() for n in names if n in by}
 
 
-def stage_execute(pb_utils, spec: schema.ModelSpec, stage, requests, gauges: Gauges | None = None,
-                  unavailable: str | None = None, with_sequence: bool = False, on_cancelled=None,
-                  stats: CallStats | None = None) -> list:
+def stage_execute(
+    pb_utils,
+    spec: schema.ModelSpec,
+    stage,
+    requests,
+    gauges: Gauges | None = None,
+    unavailable: str | None = None,
+    with_sequence: bool = False,
+    on_cancelled=None,
+    stats: CallStats | None = None,
+) -> list:
     """The ``execute`` of a stage model: one :func:`stage_response` per request, in order. Afterwards
     the ``stage_sequences`` gauge is set to ``len(stage.states)``."""
-    responses = [stage_response(pb_utils, spec, stage, r, unavailable, with_sequence, on_cancelled, stats)
-                 for r in requests]
+    responses = [
+        stage_response(pb_utils, spec, stage, r, unavailable, with_sequence, on_cancelled, stats) for r in requests
+    ]
     if gauges is not None and stage is not None:
         gauges.set({"stage_sequences": len(stage.states)})
     return responses
 
 
-def stage_response(pb_utils, spec: schema.ModelSpec, stage, r, unavailable: str | None = None,
-                   with_sequence: bool = False, on_cancelled=None, stats: CallStats | None = None,
-                   only_requested: bool = False):
+def stage_response(
+    pb_utils,
+    spec: schema.ModelSpec,
+    stage,
+    r,
+    unavailable: str | None = None,
+    with_sequence: bool = False,
+    on_cancelled=None,
+    stats: CallStats | None = None,
+    only_requested: bool = False,
+):
     """One request of a stage model: its tensors -> ``stage.handle`` -> its response. A
     :class:`~tandem.schema.WireError` answers with its text (naming the field), anything else with
     ``internal error: ...``; ``unavailable`` (a reason) answers with it; ``with_sequence`` passes the
@@ -259,8 +285,11 @@ def stage_response(pb_utils, spec: schema.ModelSpec, stage, r, unavailable: str 
             out = requested_only(out, r.requested_output_names())
         return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()])
     except Exception as e:  # noqa: BLE001 - a wire error names its field; anything else is reported
-        msg = str(e) if isinstance(e, (schema.WireError, internal_key.Unauthorized)) else \
-            f"internal error: {type(e).__name__}: {e}"
+        msg = (
+            str(e)
+            if isinstance(e, (schema.WireError, internal_key.Unauthorized))
+            else f"internal error: {type(e).__name__}: {e}"
+        )
         return pb_utils.InferenceResponse([], error=pb_utils.TritonError(msg))
 
 
@@ -294,10 +323,13 @@ class MetricsPublisher:
         self.telemetry, self.interval_s = telemetry, interval_s
         self.counters = {n: fam(name=f"tandem_{n}", description=d, kind=fam.COUNTER) for n, d in COUNTERS.items()}
         # a family must outlive its metrics: both are kept
-        self.histogram_families = {n: fam(name=f"tandem_{n}", description=d, kind=fam.HISTOGRAM)
-                                   for n, (d, _) in HISTOGRAMS.items()}
-        self.histograms = {n: self.histogram_families[n].Metric(labels={"model": "tandem"}, buckets=list(b))
-                           for n, (_, b) in HISTOGRAMS.items()}
+        self.histogram_families = {
+            n: fam(name=f"tandem_{n}", description=d, kind=fam.HISTOGRAM) for n, (d, _) in HISTOGRAMS.items()
+        }
+        self.histograms = {
+            n: self.histogram_families[n].Metric(labels={"model": "tandem"}, buckets=list(b))
+            for n, (_, b) in HISTOGRAMS.items()
+        }
         self.log = pb_utils.Logger.log_error
         self._metrics: dict = {}
         for key in initial_series():  # every series in the scrape from the start, at 0

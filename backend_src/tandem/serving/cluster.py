@@ -84,8 +84,15 @@ class Cluster:
     ``proxy_log`` (its log file; a restarted proxy appends to it), ``extra`` (proxies added by
     :meth:`add_proxy`)."""
 
-    def __init__(self, ports: list[tuple[int, int, int]], proxy_port: int, env: dict[str, str] | None,
-                 models: tuple[str, ...], ready_timeout_s: float, log_dir: Path) -> None:
+    def __init__(
+        self,
+        ports: list[tuple[int, int, int]],
+        proxy_port: int,
+        env: dict[str, str] | None,
+        models: tuple[str, ...],
+        ready_timeout_s: float,
+        log_dir: Path,
+    ) -> None:
         self.ports, self.env, self.models, self.ready_timeout_s = ports, env, models, ready_timeout_s
         self.url = f"127.0.0.1:{proxy_port}"
         self.names = [f"tandem{i}" for i in range(len(ports))]
@@ -102,8 +109,13 @@ class Cluster:
         READY. Raises :class:`~tandem.serving.serve.ServerError`."""
         if self.servers[i] is not None:
             raise ServerError(f"server {i} is already running")
-        cm = running_server(*self.ports[i], env=self.env, models=self.models, ready_timeout_s=self.ready_timeout_s,
-                            log_path=self.log_dir / f"{self.names[i]}-{time.time_ns()}.log")
+        cm = running_server(
+            *self.ports[i],
+            env=self.env,
+            models=self.models,
+            ready_timeout_s=self.ready_timeout_s,
+            log_path=self.log_dir / f"{self.names[i]}-{time.time_ns()}.log",
+        )
         self.servers[i] = cm.__enter__()
         self._cms[i] = cm
         return self.servers[i]
@@ -209,10 +221,16 @@ def _tail(path: Path, n: int = 4000) -> str:
 
 
 @contextlib.contextmanager
-def running_cluster(replicas: int = 2, proxy_port: int | None = None, base_port: int | None = None,
-                    env: dict[str, str] | None = None, models: tuple[str, ...] = MODELS,
-                    ready_timeout_s: float = 300.0, log_dir: str | Path | None = None,
-                    echo_proxy_log: bool = False) -> Iterator[Cluster]:
+def running_cluster(
+    replicas: int = 2,
+    proxy_port: int | None = None,
+    base_port: int | None = None,
+    env: dict[str, str] | None = None,
+    models: tuple[str, ...] = MODELS,
+    ready_timeout_s: float = 300.0,
+    log_dir: str | Path | None = None,
+    echo_proxy_log: bool = False,
+) -> Iterator[Cluster]:
     """Start ``replicas`` tritonservers (in parallel; server i on ``base_port + 3 i`` .. ``+ 2``, or free
     ports when ``base_port`` is None), each with its own shared-memory prefix, then HAProxy on
     127.0.0.1:``proxy_port`` (free when None) in front of their gRPC ports; yield a :class:`Cluster`; always
@@ -228,12 +246,14 @@ def running_cluster(replicas: int = 2, proxy_port: int | None = None, base_port:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     if base_port is None:
         flat = free_ports(3 * replicas + (proxy_port is None))
-        ports = [tuple(flat[3 * i:3 * i + 3]) for i in range(replicas)]
+        ports = [tuple(flat[3 * i : 3 * i + 3]) for i in range(replicas)]
         proxy_port = proxy_port or flat[-1]
     else:
         ports = [(http, grpc, http + 2) for _, grpc, http in _ports(replicas, base_port)]
-    wanted = {"proxy": proxy_port, **{f"server {i} {role}": p for i, ps in enumerate(ports)
-                                      for role, p in zip(("HTTP", "gRPC", "metrics"), ps)}}
+    wanted = {
+        "proxy": proxy_port,
+        **{f"server {i} {role}": p for i, ps in enumerate(ports) for role, p in zip(("HTTP", "gRPC", "metrics"), ps)},
+    }
     if busy := busy_ports(wanted):
         raise ValueError(f"{busy} (another tandem / tritonserver / cluster? pass other --port / --base-port values)")
     ensure_haproxy()
@@ -259,25 +279,40 @@ def serve_cluster(replicas: int, proxy_port: int, base_port: int, env: dict[str,
     """Run ``replicas`` servers and the proxy in the foreground until Ctrl-C / SIGTERM / SIGHUP, or until
     the proxy exits; a server that dies is reported and not restarted (its sessions fail over). Returns
     the exit status (0 after a requested stop)."""
+
     def _on_term(signum, frame):
         raise KeyboardInterrupt
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _on_term)
     try:
-        with running_cluster(replicas, proxy_port, base_port, env=env, echo_proxy_log=True,
-                             log_dir=Path(tempfile.mkdtemp(prefix="tandem-cluster-"))) as c:
-            print(f"tandem: cluster ready — proxy gRPC {c.url} (route by the {schema.ROUTING_HEADER!r} header); "
-                  + "; ".join(f"{n}: HTTP {p[0]}, gRPC {p[1]}, metrics {p[2]}, shared memory {s.shm_prefix}*"
-                              for n, p, s in zip(c.names, c.ports, c.servers))
-                  + f"; logs in {c.log_dir}", flush=True)
+        with running_cluster(
+            replicas,
+            proxy_port,
+            base_port,
+            env=env,
+            echo_proxy_log=True,
+            log_dir=Path(tempfile.mkdtemp(prefix="tandem-cluster-")),
+        ) as c:
+            print(
+                f"tandem: cluster ready — proxy gRPC {c.url} (route by the {schema.ROUTING_HEADER!r} header); "
+                + "; ".join(
+                    f"{n}: HTTP {p[0]}, gRPC {p[1]}, metrics {p[2]}, shared memory {s.shm_prefix}*"
+                    for n, p, s in zip(c.names, c.ports, c.servers)
+                )
+                + f"; logs in {c.log_dir}",
+                flush=True,
+            )
             reported: set[int] = set()
             while c.proxy.poll() is None:
                 for i, srv in enumerate(c.servers):
                     if srv is not None and srv.proc.poll() is not None and i not in reported:
                         reported.add(i)
-                        print(f"tandem: {c.names[i]} exited with code {srv.proc.returncode}; its sessions fail "
-                              f"over (log: {srv.log_path})", flush=True)
+                        print(
+                            f"tandem: {c.names[i]} exited with code {srv.proc.returncode}; its sessions fail "
+                            f"over (log: {srv.log_path})",
+                            flush=True,
+                        )
                 time.sleep(0.5)
             print(f"tandem: haproxy exited with code {c.proxy.returncode}", flush=True)
             return 1
@@ -288,8 +323,9 @@ def serve_cluster(replicas: int, proxy_port: int, base_port: int, env: dict[str,
         return 2 if isinstance(e, ValueError) else 1
 
 
-app = typer.Typer(add_completion=False, help="Replicas of tandem's model repository behind HAProxy (docs/deploying.md, "
-                  "'Replicas').")
+app = typer.Typer(
+    add_completion=False, help="Replicas of tandem's model repository behind HAProxy (docs/deploying.md, 'Replicas')."
+)
 
 
 def _ports(replicas: int, base_port: int) -> list[tuple[str, int, int]]:
@@ -297,20 +333,25 @@ def _ports(replicas: int, base_port: int) -> list[tuple[str, int, int]]:
 
 
 @app.command()
-def serve(replicas: int = typer.Option(2, help="tritonservers to start"),
-          port: int = typer.Option(PROXY_PORT, help="the proxy's gRPC port on 127.0.0.1"),
-          base_port: int = typer.Option(BASE_PORT, help="server i listens on HTTP base+3i, gRPC base+3i+1, "
-                                        "metrics base+3i+2"),
-          checkpoint: str = typer.Option("", help="checkpoint folder; default: config.pbtxt's (weights/tandem-tiny)"),
-          set_: list[str] = typer.Option([], "--set", help="a model parameter for every server, NAME=VALUE "
-                                         "(repeatable; README, 'Serve options')")) -> None:
+def serve(
+    replicas: int = typer.Option(2, help="tritonservers to start"),
+    port: int = typer.Option(PROXY_PORT, help="the proxy's gRPC port on 127.0.0.1"),
+    base_port: int = typer.Option(
+        BASE_PORT, help="server i listens on HTTP base+3i, gRPC base+3i+1, metrics base+3i+2"
+    ),
+    checkpoint: str = typer.Option("", help="checkpoint folder; default: config.pbtxt's (weights/tandem-tiny)"),
+    set_: list[str] = typer.Option(
+        [], "--set", help="a model parameter for every server, NAME=VALUE (repeatable; README, 'Serve options')"
+    ),
+) -> None:
     """Run REPLICAS tritonservers and HAProxy on 127.0.0.1:PORT in the foreground; Ctrl-C stops everything
     and removes each server's shared memory."""
     from .backend import parameter_overrides, parse_settings
 
     try:
-        env = parameter_overrides({**parse_settings(set_),
-                                   "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None})
+        env = parameter_overrides(
+            {**parse_settings(set_), "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None}
+        )
     except ValueError as e:
         print(f"tandem: {e}", flush=True)
         raise typer.Exit(2)

@@ -23,10 +23,26 @@ from .. import schema
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
 from .telemetry import Telemetry
-from .turns import TurnRequest, Usage, parse_sampling, parse_turn, receipt_outputs  # noqa: F401
-from ..engine.pipeline import Pipeline  # noqa: F401 - model.py reaches it here
-from .proxies import (BLSTransport, CallStats, DFlashProxy, DrafterProxy, HostedTransport, LocalTransport,  # noqa: F401
-                      StageError, Transport, TrunkProxy, WatchedTransport)
+from .turns import (  # re-exported
+    TurnRequest as TurnRequest,
+    Usage as Usage,
+    parse_sampling as parse_sampling,
+    parse_turn as parse_turn,
+    receipt_outputs as receipt_outputs,
+)
+from ..engine.pipeline import Pipeline as Pipeline  # re-exported: model.py reaches it here
+from .proxies import (  # re-exported
+    BLSTransport as BLSTransport,
+    CallStats as CallStats,
+    DFlashProxy as DFlashProxy,
+    DrafterProxy as DrafterProxy,
+    HostedTransport as HostedTransport,
+    LocalTransport as LocalTransport,
+    StageError as StageError,
+    Transport as Transport,
+    TrunkProxy as TrunkProxy,
+    WatchedTransport as WatchedTransport,
+)
 
 #: ``send(outputs, error, final)``: one streamed response (``outputs`` None when ``error`` is set).
 Send = Callable[[Arrays | None, str | None, bool], None]
@@ -77,12 +93,22 @@ class TandemFront:
     one final error each; a stage that died fails every turn (its state is gone) and is restarted.
     """
 
-    def __init__(self, trunk, drafters: dict, stop_ids: tuple[int, ...], config: ServingConfig = schema.DEFAULTS,
-                 log: Callable[[str], None] | None = None, info: Callable[[str], None] | None = None,
-                 poll_s: float = 0.005, watch: WatchedTransport | None = None,
-                 restart: Callable[[str], None] | None = None,
-                 gauges: Callable[[dict[str, float]], None] | None = None,
-                 decode: Callable[[list[int]], str] | None = None, standby: tuple = (), state_size=None) -> None:
+    def __init__(
+        self,
+        trunk,
+        drafters: dict,
+        stop_ids: tuple[int, ...],
+        config: ServingConfig = schema.DEFAULTS,
+        log: Callable[[str], None] | None = None,
+        info: Callable[[str], None] | None = None,
+        poll_s: float = 0.005,
+        watch: WatchedTransport | None = None,
+        restart: Callable[[str], None] | None = None,
+        gauges: Callable[[dict[str, float]], None] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        standby: tuple = (),
+        state_size=None,
+    ) -> None:
         self.log = log or (lambda msg: None)
         #: proxies of loaded stage models no round calls (the drafter models while the trunk hosts the
         #: drafters): probed while idle and restarted when dead, like the others
@@ -161,15 +187,16 @@ class TandemFront:
                             state["held"] = receipt
                             return
                     send(receipt_outputs(receipt, usage, state["tail"], req.sid, number), None, final)
-                    state["tail"] = (state["tail"] + receipt.tokens)[-schema.DETOKENIZE_WINDOW:]
+                    state["tail"] = (state["tail"] + receipt.tokens)[-schema.DETOKENIZE_WINDOW :]
                 except Exception as e:  # noqa: BLE001 - a broken client must not fail the burst
                     self.log(f"sequence {req.sid}: could not send a response: {type(e).__name__}: {e}")
                     if not final:
                         state["done"] = True
                         self.sched.request_cancel(req.sid, state["turn"])
 
-        state["turn"] = dataclasses.replace(req, emit=emit, number=number, cancelled=cancelled,
-                                            arrived=time.monotonic())
+        state["turn"] = dataclasses.replace(
+            req, emit=emit, number=number, cancelled=cancelled, arrived=time.monotonic()
+        )
         self.q.put(state["turn"])
 
     def cancel_session(self, sid: int, send: Send, number: int | None = None) -> None:
@@ -254,7 +281,10 @@ class TandemFront:
         sched = self.sched
         now = {"demotions_total": sched.stats.get("demotions", 0), "promotions_total": sched.stats.get("promotions", 0)}
         if sched.prefix is not None:
-            now.update(prefix_cache_hits_total=sched.prefix.stats["hits"], prefix_cache_misses_total=sched.prefix.stats["misses"])
+            now.update(
+                prefix_cache_hits_total=sched.prefix.stats["hits"],
+                prefix_cache_misses_total=sched.prefix.stats["misses"],
+            )
         if (pipe := getattr(sched.trunk, "pipeline", None)) is not None:
             now.update(pipelined_calls_total=pipe.counts["calls"], pipelined_refused_total=pipe.counts["refused"])
         for k, v in now.items():
@@ -377,8 +407,12 @@ class TandemFront:
                 sched.request_cancel(t.sid, t, str(err))  # closed once the worker is back
         if self.watch.stalled is not None:
             for t in self._drain(block=False):
-                t.emit(None, f"{self.watch.stalled} is not answering (a call has run past "
-                             f"{self.watch.timeout_s:g} s, stage_timeout_s); retry later", True)
+                t.emit(
+                    None,
+                    f"{self.watch.stalled} is not answering (a call has run past "
+                    f"{self.watch.timeout_s:g} s, stage_timeout_s); retry later",
+                    True,
+                )
 
     def _fail_all(self, reason: str) -> None:
         """Every turn in flight or queued gets one final ``reason``; sessions are forgotten without

@@ -68,8 +68,12 @@ def _quoted(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def front_config(routes: list[tuple[str, int, int]], host: str = "127.0.0.1",
-                 max_body_bytes: int = MAX_BODY_BYTES, backend_host: str = "127.0.0.1") -> str:
+def front_config(
+    routes: list[tuple[str, int, int]],
+    host: str = "127.0.0.1",
+    max_body_bytes: int = MAX_BODY_BYTES,
+    backend_host: str = "127.0.0.1",
+) -> str:
     """The HAProxy config text of the front.
 
     ``routes``: ``(name, public port, internal port)`` each (``("http", 8000, 41234)``, ``("metrics", 8002,
@@ -83,15 +87,31 @@ def front_config(routes: list[tuple[str, int, int]], host: str = "127.0.0.1",
         raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
     if not routes:
         raise ValueError("the front needs at least one route")
-    too_big = _quoted(json.dumps({"error": f"request body of %[req.hdr_val(content-length)] bytes is over the limit "
-                                           f"of {max_body_bytes} bytes ({LIMIT_OPTION})"}))
-    chunked = _quoted(json.dumps({"error": "a request body must have a Content-Length (chunked transfer encoding is "
-                                           f"refused: it cannot be bounded; the limit is {max_body_bytes} bytes, "
-                                           f"{LIMIT_OPTION})"}))
-    refuse_chunked = (f"http-request return status 411 content-type application/json string {chunked} "
-                      "if { req.hdr(transfer-encoding) -m found }")
-    refuse_too_big = (f"http-request return status 413 content-type application/json lf-string {too_big} "
-                      f"if {{ req.hdr_val(content-length) gt {max_body_bytes} }}")
+    too_big = _quoted(
+        json.dumps(
+            {
+                "error": f"request body of %[req.hdr_val(content-length)] bytes is over the limit "
+                f"of {max_body_bytes} bytes ({LIMIT_OPTION})"
+            }
+        )
+    )
+    chunked = _quoted(
+        json.dumps(
+            {
+                "error": "a request body must have a Content-Length (chunked transfer encoding is "
+                f"refused: it cannot be bounded; the limit is {max_body_bytes} bytes, "
+                f"{LIMIT_OPTION})"
+            }
+        )
+    )
+    refuse_chunked = (
+        f"http-request return status 411 content-type application/json string {chunked} "
+        "if { req.hdr(transfer-encoding) -m found }"
+    )
+    refuse_too_big = (
+        f"http-request return status 413 content-type application/json lf-string {too_big} "
+        f"if {{ req.hdr_val(content-length) gt {max_body_bytes} }}"
+    )
     sections = []
     for name, public, internal in routes:
         sections.append(f"""
@@ -126,8 +146,9 @@ class Front:
     """A running front: ``proc`` (the HAProxy process), ``routes`` (as given to :func:`front_config`),
     ``config_path``, ``log_path`` (its output: warnings and errors only, no line per request)."""
 
-    def __init__(self, proc: subprocess.Popen, routes: list[tuple[str, int, int]], workdir: Path,
-                 log_path: Path) -> None:
+    def __init__(
+        self, proc: subprocess.Popen, routes: list[tuple[str, int, int]], workdir: Path, log_path: Path
+    ) -> None:
         self.proc, self.routes, self.workdir, self.log_path = proc, routes, workdir, log_path
         self.config_path = workdir / "front.cfg"
         self._unfollow = threading.Event()
@@ -142,11 +163,13 @@ class Front:
     def follow(self, server: subprocess.Popen, poll_s: float = 0.2) -> None:
         """Stop the front as soon as ``server`` exits (a daemon thread polls it every ``poll_s`` s), so a
         server that dies leaves no proxy answering 503 on its ports."""
+
         def watch() -> None:
             while not self._unfollow.wait(poll_s):
                 if server.poll() is not None:
                     self.stop()
                     return
+
         threading.Thread(target=watch, name="tandem-front-follow", daemon=True).start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -163,8 +186,9 @@ class Front:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def start_front(routes: list[tuple[str, int, int]], host: str = "127.0.0.1",
-                max_body_bytes: int = MAX_BODY_BYTES) -> Front:
+def start_front(
+    routes: list[tuple[str, int, int]], host: str = "127.0.0.1", max_body_bytes: int = MAX_BODY_BYTES
+) -> Front:
     """Start HAProxy on :func:`front_config` ``(routes, host, max_body_bytes)``, its config and output in a
     new temporary folder (removed by :meth:`Front.stop`). It binds at once; :func:`wait_front` waits until
     it answers. Raises ``ValueError`` for a bad limit, :class:`~tandem.serving.haproxy.HaproxyError` when
@@ -182,8 +206,9 @@ def start_front(routes: list[tuple[str, int, int]], host: str = "127.0.0.1",
     return Front(proc, routes, workdir, log)
 
 
-def wait_front(front: Front, port: int, timeout_s: float = 10.0, path: str = "/v2/health/ready",
-               host: str = "127.0.0.1") -> float:
+def wait_front(
+    front: Front, port: int, timeout_s: float = 10.0, path: str = "/v2/health/ready", host: str = "127.0.0.1"
+) -> float:
     """Poll ``GET host:port path`` through the front until it answers 200 (``host`` as bound; a wildcard
     address is polled on 127.0.0.1). Returns seconds waited. Raises :class:`FrontError` with HAProxy's
     output when it exits or does not answer within ``timeout_s``."""
@@ -198,6 +223,7 @@ def wait_front(front: Front, port: int, timeout_s: float = 10.0, path: str = "/v
                 if r.status == 200 and front.proc.poll() is None:
                     return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
-            raise FrontError(f"the HTTP front on {addr}:{port} does not answer {path} after {timeout_s:.0f} s\n"
-                             f"{front.output()}")
+            raise FrontError(
+                f"the HTTP front on {addr}:{port} does not answer {path} after {timeout_s:.0f} s\n{front.output()}"
+            )
         time.sleep(0.05)

@@ -92,5 +92,7 @@ def check(arrays: dict, model: str, key: bytes) -> None:
         v = np.asarray(got).reshape(-1)[0]
         value = v if isinstance(v, bytes) else str(v).encode()
     if not hmac.compare_digest(value, key):
-        raise Unauthorized(f"model '{model}' is internal: it answers only tandem's own models (send requests to "
-                           f"'tandem' or 'ensemble')")
+        raise Unauthorized(
+            f"model '{model}' is internal: it answers only tandem's own models (send requests to "
+            f"'tandem' or 'ensemble')"
+        )

@@ -21,12 +21,13 @@ def tandem_metrics(metrics_port: int, host: str = "127.0.0.1", timeout_s: float 
     for line in text.splitlines():
         m = _LINE.match(line)
         if m:
-            out.setdefault(m.group(2), {})[m.group(1)[len("tandem_"):]] = float(m.group(3))
+            out.setdefault(m.group(2), {})[m.group(1)[len("tandem_") :]] = float(m.group(3))
     return out
 
 
-def scrape(metrics_port: int, host: str = "127.0.0.1", prefix: str = "tandem_",
-           timeout_s: float = 5.0) -> dict[tuple[str, frozenset], float]:
+def scrape(
+    metrics_port: int, host: str = "127.0.0.1", prefix: str = "tandem_", timeout_s: float = 5.0
+) -> dict[tuple[str, frozenset], float]:
     """Every sample of the metrics named ``prefix*`` on the metrics port, parsed by
     ``prometheus_client``: ``(sample name, frozenset of (label, value))`` -> value (histograms give
     their ``_bucket`` / ``_count`` / ``_sum`` samples). Raises ``OSError`` when the port does not answer."""
@@ -34,8 +35,12 @@ def scrape(metrics_port: int, host: str = "127.0.0.1", prefix: str = "tandem_",
 
     with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=timeout_s) as r:
         text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): float(s.value)
-            for fam in text_string_to_metric_families(text) if fam.name.startswith(prefix) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): float(s.value)
+        for fam in text_string_to_metric_families(text)
+        if fam.name.startswith(prefix)
+        for s in fam.samples
+    }
 
 
 def _children(pid: int) -> list[int]:
@@ -60,8 +65,11 @@ def process_rss(root_pid: int) -> dict[str, int]:
         except OSError:
             continue
         rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024 if "VmRSS" in status else 0
-        name = "tritonserver" if pid == root_pid else next(
-            (a.decode() for a in cmd if re.fullmatch(rb"\w+_\d+_\d+", a)), f"pid{pid}")
+        name = (
+            "tritonserver"
+            if pid == root_pid
+            else next((a.decode() for a in cmd if re.fullmatch(rb"\w+_\d+_\d+", a)), f"pid{pid}")
+        )
         out[name] = rss
         todo += _children(pid)
     return out

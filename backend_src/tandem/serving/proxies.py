@@ -57,7 +57,9 @@ class WatchedTransport:
         finally:
             self._calls.pop(key, None)
         if call[3]:
-            raise StageError(model.name, op, f"did not answer within {self.timeout_s:g} s (stage_timeout_s)", timed_out=True)
+            raise StageError(
+                model.name, op, f"did not answer within {self.timeout_s:g} s (stage_timeout_s)", timed_out=True
+            )
         return out
 
     def overdue(self, now: float | None = None) -> StageError | None:
@@ -66,8 +68,9 @@ class WatchedTransport:
         for call in list(self._calls.values()):
             if not call[3] and now - call[2] > self.timeout_s:
                 call[3] = True
-                return StageError(call[0], call[1], f"did not answer within {self.timeout_s:g} s (stage_timeout_s)",
-                                  timed_out=True)
+                return StageError(
+                    call[0], call[1], f"did not answer within {self.timeout_s:g} s (stage_timeout_s)", timed_out=True
+                )
         return None
 
     @property
@@ -98,8 +101,9 @@ class LocalTransport:
     def _call(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
         t0 = time.perf_counter()
         try:
-            out = self.stages[model.name].handle({"OP": schema.string_array(op),
-                                                  **{k: np.array(v, copy=True) for k, v in arrays.items()}})
+            out = self.stages[model.name].handle(
+                {"OP": schema.string_array(op), **{k: np.array(v, copy=True) for k, v in arrays.items()}}
+            )
         except WireError as e:
             raise StageError(model.name, op, str(e)) from None
         finally:
@@ -128,8 +132,11 @@ class BLSTransport:
         if model.decoupled:
             try:
                 probe = {"SIDS": np.zeros(0, np.int64)}  # a no-op close: answered at once by a dead process
-                resp = self.decoupled.call(model.name, lambda: self._request(model, op, arrays).exec(decoupled=True),
-                                           lambda: self._request(model, "close", probe).exec(decoupled=True))
+                resp = self.decoupled.call(
+                    model.name,
+                    lambda: self._request(model, op, arrays).exec(decoupled=True),
+                    lambda: self._request(model, "close", probe).exec(decoupled=True),
+                )
             except StageDied as e:
                 raise StageError(model.name, op, str(e)) from None
         else:
@@ -149,26 +156,31 @@ class BLSTransport:
         tensors = [pb.Tensor("OP", schema.string_array(op)), pb.Tensor(internal_key.AUTH, self.auth)]
         tensors += [pb.Tensor(k, np.ascontiguousarray(v)) for k, v in arrays.items()]
         kw = {"timeout": self.timeout_us} if self.timeout_us else {}
-        return pb.InferenceRequest(model_name=model.name, inputs=tensors,
-                                   requested_output_names=list(model.output_names), **kw)
+        return pb.InferenceRequest(
+            model_name=model.name, inputs=tensors, requested_output_names=list(model.output_names), **kw
+        )
 
 
 # -- stage proxies ------------------------------------------------------------------------------------
 def _plan_arrays(plans: list[RoundsPlan]) -> Arrays:
     """The round programs of a ``draft_verify`` (per sequence: arm, draft count, rounds, budget, room, stop ids)."""
-    return {schema.NUM_DRAFT_TOKENS: np.array([p.k if p.arm else 0 for p in plans], np.int32),
-            schema.SPEC: np.array([(p.arm or schema.OFF).encode() for p in plans], dtype=np.object_),
-            "ROUNDS": np.array([p.rounds for p in plans], np.int32),
-            "BUDGET": np.array([p.budget for p in plans], np.int32),
-            "ROOM": np.array([p.room for p in plans], np.int32),
-            "STOP_IDS": np.array([t for p in plans for t in p.stop_ids], np.int64),
-            "STOP_LENGTHS": np.array([len(p.stop_ids) for p in plans], np.int32)}
+    return {
+        schema.NUM_DRAFT_TOKENS: np.array([p.k if p.arm else 0 for p in plans], np.int32),
+        schema.SPEC: np.array([(p.arm or schema.OFF).encode() for p in plans], dtype=np.object_),
+        "ROUNDS": np.array([p.rounds for p in plans], np.int32),
+        "BUDGET": np.array([p.budget for p in plans], np.int32),
+        "ROOM": np.array([p.room for p in plans], np.int32),
+        "STOP_IDS": np.array([t for p in plans for t in p.stop_ids], np.int64),
+        "STOP_LENGTHS": np.array([len(p.stop_ids) for p in plans], np.int32),
+    }
 
 
 def _rows_of(items: list[DraftRequest], field: str) -> np.ndarray:
     """The items' per-row tensors ``field`` (``hidden`` or ``features``) stacked ``[sum n, width]`` fp32."""
-    return np.ascontiguousarray(np.concatenate(
-        [getattr(it, field).detach().float().reshape(len(it.next_tokens), -1).numpy() for it in items]), dtype=np.float32)
+    return np.ascontiguousarray(
+        np.concatenate([getattr(it, field).detach().float().reshape(len(it.next_tokens), -1).numpy() for it in items]),
+        dtype=np.float32,
+    )
 
 
 class _Proxy:
@@ -182,9 +194,15 @@ class _Proxy:
         NUM_DRAFT_TOKENS are added here. Returns the drafts per item."""
         if not items:
             return []
-        out = self.t(self.spec, "draft", {"SIDS": schema.sids_to_wire([it.sid for it in items]),
-                                          schema.NUM_DRAFT_TOKENS: np.array([it.num_draft_tokens for it in items], np.int32),
-                                          **arrays(items)})
+        out = self.t(
+            self.spec,
+            "draft",
+            {
+                "SIDS": schema.sids_to_wire([it.sid for it in items]),
+                schema.NUM_DRAFT_TOKENS: np.array([it.num_draft_tokens for it in items], np.int32),
+                **arrays(items),
+            },
+        )
         return [d.tolist() for d in schema.split_rows(out["DRAFTS"], out["DRAFT_LENGTHS"])]
 
     def open(self, sids: list[int]) -> None:
@@ -212,8 +230,11 @@ class _PrefixStoreProxy(_Proxy):
         """One ``publish`` call: ``(sid, chain keys)`` per sequence -> bytes newly stored per sequence."""
         if not items:
             return []
-        out = self.t(self.spec, "publish", {"SIDS": schema.sids_to_wire([s for s, _ in items]),
-                                            **schema.prefixes_to_wire([k for _, k in items])})
+        out = self.t(
+            self.spec,
+            "publish",
+            {"SIDS": schema.sids_to_wire([s for s, _ in items]), **schema.prefixes_to_wire([k for _, k in items])},
+        )
         return [int(x) for x in out["NBYTES"]]
 
     def evict(self, keys: list[int]) -> None:
@@ -234,8 +255,11 @@ class HostedTransport:
         self.stats = getattr(inner, "stats", None)
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
-        return self.inner(dataclasses.replace(model, name=schema.TRUNK.name, decoupled=schema.TRUNK.decoupled),
-                          f"{model.name}.{op}", arrays)
+        return self.inner(
+            dataclasses.replace(model, name=schema.TRUNK.name, decoupled=schema.TRUNK.decoupled),
+            f"{model.name}.{op}",
+            arrays,
+        )
 
 
 class TrunkProxy(_PrefixStoreProxy):
@@ -243,8 +267,13 @@ class TrunkProxy(_PrefixStoreProxy):
     scheduler reject out-of-vocabulary prompts before any call); ``hosted``: the trunk model runs
     the drafters (``colocate``) and the scheduler calls :meth:`draft_verify`. Raises :class:`StageError`."""
 
-    def __init__(self, transport: Transport, vocab_size: int | None = None,
-                 on_error: Callable[[str], None] | None = None, hosted: bool = False) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        vocab_size: int | None = None,
+        on_error: Callable[[str], None] | None = None,
+        hosted: bool = False,
+    ) -> None:
         super().__init__(transport, schema.TRUNK, on_error)
         self.vocab_size = vocab_size
         self.hosts_drafters = hosted
@@ -254,21 +283,27 @@ class TrunkProxy(_PrefixStoreProxy):
         """The :class:`~tandem.engine.pipeline.Pipeline` this proxy's calls go through (None: none)."""
         return self.t if getattr(self.t, "pipelines", False) else None
 
-    def draft_verify_next(self, number: int, sids: list[int], rounds: list[int], ms: float | None,
-                          plans: list[RoundsPlan] | None = None) -> list[list[tuple[int, list[int], VerifyOut]]]:
+    def draft_verify_next(
+        self, number: int, sids: list[int], rounds: list[int], ms: float | None, plans: list[RoundsPlan] | None = None
+    ) -> list[list[tuple[int, list[int], VerifyOut]]]:
         """Pipelined call ``number``: continue call ``number - 1`` over the same ``sids`` (in order), up to
         ``rounds[j]`` rounds each (:mod:`tandem.engine.pipeline`); returns as :meth:`draft_verify_rounds`.
         ``plans`` (call ``number - 1`` is a prime): each sequence's round program, from the prime's first
         token. Raises :class:`StageError` (a refusal's message holds :data:`~tandem.engine.pipeline.NOT_NEXT`)."""
-        arrays = {"SIDS": schema.sids_to_wire(sids), "ROUNDS": np.array(rounds, np.int32), "CALL": np.array([number], np.int64)}
+        arrays = {
+            "SIDS": schema.sids_to_wire(sids),
+            "ROUNDS": np.array(rounds, np.int32),
+            "CALL": np.array([number], np.int64),
+        }
         if plans is not None:
             arrays.update(_plan_arrays(plans))
         if ms is not None:
             arrays["BURST_MS"] = np.array([ms], np.float32)
         return self._rounds_of(self.t(self._draft_verify_spec, "draft_verify_next", arrays))
 
-    def draft_verify_rounds(self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None,
-                            number: int | None = None) -> list[list[tuple[int, list[int], VerifyOut]]]:
+    def draft_verify_rounds(
+        self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None, number: int | None = None
+    ) -> list[list[tuple[int, list[int], VerifyOut]]]:
         """One ``draft_verify`` call of up to ``max(plan.rounds)`` rounds (see
         :meth:`tandem.engine.colocated.StageHost.draft_verify_rounds`): each item's first anchor and
         pending commit, each plan's round program, the burst's ``ms`` left, the call's ``number`` (for a
@@ -276,8 +311,11 @@ class TrunkProxy(_PrefixStoreProxy):
         output)`` per round it ran (the output's hidden and features are ``[rows, 0]``)."""
         if not items:
             return []
-        arrays = {"SIDS": schema.sids_to_wire([it.sid for it in items]),
-                  "TOKENS": np.array([it.tokens[0] for it in items], np.int64), **_plan_arrays(plans)}
+        arrays = {
+            "SIDS": schema.sids_to_wire([it.sid for it in items]),
+            "TOKENS": np.array([it.tokens[0] for it in items], np.int64),
+            **_plan_arrays(plans),
+        }
         if any(it.commit for it in items):
             arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
         if ms is not None:
@@ -293,38 +331,49 @@ class TrunkProxy(_PrefixStoreProxy):
         anchors, res, j, row, d0 = out["ANCHORS"].tolist(), [], 0, 0, 0
         argmax, gaps = torch.from_numpy(out["ARGMAX"]).long(), torch.from_numpy(out["TOP2_GAP"]).float()
         for n in run:
-            k = int(dl[j:j + n].sum())
+            k = int(dl[j : j + n].sum())
             if not n:  # (a sequence whose turn ended: no round)
                 res.append([])
             elif not k:
                 none = torch.zeros(n, 0)  # the rows' hidden and features stayed in the trunk's process
-                res.append(DecodedRounds(anchors[j:j + n], VerifyOut(argmax[row: row + n], none, gaps[row: row + n], none)))
+                res.append(
+                    DecodedRounds(anchors[j : j + n], VerifyOut(argmax[row : row + n], none, gaps[row : row + n], none))
+                )
             else:
-                drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"][d0: d0 + k], dl[j:j + n])]
+                drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"][d0 : d0 + k], dl[j : j + n])]
                 lens = [1 + len(d) for d in drafts]
                 none = torch.zeros(sum(lens), 0)
-                outs = [VerifyOut(a, none[:m], g, none[:m]) for a, g, m in
-                        zip(argmax[row: row + n + k].split(lens), gaps[row: row + n + k].split(lens), lens)]
-                res.append(list(zip(anchors[j:j + n], drafts, outs)))
+                outs = [
+                    VerifyOut(a, none[:m], g, none[:m])
+                    for a, g, m in zip(argmax[row : row + n + k].split(lens), gaps[row : row + n + k].split(lens), lens)
+                ]
+                res.append(list(zip(anchors[j : j + n], drafts, outs)))
             j, row, d0 = j + n, row + n + k, d0 + k
         return res
 
     #: draft_verify asks for its outputs only (no hidden rows)
-    _draft_verify_spec = dataclasses.replace(schema.TRUNK, outputs=tuple(
-        o for o in schema.TRUNK.outputs if o.name in schema.DRAFT_VERIFY_OUTPUTS))
+    _draft_verify_spec = dataclasses.replace(
+        schema.TRUNK, outputs=tuple(o for o in schema.TRUNK.outputs if o.name in schema.DRAFT_VERIFY_OUTPUTS)
+    )
 
     def _outs(self, out: Arrays, lens: list[int]) -> list[VerifyOut]:
-        cols = [schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens)
-                for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")]
+        cols = [
+            schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens)
+            for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")
+        ]
         return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
 
-    def _rows(self, op: str, items: list[Rows], opens: list[str] | None = None, number: int | None = None) -> list[VerifyOut]:
+    def _rows(
+        self, op: str, items: list[Rows], opens: list[str] | None = None, number: int | None = None
+    ) -> list[VerifyOut]:
         if not items:
             return []
         lens = [len(it.tokens) for it in items]
-        arrays = {"SIDS": schema.sids_to_wire([it.sid for it in items]),
-                  "TOKENS": np.array([x for it in items for x in it.tokens], np.int64),
-                  "LENGTHS": np.array(lens, np.int32)}
+        arrays = {
+            "SIDS": schema.sids_to_wire([it.sid for it in items]),
+            "TOKENS": np.array([x for it in items for x in it.tokens], np.int64),
+            "LENGTHS": np.array(lens, np.int32),
+        }
         if any(it.prefix is not None for it in items):
             arrays.update(schema.prefixes_to_wire([it.prefix for it in items]))
         if any(it.commit for it in items):  # the previous round's commits ride along
@@ -348,8 +397,14 @@ class TrunkProxy(_PrefixStoreProxy):
 
     def commit(self, items: list[Commit]) -> None:
         if items:
-            self.t(self.spec, "commit", {"SIDS": schema.sids_to_wire([it.sid for it in items]),
-                                         "N_ROWS": np.array([it.n_rows for it in items], np.int32)})
+            self.t(
+                self.spec,
+                "commit",
+                {
+                    "SIDS": schema.sids_to_wire([it.sid for it in items]),
+                    "N_ROWS": np.array([it.n_rows for it in items], np.int32),
+                },
+            )
 
 
 class DrafterProxy(_Proxy):
@@ -359,10 +414,14 @@ class DrafterProxy(_Proxy):
         super().__init__(transport, schema.DRAFTER_MTP, on_error)
 
     def draft(self, items: list[DraftRequest]) -> list[list[int]]:
-        return self._drafts(items, lambda its: {
-            "HIDDEN": _rows_of(its, "hidden"),
-            "NEXT_TOKENS": np.array([t for it in its for t in it.next_tokens], np.int64),
-            "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32)})
+        return self._drafts(
+            items,
+            lambda its: {
+                "HIDDEN": _rows_of(its, "hidden"),
+                "NEXT_TOKENS": np.array([t for it in its for t in it.next_tokens], np.int64),
+                "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32),
+            },
+        )
 
 
 class DFlashProxy(_PrefixStoreProxy):
@@ -374,17 +433,28 @@ class DFlashProxy(_PrefixStoreProxy):
         super().__init__(transport, schema.DRAFTER_DFLASH, on_error)
 
     def draft(self, items: list[DraftRequest]) -> list[list[int]]:
-        return self._drafts(items, lambda its: {
-            "FEATURES": _rows_of(its, "features"),
-            "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32),
-            "ANCHORS": np.array([it.next_tokens[-1] for it in its], np.int64),
-            schema.SPEC: np.array([it.arm.encode() for it in its], dtype=np.object_)})
+        return self._drafts(
+            items,
+            lambda its: {
+                "FEATURES": _rows_of(its, "features"),
+                "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32),
+                "ANCHORS": np.array([it.next_tokens[-1] for it in its], np.int64),
+                schema.SPEC: np.array([it.arm.encode() for it in its], dtype=np.object_),
+            },
+        )
 
     def open(self, sids: list[int], prefixes: list[tuple[str, list[int]] | None] | None = None) -> None:
         """Fresh drafter state; sequences with a prefix ``(arm, keys)`` start from its published tails."""
         if not prefixes or not any(prefixes):
             return super().open(sids)
-        self.t(self.spec, "open", {"SIDS": schema.sids_to_wire(sids),
-                                   schema.SPEC: np.array([(p or next(filter(None, prefixes)))[0].encode() for p in prefixes],
-                                                         dtype=np.object_),
-                                   **schema.prefixes_to_wire([p[1] if p else None for p in prefixes])})
+        self.t(
+            self.spec,
+            "open",
+            {
+                "SIDS": schema.sids_to_wire(sids),
+                schema.SPEC: np.array(
+                    [(p or next(filter(None, prefixes)))[0].encode() for p in prefixes], dtype=np.object_
+                ),
+                **schema.prefixes_to_wire([p[1] if p else None for p in prefixes]),
+            },
+        )

@@ -98,12 +98,20 @@ def ensure_backend_dir(dest: str | Path = BACKEND_ROOT) -> Path:
     return Path(dest)
 
 
-def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                           model_repository: str | Path = MODEL_REPOSITORY, models: tuple[str, ...] = MODELS,
-                           exit_timeout_s: int = 10, log_verbose: int = 0,
-                           env_overrides: dict[str, str] | None = None,
-                           host: str = "127.0.0.1", shm_prefix: str | None = None, http_host: str | None = None,
-                           metrics_host: str | None = None) -> tuple[list[str], dict[str, str]]:
+def server_command_and_env(
+    http_port: int = 8000,
+    grpc_port: int = 8001,
+    metrics_port: int = 8002,
+    model_repository: str | Path = MODEL_REPOSITORY,
+    models: tuple[str, ...] = MODELS,
+    exit_timeout_s: int = 10,
+    log_verbose: int = 0,
+    env_overrides: dict[str, str] | None = None,
+    host: str = "127.0.0.1",
+    shm_prefix: str | None = None,
+    http_host: str | None = None,
+    metrics_host: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """The ``tritonserver`` argv and environment for ``model_repository``.
 
     Binds HTTP/gRPC/metrics to ``host`` (127.0.0.1 unless told; ``http_host`` / ``metrics_host`` override it for
@@ -122,9 +130,12 @@ def server_command_and_env(http_port: int = 8000, grpc_port: int = 8001, metrics
         f"--backend-directory={backend_dir}",
         "--model-control-mode=explicit",
         *[f"--load-model={m}" for m in models],
-        f"--http-address={http_host or host}", f"--http-port={http_port}",
-        f"--grpc-address={host}", f"--grpc-port={grpc_port}",
-        f"--metrics-address={metrics_host or host}", f"--metrics-port={metrics_port}",
+        f"--http-address={http_host or host}",
+        f"--http-port={http_port}",
+        f"--grpc-address={host}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-address={metrics_host or host}",
+        f"--metrics-port={metrics_port}",
         "--allow-gpu-metrics=false",
         f"--exit-timeout-secs={exit_timeout_s}",
         f"--log-verbose={log_verbose}",
@@ -162,8 +173,14 @@ def model_states(http_port: int) -> dict[str, str]:
         return {}
 
 
-def wait_ready(proc: subprocess.Popen, http_port: int, models: tuple[str, ...], timeout_s: float,
-               log_path: Path | None = None, metrics_port: int | None = None) -> float:
+def wait_ready(
+    proc: subprocess.Popen,
+    http_port: int,
+    models: tuple[str, ...],
+    timeout_s: float,
+    log_path: Path | None = None,
+    metrics_port: int | None = None,
+) -> float:
     """Poll until ``/v2/health/ready`` is 200, every model in ``models`` is READY and (``metrics_port``)
     ``/metrics`` answers: Triton starts its metrics service after the HTTP one (42 ms later in one run,
     where a test's first metrics read found the port closed).
@@ -179,12 +196,15 @@ def wait_ready(proc: subprocess.Popen, http_port: int, models: tuple[str, ...], 
         if code == 200:
             st = model_states(http_port)
             if all(st.get(m) == "READY" for m in models) and (
-                    metrics_port is None or _http_get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1.0)[0] == 200):
+                metrics_port is None or _http_get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1.0)[0] == 200
+            ):
                 return time.monotonic() - t0
         if time.monotonic() - t0 > timeout_s:
             dumped = dump_stub_stacks(proc.pid)
-            raise ServerError(f"tritonserver not ready after {timeout_s:.0f} s (models: {model_states(http_port)}; "
-                              f"Python stacks of {dumped} model processes in the log)\n{_log_tail(log_path)}")
+            raise ServerError(
+                f"tritonserver not ready after {timeout_s:.0f} s (models: {model_states(http_port)}; "
+                f"Python stacks of {dumped} model processes in the log)\n{_log_tail(log_path)}"
+            )
         time.sleep(0.25)
 
 
@@ -237,8 +257,16 @@ class RunningServer:
     ``log_path``, ``ready_s``, ``shm_prefix``, ``internal_key`` (bytes: what a call to a stage model must
     carry as ``AUTH``)."""
 
-    def __init__(self, proc: subprocess.Popen, ports: tuple[int, int, int], log_path: Path, ready_s: float,
-                 shm_prefix: str = "", internal_ports: tuple[int, int] = (0, 0), front: Front | None = None) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        ports: tuple[int, int, int],
+        log_path: Path,
+        ready_s: float,
+        shm_prefix: str = "",
+        internal_ports: tuple[int, int] = (0, 0),
+        front: Front | None = None,
+    ) -> None:
         self.proc, self.shm_prefix, self.front = proc, shm_prefix, front
         self.http_port, self.grpc_port, self.metrics_port = ports
         self.internal_http_port, self.internal_metrics_port = internal_ports
@@ -256,11 +284,18 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def running_server(http_port: int | None = None, grpc_port: int | None = None, metrics_port: int | None = None,
-                   model_repository: str | Path = MODEL_REPOSITORY, env: dict[str, str] | None = None,
-                   models: tuple[str, ...] = MODELS, ready_timeout_s: float = 180.0,
-                   log_path: str | Path | None = None, shm_prefix: str | None = None,
-                   max_body_bytes: int = MAX_BODY_BYTES) -> Iterator[RunningServer]:
+def running_server(
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    model_repository: str | Path = MODEL_REPOSITORY,
+    env: dict[str, str] | None = None,
+    models: tuple[str, ...] = MODELS,
+    ready_timeout_s: float = 180.0,
+    log_path: str | Path | None = None,
+    shm_prefix: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> Iterator[RunningServer]:
     """Start ``tritonserver`` (free ports where not given) behind its bounded HTTP front
     (:mod:`tandem.serving.http_front`: HAProxy on the public HTTP and metrics ports, refusing a request
     body over ``max_body_bytes`` with 413; Triton's HTTP and metrics on 127.0.0.1 at internal free ports),
@@ -278,12 +313,21 @@ def running_server(http_port: int | None = None, grpc_port: int | None = None, m
     ports = (http_port or picked[0], grpc_port or picked[1], metrics_port or picked[2])
     internal = tuple([p for p in picked[3:] if p not in ports][:2])
     shm_prefix = shm_prefix or new_shm_prefix()
-    argv, full_env = server_command_and_env(internal[0], ports[1], internal[1], model_repository=model_repository,
-                                            models=models, env_overrides=env, shm_prefix=shm_prefix,
-                                            http_host="127.0.0.1", metrics_host="127.0.0.1")
+    argv, full_env = server_command_and_env(
+        internal[0],
+        ports[1],
+        internal[1],
+        model_repository=model_repository,
+        models=models,
+        env_overrides=env,
+        shm_prefix=shm_prefix,
+        http_host="127.0.0.1",
+        metrics_host="127.0.0.1",
+    )
     try:
-        front = start_front([("http", ports[0], internal[0]), ("metrics", ports[2], internal[1])],
-                            max_body_bytes=max_body_bytes)
+        front = start_front(
+            [("http", ports[0], internal[0]), ("metrics", ports[2], internal[1])], max_body_bytes=max_body_bytes
+        )
     except HaproxyError as e:
         raise ServerError(f"the HTTP front did not start: {e}") from e
     own_log = log_path is None
@@ -294,8 +338,14 @@ def running_server(http_port: int | None = None, grpc_port: int | None = None, m
     log_path = Path(log_path)
     try:
         with open(log_path, "wb") as logf:
-            proc = subprocess.Popen(argv, env=full_env, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                env=full_env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
     except BaseException:
         front.stop()
         raise
@@ -324,62 +374,106 @@ app = typer.Typer(add_completion=False, help="Run tandem's Triton model reposito
 
 
 @app.command()
-def serve(http_port: int = typer.Option(8000, help="HTTP port"),
-          grpc_port: int = typer.Option(8001, help="gRPC port"),
-          metrics_port: int = typer.Option(8002, help="Prometheus metrics port"),
-          host: str = typer.Option("127.0.0.1", help="address every port binds; anything but loopback exposes an "
-                                   "unauthenticated server (README, 'Deploying safely')"),
-          max_body_bytes: int = typer.Option(MAX_BODY_BYTES, help="largest HTTP request body (Content-Length, bytes) "
-                                             "the HTTP and metrics ports pass on; a larger one is answered 413 "
-                                             "(tritonserver 2.51 crashes on bodies of ~4.2 MB)"),
-          model_repository: Path = typer.Option(MODEL_REPOSITORY, help="Triton model repository"),
-          checkpoint: str = typer.Option("", help="checkpoint folder; default: config.pbtxt's (weights/tandem-tiny)"),
-          dflash2_checkpoint: str = typer.Option("", help="a DFlash2 drafter folder of its own (config.json + "
-                                                 "model.safetensors); default: CHECKPOINT/dflash2"),
-          spec: Optional[str] = typer.Option(None, help=f"default arm of a new sequence [{schema.DEFAULTS.spec}]"),
-          num_draft_tokens: Optional[int] = typer.Option(None, help=f"MTP drafts per round when a request says none "
-                                                         f"[{schema.DEFAULTS.num_draft_tokens}]"),
-          burst_rounds: Optional[int] = typer.Option(None, help=f"verify rounds per streamed response at most "
-                                                     f"(also ended after burst_ms, --set) [{schema.DEFAULTS.burst_rounds}]"),
-          max_ctx: Optional[int] = typer.Option(None, help=f"tokens per session [{schema.DEFAULTS.max_ctx}]"),
-          dtype: Optional[str] = typer.Option(None, help=f"stage compute dtype: {' | '.join(schema.DTYPES)} "
-                                              f"(auto: fp32 on the CPU, bf16 on CUDA) [{schema.DEFAULTS.dtype}]"),
-          device: Optional[str] = typer.Option(None, help=f"where the stage models run: {' | '.join(schema.DEVICES)} "
-                                               f"(auto: cuda when torch sees a GPU, else cpu) [{schema.DEFAULTS.device}]"),
-          set_: list[str] = typer.Option([], "--set", help="any other model parameter, NAME=VALUE (repeatable; "
-                                         "README, 'Serve options')"),
-          ready_timeout_s: float = typer.Option(300.0, help="seconds to wait for every model READY"),
-          log_verbose: int = typer.Option(0, help="tritonserver --log-verbose")) -> None:
+def serve(
+    http_port: int = typer.Option(8000, help="HTTP port"),
+    grpc_port: int = typer.Option(8001, help="gRPC port"),
+    metrics_port: int = typer.Option(8002, help="Prometheus metrics port"),
+    host: str = typer.Option(
+        "127.0.0.1",
+        help="address every port binds; anything but loopback exposes an "
+        "unauthenticated server (README, 'Deploying safely')",
+    ),
+    max_body_bytes: int = typer.Option(
+        MAX_BODY_BYTES,
+        help="largest HTTP request body (Content-Length, bytes) "
+        "the HTTP and metrics ports pass on; a larger one is answered 413 "
+        "(tritonserver 2.51 crashes on bodies of ~4.2 MB)",
+    ),
+    model_repository: Path = typer.Option(MODEL_REPOSITORY, help="Triton model repository"),
+    checkpoint: str = typer.Option("", help="checkpoint folder; default: config.pbtxt's (weights/tandem-tiny)"),
+    dflash2_checkpoint: str = typer.Option(
+        "", help="a DFlash2 drafter folder of its own (config.json + model.safetensors); default: CHECKPOINT/dflash2"
+    ),
+    spec: Optional[str] = typer.Option(None, help=f"default arm of a new sequence [{schema.DEFAULTS.spec}]"),
+    num_draft_tokens: Optional[int] = typer.Option(
+        None, help=f"MTP drafts per round when a request says none [{schema.DEFAULTS.num_draft_tokens}]"
+    ),
+    burst_rounds: Optional[int] = typer.Option(
+        None,
+        help=f"verify rounds per streamed response at most "
+        f"(also ended after burst_ms, --set) [{schema.DEFAULTS.burst_rounds}]",
+    ),
+    max_ctx: Optional[int] = typer.Option(None, help=f"tokens per session [{schema.DEFAULTS.max_ctx}]"),
+    dtype: Optional[str] = typer.Option(
+        None,
+        help=f"stage compute dtype: {' | '.join(schema.DTYPES)} "
+        f"(auto: fp32 on the CPU, bf16 on CUDA) [{schema.DEFAULTS.dtype}]",
+    ),
+    device: Optional[str] = typer.Option(
+        None,
+        help=f"where the stage models run: {' | '.join(schema.DEVICES)} "
+        f"(auto: cuda when torch sees a GPU, else cpu) [{schema.DEFAULTS.device}]",
+    ),
+    set_: list[str] = typer.Option(
+        [], "--set", help="any other model parameter, NAME=VALUE (repeatable; README, 'Serve options')"
+    ),
+    ready_timeout_s: float = typer.Option(300.0, help="seconds to wait for every model READY"),
+    log_verbose: int = typer.Option(0, help="tritonserver --log-verbose"),
+) -> None:
     """Run tritonserver in the foreground (server log on stdout) behind its bounded HTTP front (HAProxy on
     the HTTP and metrics ports, :mod:`tandem.serving.http_front`); Ctrl-C stops both, and either one
     exiting stops the other."""
     from .backend import parameter_overrides, parse_settings
 
     try:
-        overrides = parameter_overrides({"spec": spec, "num_draft_tokens": num_draft_tokens, "burst_rounds": burst_rounds,
-                                         "max_ctx": max_ctx, "dtype": dtype, "device": device, **parse_settings(set_),
-                                         "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
-                                         "dflash2_checkpoint": str(Path(dflash2_checkpoint).resolve()) if dflash2_checkpoint
-                                         else None})
+        overrides = parameter_overrides(
+            {
+                "spec": spec,
+                "num_draft_tokens": num_draft_tokens,
+                "burst_rounds": burst_rounds,
+                "max_ctx": max_ctx,
+                "dtype": dtype,
+                "device": device,
+                **parse_settings(set_),
+                "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
+                "dflash2_checkpoint": str(Path(dflash2_checkpoint).resolve()) if dflash2_checkpoint else None,
+            }
+        )
     except ValueError as e:
         print(f"tandem: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(2)
     if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"tandem: WARNING: binding {host}: the server has no authentication; put an authenticating TLS "
-              f"proxy in front (README, 'Deploying safely')", file=sys.stderr, flush=True)
+        print(
+            f"tandem: WARNING: binding {host}: the server has no authentication; put an authenticating TLS "
+            f"proxy in front (README, 'Deploying safely')",
+            file=sys.stderr,
+            flush=True,
+        )
     if max_body_bytes < 1:
         print(f"tandem: --max-body-bytes must be >= 1, got {max_body_bytes}", file=sys.stderr, flush=True)
         raise typer.Exit(2)
     shm_prefix = new_shm_prefix()
     # Triton's own HTTP and metrics services: loopback, internal free ports, behind the front
     internal = [p for p in free_ports(4) if p not in (http_port, grpc_port, metrics_port)][:2]
-    argv, env = server_command_and_env(internal[0], grpc_port, internal[1], model_repository, log_verbose=log_verbose,
-                                       env_overrides=overrides, host=host, shm_prefix=shm_prefix,
-                                       http_host="127.0.0.1", metrics_host="127.0.0.1")
+    argv, env = server_command_and_env(
+        internal[0],
+        grpc_port,
+        internal[1],
+        model_repository,
+        log_verbose=log_verbose,
+        env_overrides=overrides,
+        host=host,
+        shm_prefix=shm_prefix,
+        http_host="127.0.0.1",
+        metrics_host="127.0.0.1",
+    )
     busy = busy_ports({"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
     if busy:  # before loading anything: a second server would load every model, then fail to bind
-        print(f"tandem: {busy} (is another tandem / tritonserver running? stop it, or pass other --*-port "
-              f"values)", file=sys.stderr, flush=True)
+        print(
+            f"tandem: {busy} (is another tandem / tritonserver running? stop it, or pass other --*-port values)",
+            file=sys.stderr,
+            flush=True,
+        )
         raise typer.Exit(2)
 
     def _on_term(signum, frame):  # SIGTERM (`kill`, a supervisor) and SIGHUP (the terminal closed) stop it like Ctrl-C
@@ -390,8 +484,11 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, _on_term)
     try:
-        front = start_front([("http", http_port, internal[0]), ("metrics", metrics_port, internal[1])], host=host,
-                            max_body_bytes=max_body_bytes)
+        front = start_front(
+            [("http", http_port, internal[0]), ("metrics", metrics_port, internal[1])],
+            host=host,
+            max_body_bytes=max_body_bytes,
+        )
     except HaproxyError as e:
         print(f"tandem: the HTTP front did not start: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(1)
@@ -404,14 +501,21 @@ def serve(http_port: int = typer.Option(8000, help="HTTP port"),
     try:
         waited = wait_ready(proc, internal[0], MODELS, ready_timeout_s, metrics_port=internal[1])
         wait_front(front, http_port, host=host)
-        print(f"tandem: ready in {waited:.1f} s — gRPC {host}:{grpc_port}, HTTP {host}:{http_port}, "
-              f"metrics {host}:{metrics_port}, models {', '.join(MODELS)}"
-              + (f"; parameters {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""), flush=True)
+        print(
+            f"tandem: ready in {waited:.1f} s — gRPC {host}:{grpc_port}, HTTP {host}:{http_port}, "
+            f"metrics {host}:{metrics_port}, models {', '.join(MODELS)}"
+            + (f"; parameters {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""),
+            flush=True,
+        )
         while proc.poll() is None:
             if front.proc.poll() is not None:
                 front_died = True
-                print(f"tandem: the HTTP front (haproxy) exited with code {front.proc.returncode}; stopping "
-                      f"tritonserver\n{front.output()}", file=sys.stderr, flush=True)
+                print(
+                    f"tandem: the HTTP front (haproxy) exited with code {front.proc.returncode}; stopping "
+                    f"tritonserver\n{front.output()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 break
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -52,8 +52,9 @@ class StageWorker:
     server's other threads and its clients then do not time-slice the thread that computes every answer,
     nor delay the one that sends it."""
 
-    def __init__(self, run: Callable[[Any], Any], final_flag: int, log: Callable[[str], None],
-                 name: str = "stage", nice: int = 0) -> None:
+    def __init__(
+        self, run: Callable[[Any], Any], final_flag: int, log: Callable[[str], None], name: str = "stage", nice: int = 0
+    ) -> None:
         self.run, self.final_flag, self.log, self.nice = run, final_flag, log, nice
         self.priority = ""  # the compute thread's nice value, as set_thread_nice says it (set before __init__ returns)
         self._started = threading.Event()
@@ -71,8 +72,12 @@ class StageWorker:
         thread's CPU seconds in them, and the share of the former it spent off the CPU (switched out for
         another thread, or waiting: for the GIL, for the decode pool's threads)."""
         wall, cpu = self._wall_s, self._cpu_s
-        return {"calls": self._calls, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
-                "off_cpu": round(max(wall - cpu, 0.0) / wall, 4) if wall > 0 else 0.0}
+        return {
+            "calls": self._calls,
+            "wall_s": round(wall, 3),
+            "cpu_s": round(cpu, 3),
+            "off_cpu": round(max(wall - cpu, 0.0) / wall, 4) if wall > 0 else 0.0,
+        }
 
     def submit(self, requests) -> None:
         """Queue ``requests`` (Python-backend requests of a decoupled model) in order; returns at once."""

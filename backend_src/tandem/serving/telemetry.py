@@ -20,13 +20,13 @@ COUNTERS = {
     "spec_decode_num_draft_tokens_total": "draft tokens proposed (vLLM spec_decode_num_draft_tokens)",
     "spec_decode_num_accepted_tokens_total": "draft tokens accepted (vLLM spec_decode_num_accepted_tokens)",
     "spec_decode_num_accepted_tokens_per_pos_total": "rounds whose draft at `position` was accepted "
-                                                     "(vLLM spec_decode_num_accepted_tokens_per_pos)",
+    "(vLLM spec_decode_num_accepted_tokens_per_pos)",
     "verify_rounds_total": "trunk verify rounds, one per session per round (plain rounds included)",
     "prompt_tokens_total": "prompt tokens of admitted turns (vLLM prompt_tokens)",
     "generation_tokens_total": "tokens sent to clients (vLLM generation_tokens)",
     "request_success_total": "turns that finished, by `finished_reason` (vLLM request_success)",
     "request_errors_total": "requests answered with an error (refused or failed; a turn its client cancelled is "
-                            "request_success_total{finished_reason=\"cancelled\"})",
+    'request_success_total{finished_reason="cancelled"})',
     "demotions_total": "sessions moved to plain decoding by the demotion policy",
     "promotions_total": "demoted sessions moved back to speculation",
     "prefix_cache_hits_total": "new sessions whose prompt reused published prefix blocks",
@@ -36,16 +36,20 @@ COUNTERS = {
 }
 #: histogram name -> (help, bucket upper bounds)
 HISTOGRAMS = {
-    "time_to_first_token_seconds": ("request arrival to its first token's production, streamed or not "
-                                    "(vLLM time_to_first_token_seconds)",
-                                    (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)),
-    "inter_token_latency_seconds": ("gap between a burst's tokens and the previous burst's (their production, "
-                                    "streamed or not), divided by the burst's tokens, one sample per token after "
-                                    "the first (vLLM inter_token_latency_seconds)",
-                                    (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
-                                     0.5, 1.0)),
-    "acceptance_length": ("tokens a speculative verify round emitted (accepted drafts + 1), one sample per round",
-                          (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)),
+    "time_to_first_token_seconds": (
+        "request arrival to its first token's production, streamed or not (vLLM time_to_first_token_seconds)",
+        (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0),
+    ),
+    "inter_token_latency_seconds": (
+        "gap between a burst's tokens and the previous burst's (their production, "
+        "streamed or not), divided by the burst's tokens, one sample per token after "
+        "the first (vLLM inter_token_latency_seconds)",
+        (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0),
+    ),
+    "acceptance_length": (
+        "tokens a speculative verify round emitted (accepted drafts + 1), one sample per round",
+        (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0),
+    ),
 }
 
 

@@ -23,6 +23,7 @@ from .. import schema, schema_text
 from ..engine.stops import response_text
 from ..schema import Arrays, WireError
 
+
 def postprocess(decode: Callable[[list[int]], str], arrays: Arrays) -> Arrays:
     """One ``postprocessing`` response from one ``tandem`` response's tensors (names of
     :data:`tandem.schema_text.POSTPROCESSING`): ``text_output [1]`` (TYPE_STRING, see
@@ -43,8 +44,9 @@ def postprocess(decode: Callable[[list[int]], str], arrays: Arrays) -> Arrays:
     return out
 
 
-def preprocess(render: Callable[[str], list[int]], arrays: Arrays, max_ctx: int | None = None,
-               max_text_bytes: int | None = None) -> Arrays:
+def preprocess(
+    render: Callable[[str], list[int]], arrays: Arrays, max_ctx: int | None = None, max_text_bytes: int | None = None
+) -> Arrays:
     """One ``preprocessing`` response (names of :data:`tandem.schema_text.PREPROCESSING`): the user
     message ``text_input`` rendered and tokenized by ``render`` (``str -> list[int]``, e.g.
     ``ChatTokenizer.chat_prompt``) as ``INPUT_IDS [n]`` int32; ``max_tokens`` and ``stream`` as
@@ -58,20 +60,30 @@ def preprocess(render: Callable[[str], list[int]], arrays: Arrays, max_ctx: int 
     if schema_text.TEXT_INPUT not in arrays:
         raise WireError(f"{schema_text.TEXT_INPUT} is required (the user message, a string)")
     raw = np.asarray(arrays[schema_text.TEXT_INPUT]).reshape(-1)
-    if max_text_bytes is not None and raw.size == 1 and isinstance(raw[0], (bytes, np.bytes_)) \
-            and len(raw[0]) > max_text_bytes:
-        raise WireError(f"{schema_text.TEXT_INPUT}: {len(raw[0])} bytes is over the limit of {max_text_bytes} bytes "
-                        f"(a longer text cannot fit the context of {max_ctx} tokens)")
+    if (
+        max_text_bytes is not None
+        and raw.size == 1
+        and isinstance(raw[0], (bytes, np.bytes_))
+        and len(raw[0]) > max_text_bytes
+    ):
+        raise WireError(
+            f"{schema_text.TEXT_INPUT}: {len(raw[0])} bytes is over the limit of {max_text_bytes} bytes "
+            f"(a longer text cannot fit the context of {max_ctx} tokens)"
+        )
     if not schema.get_scalar(arrays, spec.input(schema_text.EXCLUDE_INPUT)):
         raise WireError(f"{schema_text.EXCLUDE_INPUT} must be true: tandem's output never repeats the prompt")
     text = schema.get_string(arrays, spec.input(schema_text.TEXT_INPUT))
     ids = render(text)
     if max_ctx is not None and len(ids) > max_ctx:
-        raise WireError(f"{schema_text.TEXT_INPUT}: the prompt is {len(ids)} tokens, over the limit of {max_ctx} "
-                        f"(max_ctx: tokens per session)")
-    out = {schema.INPUT_IDS: np.asarray(ids, dtype=np.int32),
-           schema.MAX_TOKENS: np.array([schema.get_scalar(arrays, spec.input(schema_text.MAX_TOKENS_IN))], np.int32),
-           schema.STREAM: np.array([schema.get_scalar(arrays, spec.input(schema_text.STREAM_IN))], np.bool_)}
+        raise WireError(
+            f"{schema_text.TEXT_INPUT}: the prompt is {len(ids)} tokens, over the limit of {max_ctx} "
+            f"(max_ctx: tokens per session)"
+        )
+    out = {
+        schema.INPUT_IDS: np.asarray(ids, dtype=np.int32),
+        schema.MAX_TOKENS: np.array([schema.get_scalar(arrays, spec.input(schema_text.MAX_TOKENS_IN))], np.int32),
+        schema.STREAM: np.array([schema.get_scalar(arrays, spec.input(schema_text.STREAM_IN))], np.bool_),
+    }
     assert tuple(out) == spec.output_names
     return out
 
@@ -89,8 +101,9 @@ class Preprocessor:
 
     def handle(self, arrays: Arrays, correlation_id=0, flags: int = 0) -> Arrays:
         later = bool(correlation_id) and not flags & schema.FLAG_START
-        return preprocess(lambda text: self.tokenizer.chat_prompt(text, later=later), arrays, self.max_ctx,
-                          self.max_text_bytes)
+        return preprocess(
+            lambda text: self.tokenizer.chat_prompt(text, later=later), arrays, self.max_ctx, self.max_text_bytes
+        )
 
 
 class Postprocessor:

@@ -73,8 +73,9 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema
         raise WireError(f"{schema.SEQUENCE_ID}: sequence ids are unsigned integers, got the string {correlation_id!r}")
     sid = int(correlation_id or 0)
     if sid >= schema.ONE_TURN_SEQUENCE_IDS:
-        raise WireError(f"{schema.SEQUENCE_ID} must be below 2**63 (ids from there up are tandem's one-turn "
-                        f"sessions), got {sid}")
+        raise WireError(
+            f"{schema.SEQUENCE_ID} must be below 2**63 (ids from there up are tandem's one-turn sessions), got {sid}"
+        )
     if sid == 0:  # no sequence: a session for this one turn
         sid, flags = one_turn_id(), schema.FLAG_START | schema.FLAG_END
     ids = arrays.get(schema.INPUT_IDS)
@@ -90,13 +91,22 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema
     if stops is not None and np.asarray(stops).ndim != 1:
         raise WireError(f"{schema.STOP_TOKEN_IDS} must be 1-D, got shape {list(np.asarray(stops).shape)}")
     arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
-    return TurnRequest(sid, tokens, schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)), arm or None,
-                       start=bool(flags & schema.FLAG_START), end=bool(flags & schema.FLAG_END),
-                       num_draft_tokens=None if schema.NUM_DRAFT_TOKENS not in arrays
-                       else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)), sampling=parse_sampling(arrays),
-                       stop_token_ids=() if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()),
-                       stop=schema.get_strings(arrays, spec.input(schema.STOP)),
-                       stream=schema.get_scalar(arrays, spec.input(schema.STREAM)), cache_salt=parse_cache_salt(arrays))
+    return TurnRequest(
+        sid,
+        tokens,
+        schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)),
+        arm or None,
+        start=bool(flags & schema.FLAG_START),
+        end=bool(flags & schema.FLAG_END),
+        num_draft_tokens=None
+        if schema.NUM_DRAFT_TOKENS not in arrays
+        else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)),
+        sampling=parse_sampling(arrays),
+        stop_token_ids=() if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()),
+        stop=schema.get_strings(arrays, spec.input(schema.STOP)),
+        stream=schema.get_scalar(arrays, spec.input(schema.STREAM)),
+        cache_salt=parse_cache_salt(arrays),
+    )
 
 
 @dataclasses.dataclass
@@ -120,8 +130,9 @@ class Usage:
         return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
 
 
-def receipt_outputs(receipt, usage: Usage | None = None, preceding: list[int] = (), sid: int = 0,
-                    turn: int = 0) -> Arrays:
+def receipt_outputs(
+    receipt, usage: Usage | None = None, preceding: list[int] = (), sid: int = 0, turn: int = 0
+) -> Arrays:
     """One streamed ``tandem`` response (:data:`tandem.schema.TANDEM` outputs) from a
     :class:`~tandem.engine.session.Receipt`: ``OUTPUT_IDS [n]`` int32, ``PRECEDING_IDS [<= 6]``
     (``preceding``: the turn's tokens sent before), ``ROUNDS`` / ``DRAFTED`` /
@@ -133,18 +144,20 @@ def receipt_outputs(receipt, usage: Usage | None = None, preceding: list[int] = 
     if usage is None:
         usage = Usage()
         usage.add(receipt)
-    out = {schema.OUTPUT_IDS: np.array(receipt.tokens, dtype=np.int32),
-           schema.PRECEDING_IDS: np.array(list(preceding)[-schema.DETOKENIZE_WINDOW:], dtype=np.int32),
-           schema.ROUNDS: np.array([receipt.rounds], dtype=np.int32),
-           schema.DRAFTED: np.array([receipt.drafted], dtype=np.int32),
-           schema.ACCEPTED: np.array([receipt.accepted], dtype=np.int32),
-           schema.FINISH_REASON: schema.string_array(receipt.finish_reason or ""),
-           schema.STOP_STRING: schema.string_array(receipt.stop_string),
-           schema.SESSION_ID: schema.sids_to_wire([sid]),
-           schema.TURN: np.array([turn], dtype=np.int64),
-           schema.PROMPT_TOKENS: np.array([usage.prompt_tokens], dtype=np.int32),
-           schema.COMPLETION_TOKENS: np.array([usage.completion_tokens], dtype=np.int32),
-           schema.TOTAL_ROUNDS: np.array([usage.rounds], dtype=np.int32),
-           schema.MEAN_ACCEPTANCE_LENGTH: np.array([usage.tau], dtype=np.float32)}
+    out = {
+        schema.OUTPUT_IDS: np.array(receipt.tokens, dtype=np.int32),
+        schema.PRECEDING_IDS: np.array(list(preceding)[-schema.DETOKENIZE_WINDOW :], dtype=np.int32),
+        schema.ROUNDS: np.array([receipt.rounds], dtype=np.int32),
+        schema.DRAFTED: np.array([receipt.drafted], dtype=np.int32),
+        schema.ACCEPTED: np.array([receipt.accepted], dtype=np.int32),
+        schema.FINISH_REASON: schema.string_array(receipt.finish_reason or ""),
+        schema.STOP_STRING: schema.string_array(receipt.stop_string),
+        schema.SESSION_ID: schema.sids_to_wire([sid]),
+        schema.TURN: np.array([turn], dtype=np.int64),
+        schema.PROMPT_TOKENS: np.array([usage.prompt_tokens], dtype=np.int32),
+        schema.COMPLETION_TOKENS: np.array([usage.completion_tokens], dtype=np.int32),
+        schema.TOTAL_ROUNDS: np.array([usage.rounds], dtype=np.int32),
+        schema.MEAN_ACCEPTANCE_LENGTH: np.array([usage.tau], dtype=np.float32),
+    }
     assert tuple(out) == schema.TANDEM.output_names
     return out

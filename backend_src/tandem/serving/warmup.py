@@ -63,8 +63,18 @@ def warm_stage(stage, config: schema.ServingConfig = schema.DEFAULTS) -> dict[st
             params = SamplingParams.create(0.8, 0, 0.95, seed=7) if sampled else None
             t0 = time.perf_counter()
             try:  # a failed stage call raises out of the scheduler (the front ends turns with it)
-                sched.admit([Turn(sid, prompt, n_new, lambda r, err, final: err and errors.append(err),
-                                  spec=arm, sampling=params)])
+                sched.admit(
+                    [
+                        Turn(
+                            sid,
+                            prompt,
+                            n_new,
+                            lambda r, err, final: err and errors.append(err),
+                            spec=arm,
+                            sampling=params,
+                        )
+                    ]
+                )
                 while sid in sched.turns:
                     sched.burst()
             except Exception as e:  # noqa: BLE001 - any failure means the stage cannot serve

@@ -66,14 +66,23 @@ class TransformersRow:
         hf_logging.set_verbosity_error()
         cfg = TrunkConfig.load(checkpoint)
         text = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "torch_dtype")}
-        vision = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": cfg.hidden_size,
-                  "projection_intermediate_size": 32}
+        vision = {
+            "depth": 1,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "intermediate_size": 32,
+            "out_hidden_size": cfg.hidden_size,
+            "projection_intermediate_size": 32,
+        }
         hcfg = Glm5NextConfig(text_config=text, vision_config=vision)
         model = Glm5NextForConditionalGeneration(hcfg)
         sd = load_file(str(checkpoint / "model.safetensors"))
         n = cfg.num_hidden_layers
-        mapped = {("lm_head.weight" if k == "lm_head.weight" else f"model.language_model.{k}"): v
-                  for k, v in sd.items() if not k.startswith(f"layers.{n}.")}
+        mapped = {
+            ("lm_head.weight" if k == "lm_head.weight" else f"model.language_model.{k}"): v
+            for k, v in sd.items()
+            if not k.startswith(f"layers.{n}.")
+        }
         missing, unexpected = model.load_state_dict(mapped, strict=False)
         bad = [k for k in missing if not k.startswith("model.visual")]
         if bad or unexpected:
@@ -87,19 +96,31 @@ class TransformersRow:
         x = torch.tensor([ids])
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                      do_sample=False, eos_token_id=self.eos, pad_token_id=0)
+            out = self.model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=self.eos,
+                pad_token_id=0,
+            )
         el = time.perf_counter() - t0
-        new = out[0, len(ids):].tolist()
-        return {"token_ids": new, "elapsed_s": el, "tokens_per_s": len(new) / el, "ttft_s": None,
-                "rounds": len(new), "accepted": 0, "accepted_at": []}
+        new = out[0, len(ids) :].tolist()
+        return {
+            "token_ids": new,
+            "elapsed_s": el,
+            "tokens_per_s": len(new) / el,
+            "ttft_s": None,
+            "rounds": len(new),
+            "accepted": 0,
+            "accepted_at": [],
+        }
 
 
 def parse_arm(spec: str) -> tuple[str, str, int | None]:
     """``"mtp:3"`` -> ``("mtp d=3", "mtp", 3)``; ``"dflash"`` -> ``("dflash", "dflash", None)`` (the whole
     block); ``"dflash2:4"`` -> ``("dflash2 d=4", "dflash2", 4)``; ``"off"`` -> ``("plain", "off", None)``.
     Raises ``typer.BadParameter``."""
-
 
     arm, _, d = spec.strip().partition(":")
     if arm not in schema.SPECS:
@@ -115,20 +136,33 @@ def main(
     prompts: int = typer.Option(8, help="ShareGPT prompts"),
     humaneval: int = typer.Option(4, help="HumanEval prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
-    reps: int = typer.Option(2, help="runs of each prompt on each row (transformers': one), each rep in a fresh row order"),
-    arms: str = typer.Option("mtp:1,mtp:3,dflash,dflash2", help="in-process speculative arms (arm[:drafts], comma list; "
-                                                             "DFlash arms the checkpoint lacks are skipped)"),
+    reps: int = typer.Option(
+        2, help="runs of each prompt on each row (transformers': one), each rep in a fresh row order"
+    ),
+    arms: str = typer.Option(
+        "mtp:1,mtp:3,dflash,dflash2",
+        help="in-process speculative arms (arm[:drafts], comma list; DFlash arms the checkpoint lacks are skipped)",
+    ),
     served_arms: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
     prefix_pairs: int = typer.Option(4, help="question pairs of the prefix-cache section (0: skip it)"),
-    concurrency: int = typer.Option(8, help="sessions of the concurrency section (plain and the best arm, in-process; 0: skip)"),
-    dtype: str = typer.Option(schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"),
+    concurrency: int = typer.Option(
+        8, help="sessions of the concurrency section (plain and the best arm, in-process; 0: skip)"
+    ),
+    dtype: str = typer.Option(
+        schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"
+    ),
     seed: int = typer.Option(0, help="prompt sample seed"),
     threads: int = typer.Option(1, help="torch threads in-process (the served models use 1 each)"),
-    amx: bool = typer.Option(schema.DEFAULTS.amx, "--amx/--no-amx", help="bf16 GEMMs on AMX tiles where the CPU has "
-                             "them, in-process and served (the serving parameter amx)"),
+    amx: bool = typer.Option(
+        schema.DEFAULTS.amx,
+        "--amx/--no-amx",
+        help="bf16 GEMMs on AMX tiles where the CPU has them, in-process and served (the serving parameter amx)",
+    ),
     served: bool = typer.Option(True, help="include the served rows (starts a tritonserver)"),
     hf: bool = typer.Option(True, "--transformers/--no-transformers", help="include transformers generate"),
-    quick: bool = typer.Option(False, help="SMOKE RUN (3 prompts x 32 tokens): checks the bench runs; its figures mean nothing"),
+    quick: bool = typer.Option(
+        False, help="SMOKE RUN (3 prompts x 32 tokens): checks the bench runs; its figures mean nothing"
+    ),
     checkpoint: Path = typer.Option(None, help="checkpoint folder (default: the shipped one)"),
     json_out: Path = typer.Option(None, "--json", help="write all figures (and every per-prompt run) here"),
 ) -> None:
@@ -136,7 +170,6 @@ def main(
     import torch
     from rich.console import Console
     from rich.progress import Progress
-
 
     from ..engine.inprocess import Engine
     from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
@@ -151,7 +184,14 @@ def main(
 
     console = Console(width=200)
     if quick:
-        prompts, humaneval, max_tokens, prefix_pairs, concurrency, reps = 2, 1, 32, min(prefix_pairs, 1), min(concurrency, 2), 1
+        prompts, humaneval, max_tokens, prefix_pairs, concurrency, reps = (
+            2,
+            1,
+            32,
+            min(prefix_pairs, 1),
+            min(concurrency, 2),
+            1,
+        )
         console.print("[bold yellow]QUICK: a smoke run; its figures are too few to mean anything[/]")
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     torch.set_num_threads(threads)
@@ -165,9 +205,15 @@ def main(
         console.print(f"[yellow]skipping {skipped}: the checkpoint has no such drafter (`make drafter`)[/]")
     seen = used_sharegpt_turns(checkpoint)  # the drafters' distillation prompts: never benchmarked
     texts = sharegpt_prompts(prompts, seed=seed, exclude=seen) + (
-        humaneval_prompts(humaneval, seed=seed) if humaneval else [])
+        humaneval_prompts(humaneval, seed=seed) if humaneval else []
+    )
     plain_eng = Engine(checkpoint, dtype=dt, prefix_cache_mb=0, amx=amx)
-    share = {"model": plain_eng.model, "tokenizer": plain_eng.tokenizer, "prefix_cache_mb": 0, "amx": amx}  # (amx: the process's)
+    share = {
+        "model": plain_eng.model,
+        "tokenizer": plain_eng.tokenizer,
+        "prefix_cache_mb": 0,
+        "amx": amx,
+    }  # (amx: the process's)
     if any(a in schema.DFLASH_ARMS for _, a, _ in arm_list):
         share["dflash"] = {a: plain_eng.drafters[a].drafters[a] for a in dflash_arms(checkpoint)}
     engs = {label: Engine(**share, **({"num_draft_tokens": k} if k else {})) for label, arm, k in arm_list}
@@ -178,7 +224,8 @@ def main(
     runners = {"plain (in-process)": lambda ids, n=max_tokens: plain_eng.generate(ids, n, spec="off")}
     for label, arm, k in arm_list:
         runners[f"{label} (in-process)"] = lambda ids, n=max_tokens, e=engs[label], a=arm, k=k: e.generate(
-            ids, n, spec=a, num_draft_tokens=k)
+            ids, n, spec=a, num_draft_tokens=k
+        )
     server_ctx = server_log = server = None
     if served_list:
         import tempfile
@@ -187,14 +234,20 @@ def main(
 
         from ..serving.serve import running_server
 
-        env = {"TANDEM_CHECKPOINT": str(checkpoint), "TANDEM_DTYPE": dtype, "TANDEM_PREFIX_CACHE_MB": "0", "TANDEM_AMX": str(amx)}
+        env = {
+            "TANDEM_CHECKPOINT": str(checkpoint),
+            "TANDEM_DTYPE": dtype,
+            "TANDEM_PREFIX_CACHE_MB": "0",
+            "TANDEM_AMX": str(amx),
+        }
         console.print("starting tritonserver for the served rows ...")
         server_log = Path(tempfile.mkstemp(prefix="bench-tritonserver-", suffix=".log")[1])
         server_ctx = running_server(env=env, log_path=server_log)
         server = server_ctx.__enter__()
         for label, arm, k in served_list:
             runners[f"{label} (served)"] = lambda ids, n=max_tokens, a=arm, k=k: served_generate(
-                ids, n, url=server.grpc_url, spec=a, num_draft_tokens=k)
+                ids, n, url=server.grpc_url, spec=a, num_draft_tokens=k
+            )
     if hf:
         console.print("loading transformers Glm5NextForConditionalGeneration ...")
         hf_row = TransformersRow(checkpoint, dt)
@@ -205,7 +258,9 @@ def main(
     try:
         for n in names:  # warm-up: one short run per row (first calls pay allocation and import costs)
             runners[n](prompt_ids[0][:32])
-        for ids in prompt_ids:  # and every prompt on every row but transformers', so no timed row is the first to meet it
+        for (
+            ids
+        ) in prompt_ids:  # and every prompt on every row but transformers', so no timed row is the first to meet it
             for n in names:  # (in-process and in the server's processes: a prime of a new length pays a one-time cost)
                 if "transformers" not in n:
                     runners[n](ids, 2)
@@ -213,17 +268,26 @@ def main(
             e.sched.timing = {key: 0.0 for key in e.sched.timing}
         order = random.Random(seed)
         with Progress(console=console) as prog:
-            task = prog.add_task("bench (interleaved rows)", total=len(prompt_ids) * (reps * len(names) - (reps - 1) * hf))
+            task = prog.add_task(
+                "bench (interleaved rows)", total=len(prompt_ids) * (reps * len(names) - (reps - 1) * hf)
+            )
             for rep in range(reps):
                 for i, ids in enumerate(prompt_ids):
                     for n in order.sample(names, len(names)):  # a fresh random row order for every prompt and rep
                         if rep and "transformers" in n:  # ~30x slower: one run a prompt
                             continue
                         r = runners[n](ids)
-                        raw[n].append({"prompt": i, "rep": rep,
-                                       **{k: r.get(k) for k in ("token_ids", "tokens_per_s", "ttft_s", "top2_gaps")},
-                                       "rounds": r.get("rounds", 0), "spec_rounds": r.get("spec_rounds"),
-                                       "accepted": r.get("accepted", 0), "accepted_at": r.get("accepted_at", [])})
+                        raw[n].append(
+                            {
+                                "prompt": i,
+                                "rep": rep,
+                                **{k: r.get(k) for k in ("token_ids", "tokens_per_s", "ttft_s", "top2_gaps")},
+                                "rounds": r.get("rounds", 0),
+                                "spec_rounds": r.get("spec_rounds"),
+                                "accepted": r.get("accepted", 0),
+                                "accepted_at": r.get("accepted_at", []),
+                            }
+                        )
                         prog.advance(task)
         rss_server = _rss_mb(_tree_pids(server.proc.pid)) if server is not None else None
         pre_arm = next((a for _, a, _ in arm_list if a in schema.DFLASH_ARMS), None)
@@ -238,14 +302,27 @@ def main(
             server_ctx.__exit__(None, None, None)
     rss_after = _rss_mb([os.getpid()])
     plain_ref = {r["prompt"]: r for r in raw["plain (in-process)"] if not r["rep"]}
-    n_pos = {f"{label} ({w})": (k or schema.DEFAULTS.block_size - 1)
-             for label, a, k in arm_list + served_list if a != schema.OFF for w in ("in-process", "served")}
-    out_rows = [summarize(n, raw[n], plain_ref, n_pos.get(n, 0), rss_server if "served" in n else
-                          (None if "transformers" in n else max(rss_inproc, rss_after))) for n in names]
+    n_pos = {
+        f"{label} ({w})": (k or schema.DEFAULTS.block_size - 1)
+        for label, a, k in arm_list + served_list
+        if a != schema.OFF
+        for w in ("in-process", "served")
+    }
+    out_rows = [
+        summarize(
+            n,
+            raw[n],
+            plain_ref,
+            n_pos.get(n, 0),
+            rss_server if "served" in n else (None if "transformers" in n else max(rss_inproc, rss_after)),
+        )
+        for n in names
+    ]
     by = {r["name"]: r for r in out_rows}
     ratios = speedup_ratios(by, raw, [label for label, _, _ in arm_list], [label for label, _, _ in served_list], hf)
-    profile = {"ceilings": ceilings(by, {label: engs[label].sched.timing for label, _, _ in arm_list},
-                                    plain_eng.sched.timing)}
+    profile = {
+        "ceilings": ceilings(by, {label: engs[label].sched.timing for label, _, _ in arm_list}, plain_eng.sched.timing)
+    }
     if server_log is not None and server_log.exists():
         profile["served_calls"] = served_calls(server_log)
         server_log.unlink()
@@ -267,28 +344,60 @@ def main(
 
         console.print("long prompts waiting while sessions stream ...")
         n_long = 256 if quick else 3000
-        texts = [tok.chat_prompt(f"Request {i}. Explain this code:\n" + inspect.getsource(json_mod.decoder) * 5)
-                 for i in range(8)]  # (each its own first block: no prefix-cache hits between them)
+        texts = [
+            tok.chat_prompt(f"Request {i}. Explain this code:\n" + inspect.getsource(json_mod.decoder) * 5)
+            for i in range(8)
+        ]  # (each its own first block: no prefix-cache hits between them)
         longs = [ids[: n_long - 2] + ids[-2:] for ids in texts]
         streams = [tok.chat_prompt(t) for t in sharegpt_prompts(4, seed=seed + 3, exclude=seen)]
         shorts_at = [0.02, 0.05, 0.08] if quick else [0.1 + 0.4 * i for i in range(7)]
         serving = Engine(model=plain_eng.model, tokenizer=tok, amx=amx)  # the serving defaults: prefix cache on
-        profile["long_prompt"] = run_long_prompt(serving, streams, longs, streams[0][:2], schema.OFF, shorts_at,
-                                                 0.3 if quick else 3.0)
+        profile["long_prompt"] = run_long_prompt(
+            serving, streams, longs, streams[0][:2], schema.OFF, shorts_at, 0.3 if quick else 3.0
+        )
     profile["limits"], profile["scaling"] = lim, scaling
-    print_report(console, out_rows, ratios, profile,
-                 f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens x {reps} reps, {dtype}, {threads} thread(s), "
-                 f"{gemm_tiles()} GEMM tiles, interleaved, random row order" + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""))
+    print_report(
+        console,
+        out_rows,
+        ratios,
+        profile,
+        f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens x {reps} reps, {dtype}, {threads} thread(s), "
+        f"{gemm_tiles()} GEMM tiles, interleaved, random row order"
+        + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""),
+    )
     print_limits(console, lim)
     print_scaling(console, scaling)
     if "long_prompt" in profile:
         print_long_prompt(console, profile["long_prompt"])
-    report = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                          "torch": torch.__version__, "threads": threads, "amx": HW_AMX, "avx512_bf16": HW_BF16},
-              "settings": {"prompts": len(prompt_ids), "sharegpt": prompts, "humaneval": humaneval, "quick": quick,
-                           "max_tokens": max_tokens, "reps": reps, "arms": arms, "served_arms": served_arms, "dtype": dtype,
-                           "amx": amx, "seed": seed, "checkpoint": str(checkpoint)},
-              "rows": out_rows, "ratios": ratios, "profile": profile, "runs": raw}
+    report = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": threads,
+            "amx": HW_AMX,
+            "avx512_bf16": HW_BF16,
+        },
+        "settings": {
+            "prompts": len(prompt_ids),
+            "sharegpt": prompts,
+            "humaneval": humaneval,
+            "quick": quick,
+            "max_tokens": max_tokens,
+            "reps": reps,
+            "arms": arms,
+            "served_arms": served_arms,
+            "dtype": dtype,
+            "amx": amx,
+            "seed": seed,
+            "checkpoint": str(checkpoint),
+        },
+        "rows": out_rows,
+        "ratios": ratios,
+        "profile": profile,
+        "runs": raw,
+    }
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {json_out}")

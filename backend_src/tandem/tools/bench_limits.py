@@ -46,8 +46,9 @@ def weight_bytes_per_token(model) -> dict:
 _FLUSH_BYTES = 64 << 20
 
 
-def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch.float32, reps: int = 30,
-                     cold: bool = False) -> dict:
+def matvec_bandwidth(
+    nbytes: float, in_features: int, dtype: torch.dtype = torch.float32, reps: int = 30, cold: bool = False
+) -> dict:
     """Bytes/s of one-row matrix-vector products over a weight of ``nbytes`` (``[in_features, N]``),
     the fastest of MKL on the input-major layout serving uses, MKL on the row-major one, and (fp32)
     tandem's own row-invariant GEMM, on fp32 and on bf16 weights, unpacked, strip-packed and as
@@ -57,6 +58,7 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
     ``_FLUSH_BYTES`` are written before each timed call, so the weight streams from memory as a model
     larger than the cache would. Returns ``{"bytes_per_s", "seconds", "layout"}``."""
     from ..model import cpu_gemm
+
     esz = torch.tensor([], dtype=dtype).element_size()
     n_out = max(1, int(nbytes // (in_features * esz)))
     g = torch.Generator().manual_seed(0)
@@ -64,13 +66,26 @@ def matvec_bandwidth(nbytes: float, in_features: int, dtype: torch.dtype = torch
     x = torch.randn(1, in_features, generator=g).to(dtype)
     best = None
     flush = np.zeros(_FLUSH_BYTES // 4, np.float32) if cold else None
-    calls = {"MKL input-major": lambda wt=w.t().contiguous().t(): F.linear(x, wt), "MKL row-major": lambda: F.linear(x, w)}
+    calls = {
+        "MKL input-major": lambda wt=w.t().contiguous().t(): F.linear(x, wt),
+        "MKL row-major": lambda: F.linear(x, w),
+    }
     if dtype == torch.float32:  # bytes/s of the weight as stored, fp32 or bf16 bits (half the bytes)
         calls["tandem GEMM"] = lambda xn=x.numpy(), wt=w.t().contiguous().numpy(): cpu_gemm.mm_rows(xn, wt)
         n_bf16 = max(1, int(nbytes // (in_features * 2)))  # the same bytes: twice the rows
-        wb = torch.randn(n_bf16, in_features, generator=g).to(torch.bfloat16).t().contiguous().view(torch.int16).numpy().view(np.uint16)
+        wb = (
+            torch.randn(n_bf16, in_features, generator=g)
+            .to(torch.bfloat16)
+            .t()
+            .contiguous()
+            .view(torch.int16)
+            .numpy()
+            .view(np.uint16)
+        )
         calls["tandem GEMM, bf16 weights"] = lambda xn=x.numpy(), wt=wb: cpu_gemm.mm_rows(xn, wt)
-        calls["tandem GEMM, packed bf16 weights"] = lambda xn=x.numpy(), wt=cpu_gemm.pack_strips(wb): cpu_gemm.mm_rows(xn, wt)
+        calls["tandem GEMM, packed bf16 weights"] = lambda xn=x.numpy(), wt=cpu_gemm.pack_strips(wb): cpu_gemm.mm_rows(
+            xn, wt
+        )
         if in_features % 2 == 0:  # serving's default for bf16 weights: bf16 dot products
             calls["tandem GEMM, bf16 pairs"] = lambda xn=x.numpy(), wt=cpu_gemm.pack_pairs(wb): cpu_gemm.mm_rows(xn, wt)
     for layout, call in calls.items():
@@ -111,8 +126,11 @@ def ops_per_token(engine, ids: list[int], max_tokens: int) -> dict:
 
 def decode_seconds_per_token(runs: list[dict]) -> float:
     """Median over prompts of decode time per token after the first (``(elapsed - TTFT) / (n - 1)``)."""
-    per = [(len(r["token_ids"]) / r["tokens_per_s"] - r["ttft_s"]) / (len(r["token_ids"]) - 1)
-           for r in runs if r.get("ttft_s") is not None and len(r["token_ids"]) > 1 and r["tokens_per_s"]]
+    per = [
+        (len(r["token_ids"]) / r["tokens_per_s"] - r["ttft_s"]) / (len(r["token_ids"]) - 1)
+        for r in runs
+        if r.get("ttft_s") is not None and len(r["token_ids"]) > 1 and r["tokens_per_s"]
+    ]
     return statistics.median(per)
 
 
@@ -125,22 +143,35 @@ def limits(model, engine, plain_runs: list[dict], ids: list[int]) -> dict:
     cold = matvec_bandwidth(wb["total"], model.cfg.hidden_size, model.dtype, reps=15, cold=True)
     limit = wb["total"] / bw["bytes_per_s"]
     measured = decode_seconds_per_token(plain_runs)
-    return {"weight_bytes": wb, "bandwidth": bw, "limit_s_per_token": limit, "plain_s_per_token": measured,
-            "fraction_of_limit": limit / measured, "ops_per_token": ops, "cold_bandwidth": cold,
-            "cold_limit_s_per_token": wb["total"] / cold["bytes_per_s"]}
+    return {
+        "weight_bytes": wb,
+        "bandwidth": bw,
+        "limit_s_per_token": limit,
+        "plain_s_per_token": measured,
+        "fraction_of_limit": limit / measured,
+        "ops_per_token": ops,
+        "cold_bandwidth": cold,
+        "cold_limit_s_per_token": wb["total"] / cold["bytes_per_s"],
+    }
 
 
 def print_limits(console, lim: dict) -> None:
     wb, bw = lim["weight_bytes"], lim["bandwidth"]
-    console.print(f"{'weight-streaming limit':>30}: {wb['total'] / 2**20:.1f} MiB of weights a token "
-                  f"(LM head {wb['lm_head'] / 2**20:.1f}, experts {wb['experts'] / 2**20:.1f}, rest {wb['other'] / 2**20:.1f})"
-                  f" / {bw['bytes_per_s'] / 1e9:.1f} GB/s matrix-vector ({bw['layout']}) = "
-                  f"{lim['limit_s_per_token'] * 1e3:.2f} ms a token")
-    console.print(f"{'plain decoding vs the limit':>30}: {lim['plain_s_per_token'] * 1e3:.2f} ms a token = "
-                  f"[bold]{lim['fraction_of_limit']:.0%}[/] of the limit; aten ops per token "
-                  f"{lim['ops_per_token']['serving']:.0f} (pure-torch reference {lim['ops_per_token']['reference']:.0f})")
+    console.print(
+        f"{'weight-streaming limit':>30}: {wb['total'] / 2**20:.1f} MiB of weights a token "
+        f"(LM head {wb['lm_head'] / 2**20:.1f}, experts {wb['experts'] / 2**20:.1f}, rest {wb['other'] / 2**20:.1f})"
+        f" / {bw['bytes_per_s'] / 1e9:.1f} GB/s matrix-vector ({bw['layout']}) = "
+        f"{lim['limit_s_per_token'] * 1e3:.2f} ms a token"
+    )
+    console.print(
+        f"{'plain decoding vs the limit':>30}: {lim['plain_s_per_token'] * 1e3:.2f} ms a token = "
+        f"[bold]{lim['fraction_of_limit']:.0%}[/] of the limit; aten ops per token "
+        f"{lim['ops_per_token']['serving']:.0f} (pure-torch reference {lim['ops_per_token']['reference']:.0f})"
+    )
     if "cold_bandwidth" in lim:  # the same bytes from memory (caches flushed before each product)
         c = lim["cold_limit_s_per_token"]
-        console.print(f"{'the same, weights from memory':>30}: {lim['cold_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s "
-                      f"({lim['cold_bandwidth']['layout']}) = {c * 1e3:.2f} ms a token; plain decoding "
-                      f"{c / lim['plain_s_per_token']:.0%} of it (the figure above is the target's definition)")
+        console.print(
+            f"{'the same, weights from memory':>30}: {lim['cold_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s "
+            f"({lim['cold_bandwidth']['layout']}) = {c * 1e3:.2f} ms a token; plain decoding "
+            f"{c / lim['plain_s_per_token']:.0%} of it (the figure above is the target's definition)"
+        )

@@ -28,6 +28,7 @@ def run_concurrent(engine, prompts: list[list[int]], max_tokens: int, spec: str)
                 raise RuntimeError(err)
             seen.setdefault(sid, []).append((time.perf_counter(), len(r.tokens)))
             out.setdefault(sid, []).extend(r.tokens)
+
         return emit
 
     sids = [base + i for i in range(len(prompts))]
@@ -42,10 +43,16 @@ def run_concurrent(engine, prompts: list[list[int]], max_tokens: int, spec: str)
             gaps.append(b - a)
             if n:
                 itls.append((b - a) / n)
-    return {"sessions": len(prompts), "tokens": tokens, "seconds": el, "tokens_per_s": tokens / el,
-            "ttft_s": statistics.median(ev[0][0] - t0 for ev in seen.values()),
-            "gap_s": statistics.median(gaps) if gaps else None, "itl_s": statistics.median(itls) if itls else None,
-            "token_ids": [out[s] for s in sids]}
+    return {
+        "sessions": len(prompts),
+        "tokens": tokens,
+        "seconds": el,
+        "tokens_per_s": tokens / el,
+        "ttft_s": statistics.median(ev[0][0] - t0 for ev in seen.values()),
+        "gap_s": statistics.median(gaps) if gaps else None,
+        "itl_s": statistics.median(itls) if itls else None,
+        "token_ids": [out[s] for s in sids],
+    }
 
 
 def run_scaling(engine, prompts: list[list[int]], max_tokens: int, spec: str, reps: int = 5) -> dict:
@@ -65,24 +72,40 @@ def run_scaling(engine, prompts: list[list[int]], max_tokens: int, spec: str, re
         runs.append((many["tokens_per_s"] / t1, t1, one, many))
     ratio, t1, one, many = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     med = lambda k: statistics.median(r[k] for r in one if r[k] is not None)  # noqa: E731
-    return {"spec": spec, "sessions": len(prompts), "one_tokens_per_s": t1, "many_tokens_per_s": many["tokens_per_s"],
-            "ratio": ratio, "ratios": [r[0] for r in runs], "one": {k: med(k) for k in ("ttft_s", "gap_s", "itl_s")},
-            "many": {k: many[k] for k in ("ttft_s", "gap_s", "itl_s")},
-            "identical": all(m["token_ids"] == [r["token_ids"][0] for r in o] for _, _, o, m in runs)}
+    return {
+        "spec": spec,
+        "sessions": len(prompts),
+        "one_tokens_per_s": t1,
+        "many_tokens_per_s": many["tokens_per_s"],
+        "ratio": ratio,
+        "ratios": [r[0] for r in runs],
+        "one": {k: med(k) for k in ("ttft_s", "gap_s", "itl_s")},
+        "many": {k: many[k] for k in ("ttft_s", "gap_s", "itl_s")},
+        "identical": all(m["token_ids"] == [r["token_ids"][0] for r in o] for _, _, o, m in runs),
+    }
 
 
 def print_scaling(console, rows: list[dict]) -> None:
     for r in rows:
         o, m = r["one"], r["many"]
-        console.print(f"{'concurrency ' + r['spec']:>30}: {r['sessions']} sessions {r['many_tokens_per_s']:.1f} tok/s vs one "
-                      f"at a time {r['one_tokens_per_s']:.1f} = [bold]{r['ratio']:.2f}x[/]; TTFT {m['ttft_s'] * 1e3:.0f} vs "
-                      f"{o['ttft_s'] * 1e3:.0f} ms, ITL {m['itl_s'] * 1e3:.1f} vs {o['itl_s'] * 1e3:.1f} ms, gap between "
-                      f"responses {m['gap_s'] * 1e3:.0f} vs {o['gap_s'] * 1e3:.0f} ms; outputs identical {r['identical']}; "
-                      f"the median of {len(r['ratios'])} reps ({', '.join(f'{x:.2f}x' for x in r['ratios'])})")
+        console.print(
+            f"{'concurrency ' + r['spec']:>30}: {r['sessions']} sessions {r['many_tokens_per_s']:.1f} tok/s vs one "
+            f"at a time {r['one_tokens_per_s']:.1f} = [bold]{r['ratio']:.2f}x[/]; TTFT {m['ttft_s'] * 1e3:.0f} vs "
+            f"{o['ttft_s'] * 1e3:.0f} ms, ITL {m['itl_s'] * 1e3:.1f} vs {o['itl_s'] * 1e3:.1f} ms, gap between "
+            f"responses {m['gap_s'] * 1e3:.0f} vs {o['gap_s'] * 1e3:.0f} ms; outputs identical {r['identical']}; "
+            f"the median of {len(r['ratios'])} reps ({', '.join(f'{x:.2f}x' for x in r['ratios'])})"
+        )
 
 
-def _arrivals(engine, streams: list[list[int]], spec: str, longs: list[list[int]], short: list[int],
-              shorts_at: list[float], window_s: float) -> dict:
+def _arrivals(
+    engine,
+    streams: list[list[int]],
+    spec: str,
+    longs: list[list[int]],
+    short: list[int],
+    shorts_at: list[float],
+    window_s: float,
+) -> dict:
     """``streams`` decode together; two bursts later the ``longs`` arrive together (one token each), and
     ``short`` arrives ``shorts_at`` seconds after them (each is admitted at the next burst boundary, as the
     front admits what arrived during a burst); a stream that ends (a stop token) starts again as a new
@@ -101,6 +124,7 @@ def _arrivals(engine, streams: list[list[int]], spec: str, longs: list[list[int]
                 raise RuntimeError(err)
             if r is not None:
                 seen.setdefault(sid, []).append((time.perf_counter(), len(r.tokens)))
+
         return emit
 
     room = sched.config.max_ctx - max(map(len, streams)) - 1
@@ -120,9 +144,11 @@ def _arrivals(engine, streams: list[list[int]], spec: str, longs: list[list[int]
         now = time.perf_counter()
         due = [a for a in pending if t0 + a <= now]
         if due:
-            pending = pending[len(due):]
-            turns = [Turn(base + 2000 + len(arrive) + j, list(short), 1, emitter(base + 2000 + len(arrive) + j),
-                          spec=spec) for j in range(len(due))]
+            pending = pending[len(due) :]
+            turns = [
+                Turn(base + 2000 + len(arrive) + j, list(short), 1, emitter(base + 2000 + len(arrive) + j), spec=spec)
+                for j in range(len(due))
+            ]
             arrive.update((t.sid, t0 + a) for t, a in zip(turns, due))
             sched.admit(turns)
         if ended := [s for s in live if s not in sched.turns]:
@@ -140,14 +166,23 @@ def _arrivals(engine, streams: list[list[int]], spec: str, longs: list[list[int]
     if longs and all(s in firsts for s in long_sids):
         t1 = min(t1, max(firsts[s] for s in long_sids))
     evs = [seen.get(s, []) for s in stream_sids]
-    return {"gaps": [b - a for ev in evs for (a, _), (b, _) in zip(ev, ev[1:]) if b > t0 and a < t1],
-            "tokens_per_s": sum(n for ev in evs for t, n in ev if t0 < t <= t1) / (t1 - t0),
-            "long_ttft": [firsts[s] - t0 for s in long_sids if s in firsts],
-            "short_ttft": [firsts[s] - a for s, a in arrive.items()]}
+    return {
+        "gaps": [b - a for ev in evs for (a, _), (b, _) in zip(ev, ev[1:]) if b > t0 and a < t1],
+        "tokens_per_s": sum(n for ev in evs for t, n in ev if t0 < t <= t1) / (t1 - t0),
+        "long_ttft": [firsts[s] - t0 for s in long_sids if s in firsts],
+        "short_ttft": [firsts[s] - a for s, a in arrive.items()],
+    }
 
 
-def run_long_prompt(engine, streams: list[list[int]], longs: list[list[int]], short: list[int], spec: str,
-                    shorts_at: list[float], window_s: float) -> dict:
+def run_long_prompt(
+    engine,
+    streams: list[list[int]],
+    longs: list[list[int]],
+    short: list[int],
+    spec: str,
+    shorts_at: list[float],
+    window_s: float,
+) -> dict:
     """Head-of-line blocking: ``streams`` decode while the ``longs`` prompts wait to be primed (under the
     engine's ``prefill_budget``) and a ``short`` prompt arrives at each of ``shorts_at`` seconds, over a
     window of ``window_s`` (:func:`_arrivals`); against the same streams and short prompts without the
@@ -157,14 +192,25 @@ def run_long_prompt(engine, streams: list[list[int]], longs: list[list[int]], sh
     import numpy as np
 
     _arrivals(engine, streams[:1], spec, [], short, [0.0], 0.0)  # warm-up
-    out = {"spec": spec, "sessions": len(streams), "long_prompts": len(longs), "long_tokens": len(longs[0]),
-           "short_tokens": len(short), "budget": engine.sched.config.prefill_budget, "window_s": window_s,
-           "prefix_cache_mb": engine.sched.config.prefix_cache_mb}
+    out = {
+        "spec": spec,
+        "sessions": len(streams),
+        "long_prompts": len(longs),
+        "long_tokens": len(longs[0]),
+        "short_tokens": len(short),
+        "budget": engine.sched.config.prefill_budget,
+        "window_s": window_s,
+        "prefix_cache_mb": engine.sched.config.prefix_cache_mb,
+    }
     for name, ls in (("alone", []), ("waiting", longs)):
         r = _arrivals(engine, streams, spec, ls, short, shorts_at, window_s)
-        out[name] = {"gap_p90_s": float(np.percentile(r["gaps"], 90)), "tokens_per_s": r["tokens_per_s"],
-                     "short_ttft_s": float(np.median(r["short_ttft"])), "shorts": len(r["short_ttft"]),
-                     "long_ttft_s": r["long_ttft"]}
+        out[name] = {
+            "gap_p90_s": float(np.percentile(r["gaps"], 90)),
+            "tokens_per_s": r["tokens_per_s"],
+            "short_ttft_s": float(np.median(r["short_ttft"])),
+            "shorts": len(r["short_ttft"]),
+            "long_ttft_s": r["long_ttft"],
+        }
     a, w = out["alone"], out["waiting"]
     out["gap_ratio"], out["ttft_ratio"] = w["gap_p90_s"] / a["gap_p90_s"], w["short_ttft_s"] / a["short_ttft_s"]
     return out
@@ -180,4 +226,5 @@ def print_long_prompt(console, r: dict) -> None:
         f"= [bold]{r['ttft_ratio']:.2f}x[/] "
         f"(target <= 3x, median of {w['shorts']}); streams {a['tokens_per_s']:.0f} vs {w['tokens_per_s']:.0f} tok/s; "
         f"{len(w['long_ttft_s'])} of the long prompts primed within the {r['window_s']:g} s measured "
-        f"(prefill_budget {r['budget']} rows a burst, prefix cache {r.get('prefix_cache_mb', 0)} MB)")
+        f"(prefill_budget {r['budget']} rows a burst, prefix cache {r.get('prefix_cache_mb', 0)} MB)"
+    )

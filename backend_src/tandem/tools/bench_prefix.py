@@ -54,8 +54,7 @@ def run_prefix_section(engine, tokenizer, questions: list[str], max_tokens: int,
         cold_a = gen(a)
         warm_a = gen(a)
         warm_b = gen(b)
-        runs.append({"prompt_rows": len(a), "cold_a": cold_a, "warm_a": warm_a, "cold_b": cold_b,
-                     "warm_b": warm_b})
+        runs.append({"prompt_rows": len(a), "cold_a": cold_a, "warm_a": warm_a, "cold_b": cold_b, "warm_b": warm_b})
     med = statistics.median
 
     def tau(rs):
@@ -64,16 +63,31 @@ def run_prefix_section(engine, tokenizer, questions: list[str], max_tokens: int,
 
     colds = [x["cold_a"] for x in runs] + [x["cold_b"] for x in runs]
     warms = [x["warm_a"] for x in runs] + [x["warm_b"] for x in runs]
-    slim = [{k: ({f: v[f] for f in ("ttft_s", "rows_skipped", "mean_acceptance_length", "tokens_per_s")}
-                 if isinstance(v, dict) else v) for k, v in x.items()} for x in runs]
-    return {"arm": arm, "pairs": 2 * len(runs),
-            "identical": sum(x["warm_a"]["token_ids"] == x["cold_a"]["token_ids"] for x in runs)
-            + sum(x["warm_b"]["token_ids"] == x["cold_b"]["token_ids"] for x in runs),
-            "ttft_ratio_same": med([x["warm_a"]["ttft_s"] / x["cold_a"]["ttft_s"] for x in runs]),
-            "ttft_ratio_shared": med([x["warm_b"]["ttft_s"] / x["cold_b"]["ttft_s"] for x in runs]),
-            "rows_skipped_same": med([x["warm_a"]["rows_skipped"] for x in runs]),
-            "rows_skipped_shared": med([x["warm_b"]["rows_skipped"] for x in runs]),
-            "prompt_rows": med([x["prompt_rows"] for x in runs]),
-            "ttft_cold_ms": 1e3 * med([r["ttft_s"] for r in colds]), "ttft_warm_ms": 1e3 * med([r["ttft_s"] for r in warms]),
-            "tau_cold": tau(colds), "tau_warm": tau(warms),
-            "tau_ratio": (tau(warms) / tau(colds)) if tau(colds) else 1.0, "runs": slim}
+    slim = [
+        {
+            k: (
+                {f: v[f] for f in ("ttft_s", "rows_skipped", "mean_acceptance_length", "tokens_per_s")}
+                if isinstance(v, dict)
+                else v
+            )
+            for k, v in x.items()
+        }
+        for x in runs
+    ]
+    return {
+        "arm": arm,
+        "pairs": 2 * len(runs),
+        "identical": sum(x["warm_a"]["token_ids"] == x["cold_a"]["token_ids"] for x in runs)
+        + sum(x["warm_b"]["token_ids"] == x["cold_b"]["token_ids"] for x in runs),
+        "ttft_ratio_same": med([x["warm_a"]["ttft_s"] / x["cold_a"]["ttft_s"] for x in runs]),
+        "ttft_ratio_shared": med([x["warm_b"]["ttft_s"] / x["cold_b"]["ttft_s"] for x in runs]),
+        "rows_skipped_same": med([x["warm_a"]["rows_skipped"] for x in runs]),
+        "rows_skipped_shared": med([x["warm_b"]["rows_skipped"] for x in runs]),
+        "prompt_rows": med([x["prompt_rows"] for x in runs]),
+        "ttft_cold_ms": 1e3 * med([r["ttft_s"] for r in colds]),
+        "ttft_warm_ms": 1e3 * med([r["ttft_s"] for r in warms]),
+        "tau_cold": tau(colds),
+        "tau_warm": tau(warms),
+        "tau_ratio": (tau(warms) / tau(colds)) if tau(colds) else 1.0,
+        "runs": slim,
+    }

@@ -43,8 +43,11 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
     spec_rounds = sum(spec) if None not in spec else 0
     all_rounds = sum(r["rounds"] for r in runs)
     acc = sum(r["accepted"] for r in runs)
-    per_pos = [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / spec_rounds
-               for j in range(n_pos)] if n_pos and spec_rounds and any(r["accepted_at"] for r in runs) else []
+    per_pos = (
+        [sum(r["accepted_at"][j] for r in runs if j < len(r["accepted_at"])) / spec_rounds for j in range(n_pos)]
+        if n_pos and spec_rounds and any(r["accepted_at"] for r in runs)
+        else []
+    )
     ttfts = [r["ttft_s"] for r in runs if r.get("ttft_s") is not None]
     exact, near_ties = 0, 0
     for r in runs:
@@ -55,14 +58,22 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
         j = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b), min(len(ref), len(r["token_ids"])))
         gaps = plain_ref[r["prompt"]].get("top2_gaps") or []
         near_ties += bool(j < len(gaps) and gaps[j] < 0.125)
-    return {"name": name, "tokens_per_s": med, "tokens_per_s_q1": q1, "tokens_per_s_q3": q3,
-            "tokens_per_s_aggregate": tokens / seconds if seconds else 0.0,
-            "mean_acceptance_length": (1 + acc / spec_rounds) if n_pos and spec_rounds else None,
-            "acceptance_per_position": per_pos, "ttft_s": statistics.median(ttfts) if ttfts else None,
-            "spec_round_share": spec_rounds / all_rounds if spec_rounds else None,
-            "tokens_per_round": 1 + acc / all_rounds if spec_rounds else None,
-            "peak_rss_mb": rss_mb, "exact_match_rate": exact / len(runs), "near_ties": near_ties,
-            "new_tokens": sum(len(r["token_ids"]) for r in runs)}
+    return {
+        "name": name,
+        "tokens_per_s": med,
+        "tokens_per_s_q1": q1,
+        "tokens_per_s_q3": q3,
+        "tokens_per_s_aggregate": tokens / seconds if seconds else 0.0,
+        "mean_acceptance_length": (1 + acc / spec_rounds) if n_pos and spec_rounds else None,
+        "acceptance_per_position": per_pos,
+        "ttft_s": statistics.median(ttfts) if ttfts else None,
+        "spec_round_share": spec_rounds / all_rounds if spec_rounds else None,
+        "tokens_per_round": 1 + acc / all_rounds if spec_rounds else None,
+        "peak_rss_mb": rss_mb,
+        "exact_match_rate": exact / len(runs),
+        "near_ties": near_ties,
+        "new_tokens": sum(len(r["token_ids"]) for r in runs),
+    }
 
 
 def _median_prompt_ratio(raw: dict, row: str, ref: str) -> float | None:
@@ -83,14 +94,18 @@ def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf
     out: dict = {}
     if labels:
         best = max(labels, key=lambda x: agg[f"{x} (in-process)"])
-        out.update(best_arm=best, best_arm_vs_plain=agg[f"{best} (in-process)"] / plain,
-                   best_arm_vs_plain_median_prompt=_median_prompt_ratio(raw, f"{best} (in-process)", "plain (in-process)"))
+        out.update(
+            best_arm=best,
+            best_arm_vs_plain=agg[f"{best} (in-process)"] / plain,
+            best_arm_vs_plain_median_prompt=_median_prompt_ratio(raw, f"{best} (in-process)", "plain (in-process)"),
+        )
     for label in served:
         ip = agg.get(f"{label} (in-process)")
         if ip:
             out[f"served_vs_inprocess {label}"] = agg[f"{label} (served)"] / ip
             out[f"served_vs_inprocess_median_prompt {label}"] = _median_prompt_ratio(
-                raw, f"{label} (served)", f"{label} (in-process)")
+                raw, f"{label} (served)", f"{label} (in-process)"
+            )
     if hf:
         out["plain_vs_transformers"] = plain / agg["transformers generate"]
     return out
@@ -108,10 +123,16 @@ def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
         tau, per_round = row["mean_acceptance_length"], row.get("tokens_per_round")  # equal unless demoted rounds
         ceiling = per_round * t_plain / sum(t_round.values()) if sum(t_round.values()) and per_round else None
         row["ceiling_speedup"] = ceiling
-        out["arms"][label] = {"round_s": t_round, "rounds": ts["rounds"], "tau": tau, "tokens_per_round": per_round,
-                              "spec_round_share": row.get("spec_round_share"), "ceiling_speedup": ceiling,
-                              "measured_speedup": row["tokens_per_s_aggregate"] / plain_tps,
-                              "round_in_plain_steps": sum(t_round.values()) / t_plain if t_plain else None}
+        out["arms"][label] = {
+            "round_s": t_round,
+            "rounds": ts["rounds"],
+            "tau": tau,
+            "tokens_per_round": per_round,
+            "spec_round_share": row.get("spec_round_share"),
+            "ceiling_speedup": ceiling,
+            "measured_speedup": row["tokens_per_s_aggregate"] / plain_tps,
+            "round_in_plain_steps": sum(t_round.values()) / t_plain if t_plain else None,
+        }
     return out
 
 
@@ -125,7 +146,8 @@ def served_calls(log: Path) -> dict:
     calls spent off the CPU, e.g. switched out for the server's other threads)."""
     text = log.read_text(errors="replace")
     m = re.findall(r"tandem: BLS calls (\{.*\})(?:; pipelined (\{[^{}]*\}))", text) or [
-        (x, "") for x in re.findall(r"tandem: BLS calls (\{.*\})", text)]
+        (x, "") for x in re.findall(r"tandem: BLS calls (\{.*\})", text)
+    ]
     calls = ast.literal_eval(m[-1][0]) if m else {}
     if m and m[-1][1]:
         calls["pipelined"] = ast.literal_eval(m[-1][1])
@@ -143,16 +165,33 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
     from rich.table import Table
 
     table = Table(title=title)
-    for c in ("row", "tok/s (all)", "tok/s (median)", "IQR", "tau", "accept/pos", "TTFT ms", "RSS MB", "exact vs plain", "ceiling"):
+    for c in (
+        "row",
+        "tok/s (all)",
+        "tok/s (median)",
+        "IQR",
+        "tau",
+        "accept/pos",
+        "TTFT ms",
+        "RSS MB",
+        "exact vs plain",
+        "ceiling",
+    ):
         table.add_column(c, justify="right" if c != "row" else "left", no_wrap=True)
     for r in rows:
         exact = f"{r['exact_match_rate']:.0%}" + (f" ({r['near_ties']} near-tie)" if r.get("near_ties") else "")
-        table.add_row(r["name"], f"{r['tokens_per_s_aggregate']:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_q1']:.1f}-{r['tokens_per_s_q3']:.1f}",
-                      "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
-                      " ".join(f"{p:.2f}" for p in r["acceptance_per_position"]),
-                      "" if r["ttft_s"] is None else f"{r['ttft_s'] * 1e3:.0f}",
-                      "" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}", exact,
-                      f"{r['ceiling_speedup']:.2f}x" if r.get("ceiling_speedup") else "")
+        table.add_row(
+            r["name"],
+            f"{r['tokens_per_s_aggregate']:.1f}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['tokens_per_s_q1']:.1f}-{r['tokens_per_s_q3']:.1f}",
+            "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
+            " ".join(f"{p:.2f}" for p in r["acceptance_per_position"]),
+            "" if r["ttft_s"] is None else f"{r['ttft_s'] * 1e3:.0f}",
+            "" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}",
+            exact,
+            f"{r['ceiling_speedup']:.2f}x" if r.get("ceiling_speedup") else "",
+        )
     console.print(table)
     for key, v in ratios.items():
         console.print(f"{key:>30}: " + (f"{v:.2f}x" if isinstance(v, float) else str(v)))
@@ -160,23 +199,38 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
     for name, a in profile["ceilings"]["arms"].items():
         if a["ceiling_speedup"] is None:
             continue
-        console.print(f"{'ceiling ' + name:>30}: {a['ceiling_speedup']:.2f}x  measured {a['measured_speedup']:.2f}x = "
-                      f"{a['tokens_per_round']:.2f} tokens a round (tau {a['tau']:.2f} on the {a['spec_round_share']:.0%} of "
-                      f"rounds that drafted) / round {a['round_in_plain_steps']:.2f} plain steps ("
-                      + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in a["round_s"].items())
-                      + f" ms; plain round {t_plain * 1e3:.1f} ms)")
+        console.print(
+            f"{'ceiling ' + name:>30}: {a['ceiling_speedup']:.2f}x  measured {a['measured_speedup']:.2f}x = "
+            f"{a['tokens_per_round']:.2f} tokens a round (tau {a['tau']:.2f} on the {a['spec_round_share']:.0%} of "
+            f"rounds that drafted) / round {a['round_in_plain_steps']:.2f} plain steps ("
+            + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in a["round_s"].items())
+            + f" ms; plain round {t_plain * 1e3:.1f} ms)"
+        )
     calls = profile.get("served_calls")
     if calls:
-        console.print(f"{'served BLS calls (all rows)':>30}: " + ", ".join(
-            f"{k} {v['mean_ms']:.1f} ms" + (f" ({v['stage_ms']:.1f} in the stage)" if "stage_ms" in v else "") + f" x{v['calls']}"
-            for k, v in calls.items() if k not in ("pipelined", "compute"))
+        console.print(
+            f"{'served BLS calls (all rows)':>30}: "
+            + ", ".join(
+                f"{k} {v['mean_ms']:.1f} ms"
+                + (f" ({v['stage_ms']:.1f} in the stage)" if "stage_ms" in v else "")
+                + f" x{v['calls']}"
+                for k, v in calls.items()
+                if k not in ("pipelined", "compute")
+            )
             + ("; pipelined {calls} (refused {refused})".format(**calls["pipelined"]) if "pipelined" in calls else "")
-            + ("; the trunk's compute thread {wall_s:.1f} s in calls, {off_cpu:.1%} of it off the CPU (switched out, "
-               "or waiting for the GIL or the decode pool)".format(**calls["compute"]) if "compute" in calls else ""))
+            + (
+                "; the trunk's compute thread {wall_s:.1f} s in calls, {off_cpu:.1%} of it off the CPU (switched out, "
+                "or waiting for the GIL or the decode pool)".format(**calls["compute"])
+                if "compute" in calls
+                else ""
+            )
+        )
     pre = profile.get("prefix")
     if pre:
-        console.print(f"{'prefix cache (' + pre['arm'] + ')':>30}: TTFT warm/cold {pre['ttft_ratio_same']:.2f}x (same prompt), "
-                      f"{pre['ttft_ratio_shared']:.2f}x (shared system prompt); prime rows skipped "
-                      f"{pre['rows_skipped_same']:.0f} / {pre['rows_skipped_shared']:.0f} per prompt of "
-                      f"{pre['prompt_rows']:.0f}; tau warm/cold {pre['tau_ratio']:.3f}; identical outputs "
-                      f"{pre['identical']}/{pre['pairs']}")
+        console.print(
+            f"{'prefix cache (' + pre['arm'] + ')':>30}: TTFT warm/cold {pre['ttft_ratio_same']:.2f}x (same prompt), "
+            f"{pre['ttft_ratio_shared']:.2f}x (shared system prompt); prime rows skipped "
+            f"{pre['rows_skipped_same']:.0f} / {pre['rows_skipped_shared']:.0f} per prompt of "
+            f"{pre['prompt_rows']:.0f}; tau warm/cold {pre['tau_ratio']:.3f}; identical outputs "
+            f"{pre['identical']}/{pre['pairs']}"
+        )

@@ -47,8 +47,9 @@ def sharegpt_conversations(limit: int | None = None) -> Iterator[list[dict]]:
 DISTILL_CONVERSATIONS = 40000
 
 
-def sharegpt_prompts(n: int, seed: int = 0, min_chars: int = 16, max_chars: int = 2000,
-                     exclude: set[str] | frozenset = frozenset()) -> list[str]:
+def sharegpt_prompts(
+    n: int, seed: int = 0, min_chars: int = 16, max_chars: int = 2000, exclude: set[str] | frozenset = frozenset()
+) -> list[str]:
     """A fixed, seeded sample of ``n`` first-turn human prompts from the first 20,000 ShareGPT
     conversations, none of them in ``exclude``."""
     pool = []
@@ -75,7 +76,11 @@ def humaneval_prompts(n: int | None = None, seed: int = 0) -> list[str]:
 def stdlib_sources(max_files: int | None = None) -> Iterator[str]:
     """Yield the text of CPython standard-library ``.py`` files (sorted, site-packages excluded)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts[len(root.parts):len(root.parts) + 1])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "test" not in p.parts[len(root.parts) : len(root.parts) + 1]
+    )
     for k, p in enumerate(files):
         if max_files is not None and k >= max_files:
             return

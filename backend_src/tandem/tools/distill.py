@@ -39,8 +39,9 @@ app = typer.Typer(add_completion=False)
 
 
 @torch.no_grad()
-def generate_batch(trunk: Trunk, prompts: torch.Tensor, new_tokens: int,
-                   features: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+def generate_batch(
+    trunk: Trunk, prompts: torch.Tensor, new_tokens: int, features: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Greedy continuations of equal-length ``prompts [B, P]`` through the trunk cache (one verify
     row per sequence and step, then commit), as serving computes them. Returns the sequences
     ``[B, T = P + new_tokens]`` and, with ``features``, each row's target-layer features
@@ -65,8 +66,9 @@ def generate_batch(trunk: Trunk, prompts: torch.Tensor, new_tokens: int,
     return torch.cat(toks, 1), torch.cat(feats, 1)
 
 
-def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_share: float = 0.25,
-                     with_sources: bool = False) -> list[list[int]] | list[tuple[list[int], str | None]]:
+def training_prompts(
+    tok: ChatTokenizer, n: int, length: int, seed: int, code_share: float = 0.25, with_sources: bool = False
+) -> list[list[int]] | list[tuple[list[int], str | None]]:
     """``n`` prompts of exactly ``length`` tokens: chat prompts (ShareGPT first turns, the user text
     cut so the template fits) and windows of stdlib source. Seeded. With ``with_sources``, pairs of
     (prompt, the ShareGPT first turn it came from, or None for code): what :func:`used_sharegpt_turns`
@@ -81,7 +83,7 @@ def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_sh
         ids = tok.encode(text)
         if len(ids) > length + 8:
             s = rng.randrange(0, len(ids) - length)
-            out.append(ids[s: s + length])
+            out.append(ids[s : s + length])
             src.append(None)
         if len(out) >= n_code:
             break
@@ -93,7 +95,7 @@ def training_prompts(tok: ChatTokenizer, n: int, length: int, seed: int, code_sh
         user = tok.encode(conv[0].get("value", ""))
         ids = tok.chat_prompt(tok.decode(user[: max(1, length)]))
         if len(ids) >= length:  # keep the template's tail (<|assistant|>\n): cut the user text
-            ids = ids[:3] + ids[len(ids) - (length - 3):]
+            ids = ids[:3] + ids[len(ids) - (length - 3) :]
         if len(ids) == length:
             out.append(ids)
             src.append(conv[0].get("value", ""))
@@ -126,8 +128,9 @@ def block_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
     return torch.cat([ctx, own.expand(b, -1, -1)], -1)
 
 
-def block_losses(drafter: DFlashDrafter, trunk: Trunk, seqs: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
-                 gamma: float) -> dict[str, torch.Tensor]:
+def block_losses(
+    drafter: DFlashDrafter, trunk: Trunk, seqs: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor, gamma: float
+) -> dict[str, torch.Tensor]:
     """Losses of one batch: ``seqs [B, T]`` token ids, ``feats [B, T, F]`` trunk features, ``anchors [B, K]``
     anchor positions (each ``<= T - block``). Returns ``ce`` (weighted block CE), ``sel`` (DFlash2
     selector CE, 0 for DFlash) and ``acc`` (top-1 accuracy per block position ``[block - 1]``)."""
@@ -152,11 +155,12 @@ def block_losses(drafter: DFlashDrafter, trunk: Trunk, seqs: torch.Tensor, feats
         return out
     prev = seqs.gather(1, pos).view(b, k, bs)[:, :, :-1]  # true predecessor of each position
     unary, cand = logits.detach().topk(sel.top_k, dim=-1)
-    hit = (cand == target[..., None])
+    hit = cand == target[..., None]
     cand = torch.where(hit.any(-1, keepdim=True), cand, torch.cat([cand[..., :-1], target[..., None]], -1))
     unary = logits.gather(-1, cand)
-    sc = sel.pair_scores(h.reshape(-1, h.shape[-1]), prev.reshape(-1), cand.reshape(-1, sel.top_k),
-                         unary.reshape(-1, sel.top_k))
+    sc = sel.pair_scores(
+        h.reshape(-1, h.shape[-1]), prev.reshape(-1), cand.reshape(-1, sel.top_k), unary.reshape(-1, sel.top_k)
+    )
     idx = (cand == target[..., None]).float().argmax(-1).reshape(-1)
     out["sel"] = (F.cross_entropy(sc, idx, reduction="none").view(b, k, bs - 1) * w).sum(-1).mean() / w.sum()
     return out
@@ -169,7 +173,7 @@ GLM_TARGET_LAYERS = (5, 14, 24, 33, 42)
 def default_target_layers(n_layers: int) -> list[int]:
     """GLM-5.3-Flash's target layers scaled to a trunk of ``n_layers`` (``round(l * n / 45)``, distinct,
     at most ``n_layers - 1``): 45 -> [5, 14, 24, 33, 42]; 9 -> [1, 3, 5, 7, 8]."""
-    return sorted({min(n_layers - 1, round(l * n_layers / 45)) for l in GLM_TARGET_LAYERS})
+    return sorted({min(n_layers - 1, round(t * n_layers / 45)) for t in GLM_TARGET_LAYERS})
 
 
 @app.command()
@@ -199,8 +203,11 @@ def main(
     trunk_bf16 = load_trunk(checkpoint, torch.bfloat16, with_mtp=False)
     n_layers = trunk_bf16.cfg.num_hidden_layers
     if n_layers < 9 * layers:
-        raise typer.BadParameter(f"{layers} drafter layers for a {n_layers}-layer trunk is more favourable to the "
-                                 f"drafter than GLM-5.3-Flash's 9:1", param_hint="--layers")
+        raise typer.BadParameter(
+            f"{layers} drafter layers for a {n_layers}-layer trunk is more favourable to the "
+            f"drafter than GLM-5.3-Flash's 9:1",
+            param_hint="--layers",
+        )
     target_layers = default_target_layers(n_layers)
     t0 = time.time()
     print(f"[1/3] data: greedy continuations ({gen_minutes:.0f} min budget), target layers {target_layers}")
@@ -210,7 +217,7 @@ def main(
     for i in range(0, len(prompts), gen_batch):
         if time.time() - t0 > gen_minutes * 60:
             break
-        s, f = generate_batch(trunk_bf16, torch.tensor(prompts[i: i + gen_batch]), new_tokens, tuple(target_layers))
+        s, f = generate_batch(trunk_bf16, torch.tensor(prompts[i : i + gen_batch]), new_tokens, tuple(target_layers))
         feats.append(f.to(torch.bfloat16))
         seqs.append(s)
         bar.n = int(time.time() - t0)
@@ -220,20 +227,49 @@ def main(
     seqs_t, feats_t = torch.cat(seqs), torch.cat(feats)
     gen_s = time.time() - t0
     n_val = max(gen_batch, len(seqs_t) // 20)
-    print(f"      {len(seqs_t)} sequences, {(seqs_t.shape[1] - prompt_len) * len(seqs_t)} generated tokens "
-          f"in {gen_s:.0f} s; {n_val} held out")
+    print(
+        f"      {len(seqs_t)} sequences, {(seqs_t.shape[1] - prompt_len) * len(seqs_t)} generated tokens "
+        f"in {gen_s:.0f} s; {n_val} held out"
+    )
     trunk32 = load_trunk(checkpoint, torch.float32, with_mtp=False)
-    report = {"target_layers": target_layers, "sequences": len(seqs_t), "generation_seconds": round(gen_s, 1),
-              "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed, "prompts_listed": 20000, "drafters": {}}
+    report = {
+        "target_layers": target_layers,
+        "sequences": len(seqs_t),
+        "generation_seconds": round(gen_s, 1),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "seed": seed,
+        "prompts_listed": 20000,
+        "drafters": {},
+    }
     log_f = open(checkpoint / "distill_log.jsonl", "w")
     for step_i, arm in enumerate(a for a in arms.split(",") if a):
         print(f"[{2 + step_i}/3] train {arm} ({minutes:.0f} min)")
-        cfg = DFlashConfig(hidden_size=trunk32.cfg.hidden_size, vocab_size=trunk32.cfg.vocab_size, num_hidden_layers=layers,
-                           block_size=block_size, target_layer_ids=target_layers,
-                           intermediate_size=trunk32.cfg.intermediate_size, swiglu_limit=trunk32.cfg.swiglu_limit)
-        report["drafters"][arm] = train_drafter(DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2), trunk32, seqs_t,
-                                                feats_t, n_val, prompt_len, minutes, batch, anchors, lr, gamma, seed,
-                                                arm, log_f)
+        cfg = DFlashConfig(
+            hidden_size=trunk32.cfg.hidden_size,
+            vocab_size=trunk32.cfg.vocab_size,
+            num_hidden_layers=layers,
+            block_size=block_size,
+            target_layer_ids=target_layers,
+            intermediate_size=trunk32.cfg.intermediate_size,
+            swiglu_limit=trunk32.cfg.swiglu_limit,
+        )
+        report["drafters"][arm] = train_drafter(
+            DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2),
+            trunk32,
+            seqs_t,
+            feats_t,
+            n_val,
+            prompt_len,
+            minutes,
+            batch,
+            anchors,
+            lr,
+            gamma,
+            seed,
+            arm,
+            log_f,
+        )
         save_dflash(report["drafters"][arm].pop("model"), checkpoint, arm)
     log_f.close()
     plot_curves(checkpoint / "distill_log.jsonl", checkpoint / "distill_curve.png")
@@ -241,8 +277,22 @@ def main(
     print(json.dumps(report, indent=2))
 
 
-def train_drafter(model: DFlashDrafter, trunk: Trunk, seqs, feats, n_val, prompt_len, minutes, batch, n_anchor, lr,
-                  gamma, seed, arm, log_f) -> dict:
+def train_drafter(
+    model: DFlashDrafter,
+    trunk: Trunk,
+    seqs,
+    feats,
+    n_val,
+    prompt_len,
+    minutes,
+    batch,
+    n_anchor,
+    lr,
+    gamma,
+    seed,
+    arm,
+    log_f,
+) -> dict:
     """Train one drafter for ``minutes``; returns its figures and the model (key ``model``)."""
     from tqdm import tqdm
 
@@ -270,8 +320,14 @@ def train_drafter(model: DFlashDrafter, trunk: Trunk, seqs, feats, n_val, prompt
         step += 1
         tokens += batch * n_anchor * (bs - 1)
         if step % 10 == 0:
-            rec = {"arm": arm, "step": step, "seconds": round(time.time() - t0, 1), "ce": ls["ce"].item(),
-                   "sel": ls["sel"].item(), "acc": [round(x, 3) for x in ls["acc"].tolist()]}
+            rec = {
+                "arm": arm,
+                "step": step,
+                "seconds": round(time.time() - t0, 1),
+                "ce": ls["ce"].item(),
+                "sel": ls["sel"].item(),
+                "acc": [round(x, 3) for x in ls["acc"].tolist()],
+            }
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
             bar.n = int(rec["seconds"])
@@ -285,18 +341,27 @@ def train_drafter(model: DFlashDrafter, trunk: Trunk, seqs, feats, n_val, prompt
     acc = ls["acc"].tolist()
     # expected accepted drafts per block if each position's hit were independent: sum of prefix products
     exp_acc = sum(math.prod(acc[: i + 1]) for i in range(len(acc)))
-    return {"model": model, "steps": step, "seconds": round(time.time() - t0, 1),
-            "blocks_per_s": round(tokens / (bs - 1) / max(time.time() - t0, 1e-9), 1), "val_ce": ls["ce"].item(),
-            "val_acc_per_position": [round(x, 3) for x in acc], "val_tau_estimate": round(1 + exp_acc, 2)}
+    return {
+        "model": model,
+        "steps": step,
+        "seconds": round(time.time() - t0, 1),
+        "blocks_per_s": round(tokens / (bs - 1) / max(time.time() - t0, 1e-9), 1),
+        "val_ce": ls["ce"].item(),
+        "val_acc_per_position": [round(x, 3) for x in acc],
+        "val_tau_estimate": round(1 + exp_acc, 2),
+    }
 
 
 def plot_curves(log: Path, path: Path) -> None:
     """Block CE per drafter over training steps."""
     recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
-    series = {f"{arm} block CE": ([r["step"] for r in recs if r["arm"] == arm], [r["ce"] for r in recs if r["arm"] == arm])
-              for arm in sorted({r["arm"] for r in recs})}
-    save_curves(series, "step", "weighted block cross-entropy (nats/token)", "DFlash drafters distilled from the trunk",
-                path)
+    series = {
+        f"{arm} block CE": ([r["step"] for r in recs if r["arm"] == arm], [r["ce"] for r in recs if r["arm"] == arm])
+        for arm in sorted({r["arm"] for r in recs})
+    }
+    save_curves(
+        series, "step", "weighted block cross-entropy (nats/token)", "DFlash drafters distilled from the trunk", path
+    )
 
 
 if __name__ == "__main__":

@@ -75,15 +75,21 @@ def _tensor_rows(ts: tuple[TensorSpec, ...], inputs: bool) -> list[str]:
 def render_wire(models: dict[str, ModelSpec] | None = None) -> str:
     """``docs/wire.md``: for each model its kind, ops and parameters, then its inputs and outputs."""
     models = all_models() if models is None else models
-    out = [_HEAD.format(src="tandem.schema.MODELS and tandem.schema_text.MODELS") + "# Wire reference", "",
-           "Every Triton model's tensors as tandem declares them (`backend_src/tandem/schema.py`,",
-           "`schema_text.py`); each `config.pbtxt` is checked against the same declarations by",
-           "`tests/test_schema.py`. Dims `-1` are variable. An optional input that is absent takes its",
-           "default. Limits are inclusive unless written `(lo, hi]`. Values past a limit are refused with",
-           "an error naming the tensor (`MAX_TOKENS must be in [1, 4096], got 0`).", "",
-           "Outside clients call `tandem` (token ids, gRPC streaming) or `ensemble` (text, HTTP or gRPC);",
-           "`trunk`, `drafter_mtp` and `drafter_dflash` are internal stages that only tandem calls.", "",
-           "Models: " + ", ".join(f"[`{n}`](#{n})" for n in models), ""]
+    out = [
+        _HEAD.format(src="tandem.schema.MODELS and tandem.schema_text.MODELS") + "# Wire reference",
+        "",
+        "Every Triton model's tensors as tandem declares them (`backend_src/tandem/schema.py`,",
+        "`schema_text.py`); each `config.pbtxt` is checked against the same declarations by",
+        "`tests/test_schema.py`. Dims `-1` are variable. An optional input that is absent takes its",
+        "default. Limits are inclusive unless written `(lo, hi]`. Values past a limit are refused with",
+        "an error naming the tensor (`MAX_TOKENS must be in [1, 4096], got 0`).",
+        "",
+        "Outside clients call `tandem` (token ids, gRPC streaming) or `ensemble` (text, HTTP or gRPC);",
+        "`trunk`, `drafter_mtp` and `drafter_dflash` are internal stages that only tandem calls.",
+        "",
+        "Models: " + ", ".join(f"[`{n}`](#{n})" for n in models),
+        "",
+    ]
     for name, m in models.items():
         out += [f"## {name}", ""]
         facts = ["decoupled (streams responses)" if m.decoupled else "one response per request"]
@@ -107,8 +113,10 @@ def field_docs(cls=schema.ServingConfig) -> dict[str, str]:
     first, rest = paras[0], paras[1:]
     starts = [m for m in re.finditer(r"(?:^|(?<=; )|(?<=\. ))``(\w+)``", first) if m.group(1) in names]
     docs: dict[str, str] = {}
-    segs = [first[m.start(): starts[i + 1].start() if i + 1 < len(starts) else len(first)].rstrip(" ;.") + "."
-            for i, m in enumerate(starts)]
+    segs = [
+        first[m.start() : starts[i + 1].start() if i + 1 < len(starts) else len(first)].rstrip(" ;.") + "."
+        for i, m in enumerate(starts)
+    ]
     for seg in segs:
         for n in re.findall(r"``(\w+)``", seg.split(":", 1)[0]):
             if n in names:
@@ -142,13 +150,18 @@ def render_options(config: schema.ServingConfig | None = None, models: dict[str,
     models = all_models() if models is None else models
     docs = field_docs(type(config))
     fields = dataclasses.fields(config)
-    out = [_HEAD.format(src="tandem.schema.ServingConfig") + "# Serving options", "",
-           "Every serving parameter, its default and the models that take it. Set one with",
-           "`make serve ARGS=\"--set NAME=VALUE\"` (or the named flag where `serve --help` has one); each",
-           "model reads it from its `config.pbtxt` `parameters`, and `TANDEM_<NAME>` in the server's",
-           "environment overrides that (`TANDEM_MAX_SESSIONS=64`). An unknown name or a value that does not",
-           "parse is refused before the server starts, with the reason.", "",
-           "| name | type | default | models |", "|---|---|---|---|"]
+    out = [
+        _HEAD.format(src="tandem.schema.ServingConfig") + "# Serving options",
+        "",
+        "Every serving parameter, its default and the models that take it. Set one with",
+        '`make serve ARGS="--set NAME=VALUE"` (or the named flag where `serve --help` has one); each',
+        "model reads it from its `config.pbtxt` `parameters`, and `TANDEM_<NAME>` in the server's",
+        "environment overrides that (`TANDEM_MAX_SESSIONS=64`). An unknown name or a value that does not",
+        "parse is refused before the server starts, with the reason.",
+        "",
+        "| name | type | default | models |",
+        "|---|---|---|---|",
+    ]
     for f in fields:
         v = getattr(config, f.name)
         taking = ", ".join(f"`{n}`" for n in _models_taking(f.name, models))
@@ -167,8 +180,11 @@ def generate(config: schema.ServingConfig | None = None) -> dict[str, str]:
 def stale(root: Path = REPO_ROOT, files: dict[str, str] | None = None) -> list[str]:
     """The generated files whose committed text under ``root`` differs from ``files`` (default: :func:`generate`)."""
     files = generate() if files is None else files
-    return [rel for rel, text in files.items()
-            if not (root / rel).exists() or (root / rel).read_text(encoding="utf-8") != text]
+    return [
+        rel
+        for rel, text in files.items()
+        if not (root / rel).exists() or (root / rel).read_text(encoding="utf-8") != text
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

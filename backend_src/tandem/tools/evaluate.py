@@ -40,7 +40,9 @@ def main(
     checkpoint: Path = typer.Option(DEFAULT_CHECKPOINT, help="checkpoint folder"),
     prompts: int = typer.Option(20, help="number of ShareGPT prompts"),
     max_tokens: int = typer.Option(128, help="new tokens per prompt"),
-    dtype: str = typer.Option(schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"),
+    dtype: str = typer.Option(
+        schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"
+    ),
     num_draft_tokens: int = typer.Option(3, "--num-draft-tokens", help="MTP draft tokens per round"),
     seed: int = typer.Option(0, help="prompt sample seed"),
     tie_bound: float = typer.Option(0.125, help="top-2 logit gap below which a divergence is a near-tie"),
@@ -60,32 +62,56 @@ def main(
         s = eng.generate(ids, max_tokens, spec="mtp")
         pl = eng.generate(ids, max_tokens, spec="off")
         c = compare(s, pl)
-        rows.append({"prompt_tokens": len(ids), "new_tokens": len(s["token_ids"]), "tau": s["mean_acceptance_length"],
-                     "rounds": s["rounds"], "accepted": s["accepted"], "accepted_at": s["accepted_at"],
-                     "spec_tokens_per_s": s["tokens_per_s"], "plain_tokens_per_s": pl["tokens_per_s"], **c})
+        rows.append(
+            {
+                "prompt_tokens": len(ids),
+                "new_tokens": len(s["token_ids"]),
+                "tau": s["mean_acceptance_length"],
+                "rounds": s["rounds"],
+                "accepted": s["accepted"],
+                "accepted_at": s["accepted_at"],
+                "spec_tokens_per_s": s["tokens_per_s"],
+                "plain_tokens_per_s": pl["tokens_per_s"],
+                **c,
+            }
+        )
     rounds = sum(r["rounds"] for r in rows)
     acc = sum(r["accepted"] for r in rows)
-    per_pos = [sum(r["accepted_at"][i] for r in rows if i < len(r["accepted_at"])) / rounds for i in range(num_draft_tokens)]
+    per_pos = [
+        sum(r["accepted_at"][i] for r in rows if i < len(r["accepted_at"])) / rounds for i in range(num_draft_tokens)
+    ]
     div = [r for r in rows if not r["equal"]]
     report = {
-        "checkpoint": str(checkpoint), "dtype": dtype, "num_draft_tokens": num_draft_tokens, "prompts": len(rows), "max_tokens": max_tokens,
+        "checkpoint": str(checkpoint),
+        "dtype": dtype,
+        "num_draft_tokens": num_draft_tokens,
+        "prompts": len(rows),
+        "max_tokens": max_tokens,
         "mean_acceptance_length": 1 + acc / rounds if rounds else None,
         "acceptance_per_position": per_pos,
-        "exact_match": len(rows) - len(div), "divergences": len(div),
-        "divergence_gaps": [r["top2_gap"] for r in div], "tie_bound": tie_bound,
+        "exact_match": len(rows) - len(div),
+        "divergences": len(div),
+        "divergence_gaps": [r["top2_gap"] for r in div],
+        "tie_bound": tie_bound,
         "all_divergences_near_ties": all(r["top2_gap"] is not None and r["top2_gap"] < tie_bound for r in div),
         "median_speedup": statistics.median(r["spec_tokens_per_s"] / r["plain_tokens_per_s"] for r in rows),
         "rows": rows,
     }
     print(f"{'#':>3} {'tau':>5} {'equal':>6} {'div@':>5} {'gap':>7}")
     for i, r in enumerate(rows):
-        print(f"{i:>3} {r['tau']:5.2f} {str(r['equal']):>6} {r.get('position', ''):>5} "
-              f"{'' if r['equal'] else format(r['top2_gap'], '.4f'):>7}")
-    print(f"mean acceptance length tau = {report['mean_acceptance_length']:.3f} (num_draft_tokens={num_draft_tokens}, {dtype}); "
-          f"per-position acceptance {[round(x, 3) for x in per_pos]}")
-    print(f"exact match {report['exact_match']}/{len(rows)}; divergences {len(div)} "
-          f"(all near-ties below {tie_bound}: {report['all_divergences_near_ties']}); "
-          f"median spec/plain tokens/s {report['median_speedup']:.2f}x")
+        print(
+            f"{i:>3} {r['tau']:5.2f} {str(r['equal']):>6} {r.get('position', ''):>5} "
+            f"{'' if r['equal'] else format(r['top2_gap'], '.4f'):>7}"
+        )
+    print(
+        f"mean acceptance length tau = {report['mean_acceptance_length']:.3f} (num_draft_tokens={num_draft_tokens}, {dtype}); "
+        f"per-position acceptance {[round(x, 3) for x in per_pos]}"
+    )
+    print(
+        f"exact match {report['exact_match']}/{len(rows)}; divergences {len(div)} "
+        f"(all near-ties below {tie_bound}: {report['all_divergences_near_ties']}); "
+        f"median spec/plain tokens/s {report['median_speedup']:.2f}x"
+    )
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def save_curves(series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str, title: str,
-                path: str | Path) -> None:
+def save_curves(
+    series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str, title: str, path: str | Path
+) -> None:
     """One line per ``label -> (xs, ys)`` in a 7 x 4 inch PNG at ``path``."""
     import matplotlib
 

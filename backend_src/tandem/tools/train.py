@@ -45,7 +45,9 @@ def grow_trunk(src: Trunk, n_layers: int, seed: int = 0, comb_logit: float = 4.0
     """
     old = src.cfg
     period = 4
-    cfg = dataclasses.replace(old, num_hidden_layers=n_layers, layer_types=None, mlp_layer_types=None, indexer_types=None)
+    cfg = dataclasses.replace(
+        old, num_hidden_layers=n_layers, layer_types=None, mlp_layer_types=None, indexer_types=None
+    )
     dst = init_weights(Trunk(cfg), seed=seed)
     sd_src = src.state_dict()
     sd = dst.state_dict()
@@ -53,10 +55,13 @@ def grow_trunk(src: Trunk, n_layers: int, seed: int = 0, comb_logit: float = 4.0
     new = {}
     for k, v in sd.items():
         if not k.startswith("layers."):
-            new[k] = sd_src[k].clone(); continue
-        i = int(k.split(".")[1]); rest = k.split(".", 2)[2]
+            new[k] = sd_src[k].clone()
+            continue
+        i = int(k.split(".")[1])
+        rest = k.split(".", 2)[2]
         if i == n_layers:  # MTP
-            new[k] = sd_src[f"layers.{n_old}.{rest}"].clone(); continue
+            new[k] = sd_src[f"layers.{n_old}.{rest}"].clone()
+            continue
         j = i if i < n_old else i % period
         sk = f"layers.{j}.{rest}"
         if sk in sd_src and sd_src[sk].shape == v.shape:
@@ -67,15 +72,23 @@ def grow_trunk(src: Trunk, n_layers: int, seed: int = 0, comb_logit: float = 4.0
     for i in range(n_old, n_layers):
         p = f"layers.{i}."
         for k in list(new):
-            if not k.startswith(p): continue
-            if k.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.experts.down_proj",
-                           "mlp.shared_experts.down_proj.weight")):
+            if not k.startswith(p):
+                continue
+            if k.endswith(
+                (
+                    "self_attn.o_proj.weight",
+                    "mlp.down_proj.weight",
+                    "mlp.experts.down_proj",
+                    "mlp.shared_experts.down_proj.weight",
+                )
+            ):
                 new[k].zero_()
         for hc in ("attn_hc", "ffn_hc"):
-            fn = new[p + hc + ".fn"]; fn[2 * n:].zero_()
+            fn = new[p + hc + ".fn"]
+            fn[2 * n :].zero_()
             base = new[p + hc + ".base"]
             eye = torch.eye(n).flatten()
-            base[2 * n:] = comb_logit * (2 * eye - 1)
+            base[2 * n :] = comb_logit * (2 * eye - 1)
     dst.load_state_dict(new)
     return dst
 
@@ -97,7 +110,7 @@ def build_corpus(tok: ChatTokenizer, max_tokens: int, code_share: float, seed: i
     for i in range(0, len(code), 64):
         if n_code >= want_code:
             break
-        for enc in tok.tok.encode_batch(code[i: i + 64]):
+        for enc in tok.tok.encode_batch(code[i : i + 64]):
             ids = enc.ids + [tok.eos_id]
             out.append(np.asarray(ids, dtype=np.uint16))
             n_code += len(ids)
@@ -137,8 +150,13 @@ def losses(model: Trunk, ids: torch.Tensor, kl_weight: float) -> dict[str, torch
 def plot_curve(log: list[dict], path: Path) -> None:
     """Trunk and MTP training loss over tokens seen."""
     toks = [r["tokens"] / 1e6 for r in log]
-    save_curves({"trunk CE (t+1)": (toks, [r["ce"] for r in log]), "MTP CE (t+2)": (toks, [r["mtp"] for r in log])},
-                "training tokens (millions)", "cross-entropy (nats/token)", "tandem trunk + MTP training loss", path)
+    save_curves(
+        {"trunk CE (t+1)": (toks, [r["ce"] for r in log]), "MTP CE (t+2)": (toks, [r["mtp"] for r in log])},
+        "training tokens (millions)",
+        "cross-entropy (nats/token)",
+        "tandem trunk + MTP training loss",
+        path,
+    )
 
 
 @app.command()
@@ -157,8 +175,10 @@ def main(
     bf16: bool = typer.Option(True, help="bf16 autocast for matmuls"),
     resume: bool = typer.Option(False, help="continue from the checkpoint and tokenizer already in OUT"),
     layers: int = typer.Option(4, help="trunk layers (num_hidden_layers) of a fresh or grown model"),
-    grow_from: Path = typer.Option(None, help="start from this trained checkpoint, grown to --layers (function-"
-                                              "preserving; its tokenizer is reused)"),
+    grow_from: Path = typer.Option(
+        None,
+        help="start from this trained checkpoint, grown to --layers (function-preserving; its tokenizer is reused)",
+    ),
 ) -> None:
     """Train the tokenizer, trunk and MTP layer; write the checkpoint to OUT."""
     torch.set_num_threads(threads)
@@ -184,14 +204,19 @@ def main(
         write_tokenizer_config(out, [0, 2])  # train_tokenizer gives <|endoftext|> id 0, <|user|> id 2
     tok = ChatTokenizer(tok_path)
 
-    print(f"[2/4] corpus ({max_tokens/1e6:.0f}M tokens max)")
+    print(f"[2/4] corpus ({max_tokens / 1e6:.0f}M tokens max)")
     data = build_corpus(tok, max_tokens, code_share, seed)
     val = torch.from_numpy(data[-200_000:].astype(np.int64))
     train = torch.from_numpy(data[:-200_000].astype(np.int64))
-    print(f"      {len(train)/1e6:.2f}M train tokens, {len(val)/1e3:.0f}k validation tokens")
+    print(f"      {len(train) / 1e6:.2f}M train tokens, {len(val) / 1e3:.0f}k validation tokens")
 
-    cfg = TrunkConfig(vocab_size=tok.vocab_size, eos_token_id=list(tok.stop_ids), bos_token_id=None,
-                      pad_token_id=tok.eos_id, num_hidden_layers=layers)
+    cfg = TrunkConfig(
+        vocab_size=tok.vocab_size,
+        eos_token_id=list(tok.stop_ids),
+        bos_token_id=None,
+        pad_token_id=tok.eos_id,
+        num_hidden_layers=layers,
+    )
     model = init_weights(Trunk(cfg), seed=seed).train()
     if grow_from is not None:
         model = grow_trunk(load_trunk(grow_from, torch.float32), layers, seed=seed).train()
@@ -207,19 +232,23 @@ def main(
         torch.manual_seed(seed + 1)
         print(f"      resumed from {out / 'model.safetensors'}")
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[3/4] model: {n_params/1e6:.2f}M parameters; training for {minutes:.0f} min")
+    print(f"[3/4] model: {n_params / 1e6:.2f}M parameters; training for {minutes:.0f} min")
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (no_decay if p.ndim < 2 or "norm" in n or n.endswith(("base", "scale")) else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     # a resumed or grown run draws other batches than the run it continues
     gen = torch.Generator().manual_seed(seed + (1 if resume else 0) + (2 if grow_from is not None else 0))
     log: list[dict] = []
     tokens0 = prev_report["train_tokens_seen"] if prev_report else 0
     if resume and (out / "train_log.jsonl").exists():
-        log = [json.loads(l) for l in (out / "train_log.jsonl").read_text().splitlines() if l.strip()]
+        log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if line.strip()]
     log_f = open(out / "train_log.jsonl", "a" if resume else "w")
     budget = minutes * 60.0
     t0 = time.time()
@@ -236,7 +265,7 @@ def main(
         for g in opt.param_groups:
             g["lr"] = cur_lr
         starts = torch.randint(0, len(train) - seq_len - 1, (batch,), generator=gen)
-        ids = torch.stack([train[s: s + seq_len] for s in starts.tolist()])
+        ids = torch.stack([train[s : s + seq_len] for s in starts.tolist()])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             ls = losses(model, ids, kl_weight)
         loss = ls["ce"] + mtp_weight * ls["mtp"] + kl_weight * ls["kl"]
@@ -252,18 +281,31 @@ def main(
         tokens += ids.numel()
         if step % 10 == 0:
             el2 = time.time() - t0
-            rec = {"step": step, "tokens": tokens0 + tokens, "seconds": round(el2, 1), "lr": cur_lr,
-                   "ce": ls["ce"].item(), "mtp": ls["mtp"].item(), "kl": ls["kl"].item(),
-                   "tokens_per_s": round(tokens / el2, 1)}
+            rec = {
+                "step": step,
+                "tokens": tokens0 + tokens,
+                "seconds": round(el2, 1),
+                "lr": cur_lr,
+                "ce": ls["ce"].item(),
+                "mtp": ls["mtp"].item(),
+                "kl": ls["kl"].item(),
+                "tokens_per_s": round(tokens / el2, 1),
+            }
             log.append(rec)
             log_f.write(json.dumps(rec) + "\n")
             log_f.flush()
             bar.n = int(el2)
-            bar.set_postfix(ce=f"{rec['ce']:.3f}", mtp=f"{rec['mtp']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                            Mtok=f"{tokens/1e6:.2f}")
+            bar.set_postfix(
+                ce=f"{rec['ce']:.3f}",
+                mtp=f"{rec['mtp']:.3f}",
+                tok_s=f"{rec['tokens_per_s']:.0f}",
+                Mtok=f"{tokens / 1e6:.2f}",
+            )
             bar.refresh()
         if time.time() - last_save > 600:
-            model.eval(); save_trunk(model, out); model.train()
+            model.eval()
+            save_trunk(model, out)
+            model.train()
             last_save = time.time()
     bar.close()
     train_s = time.time() - t0
@@ -272,20 +314,32 @@ def main(
     with torch.no_grad():
         vl = []
         for i in range(0, len(val) - seq_len, seq_len * 4)[:40]:
-            v = val[i: i + seq_len].unsqueeze(0)
+            v = val[i : i + seq_len].unsqueeze(0)
             ls = losses(model, v, 0.0)
             vl.append((ls["ce"].item(), ls["mtp"].item()))
     save_trunk(model, out)
     plot_curve(log, out / "loss_curve.png")
-    report = {"seed": seed, "parameters": n_params, "train_tokens_seen": tokens0 + tokens, "steps": step,
-              "stages": (prev_report.get("stages", [prev_report]) if prev_report else [])
-              + [{"tokens": tokens, "seconds": round(train_s, 1), "resumed": resume}],
-              "train_seconds": round(train_s, 1), "tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
-              "val_ce": float(np.mean([a for a, _ in vl])), "val_mtp_ce": float(np.mean([b for _, b in vl])),
-              "total_seconds": round(time.time() - t_start, 1), "seq_len": seq_len, "batch": batch,
-              "layers": layers}
+    report = {
+        "seed": seed,
+        "parameters": n_params,
+        "train_tokens_seen": tokens0 + tokens,
+        "steps": step,
+        "stages": (prev_report.get("stages", [prev_report]) if prev_report else [])
+        + [{"tokens": tokens, "seconds": round(train_s, 1), "resumed": resume}],
+        "train_seconds": round(train_s, 1),
+        "tokens_per_s": round(tokens / max(train_s, 1e-9), 1),
+        "val_ce": float(np.mean([a for a, _ in vl])),
+        "val_mtp_ce": float(np.mean([b for _, b in vl])),
+        "total_seconds": round(time.time() - t_start, 1),
+        "seq_len": seq_len,
+        "batch": batch,
+        "layers": layers,
+    }
     if grow_from is not None and (grow_from / "train_report.json").exists():
-        report["grown_from"] = {"checkpoint": grow_from.name, **json.loads((grow_from / "train_report.json").read_text())}
+        report["grown_from"] = {
+            "checkpoint": grow_from.name,
+            **json.loads((grow_from / "train_report.json").read_text()),
+        }
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

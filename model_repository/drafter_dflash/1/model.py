@@ -27,10 +27,22 @@ class TritonPythonModel:
         self.stage = None
         if arms:
             trunk = load_trunk(ckpt, dt, with_mtp=False, device=dev)  # for its embedding and LM head
-            self.stage = DFlashStage({a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms}, trunk.embed_tokens, trunk.lm_head,
-                                     cfg.max_num_draft_tokens)
-        pb_utils.Logger.log_info(f"drafter_dflash: {ckpt} ({dt} on {dev}), drafters {({a: str(d) for a, d in dirs.items()}) or 'none'}")
+            self.stage = DFlashStage(
+                {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms},
+                trunk.embed_tokens,
+                trunk.lm_head,
+                cfg.max_num_draft_tokens,
+            )
+        pb_utils.Logger.log_info(
+            f"drafter_dflash: {ckpt} ({dt} on {dev}), drafters {({a: str(d) for a, d in dirs.items()}) or 'none'}"
+        )
 
     def execute(self, requests):
-        return backend.stage_execute(pb_utils, schema.DRAFTER_DFLASH, self.stage, requests, self.gauges, None if self.stage else
-                                     "SPEC: this checkpoint has no DFlash drafter (`make model` trains one)")
+        return backend.stage_execute(
+            pb_utils,
+            schema.DRAFTER_DFLASH,
+            self.stage,
+            requests,
+            self.gauges,
+            None if self.stage else "SPEC: this checkpoint has no DFlash drafter (`make model` trains one)",
+        )

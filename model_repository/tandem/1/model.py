@@ -29,8 +29,10 @@ class TritonPythonModel:
         backend.dump_stacks_on_signal()
         backend.require_one_instance(config)
         if "sequence_batching" in config:  # Triton would hold each sequence in a slot of its own
-            raise ValueError("model 'tandem': remove sequence_batching from config.pbtxt (the worker owns every "
-                             "session: idle expiry, max_sessions); requests still carry sequence_id and flags")
+            raise ValueError(
+                "model 'tandem': remove sequence_batching from config.pbtxt (the worker owns every "
+                "session: idle expiry, max_sessions); requests still carry sequence_id and flags"
+            )
         backend.set_torch_threads(1)
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"], require_weights=False)
@@ -49,14 +51,24 @@ class TritonPythonModel:
         drafters.update({arm: dflash for arm in dflash_arms(ckpt, dirs)})
         gauges = backend.Gauges(pb_utils, "tandem", front.GAUGES)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
-        self.front = front.TandemFront(front.TrunkProxy(transport, tcfg.vocab_size, on_error=log, hosted=cfg.colocate), drafters,
-                                       tok.stop_ids, cfg, log=log, decode=tok.decode,
-                                       info=pb_utils.Logger.log_info, watch=watch,
-                                       restart=self._restart, gauges=gauges.set,
-                                       standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else (),
-                                       state_size=StateSize.from_folders(ckpt, dirs))
+        self.front = front.TandemFront(
+            front.TrunkProxy(transport, tcfg.vocab_size, on_error=log, hosted=cfg.colocate),
+            drafters,
+            tok.stop_ids,
+            cfg,
+            log=log,
+            decode=tok.decode,
+            info=pb_utils.Logger.log_info,
+            watch=watch,
+            restart=self._restart,
+            gauges=gauges.set,
+            standby=(front.DrafterProxy(transport), front.DFlashProxy(transport)) if cfg.colocate else (),
+            state_size=StateSize.from_folders(ckpt, dirs),
+        )
         self.metrics = backend.MetricsPublisher(pb_utils, self.front.telemetry)
-        self.sends = backend.SendQueue(_response, FINAL, log, barrier=self.bls.held)  # responses leave off the worker's path
+        self.sends = backend.SendQueue(
+            _response, FINAL, log, barrier=self.bls.held
+        )  # responses leave off the worker's path
         pb_utils.Logger.log_info(f"tandem: checkpoint {ckpt}, {cfg}")
 
     def _restart(self, model):
@@ -70,8 +82,9 @@ class TritonPythonModel:
             arrays = backend.tensors_by_name(request.inputs(), schema.TANDEM.input_names)
             if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
                 number = arrays.get(schema.CANCEL_TURN)
-                self.front.cancel_session(int(request.correlation_id()), send,
-                                          None if number is None else int(number.reshape(-1)[0]))
+                self.front.cancel_session(
+                    int(request.correlation_id()), send, None if number is None else int(number.reshape(-1)[0])
+                )
                 continue
             try:
                 turn = front.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)
@@ -86,5 +99,7 @@ class TritonPythonModel:
         self.sends.close()
         self.metrics.stop()
         self.bls.decoupled.stop()
-        pb_utils.Logger.log_info(f"tandem: BLS calls {self.bls.stats.summary()}"
-                                 + (f"; pipelined {self.pipe.counts}" if isinstance(self.pipe, front.Pipeline) else ""))
+        pb_utils.Logger.log_info(
+            f"tandem: BLS calls {self.bls.stats.summary()}"
+            + (f"; pipelined {self.pipe.counts}" if isinstance(self.pipe, front.Pipeline) else "")
+        )
