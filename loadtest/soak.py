@@ -8,8 +8,8 @@ prefill), a long prompt beside a short turn, and ``max_tokens`` 1 turns; each mu
 :func:`run_kind` says.
 
 Passes when there is no unexpected failure (a bad request refused naming its field and a cancelled
-turn are expected outcomes), every kind ran and ended as expected, every state gauge is back at
-baseline after the run (sessions abandoned between turns are reclaimed by the server's idle timeout,
+turn are expected outcomes), every kind ran and ended as expected, every state gauge (:func:`off_baseline`) is
+back at baseline after the run (sessions abandoned between turns are reclaimed by the server's idle timeout,
 10 s here), and each process's memory is flat: its median RSS over the last third of the run within
 ``--rss-tolerance`` of its median over the first third (after ``--warmup-s``). Writes ``memory.jsonl``,
 ``kinds.jsonl`` (one line per kind run), ``soak.png`` and ``soak.md`` beside the load test's own report
@@ -30,7 +30,9 @@ from typing import Optional
 import typer
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
-STAGE_GAUGES = ("trunk", "drafter_mtp", "drafter_dflash")
+#: the ``tandem`` model's state gauges judged at baseline (0) beside the stages' sequences (:func:`stage_sequences`):
+#: what open sessions and their turns hold
+SESSION_GAUGES = ("sessions_open", "turns_running", "turns_waiting", "cache_rows", "state_bytes")
 #: the edge kinds of turn :func:`mixer` runs beside Locust's users (:func:`run_kind` says what each checks)
 KINDS = ("empty_later_turn", "reused_id_with_cancels", "cancel_in_prefill", "long_beside_short", "max_tokens_1")
 #: prompt tokens of a long prompt (with room left for its reply within the 4,096-token context)
@@ -195,8 +197,35 @@ def mixer(
             stop.wait(pause_s)
 
 
-def sample(srv) -> dict:
-    """One sample: epoch seconds, RSS in MB per process, tandem's gauges and each stage's sequences."""
+def served_drafters(env: dict[str, str]) -> tuple[str, ...]:
+    """The drafter models a server started with ``env`` loads (``colocate`` off; none by default, the drafters
+    then run in the ``tandem`` model's process)."""
+    from tandem.serving.serve import DRAFTER_MODELS, models_to_load
+
+    return tuple(m for m in models_to_load(env) if m in DRAFTER_MODELS)
+
+
+def stage_sequences(metrics: dict[str, dict[str, float]], drafters: tuple[str, ...]) -> dict[str, float]:
+    """Sequences each stage holds, from ``metrics`` (:func:`~tandem.serving.observe.tandem_metrics`): ``trunk``,
+    the ``tandem`` model's ``trunk_sequences`` (the engine core runs the trunk), and each served drafter model
+    of ``drafters``, its ``stage_sequences``. A gauge missing is NaN: never at baseline."""
+    nan = float("nan")
+    return {
+        "trunk": metrics.get("tandem", {}).get("trunk_sequences", nan),
+        **{d: metrics.get(d, {}).get("stage_sequences", nan) for d in drafters},
+    }
+
+
+def off_baseline(s: dict) -> dict[str, float]:
+    """The state gauges of sample ``s`` (:func:`sample`) not at baseline (0): each stage's sequences and
+    tandem's :data:`SESSION_GAUGES`; a missing gauge counts as off (NaN)."""
+    values = {**s["stages"], **{k: s["tandem"].get(k, float("nan")) for k in SESSION_GAUGES}}
+    return {k: v for k, v in values.items() if v != 0}
+
+
+def sample(srv, drafters: tuple[str, ...] = ()) -> dict:
+    """One sample: epoch seconds, RSS in MB per process, tandem's gauges and each stage's sequences
+    (:func:`stage_sequences`; ``drafters``: the drafter models the server loaded)."""
     from tandem.serving.observe import process_rss, tandem_metrics
 
     m = tandem_metrics(srv.metrics_port)
@@ -204,7 +233,7 @@ def sample(srv) -> dict:
         "t": time.time(),
         "rss_mb": {k: v / 2**20 for k, v in process_rss(srv.proc.pid).items()},
         "tandem": m.get("tandem", {}),
-        "stages": {s: m.get(s, {}).get("stage_sequences", 0.0) for s in STAGE_GAUGES},
+        "stages": stage_sequences(m, drafters),
     }
 
 
@@ -243,8 +272,8 @@ def plot(samples: list[dict], path: Path, title: str) -> None:
     for key in ("sessions_open", "turns_running", "session_slots_free"):
         if key != "session_slots_free":
             b.plot(ts, [s["tandem"].get(key, 0) for s in samples], label=key)
-    for st in STAGE_GAUGES:
-        b.plot(ts, [s["stages"][st] for s in samples], "--", label=f"{st} sequences")
+    for st in samples[0]["stages"]:
+        b.plot(ts, [s["stages"].get(st) for s in samples], "--", label=f"{st} sequences")
     b.set_xlabel("seconds")
     b.set_ylabel("count")
     b.legend(fontsize=8)
@@ -317,12 +346,13 @@ def main(
         "TANDEM_PREFIX_CACHE_MB": str(prefix_cache_mb),
         "TANDEM_IDLE_TIMEOUT_S": f"{idle_timeout_s:g}",
     }
+    drafters = served_drafters(env)
     with running_server(env=env, log_path=out / "tritonserver.log") as srv:
 
         def sampler():
             while not stop.is_set():
                 try:
-                    samples.append(sample(srv))
+                    samples.append(sample(srv, drafters))
                 except OSError as e:
                     print(f"soak: sample failed: {e}", file=sys.stderr)
                 stop.wait(sample_s)
@@ -360,32 +390,19 @@ def main(
         # its turn had ended) are reclaimed by the idle timeout; every gauge must then be at baseline
         t_end, settle = time.time(), None
         while time.time() - t_end < idle_timeout_s + 5:
-            s = sample(srv)
-            if (
-                not any(s["stages"].values())
-                and not s["tandem"].get("sessions_open")
-                and not s["tandem"].get("turns_running")
-            ):
+            if not off_baseline(sample(srv, drafters)):
                 settle = time.time() - t_end
                 break
             time.sleep(0.5)
         stop.set()
         th.join()
-        samples.append(sample(srv))
+        samples.append(sample(srv, drafters))
     (out / "memory.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     (out / "kinds.jsonl").write_text("".join(json.dumps(k) + "\n" for k in kinds))
     per_kind = {k: [r for r in kinds if r["kind"] == k] for k in chosen}
     kinds_ok = all(rs and all(r["ok"] for r in rs) for rs in per_kind.values())
     final = samples[-1]
-    off_baseline = {
-        k: v
-        for k, v in {
-            **final["stages"],
-            "sessions_open": final["tandem"].get("sessions_open", 0),
-            "turns_running": final["tandem"].get("turns_running", 0),
-        }.items()
-        if v
-    }
+    off = off_baseline(final)
     growth = memory_verdict(samples, warmup_s, rss_tolerance)
     faults = report.fault_counts(out / "raw.jsonl") if (out / "raw.jsonl").exists() else {}
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
@@ -403,7 +420,7 @@ def main(
         rc == 0
         and failures == 0
         and not faults.get("bad_wrong")
-        and not off_baseline
+        and not off
         and not stuck
         and kinds_ok
         and all(g < rss_tolerance for g in growth.values())
@@ -427,7 +444,7 @@ def main(
         lines.append(f"| {kind} | {len(rs)} | {len(bad)} | {first} |")
     lines += [
         "",
-        f"state gauges after the run: {'baseline' if not off_baseline else off_baseline}"
+        f"state gauges after the run: {'baseline' if not off else off}"
         + (
             f" ({settle:.1f} s after the last user stopped; idle_timeout_s {idle_timeout_s:g})"
             if settle is not None

@@ -119,3 +119,16 @@ def server():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
     with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def drafter_server():
+    """A real tritonserver with ``colocate`` off: the drafters in the drafter_mtp / drafter_dflash models
+    (one for the whole run: the tests of that configuration share it)."""
+    from tandem.serving.serve import running_server
+
+    if not (CHECKPOINT / "model.safetensors").exists():
+        pytest.skip(f"{CHECKPOINT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
+    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), "TANDEM_COLOCATE": "false"}
+    with running_server(env=env, ready_timeout_s=240) as srv:
+        yield srv

@@ -37,7 +37,7 @@ def test_quick_bench_runs_every_row_and_section(tmp_path):
             assert r["exact_match_rate"] * len(d["runs"][name]) + r["near_ties"] == len(d["runs"][name]), r
         else:
             assert r["exact_match_rate"] == 1.0, r  # greedy speculative and served output equal plain decoding
-    assert 0 < d["ratios"]["served_vs_inprocess plain"] and "trunk.draft_verify" in d["profile"]["served_calls"]
+    assert 0 < d["ratios"]["served_vs_inprocess plain"]
     lp = d["profile"]["long_prompt"]
     assert lp["waiting"]["short_ttft_s"] > 0 and lp["alone"]["gap_p90_s"] > 0 and lp["waiting"]["shorts"] == 3
     assert d["profile"]["limits"] and d["profile"]["scaling"]

@@ -3,7 +3,7 @@ are not acceptance), tokens a round over all rounds (what the ceiling uses), ser
 
 import pytest
 
-from tandem.tools.bench_report import served_calls, speedup_ratios, summarize
+from tandem.tools.bench_report import speedup_ratios, summarize
 
 
 def _run(prompt, rounds, spec_rounds, accepted, accepted_at):
@@ -30,38 +30,6 @@ def test_tau_counts_only_rounds_that_drafted():
     assert row["acceptance_per_position"] == pytest.approx([11 / 14, 9 / 14, 6 / 14])
     served = summarize("dflash2 (served)", [dict(r, spec_rounds=None) for r in runs], plain, 3, None)
     assert served["mean_acceptance_length"] is None and served["acceptance_per_position"] == []
-
-
-def test_served_calls_pair_round_trips_with_time_in_the_trunk(tmp_path):
-    """The server log's two statistics lines (``tandem``'s BLS round trips, the trunk's time inside
-    ``handle``, both logged at unload) become one figure per call: the round trip and its stage share."""
-    log = tmp_path / "server.log"
-    log.write_text(
-        "I1203 model.py:74] tandem: BLS calls {'trunk.draft_verify': {'calls': 10, 'mean_ms': 63.5}, "
-        "'drafter_mtp.close': {'calls': 2, 'mean_ms': 1.0}}\n"
-        "I1203 model.py:41] trunk: handled {'trunk.draft_verify': {'calls': 10, 'mean_ms': 61.25}, "
-        "'trunk.prime': {'calls': 1, 'mean_ms': 40.0}}\n"
-    )
-    calls = served_calls(log)
-    assert calls == {
-        "trunk.draft_verify": {"calls": 10, "mean_ms": 63.5, "stage_ms": 61.25},
-        "drafter_mtp.close": {"calls": 2, "mean_ms": 1.0},
-    }
-    log.write_text(
-        "I1204 model.py:84] tandem: BLS calls {'trunk.draft_verify': {'calls': 3, 'mean_ms': 20.0}, "
-        "'trunk.draft_verify_next': {'calls': 7, 'mean_ms': 30.0}}; pipelined {'calls': 7, 'refused': 1}\"\n"
-    )
-    assert served_calls(log) == {
-        "trunk.draft_verify": {"calls": 3, "mean_ms": 20.0},
-        "trunk.draft_verify_next": {"calls": 7, "mean_ms": 30.0},
-        "pipelined": {"calls": 7, "refused": 1},
-    }
-    log.write_text(
-        "I1205 model.py:70] trunk: compute thread {'calls': 40, 'wall_s': 2.5, 'cpu_s': 2.4, 'off_cpu': 0.04}\n"
-    )
-    assert served_calls(log) == {"compute": {"calls": 40, "wall_s": 2.5, "cpu_s": 2.4, "off_cpu": 0.04}}
-    log.write_text("no statistics: the server died\n")
-    assert served_calls(log) == {}
 
 
 def test_served_vs_in_process_gives_the_aggregate_and_the_paired_median():

@@ -163,7 +163,7 @@ def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
             tok.chat_prompt("Hello there"), 24, url=srv.grpc_url, spec="dflash2"
         )  # the drafter's own folder
         assert spec["token_ids"] == plain["token_ids"] and spec["drafted"] > 0
-        assert f"drafters {{'dflash2': '{drafter}'}}" in srv.log()
+        assert f"DFlash drafters {{'dflash2': '{drafter}'}}" in srv.log()
         assert tok.decode(tok.chat_prompt("Hello there"), skip_special=False).startswith(
             "<|system|>\nYou are a test model."
         )

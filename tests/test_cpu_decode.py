@@ -4,19 +4,13 @@ hidden rows, features and caches, on odd shapes (3 streams, 5 experts, a vocabul
 shipped checkpoint; the early stop; the scheduler's and the co-located host's plain rounds in one
 call give the tokens, receipts and caches of the rounds one at a time; bad calls are refused."""
 
-import time
-
 import pytest
 import torch
 
-from tandem.engine import colocated
-from tandem.engine.colocated import StageHost
 from tandem.engine.inprocess import Engine
-from tandem.engine.protocols import DecodedRounds, Rows, RoundsPlan
-from tandem.engine.scheduler import Turn
+from tandem.engine.protocols import Rows
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.model import cpu_decode
-from test_colocated import hosted
 from test_cpu_block import _odd_model
 
 
@@ -176,40 +170,9 @@ def test_scheduler_plain_rounds_in_one_call_equal_rounds_one_at_a_time(
     assert spec["token_ids"] == fast[0]["token_ids"]
 
 
-def test_hosted_plain_rounds_in_one_call_equal_rounds_one_at_a_time(checkpoint, trunk_fp32, monkeypatch):
-    def run(one_call: bool):
-        host = StageHost.build(TrunkStage(trunk_fp32, 512))
-        host.open([1, 2])
-        host.prime([Rows(1, [5, 6, 7, 8, 9]), Rows(2, list(range(30, 52)))])
-        if not one_call:
-            monkeypatch.setattr(host, "_plain_steps", lambda *a: (0, 0))
-        plans = [RoundsPlan(None, 0, 12, 12, (), 500), RoundsPlan(None, 0, 9, 12, (), 500)]
-        res, cont = host._run_rounds([Rows(1, [11]), Rows(2, [12])], plans)
-        return res, cont, host
-
-    fast, slow = run(True), run(False)
-    assert fast[1] == slow[1] and [len(r) for r in fast[0]] == [12, 9]
-    whole = fast[0][1]  # one decode call's rounds held whole (sequence 1's 12 took two); as rounds, one at a time
-    assert isinstance(whole, DecodedRounds) and whole.targets == [int(o.argmax[0]) for _, _, o in slow[0][1]]
-    assert whole[-1][0] == whole.anchors[8] == whole.targets[7] and len(whole[2:5]) == 3 and whole[3][1] == []
-    with pytest.raises(IndexError):
-        whole[9]
-    for rf, rs in zip(fast[0], slow[0]):
-        for (af, df, of), (as_, ds, os_) in zip(rf, rs):
-            assert af == as_ and df == ds == []
-            assert all(
-                torch.equal(getattr(of, k), getattr(os_, k)) for k in ("argmax", "hidden", "top2_gap", "features")
-            )
-    assert fast[2].pending.keys() == slow[2].pending.keys()
-    assert torch.equal(fast[2].pending[1][0].hidden, slow[2].pending[1][0].hidden)
-    assert [len(fast[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)] == [
-        len(slow[2].ingest.get(s, colocated._Ingest()).tokens) for s in (1, 2)
-    ]
-
-
 def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sharegpt_prompts, monkeypatch):
     """A plain call that ran the rounds the burst's time left gave it at the last call's pace ends the
-    burst (scheduler) or the ``draft_verify`` (co-located host): no short second call for the rest,
+    burst: no short second call for the rest,
     which was mostly its fixed cost (calls of 2-3 rounds between paced ones, 62 calls for 8 turns of
     128 tokens instead of 39)."""
     eng = Engine(
@@ -225,47 +188,6 @@ def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sh
     assert calls[0] == 2 and len(calls) <= len(bursts) and len(out["token_ids"]) == 40
     monkeypatch.setattr(eng.trunk, "decode_rows", None)
     assert eng.generate(ids, 40, spec="off")["token_ids"] == out["token_ids"]
-    host = StageHost.build(TrunkStage(trunk_fp32, 512))
-    host.open([1])
-    host.prime([Rows(1, [5, 6, 7, 8, 9])])
-    n = []
-    real_host = host.decode_rows
-    monkeypatch.setattr(host, "decode_rows", lambda *a: n.append(a[1]) or real_host(*a))
-    host._decode_round_s = 0.1
-    res, _ = host._run_rounds([Rows(1, [11])], [RoundsPlan(None, 0, 12, 12, (), 500)], ms=50.0)
-    assert n == [2] and len(res[0]) == 2
-    sched, host, spy = hosted(eng, burst_ms=50.0, burst_rounds=32)  # the served wiring: a call the trunk's clock
-    host._decode_round_s, per_burst = 0.1, []  # cut ends the burst (no second call for the time left)
-    burst = sched.burst
-    monkeypatch.setattr(sched, "burst", lambda: per_burst.append(len(spy.calls)) or burst())
-    got = []
-    sched.admit([Turn(7, ids, 40, lambda r, e, f: got.extend(r.tokens), spec="off")])
-    while sched.turns:
-        sched.burst()
-    per_burst.append(len(spy.calls))
-    dv = [sum(op == "draft_verify" for _, op, _, _ in spy.calls[a:b]) for a, b in zip(per_burst, per_burst[1:])]
-    assert got == out["token_ids"] and max(dv) == 1 and int(spy.calls[per_burst[0]][3]["ROUNDS_RUN"][0]) == 2
-
-
-def test_a_paced_call_that_would_leave_a_stub_finishes_the_turns():
-    """At 1 s a round with 10 s left the clock gives 10 rounds; a call whose turns all end within a
-    quarter more runs to their end instead of leaving a stub call for the last tokens (two
-    trips between the processes, ~2 ms here, for a few rounds: most served plain turns ended that way);
-    not when one turn goes on longer, nor when the plan's rounds end first."""
-    from tandem.engine.plain_rounds import plain_steps
-
-    def steps(budgets, rounds=32, room=500, end_s=10.0):
-        plans = [RoundsPlan(None, 0, rounds, b, (), room) for b in budgets]
-        end = None if end_s is None else time.perf_counter() + end_s - 1e-3
-        return plain_steps(plans, list(range(len(plans))), 0, [0] * len(plans), list(budgets), end, 1.0)
-
-    assert steps([12]) == (12, 12) and steps([12, 9]) == (9, 12)  # finish (each call stops at its own end)
-    assert steps([14]) == (10, 10) and steps([12, 30]) == (10, 10)  # more than a quarter left: the clock
-    assert steps([12], rounds=11) == (10, 10)  # the plan ends first: the next call is the turn's anyway
-    assert steps([30], room=20) == (10, 10) and steps([30], room=13) == (12, 12)  # the context's room ends a turn too
-    assert steps([3], end_s=None)[0] == 3 and steps([40], end_s=None)[0] == 32
-    assert steps([4], end_s=2.5) == (3, 3)  # a short burst (3 rounds by the clock) gets no more
-    assert steps([2], end_s=0.0) == (0, 1)  # the deadline passed: one round a call (burst_ms ~0), never more
 
 
 def test_a_short_prompt_and_its_answer_fit_the_first_buffers(trunk_fp32):

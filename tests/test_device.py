@@ -149,20 +149,39 @@ class _MetaDefault(fr.LocalTransport):
             return super().__call__(model, op, arrays)
 
 
-def _turns(checkpoint, trunk, transport_cls) -> list[list[int]]:
-    """Greedy turns on every arm and one sampled turn, through the stages' wire form (prefix cache on)."""
+class _OnMeta:
+    """A stage whose every method runs with ``meta`` as torch's default device (as :class:`_MetaDefault`)."""
+
+    def __init__(self, stage) -> None:
+        self.stage = stage
+
+    def __getattr__(self, name):
+        attr = getattr(self.stage, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **kw):
+            with torch.device("meta"):
+                return attr(*a, **kw)
+
+        return call
+
+
+def _turns(checkpoint, trunk, meta: bool) -> list[list[int]]:
+    """Greedy turns on every arm and one sampled turn (prefix cache on): the trunk stage in this process, the
+    drafters through their models' wire form (``colocate`` off); ``meta``: every stage call on meta."""
     feats = dflash_feature_layers(checkpoint)
     drafters = {a: load_dflash(checkpoint, a, torch.float32) for a in dflash_arms(checkpoint)}
-    tr = transport_cls(
+    tr = (_MetaDefault if meta else fr.LocalTransport)(
         {
-            "trunk": TrunkStage(trunk, 512, feats),
             "drafter_mtp": MTPStage(trunk),
             "drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head),
         }
     )
     dfl = fr.DFlashProxy(tr)
+    stage = TrunkStage(trunk, 512, feats)
     sched = Scheduler(
-        fr.TrunkProxy(tr, vocab_size=trunk.cfg.vocab_size),
+        _OnMeta(stage) if meta else stage,
         {schema.MTP: fr.DrafterProxy(tr), **{a: dfl for a in drafters}},
         schema.DEFAULTS,
     )
@@ -194,6 +213,6 @@ def test_stages_create_no_tensor_off_the_model_device(checkpoint, trunk_fp32):
     every tensor the stages make for the model goes to its device: with meta as the default device
     the served turns are unchanged."""
     with cpu_kernels.reference(), dispatch.force("torch"):
-        want = _turns(checkpoint, trunk_fp32, fr.LocalTransport)
-        got = _turns(checkpoint, trunk_fp32, _MetaDefault)
+        want = _turns(checkpoint, trunk_fp32, False)
+        got = _turns(checkpoint, trunk_fp32, True)
     assert got == want and all(len(t) == 6 for t in want)

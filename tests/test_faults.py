@@ -1,7 +1,8 @@
-"""Stage faults and session bounds without Triton: a stage call that hangs
-past ``stage_timeout_s``, a stage whose process died (restarted, then used again), sessions bounded by
-``max_sessions`` with a bounded wait, and the gauges that show it. The same faults against a real
-server are in tests/test_faults_served.py."""
+"""Drafter faults and session bounds without Triton: the trunk runs in the engine core's process, the
+``mtp`` drafter in its own model reached over a transport (``colocate`` off). A drafter call that hangs
+past ``stage_timeout_s``, a drafter whose process died (restarted; its sessions go on plain, which gives
+the trunk's greedy output), sessions bounded by ``max_sessions`` with a bounded wait, and the gauges that
+show it. The same faults against a real server are in tests/test_faults_served.py."""
 
 from __future__ import annotations
 
@@ -18,18 +19,33 @@ from tandem.serving import front as fr
 
 from conftest import make_tiny_trunk
 
+DRAFTER = "drafter_mtp"
+
 
 @pytest.fixture(scope="module")
 def model():
     return make_tiny_trunk(max_position_embeddings=256)
 
 
+@pytest.fixture(scope="module")
+def plain(model):
+    """The trunk's plain greedy output for the prompt [1, 2, 3] (60 tokens)."""
+    sched = Scheduler(TrunkStage(model), {}, schema.ServingConfig(max_ctx=256))
+    out: list[int] = []
+    sched.admit([Turn(9, [1, 2, 3], 60, lambda r, e, f: out.extend(r.tokens), spec="off")])
+    while sched.turns:
+        sched.burst()
+    assert len(out) == 60
+    return out
+
+
 class Faulty:
-    """A transport over in-process stages that can hang (until released) or answer like a dead stub
-    for chosen ``(model, op)`` calls."""
+    """A transport over the in-process ``drafter_mtp`` stage that can hang (until released) or answer
+    like a dead stub for chosen ``(model, op)`` calls."""
 
     def __init__(self, model) -> None:
-        self.stages = {"trunk": TrunkStage(model), "drafter_mtp": MTPStage(model)}
+        self.model = model
+        self.stages = {DRAFTER: MTPStage(model)}
         self.inner = fr.LocalTransport(self.stages)
         self.hang: set[tuple[str, str]] = set()
         self.dead: set[str] = set()
@@ -48,6 +64,10 @@ class Faulty:
                 self.dead.add(model.name)
                 raise fr.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
         return self.inner(model, op, arrays)
+
+    def drafts_since(self, n: int) -> int:
+        """``draft`` calls among the calls after the first ``n``."""
+        return sum(1 for m, op, _ in self.calls[n:] if (m, op) == (DRAFTER, "draft"))
 
 
 class Client:
@@ -73,17 +93,33 @@ class Client:
             self.done.set()
 
 
-def _front(tr: Faulty, restarts: list | None = None, stage_timeout_s: float = 30.0, **cfg):
-    """A front over ``tr``, warmed up by one turn of each arm (a first call compiles kernels) before
-    its stage deadline is lowered to ``stage_timeout_s``."""
+def _front(
+    tr: Faulty,
+    restarts: list | None = None,
+    stage_timeout_s: float = 30.0,
+    back: threading.Event | None = None,
+    **cfg,
+):
+    """A front with the trunk in its process and the ``mtp`` drafter over ``tr``, warmed up by one turn
+    of each arm (a first call compiles kernels) before its stage deadline is lowered to ``stage_timeout_s``.
+    With ``restarts``, a restart of a model is recorded there and takes 0.3 s (or, with ``back``, until it
+    is set), after which the model answers again."""
     w = fr.WatchedTransport(tr, 30.0)
-    restart = None if restarts is None else (lambda m: (restarts.append(m), time.sleep(0.3), tr.dead.discard(m)))
+
+    def restart(name: str) -> None:
+        restarts.append(name)
+        if back is None:
+            time.sleep(0.3)
+        else:
+            assert back.wait(30)
+        tr.dead.discard(name)
+
     front = fr.TandemFront(
-        fr.TrunkProxy(w),
+        TrunkStage(tr.model),
         {"mtp": fr.DrafterProxy(w)},
         stop_ids=(),
         watch=w,
-        restart=restart,
+        restart=None if restarts is None else restart,
         config=schema.ServingConfig(max_ctx=256, burst_rounds=1, **cfg),
     )
     for spec in ("mtp", "off"):
@@ -98,74 +134,96 @@ def _turn(front, sid, max_tokens=100, **kw) -> Client:
     return c
 
 
-def test_hung_stage_fails_its_turns_by_the_deadline_and_recovers(model):
+def _wait(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(cond())
+
+
+def test_hung_drafter_fails_its_turns_by_the_deadline_and_recovers(model, plain):
     tr = Faulty(model)
     front = _front(tr, stage_timeout_s=0.4)
     try:
-        a = _turn(front, 1, max_tokens=200, spec="off")
+        a = _turn(front, 1, max_tokens=200, spec="mtp")
         assert a.first.wait(30)
-        tr.hang.add(("trunk", "verify"))
+        tr.hang.add((DRAFTER, "draft"))
         t0 = time.monotonic()
         assert a.done.wait(5)
-        assert a.err == "trunk.verify: did not answer within 0.4 s (stage_timeout_s)" and a.finals == 1
+        assert a.err == "drafter_mtp.draft: did not answer within 0.4 s (stage_timeout_s)" and a.finals == 1
         assert a.t_final - t0 < 0.4 + 0.5
-        late = _turn(front, 2)  # arrives while the call still hangs: refused at once, naming the stage
-        assert late.done.wait(2) and "trunk is not answering" in late.err
+        late = _turn(front, 2)  # arrives while the call still hangs: refused at once, naming the drafter
+        assert late.done.wait(2)
+        assert late.err == "drafter_mtp is not answering (a call has run past 0.4 s, stage_timeout_s); retry later"
         tr.hang.clear()
-        tr.release.set()  # the call returns at last: the failed sessions are closed
-        ok = _turn(front, 3, max_tokens=8)
-        assert ok.done.wait(30) and ok.err is None and len(ok.tokens) == 8
-        deadline = time.monotonic() + 2
-        while (tr.stages["trunk"].caches or tr.stages["drafter_mtp"].states) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not tr.stages["trunk"].caches and not tr.stages["drafter_mtp"].states  # nothing leaked
-        assert not front.sched.sessions
+        tr.release.set()  # the call returns at last: the failed session is closed
+        assert _wait(lambda: front.watch.stalled is None)
+        n = len(tr.calls)
+        ok = _turn(front, 3, max_tokens=8, spec="mtp")
+        assert ok.done.wait(30) and ok.err is None and ok.tokens == plain[:8]
+        assert tr.drafts_since(n) > 0  # speculates again
+        assert _wait(lambda: not (front.sched.sessions or front.sched.trunk.caches or tr.stages[DRAFTER].states))
+        assert not front.sched.trunk.caches and not tr.stages[DRAFTER].states  # nothing leaked
+        assert not front.sched.sessions and front.gauge_values()["stage_restarts"] == 0
     finally:
         tr.release.set()
         front.stop()
 
 
-def test_hung_admission_is_answered_by_the_watchdog(model):
+def test_hung_admission_is_answered_by_the_watchdog(model, plain):
+    """A drafter ``open`` that hangs while a turn is admitted: the watchdog answers the turn; once the call
+    returns, the session is closed and new turns are served."""
     tr = Faulty(model)
     front = _front(tr, stage_timeout_s=0.3)
-    tr.hang.add(("trunk", "prime"))
+    tr.hang.add((DRAFTER, "open"))
     try:
-        a = _turn(front, 1)
-        assert a.done.wait(3) and a.err == "trunk.prime: did not answer within 0.3 s (stage_timeout_s)"
+        a = _turn(front, 1, spec="mtp")
+        assert a.done.wait(3) and a.err == "drafter_mtp.open: did not answer within 0.3 s (stage_timeout_s)"
+        tr.hang.clear()
+        tr.release.set()
+        assert _wait(lambda: front.watch.stalled is None)
+        ok = _turn(front, 2, max_tokens=8, spec="mtp")
+        assert ok.done.wait(30) and ok.err is None and ok.tokens == plain[:8]
+        assert _wait(lambda: not front.sched.sessions and not front.sched.trunk.caches)
     finally:
         tr.release.set()
         front.stop()
     assert a.finals == 1
 
 
-def test_dead_trunk_fails_every_turn_and_is_restarted(model):
-    tr, restarts = Faulty(model), []
-    front = _front(tr, restarts)
+def test_dead_drafter_at_admission_is_restarted_and_turns_go_on_plain_meanwhile(model, plain):
+    """A drafter found dead when a turn opens its state: the turn decodes plain (the trunk's greedy output,
+    no error), the drafter is restarted, and turns admitted while it restarts go plain without calling it;
+    once it is back, new turns speculate again."""
+    tr, restarts, back = Faulty(model), [], threading.Event()
+    front = _front(tr, restarts, back=back)
     try:
-        a, idle = _turn(front, 1, max_tokens=200), _turn(front, 2, max_tokens=2)
-        assert a.first.wait(30) and idle.done.wait(30)
-        tr.dead.add("trunk")
-        assert a.done.wait(3) and a.finals == 1
-        assert (
-            a.err.startswith("trunk.verify: Stub process 'trunk_0_0' is not healthy.") and "restarting trunk" in a.err
-        )
-        refused = _turn(front, 3)  # while it restarts
-        assert refused.done.wait(2) and refused.err.startswith("trunk is restarting")
-        deadline = time.monotonic() + 5
-        while "trunk" in front.sched.unavailable and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert restarts == ["trunk"] and not front.sched.unavailable
-        assert not front.sched.sessions and not tr.stages["drafter_mtp"].states  # the drafter's state closed too
-        ok = _turn(front, 4, max_tokens=6)
-        assert ok.done.wait(30) and ok.err is None and len(ok.tokens) == 6
-        assert front.gauge_values()["stage_restarts"] == 1
+        tr.dead.add(DRAFTER)
+        a = _turn(front, 1, max_tokens=30, spec="mtp")
+        assert a.done.wait(30) and a.err is None and a.tokens == plain[:30]
+        assert _wait(lambda: restarts) and restarts == [DRAFTER] and front.sched.unavailable == {DRAFTER}
+        n = len(tr.calls)
+        b = _turn(front, 2, max_tokens=30, spec="mtp")  # while it restarts
+        assert b.done.wait(30) and b.err is None and b.tokens == plain[:30]
+        assert tr.calls[n:] == []  # no call to the restarting drafter
+        back.set()
+        assert _wait(lambda: not front.sched.unavailable)
+        n = len(tr.calls)
+        c = _turn(front, 3, max_tokens=30, spec="mtp")
+        assert c.done.wait(30) and c.err is None and c.tokens == plain[:30]
+        assert tr.drafts_since(n) > 0  # speculates again
+        g = front.gauge_values()
+        assert (g["stage_restarts"], g["degraded_sessions"]) == (1, 2)
+        assert restarts == [DRAFTER]
+        assert _wait(lambda: not front.sched.sessions and not tr.stages[DRAFTER].states)
     finally:
+        back.set()
         front.stop()
 
 
-def test_dead_trunk_noticed_after_the_deadline_is_restarted_and_the_watchdog_survives(model, monkeypatch):
+def test_dead_drafter_noticed_after_the_deadline_is_restarted_and_the_watchdog_survives(model, plain, monkeypatch):
     """The served flake's kind: the backend notices a dead stub later than the stage deadline, so the
-    watchdog's error reaches the client first; when the hung call then answers "not healthy" the trunk
+    watchdog's error reaches the client first; when the hung call then answers "not healthy" the drafter
     is restarted all the same. A watchdog look that raises is logged and the next one still answers."""
     tr, restarts, logged = Faulty(model), [], []
     front = _front(tr, restarts, stage_timeout_s=0.3)
@@ -180,22 +238,22 @@ def test_dead_trunk_noticed_after_the_deadline_is_restarted_and_the_watchdog_sur
 
     monkeypatch.setattr(front.watch, "overdue", flaky_overdue)
     try:
-        a = _turn(front, 1, max_tokens=200, spec="off")
+        a = _turn(front, 1, max_tokens=200, spec="mtp")
         assert a.first.wait(30)
-        tr.hang.add(("trunk", "verify"))
-        tr.dying.add("trunk")
+        tr.hang.add((DRAFTER, "draft"))
+        tr.dying.add(DRAFTER)
         assert a.done.wait(3) and a.finals == 1
-        assert a.err == "trunk.verify: did not answer within 0.3 s (stage_timeout_s)"
+        assert a.err == "drafter_mtp.draft: did not answer within 0.3 s (stage_timeout_s)"
         assert "watchdog: RuntimeError: one bad look" in logged
         tr.release.set()  # the hung call answers "not healthy": restart
-        deadline = time.monotonic() + 5
-        while (not restarts or "trunk" in front.sched.unavailable) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert restarts == ["trunk"] and not front.sched.unavailable and not front.sched.sessions
+        assert _wait(lambda: restarts and not front.sched.unavailable and not front.sched.sessions)
+        assert restarts == [DRAFTER] and any(m.startswith(f"{DRAFTER}'s process died") for m in logged), logged
         tr.hang.clear()
         tr.dying.clear()
-        ok = _turn(front, 2, max_tokens=6)
-        assert ok.done.wait(30) and ok.err is None and len(ok.tokens) == 6
+        n = len(tr.calls)
+        ok = _turn(front, 2, max_tokens=6, spec="mtp")
+        assert ok.done.wait(30) and ok.err is None and ok.tokens == plain[:6]
+        assert tr.drafts_since(n) > 0
         assert front.gauge_values()["stage_restarts"] == 1
     finally:
         tr.release.set()
@@ -203,7 +261,7 @@ def test_dead_trunk_noticed_after_the_deadline_is_restarted_and_the_watchdog_sur
 
 
 def test_stages_are_probed_only_once_the_worker_idles(model, monkeypatch):
-    """The idle probe (a no-op call per stage model, to find dead processes) never runs between
+    """The idle probe (a no-op call per drafter model, to find dead processes) never runs between
     back-to-back turns, where a request arriving would wait on it; it runs once no turn has run for
     PROBE_IDLE_S."""
     monkeypatch.setattr(fr, "PROBE_S", 0.0)
@@ -214,38 +272,36 @@ def test_stages_are_probed_only_once_the_worker_idles(model, monkeypatch):
         time.sleep(0.6)
         n0 = len(tr.calls)
         for sid in range(10, 16):  # back to back: each turn sent once the previous one ended
-            assert _turn(front, sid, max_tokens=4, spec="off").done.wait(30)
+            assert _turn(front, sid, max_tokens=4, spec="mtp").done.wait(30)
         probes = lambda calls: [c for c in calls if c[1] == "close" and c[2] == 0]  # noqa: E731
         calls = tr.calls[n0:]  # a probe round under way when the first turn arrived may finish first (CI once)
         first = next(i for i, c in enumerate(calls) if c not in probes([c]))
         assert not probes(calls[first:]), calls
+        assert tr.drafts_since(n0) >= 6
         time.sleep(0.7)
-        assert probes(tr.calls[n0:])
+        assert probes(tr.calls[n0 + len(calls) :]) and set(probes(tr.calls[n0:])) == {(DRAFTER, "close", 0)}
     finally:
         front.stop()
 
 
-def test_dead_drafter_degrades_its_sessions_and_is_restarted(model):
+def test_dead_drafter_degrades_its_sessions_and_is_restarted(model, plain):
+    """A drafter that dies under a running turn: the turn goes on plain to the end (the trunk's greedy
+    output, no error), the drafter is restarted, and a later turn speculates again."""
     tr, restarts = Faulty(model), []
     front = _front(tr, restarts)
-    ref_s = Scheduler(TrunkStage(tr.stages["trunk"].model), {}, schema.ServingConfig(max_ctx=256))
-    ref: list[int] = []
-    ref_s.admit([Turn(9, [1, 2, 3], 60, lambda r, e, f: ref.extend(r.tokens), spec="off")])
-    while ref_s.turns:
-        ref_s.burst()
     try:
         a = _turn(front, 1, max_tokens=60, spec="mtp")
         assert a.first.wait(30)
-        tr.dead.add("drafter_mtp")
-        assert a.done.wait(30) and a.err is None and a.tokens == ref  # plain decoding: the same greedy output
-        deadline = time.monotonic() + 5
-        while front.sched.unavailable and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert restarts == ["drafter_mtp"]
+        tr.dead.add(DRAFTER)
+        assert a.done.wait(30) and a.err is None and a.tokens == plain  # plain decoding: the same greedy output
+        assert _wait(lambda: restarts and not front.sched.unavailable)
+        assert restarts == [DRAFTER]
+        n = len(tr.calls)
         b = _turn(front, 2, max_tokens=60, spec="mtp")  # speculates again
         assert b.done.wait(30) and b.err is None, b.err
-        assert b.tokens == ref
-        assert front.gauge_values()["degraded_sessions"] == 1
+        assert b.tokens == plain and tr.drafts_since(n) > 0
+        g = front.gauge_values()
+        assert (g["degraded_sessions"], g["stage_restarts"]) == (1, 1)
     finally:
         front.stop()
 
@@ -308,8 +364,9 @@ def test_idle_counts_from_the_end_of_the_turn(model):
 
 
 def test_health_during_a_reload_reads_not_ready(monkeypatch):
-    """While Triton reloads a model it answers ``is_model_ready`` with UNAVAILABLE "Server not ready"
-    (seen in tests/test_faults_served.py's restart case): health reads NOT READY for it instead of raising; other
+    """While Triton reloads a drafter model (restarting its dead process) it answers ``is_model_ready`` with
+    UNAVAILABLE "Server not ready" (seen in tests/test_faults_served.py's restart case): health reads NOT READY
+    for it, and READY for the ``tandem`` model, instead of raising; a model never loaded is left out; other
     errors still raise."""
     grpcclient = pytest.importorskip("tritonclient.grpc")
     from tritonclient.utils import InferenceServerException
@@ -325,8 +382,12 @@ def test_health_during_a_reload_reads_not_ready(monkeypatch):
         def is_server_live(self, **kw):
             return True
 
+        def get_model_repository_index(self, **kw):
+            names = ("drafter_mtp", "tandem")  # (drafter_dflash: in the repository, never loaded)
+            return {"models": [{"name": n, "state": "READY"} for n in names] + [{"name": "drafter_dflash"}]}
+
         def is_model_ready(self, name, **kw):
-            if name == "trunk":
+            if name == "drafter_mtp":
                 raise InferenceServerException(self.answer, status="StatusCode.UNAVAILABLE")
             return True
 
@@ -338,7 +399,7 @@ def test_health_during_a_reload_reads_not_ready(monkeypatch):
 
     monkeypatch.setattr(grpcclient, "InferenceServerClient", Reloading)
     health = stage_health("127.0.0.1:1")
-    assert health["trunk"] == "NOT READY" and health["tandem"] == "READY", health
+    assert health == {"drafter_mtp": "NOT READY", "tandem": "READY"}, health
     Reloading.answer = "permission denied"
     with pytest.raises(InferenceServerException, match="permission denied"):
         stage_health("127.0.0.1:1")
@@ -355,12 +416,12 @@ def test_stop_leaves_a_worker_stuck_in_a_stage_call_behind_and_logs_where(model,
     front = _front(tr)
     logs: list[str] = []
     front.log = logs.append
-    tr.hang.add(("trunk", "close"))
+    tr.hang.add((DRAFTER, "close"))
     try:
         deadline = time.monotonic() + 10
-        while not (tr.calls and tr.calls[-1] == ("trunk", "close", 0)) and time.monotonic() < deadline:
+        while not (tr.calls and tr.calls[-1] == (DRAFTER, "close", 0)) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert tr.calls[-1] == ("trunk", "close", 0)  # the probe hangs
+        assert tr.calls[-1] == (DRAFTER, "close", 0)  # the probe hangs
         t0 = time.monotonic()
         assert front.stop(timeout_s=0.5) is False
         assert time.monotonic() - t0 < 2.0

@@ -1,15 +1,20 @@
 """Integration: session lifecycle against a real tritonserver, watched through the metrics
-port (each stage's ``tandem_stage_sequences``, tandem's session gauges) and the processes' memory.
+port (the ``tandem`` model's session gauges and ``tandem_trunk_sequences``, each loaded drafter model's
+``tandem_stage_sequences``) and the processes' memory.
 
-One server with short limits (idle 3 s, stage deadline 1.5 s, 16 sessions, 1 s admission wait):
-cancellation frees state within 1 s; the idle clock counts from the end of a turn; a full server
-answers "no free session"; 1,000 short sessions leak nothing; a stage call past its deadline and a
-dead (SIGKILL) or stopped (SIGSTOP) stage process fail their turns with an error naming the stage, show in ``tandem health``, and the next
-request after recovery works.
+Two servers. ``srv``: the default shape (the trunk and the drafters in the ``tandem`` model's process, no
+drafter model loaded) with short limits (idle 3 s, 16 sessions, 1 s admission wait): cancellation frees
+state within 1 s; the idle clock counts from the end of a turn; a full server answers "no free session";
+1,000 short sessions leak nothing. ``srv_off``: ``colocate`` off (the drafter models loaded, called over
+BLS under a 3 s stage deadline) with the same limits: a drafter call past its deadline fails the turns in
+flight naming the call and is reported by ``tandem health``; a drafter process that dies (SIGKILL) or
+stops (SIGSTOP) mid-stream degrades its sessions to plain decoding (same greedy tokens, no error) and is
+restarted, and one that stops while idle is found by the engine core's probe and restarted.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import random
@@ -29,52 +34,69 @@ from tandem_client.client import TandemClientError, generate, new_sequence_id, s
 from conftest import CHECKPOINT, long_turn_prompt  # noqa: E402
 
 pytestmark = pytest.mark.integration
-#: the stage deadline: above the ~1 s a dead stub takes to be noticed (the dead-stage case must see
-#: "not healthy", not a timeout)
-STAGE_TIMEOUT_S = 1.5
-#: the past-deadline case's own server: well under a 4,000-token prime (~2.2 s in-process here, ~3 s
-#: before the register tiles), so it has time to look around before the late answer
-SHORT_TIMEOUT_S = 0.3  # far under the 4,000-token prime (~1.4 s here): the test keeps a margin on faster machines
-# prefill_budget 0: a long prompt is one trunk call, the stage call that outlives the deadline below
 LIMITS = {
     "TANDEM_IDLE_TIMEOUT_S": "3",
-    "TANDEM_STAGE_TIMEOUT_S": str(STAGE_TIMEOUT_S),
     "TANDEM_MAX_SESSIONS": "16",
     "TANDEM_ADMISSION_WAIT_S": "1",
-    "TANDEM_PREFILL_BUDGET": "0",
 }
-STAGES = ("trunk", "drafter_mtp", "drafter_dflash")
+#: ``srv_off``'s stage deadline: above the 1-2 s the Python backend takes to answer "not healthy" for a dead
+#: or stopped drafter process (it waits a second for the stub's heartbeat), so such a drafter is seen dead
+#: (its sessions go on plain) rather than late (its turns fail)
+STAGE_TIMEOUT_S = 3.0
+#: ``srv_off``: the drafter models loaded and called over BLS; demotion off, so an MTP session drafts
+#: (calls ``drafter_mtp``) every round of its turn
+OFF = {
+    **LIMITS,
+    "TANDEM_COLOCATE": "false",
+    "TANDEM_STAGE_TIMEOUT_S": f"{STAGE_TIMEOUT_S:g}",
+    "TANDEM_DEMOTE_BELOW": "0",
+}
+DRAFTER_MODELS = (schema.DRAFTER_MTP.name, schema.DRAFTER_DFLASH.name)
 PROMPT = [9, 120, 431, 77, 1500, 32, 8, 640, 91, 12]
+
+
+def _server(env: dict[str, str]):
+    from tandem.serving.serve import models_to_load, running_server
+
+    if not (CHECKPOINT / "model.safetensors").exists():
+        pytest.skip(f"{CHECKPOINT} has no model.safetensors")
+    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **env}
+    with running_server(env=env, ready_timeout_s=240) as s:
+        s.drafter_models = tuple(m for m in models_to_load(env) if m in DRAFTER_MODELS)  # what state() reads
+        yield s
 
 
 @pytest.fixture(scope="module")
 def srv():
-    from tandem.serving.serve import running_server
-
-    if not (CHECKPOINT / "model.safetensors").exists():
-        pytest.skip(f"{CHECKPOINT} has no model.safetensors")
-    with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **LIMITS}, ready_timeout_s=240) as s:
-        yield s
+    """The default shape: the drafters in the ``tandem`` model's process, no drafter model loaded."""
+    yield from _server(LIMITS)
 
 
-@pytest.fixture()
-def srv_short():
-    """A server like ``srv`` but with the stage deadline ``SHORT_TIMEOUT_S`` (for one test)."""
-    from tandem.serving.serve import running_server
-
-    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **LIMITS, "TANDEM_STAGE_TIMEOUT_S": str(SHORT_TIMEOUT_S)}
-    with running_server(env=env, ready_timeout_s=240) as s:
-        yield s
+@pytest.fixture(scope="module")
+def srv_off():
+    """``colocate`` off: the drafter models loaded, called over BLS under ``STAGE_TIMEOUT_S``."""
+    yield from _server(OFF)
 
 
 def state(srv) -> dict[str, float]:
-    """Sequences held per stage process and tandem's open sessions / running turns."""
+    """Sequences whose trunk cache the engine core holds (``trunk``), sequences each loaded drafter model
+    holds (NaN while its gauge is missing: never baseline), tandem's open sessions and running turns."""
     m = tandem_metrics(srv.metrics_port)
     return {
-        **{s: m.get(s, {}).get("stage_sequences", 0.0) for s in STAGES},
+        "trunk": m["tandem"]["trunk_sequences"],
+        **{d: m.get(d, {}).get("stage_sequences", float("nan")) for d in srv.drafter_models},
         "sessions": m["tandem"]["sessions_open"],
         "turns": m["tandem"]["turns_running"],
     }
+
+
+def baseline(srv) -> dict[str, float]:
+    """Every gauge of :func:`state` at 0."""
+    return dict.fromkeys(("trunk", *srv.drafter_models, "sessions", "turns"), 0.0)
+
+
+def at_baseline(srv) -> bool:
+    return state(srv) == baseline(srv)
 
 
 def wait_for(cond, timeout_s: float, poll_s: float = 0.05):
@@ -88,15 +110,14 @@ def wait_for(cond, timeout_s: float, poll_s: float = 0.05):
         time.sleep(poll_s)
 
 
-BASELINE = {"trunk": 0.0, "drafter_mtp": 0.0, "drafter_dflash": 0.0, "sessions": 0.0, "turns": 0.0}
-
-
 @pytest.fixture(autouse=True)
 def _settled(request):
-    """Each test on ``srv`` starts from no open session: one that failed midway (a session left open)
-    is expired by the idle clock (3 s) instead of filling the next test's server."""
-    if "srv" in request.fixturenames:
-        wait_for(lambda: state(request.getfixturevalue("srv")) == BASELINE, 3.0 + 3.0)
+    """Each test starts from no open session: one that failed midway (a session left open) is expired by
+    the idle clock (3 s) instead of filling the next test's server."""
+    for name in ("srv", "srv_off"):
+        if name in request.fixturenames:
+            s = request.getfixturevalue(name)
+            wait_for(lambda: at_baseline(s), 3.0 + 3.0)
 
 
 class Stream:
@@ -129,15 +150,16 @@ class Stream:
         return r.as_numpy(schema.OUTPUT_IDS).tolist()
 
     def outcome(self, timeout_s=60):
-        """(token count, error message or None) once the final response arrives."""
-        n = 0
+        """(token count, error message or None) once the final response arrives; the tokens after
+        :meth:`first` are in ``tokens``."""
+        self.tokens: list[int] = []
         while True:
             r, e = self.q.get(timeout=timeout_s)
             if e is not None:
-                return n, e.message() if hasattr(e, "message") else str(e)
-            n += len(r.as_numpy(schema.OUTPUT_IDS))
+                return len(self.tokens), e.message() if hasattr(e, "message") else str(e)
+            self.tokens += r.as_numpy(schema.OUTPUT_IDS).tolist()
             if r.as_numpy(schema.FINISH_REASON)[0]:
-                return n, None
+                return len(self.tokens), None
 
     def cancel(self):
         self.c.stop_stream(cancel_requests=True)
@@ -147,10 +169,21 @@ class Stream:
         self.c.close()
 
 
+def test_the_default_shape_serves_no_drafter_model(srv):
+    """With ``colocate`` on (the default) the drafters run in the ``tandem`` model's process: ``tandem health``
+    lists only the models loaded, all ready; no drafter model exports gauges; every arm drafts."""
+    assert stage_health(srv.grpc_url) == dict.fromkeys(
+        ("tandem", "preprocessing", "postprocessing", "ensemble"), "READY"
+    )
+    assert not set(tandem_metrics(srv.metrics_port)) & set(DRAFTER_MODELS)
+    for spec in ("mtp", "dflash", "dflash2"):
+        assert generate(PROMPT, max_tokens=8, url=srv.grpc_url, spec=spec)["drafted"] > 0, spec
+
+
 def test_metrics_count_exactly_what_clients_saw(srv):
     """After known requests, the counters and histogram counts on the metrics port equal
     the sums of what the clients received (tokens, rounds, drafts, acceptances, turns, errors)."""
-    before = scrape(srv.metrics_port)
+    before = _settled_scrape(srv)  # an earlier test's samples may still be on their way to the scrape
     res = [
         generate(PROMPT, max_tokens=n, url=srv.grpc_url, spec=s)
         for s, n in (("mtp", 24), ("dflash2", 30), ("off", 9), ("mtp", 1))
@@ -199,7 +232,7 @@ def test_cancelled_turn_frees_state_within_a_second(srv, spec):
     before = scrape(srv.metrics_port)
     s.cancel()
     t0 = time.monotonic()
-    _, waited = wait_for(lambda: state(srv) == BASELINE, 1.0 + 0.5)
+    _, waited = wait_for(lambda: at_baseline(srv), 1.0 + 0.5)
     assert time.monotonic() - t0 <= 1.5 and waited <= 1.0 + 0.5
     # a client's cancel is counted once, as on every path: a turn that finished as cancelled, no error
     cancelled = ("tandem_request_success_total", frozenset({("model", "tandem"), ("finished_reason", "cancelled")}))
@@ -280,7 +313,7 @@ def test_dropped_connection_frees_state(srv):
     s = Stream(srv.grpc_url, new_sequence_id(), 400)
     s.first()
     s.c.close()  # the channel goes away without a cancel: Triton marks the request cancelled
-    wait_for(lambda: state(srv) == BASELINE, 2.0)
+    wait_for(lambda: at_baseline(srv), 2.0)
 
 
 def test_idle_clock_counts_from_the_end_of_the_turn(srv):
@@ -311,7 +344,7 @@ def test_idle_clock_counts_from_the_end_of_the_turn(srv):
     for s in (sid, sid + 1):
         with pytest.raises(TandemClientError, match=f"unknown sequence id {s}"):
             generate([5], max_tokens=2, url=srv.grpc_url, sequence_id=s, sequence_start=False)
-    wait_for(lambda: state(srv) == BASELINE, 1.0)
+    wait_for(lambda: at_baseline(srv), 1.0)
 
 
 def test_a_full_server_says_no_free_session(srv):
@@ -331,7 +364,7 @@ def test_a_full_server_says_no_free_session(srv):
     assert len(generate(PROMPT, max_tokens=2, url=srv.grpc_url)["token_ids"]) == 2
     for s in sids[1:]:
         generate([], max_tokens=1, url=srv.grpc_url, sequence_id=s, sequence_start=False, sequence_end=True)
-    wait_for(lambda: state(srv) == BASELINE, 1.0)
+    wait_for(lambda: at_baseline(srv), 1.0)
     m = tandem_metrics(srv.metrics_port)["tandem"]
     assert m["session_slots_free"] == 16 and m["sessions_refused_full"] >= 1
 
@@ -388,14 +421,14 @@ def test_a_thousand_sessions_leak_nothing(srv):
         return outcomes, errors
 
     run(0, 200)
-    wait_for(lambda: state(srv) == BASELINE, 3.0)
+    wait_for(lambda: at_baseline(srv), 3.0)
     before = process_rss(srv.proc.pid)
     t0 = time.monotonic()
     outcomes, errors = run(200, 1200)
     elapsed = time.monotonic() - t0
     assert not errors, errors[:5]
     assert set(outcomes) == {"ok", "cancelled", "refused"} and sum(outcomes.values()) == 1000
-    wait_for(lambda: state(srv) == BASELINE, 3.0)
+    wait_for(lambda: at_baseline(srv), 3.0)
     after = process_rss(srv.proc.pid)
     growth = {k: after[k] / before[k] - 1 for k in before if k in after}
     total = sum(after.values()) / sum(before.values()) - 1
@@ -467,7 +500,7 @@ def test_a_flood_is_refused_within_the_admission_wait(srv):
         for _, _, c in out:
             if c is not None:
                 c.close()  # a dropped connection cancels its turn
-    wait_for(lambda: state(srv) == BASELINE, 5.0)
+    wait_for(lambda: at_baseline(srv), 5.0)
 
 
 #: the short-turn mix's prompts: a fixed set, so the prefix cache holds the same blocks after the warm-up
@@ -484,7 +517,7 @@ def _short_cycle(url, i: int, rng: random.Random) -> None:
     generate(PROMPT, max_tokens=40, url=url, spec=schema.SPECS[i % 4], stop=["e"])
     s = Stream(url, new_sequence_id(), 8, schema.SPECS[i % 4], tokens=[rng.randrange(3, 8000) for _ in range(400)])
     try:
-        s.cancel()  # (the prime of 400 rows is still running: well under the 1.5 s stage deadline, with 4 clients)
+        s.cancel()  # (the prime of 400 rows, 32 a burst (prefill_budget), is still running)
     finally:
         s.close()
     sid = new_sequence_id()
@@ -517,11 +550,11 @@ def test_short_turns_of_every_kind_leak_nothing(srv):
 
     def settled():
         m = tandem_metrics(srv.metrics_port)["tandem"]
-        return state(srv) == BASELINE and m["state_bytes"] == 0 and m["cache_rows"] == 0 and m["turns_waiting"] == 0
+        return at_baseline(srv) and m["state_bytes"] == 0 and m["cache_rows"] == 0 and m["turns_waiting"] == 0
 
     assert not run(0, 40)
     wait_for(settled, 5.0)
-    time.sleep(3.5)  # (the trunk gives freed memory back after its next call: the front's idle probe)
+    time.sleep(2.0)  # (the engine core gives freed memory back within a second of the last close: memory.Trimmer)
     before = process_rss(srv.proc.pid)
     blocks = tandem_metrics(srv.metrics_port)["tandem"]["prefix_cache_blocks"]
     t0 = time.monotonic()
@@ -529,7 +562,7 @@ def test_short_turns_of_every_kind_leak_nothing(srv):
     elapsed = time.monotonic() - t0
     assert not errors, errors[:5]
     wait_for(settled, 5.0)
-    time.sleep(3.5)
+    time.sleep(2.0)
     after = process_rss(srv.proc.pid)
     assert tandem_metrics(srv.metrics_port)["tandem"]["prefix_cache_blocks"] == blocks  # (published in the warm-up)
     growth = {k: after[k] / before[k] - 1 for k in before if k in after}
@@ -544,76 +577,154 @@ def test_short_turns_of_every_kind_leak_nothing(srv):
     assert all(g < 0.05 or after[k] - before[k] < 8 * 2**20 for k, g in growth.items()), growth
 
 
-def test_stage_past_its_deadline_fails_its_turns_and_recovers(srv_short):
-    """Case 2: a trunk call runs past stage_timeout_s (0.3 s here; a 4,000-token prime takes ~1.4 s):
-    the turn being admitted and the one streaming beside it each end with one error naming the trunk
-    within the deadline + 1 s; a request arriving meanwhile is refused at once; health says the
-    trunk is not answering; once the call returns, requests work and nothing is left behind."""
-    srv = srv_short
-    wait_for(lambda: _works(srv), 10.0, poll_s=0.2)  # a turn within the deadline first (the machine may be busy)
-    s = Stream(srv.grpc_url, new_sequence_id(), 3000, "off")
-    s.first()
-    big = Stream(srv.grpc_url, new_sequence_id(), 8, "off", tokens=[(7 * i) % 8000 + 3 for i in range(4000)])
-    t0 = time.monotonic()
+# -- drafter faults (colocate off) ---------------------------------------------------------------------
+#: sequence ids of the test's own drafter_mtp sequences (far from the clients' random ids)
+OWN_SIDS = 10**12
+
+
+def _mtp_call(srv, op: str, sids, timeout_s: float = 120.0, **arrays):
+    """One ``drafter_mtp`` call carrying the server's key, as the engine core makes them."""
+    import tritonclient.grpc as grpcclient
+    from tandem.serving import internal_key
+    from tandem_client.client import stage_infer
+
+    arrays = {"OP": schema.string_array(op), internal_key.AUTH: internal_key.key_array(srv.internal_key), **arrays}
+    ins = []
+    for name, a in {**arrays, "SIDS": np.asarray(sids, np.int64)}.items():
+        dt = "BYTES" if a.dtype == np.object_ else {"int64": "INT64", "int32": "INT32", "float32": "FP32"}[str(a.dtype)]
+        x = grpcclient.InferInput(name, list(a.shape), dt)
+        x.set_data_from_numpy(a)
+        ins.append(x)
+    c = grpcclient.InferenceServerClient(srv.grpc_url)
     try:
-        n, err = s.outcome(timeout_s=10)
-        took = time.monotonic() - t0
-        assert (
-            err == f"trunk.prime: did not answer within {SHORT_TIMEOUT_S:g} s (stage_timeout_s)"
-            and took < SHORT_TIMEOUT_S + 1.0
-        ), (err, took)
-        assert big.outcome(timeout_s=5)[1] == err
-        with pytest.raises(TandemClientError, match="trunk is not answering"):
-            generate(PROMPT, max_tokens=2, url=srv.grpc_url)
-        assert stage_health(srv.grpc_url, timeout_s=0.25)["trunk"].startswith("NOT ANSWERING")
+        return stage_infer(c, schema.DRAFTER_MTP, ins, timeout_s)
     finally:
-        s.close()
-        big.close()
-    wait_for(lambda: stage_health(srv.grpc_url)["trunk"] == "READY", 10)
-    wait_for(lambda: _works(srv), 5.0, poll_s=0.2)  # the worker gets the late answer just after the probe does
-    wait_for(lambda: state(srv) == BASELINE, 3.0)
+        c.close()
 
 
-def _works(srv) -> bool:
+def _draft_of(srv, n: int):
+    """A ``draft`` call of ``n`` of the test's own open sequences, one row each, the most drafts each."""
+    width = json.loads((CHECKPOINT / "config.json").read_text())["hidden_size"]
+    return lambda: _mtp_call(
+        srv,
+        "draft",
+        np.arange(OWN_SIDS, OWN_SIDS + n),
+        HIDDEN=np.zeros((n, width), np.float32),
+        NEXT_TOKENS=np.full(n, 5, np.int64),
+        LENGTHS=np.ones(n, np.int32),
+        NUM_DRAFT_TOKENS=np.full(n, schema.DEFAULTS.max_num_draft_tokens, np.int32),
+    )
+
+
+def _busy_drafter(srv, seconds: float):
+    """A ``draft`` call that keeps ``drafter_mtp`` (one instance: one call at a time) busy for about
+    ``seconds``, sized by a timed call of 64 sequences; the sequences it drafts for are open."""
+    _mtp_call(srv, "open", np.arange(OWN_SIDS, OWN_SIDS + 64))
+    t0 = time.monotonic()
+    _draft_of(srv, 64)()
+    n = min(8000, max(64, int(64 * seconds / (time.monotonic() - t0))))
+    _mtp_call(srv, "open", np.arange(OWN_SIDS, OWN_SIDS + n))
+    return _draft_of(srv, n), n
+
+
+def _works(srv, spec: str = "mtp") -> bool:
     try:
-        return len(generate(PROMPT, max_tokens=4, url=srv.grpc_url)["token_ids"]) == 4
-    except TandemClientError as e:  # the trunk is late: it missed the deadline, or has not answered since
+        return len(generate(PROMPT, max_tokens=4, url=srv.grpc_url, spec=spec)["token_ids"]) == 4
+    except TandemClientError as e:  # the drafter is late: it missed the deadline, or has not answered since
         assert "not answering" in str(e) or "did not answer within" in str(e), e
         return False
 
 
-def test_dead_stage_fails_turns_at_once_is_reported_and_restarted(srv):
-    """Case 2: the trunk dies mid-stream (SIGKILL): one error naming the trunk within ~1 s (the backend's
-    notice; when slower than the deadline the watchdog's error comes first); tandem restarts the model;
-    health says so until it is back; then requests work and no state is left. (The restart's
-    ``load_model`` holds the GIL for seconds: the error used to wait behind it in ~1 run in 6.)"""
-    s = Stream(srv.grpc_url, new_sequence_id(), 2000, "mtp")
-    s.first()
-    os.kill(stub_pid(srv.proc.pid, "trunk"), signal.SIGKILL)
-    t0 = time.monotonic()
+def test_drafter_past_its_deadline_fails_its_turns_and_recovers(srv_off):
+    """A drafter call runs past stage_timeout_s (3 s) for real: ``drafter_mtp`` is busy with a ~7 s call
+    (one instance), so the engine core's next ``draft`` waits behind it. The engine core is stuck in that call:
+    the MTP turn and the plain turn streaming beside it each end with one error naming the call within the
+    deadline + 1 s; a request arriving meanwhile is refused at once naming the stalled model; health says
+    ``drafter_mtp`` is not answering (the other models are ready). Once the call returns, requests work, MTP
+    drafts again, nothing was restarted (a late answer is no dead process) and nothing is left behind."""
+    srv = srv_off
+    m0 = tandem_metrics(srv.metrics_port)["tandem"]
+    block, n = _busy_drafter(srv, STAGE_TIMEOUT_S + 4.0)
+    mtp = Stream(srv.grpc_url, new_sequence_id(), 3000, "mtp", tokens=list(long_turn_prompt(3000)))
+    plain = Stream(srv.grpc_url, new_sequence_id(), 3000, "off", tokens=list(long_turn_prompt(3000)))
+    box: dict = {}
+    th = threading.Thread(target=lambda: box.update(res=block()))
     try:
-        n, err = s.outcome(timeout_s=10)
-    except queue.Empty:
-        raise AssertionError(f"no final response in 10 s; server log:\n{srv.log()[-4000:]}") from None
-    assert time.monotonic() - t0 < STAGE_TIMEOUT_S + 1.0, srv.log()[-3000:]
-    dead = err is not None and "not healthy" in err and "restarting trunk" in err
-    late = err in [
-        f"trunk.{op}: did not answer within {STAGE_TIMEOUT_S:g} s (stage_timeout_s)"
-        for op in ("draft_verify", "draft_verify_next")
-    ]  # (a turn's calls may all be pipelined)
-    assert err is not None and err.startswith("trunk.") and (dead or late), err
-    s.close()
-    if late:  # the hung call returns "not healthy" a little later: the restart starts then
-        wait_for(lambda: "trunk's process died" in srv.log(), 10, poll_s=0.1)
-    # dead, or being reloaded; READY only when the reload finished already (< 1 s on a fast machine)
-    assert stage_health(srv.grpc_url)["trunk"] != "READY" or "trunk is back" in srv.log(), srv.log()[-2000:]
-    wait_for(lambda: stage_health(srv.grpc_url)["trunk"] == "READY", 60, poll_s=0.5)
-    wait_for(lambda: state(srv) == BASELINE, 5.0)
-    assert len(generate(PROMPT, max_tokens=4, url=srv.grpc_url, spec="mtp")["token_ids"]) == 4
-    # a drafter that stops while idle (SIGSTOP: the backend sees no heartbeat, as from a dead one) is
-    # found by the worker's probe and restarted before a turn needs it
-    os.kill(stub_pid(srv.proc.pid, "drafter_mtp"), signal.SIGSTOP)
-    wait_for(lambda: stage_health(srv.grpc_url)["drafter_mtp"] != "READY", 5, poll_s=0.2)
-    wait_for(lambda: stage_health(srv.grpc_url)["drafter_mtp"] == "READY", 60, poll_s=0.5)
-    res = generate(PROMPT, max_tokens=16, url=srv.grpc_url, spec="mtp")
-    assert res["drafted"] > 0 and tandem_metrics(srv.metrics_port)["tandem"]["stage_restarts"] == 2
+        mtp.first()
+        plain.first()
+        t0 = time.monotonic()
+        th.start()
+        _, err = mtp.outcome(timeout_s=10)
+        took = time.monotonic() - t0
+        assert err == f"drafter_mtp.draft: did not answer within {STAGE_TIMEOUT_S:g} s (stage_timeout_s)", err
+        assert STAGE_TIMEOUT_S - 0.05 < took < STAGE_TIMEOUT_S + 1.0, took
+        assert plain.outcome(timeout_s=5)[1] == err
+        with pytest.raises(TandemClientError, match=r"drafter_mtp is not answering \(a call has run past 3 s"):
+            generate(PROMPT, max_tokens=2, url=srv.grpc_url, spec="off")
+        health = stage_health(srv.grpc_url, timeout_s=0.25)
+        assert health.pop("drafter_mtp").startswith("NOT ANSWERING"), th.is_alive()
+        assert set(health.values()) == {"READY"} and "drafter_dflash" in health, health
+        assert th.is_alive(), "the busy call ended early: the checks above did not all run within it"
+    finally:
+        mtp.close()
+        plain.close()
+        th.join(timeout=120)
+        _mtp_call(srv, "close", np.arange(OWN_SIDS, OWN_SIDS + n))
+    assert len(box["res"].as_numpy("DRAFT_LENGTHS")) == n  # (the busy call was answered in full)
+    wait_for(lambda: stage_health(srv.grpc_url)["drafter_mtp"] == "READY", 10)
+    wait_for(lambda: _works(srv), 5.0, poll_s=0.2)  # the engine core gets the late answer, then takes turns
+    assert generate(PROMPT, max_tokens=16, url=srv.grpc_url, spec="mtp")["drafted"] > 0
+    wait_for(lambda: at_baseline(srv), 3.0)
+    assert tandem_metrics(srv.metrics_port)["tandem"]["stage_restarts"] == m0["stage_restarts"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_drafter_dying_mid_stream_degrades_its_sessions_and_is_restarted(srv_off, sig):
+    """``drafter_mtp``'s process dies (SIGKILL) or stops (SIGSTOP: no heartbeat, seen as dead) while an MTP
+    turn streams: the Python backend answers the next draft "not healthy" within ~2 s (under the deadline),
+    the session goes on by plain decoding, so the turn completes with no error and the greedy tokens plain
+    decoding gives; the engine core restarts the model (health: not ready until it is back), a new MTP session
+    meanwhile decodes plain, and once it is back MTP drafts again and no state is left."""
+    srv, sid = srv_off, new_sequence_id()
+    ids = list(long_turn_prompt(3000))
+    want = generate(ids, max_tokens=1200, url=srv.grpc_url, spec="off")["token_ids"]
+    m0 = tandem_metrics(srv.metrics_port)["tandem"]
+    s = Stream(srv.grpc_url, sid, 1200, "mtp", tokens=ids)
+    try:
+        got = s.first()
+        pid = stub_pid(srv.proc.pid, "drafter_mtp")
+        os.kill(pid, sig)
+        n, err = s.outcome(timeout_s=60)
+    finally:
+        s.close()
+    assert err is None and got + s.tokens == want, (err, n, srv.log()[-3000:])
+    log = srv.log()
+    assert "drafter_mtp's process died (drafter_mtp.draft: Stub process" in log, log[-3000:]
+    assert f"sequences [{sid}] continue by plain decoding" in log, log[-3000:]
+    # not READY while it is reloaded; READY only when the reload finished already
+    assert stage_health(srv.grpc_url)["drafter_mtp"] != "READY" or "drafter_mtp is back" in srv.log()
+    res = generate(PROMPT, max_tokens=8, url=srv.grpc_url, spec="mtp")
+    if "drafter_mtp is back" not in srv.log():  # (a new session while the drafter is unavailable: plain)
+        assert len(res["token_ids"]) == 8 and res["drafted"] == 0, res
+    wait_for(lambda: stage_health(srv.grpc_url)["drafter_mtp"] == "READY", 90, poll_s=0.5)
+    assert generate(PROMPT, max_tokens=16, url=srv.grpc_url, spec="mtp")["drafted"] > 0
+    wait_for(lambda: at_baseline(srv), 5.0)
+    m = tandem_metrics(srv.metrics_port)["tandem"]
+    assert m["stage_restarts"] == m0["stage_restarts"] + 1 and m["degraded_sessions"] > m0["degraded_sessions"]
+    assert stub_pid(srv.proc.pid, "drafter_mtp") != pid
+
+
+def test_drafter_stopped_while_idle_is_found_and_restarted(srv_off):
+    """A drafter that stops while no turn runs (SIGSTOP of ``drafter_dflash``) is found by the engine core's
+    idle probe and restarted before a turn needs it: health says so until it is back; then DFlash drafts."""
+    srv = srv_off
+    restarts = tandem_metrics(srv.metrics_port)["tandem"]["stage_restarts"]
+    pid = stub_pid(srv.proc.pid, "drafter_dflash")
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: stage_health(srv.grpc_url)["drafter_dflash"] != "READY", 5, poll_s=0.2)
+    wait_for(lambda: "drafter_dflash's process died" in srv.log(), 10, poll_s=0.2)  # (not a client's probe)
+    wait_for(lambda: stage_health(srv.grpc_url)["drafter_dflash"] == "READY", 90, poll_s=0.5)
+    assert generate(PROMPT, max_tokens=16, url=srv.grpc_url, spec="dflash2")["drafted"] > 0
+    assert tandem_metrics(srv.metrics_port)["tandem"]["stage_restarts"] == restarts + 1
+    assert stub_pid(srv.proc.pid, "drafter_dflash") != pid
+    wait_for(lambda: at_baseline(srv), 5.0)

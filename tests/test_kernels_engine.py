@@ -75,13 +75,13 @@ def test_speculative_decoding_on_kernels_equals_torch(engine, tokenizer, sharegp
 
 
 def test_the_switch_is_a_checked_server_parameter(monkeypatch):
-    """``--set kernels=…`` reaches every stage model as $TANDEM_KERNELS, checked before anything starts:
+    """``--set kernels=…`` reaches every model that computes as $TANDEM_KERNELS, checked before anything starts:
     a bad value, or the kernels forced on the CPU without Triton's interpreter, is refused with the way out."""
     from tandem import schema
     from tandem.serving.backend import parameter_overrides, serving_config
 
     assert {m for m, spec in schema.MODELS.items() if "kernels" in spec.parameters} == {
-        "trunk",
+        "tandem",
         "drafter_mtp",
         "drafter_dflash",
     }

@@ -278,6 +278,39 @@ def test_soak_fault_mix_is_judged():
     assert ramp_levels(8, 1, start_users=8) == [8]
 
 
+def test_soak_judges_every_state_gauge_at_baseline():
+    """The soak's state gauges: the trunk's sequences are the ``tandem`` model's ``trunk_sequences``; a drafter
+    model's ``stage_sequences`` count only when the server loads it (``colocate`` off); any of them or of the
+    session gauges (open sessions, running or waiting turns, cache rows, state bytes) above 0, or missing, is
+    off baseline; the prefix cache's blocks are not state."""
+    from loadtest.soak import off_baseline, served_drafters, stage_sequences
+
+    assert served_drafters({"TANDEM_COLOCATE": "true"}) == ()
+    both = served_drafters({"TANDEM_COLOCATE": "false"})
+    assert both == ("drafter_mtp", "drafter_dflash")
+    idle = {"trunk_sequences": 0.0, "session_slots_free": 16.0, "prefix_cache_blocks": 5.0}
+    idle.update(dict.fromkeys(("sessions_open", "turns_running", "turns_waiting", "cache_rows", "state_bytes"), 0.0))
+
+    def off(metrics, drafters=()):
+        return off_baseline({"tandem": metrics.get("tandem", {}), "stages": stage_sequences(metrics, drafters)})
+
+    assert stage_sequences({"tandem": idle}, ()) == {"trunk": 0.0} and off({"tandem": idle}) == {}
+    assert off({"tandem": {**idle, "trunk_sequences": 2.0}}) == {"trunk": 2.0}
+    held = {"sessions_open": 1.0, "turns_running": 1.0, "cache_rows": 40.0, "state_bytes": 9e5}
+    assert off({"tandem": {**idle, **held}}) == held and off({"tandem": {**idle, "turns_waiting": 2.0}})
+    drafters_idle = {
+        "tandem": idle,
+        "drafter_mtp": {"stage_sequences": 0.0},
+        "drafter_dflash": {"stage_sequences": 0.0},
+    }
+    assert off(drafters_idle, both) == {} and off(drafters_idle) == {}
+    assert off({**drafters_idle, "drafter_mtp": {"stage_sequences": 3.0}}, both) == {"drafter_mtp": 3.0}
+    gone = off({"tandem": idle, "drafter_mtp": {"stage_sequences": 0.0}}, both)  # (drafter_dflash not reporting)
+    assert list(gone) == ["drafter_dflash"] and gone["drafter_dflash"] != gone["drafter_dflash"]  # NaN
+    assert list(off({"tandem": {k: v for k, v in idle.items() if k != "trunk_sequences"}})) == ["trunk"]
+    assert list(off({"tandem": {k: v for k, v in idle.items() if k != "state_bytes"}})) == ["state_bytes"]
+
+
 @pytest.mark.integration
 def test_short_soak_passes(tmp_path):
     """`make soak` in miniature: 4 users for 30 s with cancellations and bad requests; no unexpected

@@ -101,10 +101,10 @@ def test_checker_catches_a_renamed_input():
         spec, outputs=tuple(dataclasses.replace(t, dims=(-1,)) if t.name == schema.ROUNDS else t for t in spec.outputs)
     )
     assert any(e.startswith("output ROUNDS:") for e in config_errors(retyped, load_config("tandem")))
-    cfg = load_config("trunk")
+    cfg = load_config("tandem")
     other = next(d for d in schema.DTYPES if d != schema.DEFAULTS.dtype)
     cfg.parameters["dtype"].string_value = other
-    assert config_errors(schema.TRUNK, cfg) == [
+    assert config_errors(schema.TANDEM, cfg) == [
         f"parameter dtype = {other!r}, schema default {schema.DEFAULTS.dtype!r}"
     ]
 
@@ -133,7 +133,7 @@ def test_range_errors_use_wire_names():
     with pytest.raises(schema.WireError, match=r"^NUM_DRAFT_TOKENS must be in \[1, 4\], got 5$"):
         schema.check_range(spec, 5, hi=4)
     with pytest.raises(schema.WireError, match=r"^LENGTHS must be >= 1, got 0$"):
-        schema.check_range(schema.TRUNK.input("LENGTHS"), 0)
+        schema.check_range(schema.DRAFTER_MTP.input("LENGTHS"), 0)
 
 
 def test_serve_options_become_checked_model_parameters(monkeypatch):

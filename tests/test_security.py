@@ -21,7 +21,7 @@ from conftest import long_turn_prompt  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-STAGES = ("trunk", "drafter_mtp", "drafter_dflash")
+STAGES = ("drafter_mtp", "drafter_dflash")
 #: every op of every internal model, with inputs that would act if they were let through
 _I64, _I32 = (lambda *v: np.array(v, np.int64)), (lambda *v: np.array(v, np.int32))
 
@@ -130,15 +130,6 @@ def _outside_calls(victim: int) -> list[tuple[str, dict]]:
     sids = np.array([victim] + list(range(1, 300)), np.uint64).view(np.int64)
     keys = {"PREFIX_KEYS": _I64(1, 2, 3), "PREFIX_LENGTHS": _I32(3)}
     return [
-        ("trunk", {"OP": _op("close"), "SIDS": sids}),
-        ("trunk", {"OP": _op("open"), "SIDS": _I64(*range(10**6, 10**6 + 300))}),
-        ("trunk", {"OP": _op("evict"), "SIDS": _I64(), **keys}),
-        ("trunk", {"OP": _op("verify"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
-        ("trunk", {"OP": _op("prime"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
-        ("trunk", {"OP": _op("commit"), "SIDS": sids[:1], "N_ROWS": _I32(0)}),
-        ("trunk", {"OP": _op("publish"), "SIDS": sids[:1], **keys}),
-        ("trunk", {"OP": _op("draft_verify"), "SIDS": sids[:1], "TOKENS": _I64(1), "LENGTHS": _I32(1)}),
-        ("trunk", {"OP": _op("drafter_dflash.evict"), "SIDS": _I64(), **keys}),
         ("drafter_mtp", {"OP": _op("close"), "SIDS": sids}),
         (
             "drafter_mtp",
@@ -157,18 +148,20 @@ def _outside_calls(victim: int) -> list[tuple[str, dict]]:
     ]
 
 
-def test_internal_models_refuse_outside_requests(server):
-    """Every op of every internal model, sent by an outside client (no key, or a wrong one), is refused
-    before it changes anything: the stages hold the same sequences, and turns streaming meanwhile give
-    exactly the tokens they give alone. With the server's key the same ops are answered."""
+def test_internal_models_refuse_outside_requests(drafter_server):
+    """Every op of every internal model (the drafter models, loaded with ``colocate`` off), sent by an outside
+    client (no key, or a wrong one), is refused before it changes anything: the stages hold the same sequences,
+    and turns streaming meanwhile give exactly the tokens they give alone. With the server's key the same ops
+    are answered."""
     from tritonclient.utils import InferenceServerException
 
+    server = drafter_server
     ids, victim = list(long_turn_prompt(160)), (1 << 40) + 12345
-    alone = {spec: Turn(server, ids, 160, spec=spec).tokens() for spec in ("off", "dflash2")}
+    alone = {spec: Turn(server, ids, 160, spec=spec).tokens() for spec in ("mtp", "dflash2")}
     before = _stage_sequences(server)
     turns = {spec: Turn(server, ids, 160, sequence_id=victim + i, spec=spec) for i, spec in enumerate(alone)}
     for t in turns.values():
-        assert t.next()  # streaming: its sequence is open in the trunk
+        assert t.next()  # streaming: its sequence is open in its drafter model
     for model, arrays in _outside_calls(victim):
         for auth in (None, b"0" * 64):
             sent = dict(arrays, **({} if auth is None else {"AUTH": np.array([auth], dtype=object)}))
@@ -181,8 +174,16 @@ def test_internal_models_refuse_outside_requests(server):
     with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
         _stage_call(
             server,
-            "trunk",
-            {"OP": _op("verify"), "SIDS": _I64(424242), "TOKENS": _I64(1), "LENGTHS": _I32(1), "AUTH": key},
+            "drafter_mtp",
+            {
+                "OP": _op("draft"),
+                "SIDS": _I64(424242),
+                "HIDDEN": np.zeros((1, 8), np.float32),
+                "NEXT_TOKENS": _I64(1),
+                "LENGTHS": _I32(1),
+                "NUM_DRAFT_TOKENS": _I32(2),
+                "AUTH": key,
+            },
         )
 
 

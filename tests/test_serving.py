@@ -23,7 +23,7 @@ pytest.importorskip("tritonclient.grpc")
 from tandem import schema  # noqa: E402
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
 from tandem.model.device import parse_dtype, resolve_device  # noqa: E402
-from tandem.serving.serve import MODELS, model_states  # noqa: E402
+from tandem.serving.serve import models_to_load, model_states  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id, stage_infer  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -43,6 +43,9 @@ def engine(server):
         yield Engine(CKPT, schema.DEFAULTS.dtype)
     finally:
         torch.set_num_threads(n)
+
+
+MODELS = models_to_load()  # the default: every model but the drafter models (colocate)
 
 
 def test_models_ready(server):
@@ -253,63 +256,36 @@ def _infer(server, model, arrays):
             )
             x.set_data_from_numpy(a)
             ins.append(x)
-        return stage_infer(c, schema.MODELS[model], ins)  # the trunk is decoupled: a stream
+        return stage_infer(c, schema.MODELS[model], ins)
     finally:
         c.close()
 
 
-def test_stage_models_name_the_field(server):
-    """The BLS stage models answer a bad op with a TritonError that names the field."""
+def test_stage_models_name_the_field(drafter_server):
+    """The drafter models (``colocate`` off) answer a bad request with a TritonError that names the field."""
     import numpy as np
     from tritonclient.utils import InferenceServerException
 
     op = lambda s: np.array([s.encode()], dtype=object)  # noqa: E731
     sid = np.array([424242], np.int64)
+    draft = {
+        "OP": op("draft"),
+        "SIDS": sid,
+        "HIDDEN": np.zeros((1, 8), np.float32),
+        "NEXT_TOKENS": np.array([1], np.int64),
+        "LENGTHS": np.array([1], np.int32),
+        "NUM_DRAFT_TOKENS": np.array([2], np.int32),
+    }
     with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
-        _infer(
-            server,
-            "trunk",
-            {"OP": op("verify"), "SIDS": sid, "TOKENS": np.array([1], np.int64), "LENGTHS": np.array([1], np.int32)},
-        )
-    with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):
-        _infer(
-            server,
-            "drafter_mtp",
-            {
-                "OP": op("draft"),
-                "SIDS": sid,
-                "HIDDEN": np.zeros((1, 8), np.float32),
-                "NEXT_TOKENS": np.array([1], np.int64),
-                "LENGTHS": np.array([1], np.int32),
-                "NUM_DRAFT_TOKENS": np.array([2], np.int32),
-            },
-        )
-    _infer(server, "trunk", {"OP": op("open"), "SIDS": sid})
+        _infer(drafter_server, "drafter_mtp", draft)
+    with pytest.raises(InferenceServerException, match="OP must be one of"):
+        _infer(drafter_server, "drafter_dflash", {"OP": op("verify"), "SIDS": sid})
+    _infer(drafter_server, "drafter_mtp", {"OP": op("open"), "SIDS": sid})
     try:
-        with pytest.raises(InferenceServerException, match="TOKENS: context full"):
-            _infer(
-                server,
-                "trunk",
-                {
-                    "OP": op("prime"),
-                    "SIDS": sid,
-                    "TOKENS": np.ones(MAX_CTX + 1, np.int64),
-                    "LENGTHS": np.array([MAX_CTX + 1], np.int32),
-                },
-            )
-        r = _infer(
-            server,
-            "trunk",
-            {
-                "OP": op("prime"),
-                "SIDS": sid,
-                "TOKENS": np.array([5, 6, 7], np.int64),
-                "LENGTHS": np.array([3], np.int32),
-            },
-        )
-        assert r.as_numpy("ARGMAX").shape == (3,) and r.as_numpy("HIDDEN").shape[0] == 3
+        with pytest.raises(InferenceServerException, match=r"HIDDEN must be \[N, 256\], got \[1, 8\]"):
+            _infer(drafter_server, "drafter_mtp", draft)
     finally:
-        _infer(server, "trunk", {"OP": op("close"), "SIDS": sid})
+        _infer(drafter_server, "drafter_mtp", {"OP": op("close"), "SIDS": sid})
 
 
 def _sampled(server, prompt, seed, spec=None, mode=None, temperature=0.8, max_tokens=32):

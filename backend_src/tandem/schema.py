@@ -75,18 +75,13 @@ class ServingConfig:
     the CPU, ``triton`` the Triton kernels everywhere, ``torch`` the reference; ``batch_invariant``: a row's logits
     bit-identical alone (plain decoding), in a verify block or in a batch of sessions: on the CPU the trunk's verify
     passes take the row-invariant GEMM (:mod:`tandem.model.cpu_gemm`), faster here than MKL, so on by default; off,
-    they take MKL, whose rounding depends on the rows; ``colocate``: the ``trunk`` model runs the drafters in its own
-    process (sharing the trunk's embedding and LM head, as in-process; :mod:`tandem.engine.colocated`), so a round is
-    one ``trunk`` ``draft_verify`` call and no hidden rows cross processes; off, the drafters run in the
-    ``drafter_mtp`` / ``drafter_dflash`` models and a round makes a drafter call and a ``trunk`` call; ``run_ahead``
-    (with ``colocate``; off: no gain measured on 2 cores): the ``trunk`` runs the call it expects next while an answer
-    travels (:mod:`tandem.engine.run_ahead`); ``pipeline`` (``tandem``, with ``colocate``): while the ``trunk`` runs a
-    call, the next one (``draft_verify_next``) already waits in Triton's queue, so the trunk does not idle while
-    answers and calls travel (:mod:`tandem.engine.pipeline`); ``decode_threads`` (``trunk``): plain greedy rounds, and
-    a prime of several sequences, in this many groups side by side; ``compute_nice`` (``trunk``, -20..19, 0: leave
-    them): the nice value of the trunk's compute, send and decode threads, so the server's other threads and its
-    clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused: logged, the threads left as they are);
-    ``amx`` (stage models): bfloat16 GEMMs on Intel AMX tiles where the CPU has them (:mod:`tandem.model.cpu_amx`).
+    they take MKL, whose rounding depends on the rows; ``colocate``: the drafters run in the engine core's process, the ``tandem`` model's, beside the trunk (sharing
+    its embedding and LM head, as in-process), so a round crosses no process; off, they run in the ``drafter_mtp`` /
+    ``drafter_dflash`` models (loaded only then) and a round makes a BLS call to each drafter it uses;
+    ``decode_threads``: plain greedy rounds, and a prime of several sequences, in this many groups side by side;
+    ``compute_nice`` (-20..19, 0: leave them): the nice value of the engine core's thread and its decode threads, so
+    the server's other threads and its clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused:
+    logged, the threads left as they are); ``amx`` (stage models): bfloat16 GEMMs on Intel AMX tiles where the CPU has them (:mod:`tandem.model.cpu_amx`).
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``, ``demote_load_slope``,
     ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`."""
@@ -112,10 +107,8 @@ class ServingConfig:
     max_state_mb: int = 4096
     batch_invariant: bool = True
     colocate: bool = True
-    run_ahead: bool = False
     decode_threads: int = 2
     compute_nice: int = -10
-    pipeline: bool = True
     amx: bool = True
     kernels: str = "auto"
     demote_below: float = 1.0
@@ -255,7 +248,7 @@ TEMPERATURE, TOP_K, TOP_P, SEED, SAMPLING = "TEMPERATURE", "TOP_K", "TOP_P", "SE
 #: ``coupled`` (Gumbel-max over session-owned noise: token-identical to plain sampling, demote-eligible)
 REJECTION, COUPLED = "rejection", "coupled"
 SAMPLING_MODES = (REJECTION, COUPLED)
-#: the per-turn sampling inputs of ``tandem``; the ``trunk`` takes them per sequence on ``prime``
+#: the per-turn sampling inputs of ``tandem``
 #: (``SAMPLING`` there as INT32: the mode's index in :data:`SAMPLING_MODES`)
 SAMPLING_INPUTS = (
     TensorSpec(
@@ -456,7 +449,13 @@ TANDEM = ModelSpec(
         "demote_load_slope",
         "demote_probe_rounds",
         "colocate",
-        "pipeline",
+        "dtype",
+        "device",
+        "kernels",
+        "batch_invariant",
+        "decode_threads",
+        "compute_nice",
+        "amx",
     ),
     decoupled=True,
 )
@@ -501,134 +500,6 @@ _DRAFTS, _DRAFT_LENGTHS = (
     TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated"),
     TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence"),
 )
-#: ``draft_verify``'s round program per sequence (rounds at most; the trunk runs the accept walk between them)
-_ROUNDS_INPUTS = tuple(
-    TensorSpec(n, t, (-1,), optional=True, doc="draft_verify: " + d)
-    for n, t, d in (
-        ("ROUNDS", "TYPE_INT32", "rounds at most per sequence"),
-        ("BUDGET", "TYPE_INT32", "tokens each turn may still emit"),
-        ("ROOM", "TYPE_INT32", "max_ctx minus each sequence's committed tokens (the pending commit included)"),
-        ("STOP_IDS", "TYPE_INT64", "each sequence's stop token ids, concatenated"),
-        ("STOP_LENGTHS", "TYPE_INT32", "stop ids per sequence"),
-    )
-) + (
-    TensorSpec(
-        "BURST_MS",
-        "TYPE_FP32",
-        (1,),
-        optional=True,
-        lo=0.0,
-        doc="draft_verify: end at the first round boundary after this many ms in the trunk (absent: ROUNDS only)",
-    ),
-    TensorSpec(
-        "CALL",
-        "TYPE_INT64",
-        (1,),
-        optional=True,
-        doc="draft_verify: the call's number (tandem counts them); "
-        "draft_verify_next: the same, it continues call CALL - 1 (SIDS, ROUNDS, BURST_MS; tandem.engine.pipeline)",
-    ),
-)
-#: the outputs a ``draft_verify`` answers with (the rows' hidden and features stay in the trunk's process)
-DRAFT_VERIFY_OUTPUTS = ("ARGMAX", "TOP2_GAP", "DRAFTS", "DRAFT_LENGTHS", "ROUNDS_RUN", "ANCHORS")
-#: ``trunk`` ops with ``colocate`` on: ``<drafter model>.<op>``, a drafter op run by the trunk's process
-HOSTED_OPS = (
-    "drafter_mtp.open",
-    "drafter_mtp.close",
-    "drafter_dflash.open",
-    "drafter_dflash.close",
-    "drafter_dflash.publish",
-    "drafter_dflash.evict",
-)
-
-TRUNK = ModelSpec(
-    name="trunk",
-    inputs=(
-        _OP,
-        _SIDS,
-        _AUTH,
-        TensorSpec("TOKENS", "TYPE_INT64", (-1,), optional=True, doc="rows of every sequence, concatenated"),
-        _LENGTHS,
-        TensorSpec(
-            "N_ROWS",
-            "TYPE_INT32",
-            (-1,),
-            optional=True,
-            lo=0,
-            doc="rows of the pending verify kept per sequence (commit; prime / verify: first, 0 = none)",
-        ),
-        _PREFIX_KEYS,
-        _PREFIX_LENGTHS,
-        *(
-            dataclasses.replace(
-                t,
-                dims=(-1,),
-                dtype="TYPE_INT32" if t.name == SAMPLING else t.dtype,
-                doc=f"prime, per sequence: {t.doc}",
-            )
-            for t in SAMPLING_INPUTS
-        ),
-        dataclasses.replace(_NUM_DRAFTS, doc="draft_verify: drafts per sequence (0: a plain row)"),
-        TensorSpec(
-            SPEC,
-            "TYPE_STRING",
-            (-1,),
-            optional=True,
-            doc="arm per sequence ("
-            + " | ".join(SPECS)
-            + "): draft_verify, drafter_dflash.open; prime: open it first ('': open)",
-        ),
-        *_ROUNDS_INPUTS,
-    ),
-    outputs=(
-        TensorSpec(
-            "ARGMAX",
-            "TYPE_INT64",
-            (-1,),
-            doc="each row's target token: the argmax, or with sampling "
-            "the sampled / accept-walk token (see tandem.engine.sampling)",
-        ),
-        TensorSpec(
-            "HIDDEN",
-            "TYPE_FP32",
-            (-1, -1),
-            doc="[rows, hidden_size] ([rows, 0] with colocate: the rows stay in the trunk's process)",
-        ),
-        TensorSpec("TOP2_GAP", "TYPE_FP32", (-1,), doc="top-1 minus top-2 logit"),
-        TensorSpec(
-            "FEATURES",
-            "TYPE_FP32",
-            (-1, -1),
-            doc="[rows, n_target * hidden_size] DFlash target-layer features ([rows, 0] with colocate)",
-        ),
-        _NBYTES,
-        dataclasses.replace(_DRAFTS, doc="draft_verify: the drafts verified (by sequence, then round)"),
-        dataclasses.replace(_DRAFT_LENGTHS, doc="draft_verify: drafts per sequence and round"),
-        TensorSpec("ROUNDS_RUN", "TYPE_INT32", (-1,), doc="draft_verify: rounds each sequence ran"),
-        TensorSpec(
-            "ANCHORS", "TYPE_INT64", (-1,), doc="draft_verify: each round's anchor (row 0), by sequence then round"
-        ),
-    ),
-    parameters=(
-        "checkpoint",
-        "dflash_checkpoint",
-        "dflash2_checkpoint",
-        "dtype",
-        "device",
-        "kernels",
-        "batch_invariant",
-        "colocate",
-        "run_ahead",
-        "decode_threads",
-        "compute_nice",
-        "amx",
-        "max_num_draft_tokens",
-    ),
-    ops=("open", "close", "prime", "verify", "commit", "publish", "evict", "draft_verify", "draft_verify_next")
-    + HOSTED_OPS,
-    decoupled=True,  # one response a request, with the final flag (tandem.serving.stage_worker)
-)
-
 DRAFTER_MTP = ModelSpec(
     name="drafter_mtp",
     inputs=(
@@ -673,7 +544,7 @@ DRAFTER_DFLASH = ModelSpec(
     ops=("open", "close", "draft", "publish", "evict"),
 )
 
-MODELS = {m.name: m for m in (TRUNK, DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
+MODELS = {m.name: m for m in (DRAFTER_MTP, DRAFTER_DFLASH, TANDEM)}
 
 
 # -- array helpers of the stage models ------------------------------------------------------------------

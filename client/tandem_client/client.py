@@ -384,7 +384,9 @@ def stage_infer(c, spec, inputs: list, timeout_s: float = 5.0):
 
 
 def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, str]:
-    """Each model's state: ``READY``; ``NOT READY`` (Triton has not loaded it, or is restarting it);
+    """Each model the server serves (a model of the repository it never loaded, such as the drafter models
+    while the drafters run in the ``tandem`` model's process, is left out) and its state: ``READY``;
+    ``NOT READY`` (Triton has not loaded it yet, or is restarting it);
     ``NOT ANSWERING`` (a stage model that does not answer an empty ``close`` within ``timeout_s``
     seconds: a hung process); ``DEAD: <reason>`` (its process is gone). Stage models are probed
     with that no-op request, since Triton reports a model ready while its process is dead.
@@ -396,8 +398,12 @@ def stage_health(url: str = DEFAULT_URL, timeout_s: float = 5.0) -> dict[str, st
     c = grpcclient.InferenceServerClient(check_url(url))
     try:
         _check_reachable(c, url, timeout_s)
+        index = c.get_model_repository_index(as_json=True, client_timeout=timeout_s).get("models", [])
+        served = {m["name"] for m in index if m.get("state")}  # (a model never loaded has no state)
         out = {}
         for name, spec in {**schema.MODELS, **schema_text.MODELS}.items():
+            if name not in served:
+                continue
             try:
                 ready = c.is_model_ready(name, client_timeout=timeout_s)
             except InferenceServerException as e:  # "Server not ready" while Triton reloads a model

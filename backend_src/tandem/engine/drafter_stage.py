@@ -54,22 +54,3 @@ class DrafterStage(KeyedStates):
             "DRAFTS": np.array([t for d in res for t in d], dtype=np.int64),
             "DRAFT_LENGTHS": np.array([len(d) for d in res], dtype=np.int32),
         }
-
-
-def drafter_stages(
-    model, dflash: dict | None = None, max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens
-) -> dict[str, DrafterStage]:
-    """Arm -> drafter stage over the trunk ``model``: its MTP layer (when the checkpoint has one) and one
-    :class:`~tandem.engine.dflash_stage.DFlashStage` for ``dflash`` (arm ->
-    :class:`~tandem.model.dflash.DFlashDrafter`) on the trunk's embedding and LM head. The in-process
-    :class:`~tandem.engine.inprocess.Engine` and :class:`StageHost` build their drafters with it."""
-    from .dflash_stage import DFlashStage
-    from .mtp_stage import MTPStage
-
-    drafters: dict[str, DrafterStage] = {}
-    if model.mtp is not None:
-        drafters[schema.MTP] = MTPStage(model, max_num_draft_tokens)
-    if dflash:
-        stage = DFlashStage(dict(dflash), model.embed_tokens, model.lm_head, max_num_draft_tokens)
-        drafters.update({arm: stage for arm in dflash})
-    return drafters

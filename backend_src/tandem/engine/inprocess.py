@@ -26,7 +26,7 @@ from ..model.cpu_amx import set_amx
 from ..model.device import gemm_inputs
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
-from .drafter_stage import drafter_stages
+from .stages import drafter_stages
 from .prefix import PrefixIndex
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Turn

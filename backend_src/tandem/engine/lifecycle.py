@@ -17,7 +17,7 @@ from .. import schema
 from .session import Receipt
 
 if TYPE_CHECKING:
-    from .scheduler import Turn
+    from .session import Turn
 
 
 class Lifecycle:
@@ -33,12 +33,12 @@ class Lifecycle:
     on_stage_dead: Callable[[str, str], None] = staticmethod(lambda model, reason: None)
 
     def stage_name(self, stage) -> str:
-        """A stage's model name (:data:`tandem.schema.MODELS`): the model a proxy calls (a hosted
-        drafter's is the ``trunk``), else the proxy's or stage's ``spec``."""
+        """A stage's name: the model a proxy calls (:data:`tandem.schema.MODELS`), else ``"trunk"`` for the
+        trunk stage and the stage's ``spec`` name (a drafter in this process)."""
         if (name := getattr(stage, "model_name", None)) is not None:
             return name
         spec = getattr(stage, "spec", None)
-        return spec.name if spec is not None else (schema.TRUNK.name if stage is self.trunk else type(stage).__name__)
+        return "trunk" if stage is self.trunk else (spec.name if spec is not None else type(stage).__name__)
 
     def _usable(self, stage) -> bool:
         return self.stage_name(stage) not in self.unavailable
@@ -47,8 +47,6 @@ class Lifecycle:
         """Every running and waiting turn gets one final ``reason``; every session is forgotten, its
         state closed in each stage still usable (best effort: a failure is only reported)."""
         turns = list(self.turns.values()) + list(getattr(self, "admitting", [])) + [t for _, t in self._waiting]
-        if (pipe := getattr(self.trunk, "pipeline", None)) is not None:
-            pipe.drop()  # their sessions are gone (a call still running is refused after the closes below)
         self._waiting = []
         gone = list(self.sessions.values())
         self.turns.clear()
@@ -142,8 +140,7 @@ class Lifecycle:
     def _flush_closes(self) -> None:
         gone, self._to_close = self._to_close, []
         if gone:
-            hosted = getattr(self.trunk, "hosts_drafters", False)  # its close drops the drafters' state too
-            for stage, group in [(self.trunk, gone)] + ([] if hosted else self._by_drafter(gone)):
+            for stage, group in [(self.trunk, gone)] + self._by_drafter(gone):
                 if self._usable(stage):
                     stage.close([s.sid for s in group])
 

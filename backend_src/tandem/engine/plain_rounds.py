@@ -40,11 +40,10 @@ class PlainRounds:
 
     def _all_plain(self, act: list) -> bool:
         """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
-        stop strings) on a trunk that decodes them in one call (not a hosting one: it decides itself)."""
+        stop strings) on a trunk that decodes them in one call."""
         return (
             bool(act)
             and getattr(self.trunk, "decode_rows", None) is not None
-            and not getattr(self.trunk, "hosts_drafters", False)
             and all(s.arm == schema.OFF and s.sampling is None and s.stop_text is None for s in act)
         )
 
@@ -124,21 +123,3 @@ def rounds_until(deadline: float | None, round_s: float) -> int:
     if left <= 0:
         return 1
     return max(2, math.ceil(left / round_s)) if round_s > 0 else 1 << 30
-
-
-def plain_steps(
-    plans: list, live: list[int], r: int, used: list[int], budget: list[int], end: float | None, round_s: float
-) -> tuple[int, int]:
-    """``(steps, by_clock)``: the rounds the plain greedy sequences ``live`` (indices into ``plans``, the
-    call's :class:`~tandem.engine.protocols.RoundsPlan` list) can run in one decode call from round
-    ``r`` (0: not one call): at least two, each within its plan, ``budget[j]`` (tokens) and context
-    room (less ``used[j]``), and (``end``) those that end at the first round boundary after ``end`` at
-    ``round_s`` seconds a round, ``by_clock`` (:func:`rounds_until`), or up to a quarter more when that
-    ends every live turn: a stub call for a turn's last few tokens would cost a trip each way between
-    the processes (~2 ms here) for less compute than that (a burst of one round stays one round)."""
-    by_clock = rounds_until(end, round_s)
-    ends = [min(budget[j], plans[j].room - used[j] - 1) for j in live]  # rounds until each turn ends
-    if max(ends) <= min(plans[j].rounds - r for j in live) and max(ends) - by_clock <= by_clock // 4:
-        by_clock = max(ends)
-    n = min(by_clock, *(min(plans[j].rounds - r, e) for j, e in zip(live, ends)))
-    return (n if n >= 2 else 0), by_clock

@@ -5,7 +5,6 @@ interfaces as ``typing.Protocol``s. In-process stages (:mod:`tandem.engine.trunk
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 from typing import Any, Protocol
 
@@ -56,23 +55,6 @@ class DraftRequest:
 
 
 @dataclasses.dataclass
-class RoundsPlan:
-    """One sequence's part in a multi-round call (:meth:`tandem.engine.colocated.StageHost.draft_verify_rounds`): ``arm``
-    drafts every round (None: plain rows), ``k`` drafts a round (capped each round as
-    :meth:`~tandem.engine.session.SpecSession.draft_budget` caps them), at most ``rounds`` rounds, ending
-    early where the accept walk ends the turn (a stop id, the ``budget`` of tokens the turn may still
-    emit) or the context is full (``room`` = the session's ``max_ctx`` minus its committed tokens,
-    the pending commit included)."""
-
-    arm: str | None
-    k: int
-    rounds: int
-    budget: int
-    stop_ids: tuple[int, ...]
-    room: int
-
-
-@dataclasses.dataclass
 class VerifyOut:
     """A trunk pass over ``R`` rows: ``argmax [R]`` int64 (each row's target token: the argmax, or under
     sampling the drawn / accept-walk token, :func:`tandem.engine.sampling.row_targets`), ``hidden [R, D]`` fp32 (final normalised
@@ -101,32 +83,6 @@ class VerifyOut:
         return VerifyOut(
             *(torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in dataclasses.fields(self))
         )
-
-
-class DecodedRounds(collections.abc.Sequence):
-    """``n`` rounds of one sequence without drafts (plain greedy decoding, :meth:`TrunkStage.decode_rows
-    <tandem.engine.trunk_stage.TrunkStage.decode_rows>`) held whole: round ``t`` verified the anchor
-    ``anchors[t]`` alone and its row is ``out``'s row ``t`` (``out``: one :class:`VerifyOut` of ``n`` rows,
-    ``argmax [n]`` the targets). As a sequence of rounds it is what a multi-round call gives per round,
-    ``(anchor, [], one-row VerifyOut)`` (made when asked for), so a plain session's rounds cross the
-    wire and are replayed as a whole (``targets``, ``out``) without an object a round."""
-
-    __slots__ = ("anchors", "targets", "out")
-
-    def __init__(self, anchors: list[int], out: VerifyOut) -> None:
-        self.anchors, self.out, self.targets = list(anchors), out, out.argmax.tolist()
-        assert len(self.anchors) == len(self.targets) >= 1, (len(self.anchors), len(self.targets))
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, t):
-        if isinstance(t, slice):
-            return [self[i] for i in range(*t.indices(len(self)))]
-        if not -len(self) <= t < len(self):
-            raise IndexError(t)
-        t %= len(self)
-        return self.anchors[t], [], self.out.rows_at(t)
 
 
 class UnknownSequence(KeyError):

@@ -19,7 +19,6 @@ from .demotion import Demotion
 from .lifecycle import Lifecycle
 from .prefill import Prefill
 from .prefix import PrefixIndex, publish_ready, reusable_blocks
-from .hosted import HostedRounds
 from .plain_rounds import PlainRounds
 from .protocols import Commit, DrafterAPI, DraftRequest, Rows, TrunkAPI, VerifyOut
 from .session import Receipt, SpecSession, Turn  # noqa: F401 - Turn: re-exported (the scheduler's API)
@@ -27,7 +26,7 @@ from .state_size import StateSize
 from .stops import StopText, validate_stops
 
 
-class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
+class Scheduler(Lifecycle, Prefill, PlainRounds):
     """Sessions by sequence id, and the round / burst loop over them.
 
     Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
@@ -74,6 +73,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             "rounds": 0,
             "drafted": 0,
             "accepted": 0,
+            "accept_walks": 0,
         }
         #: the prefix cache's index (None when ``config.prefix_cache_mb`` is 0)
         self.prefix = PrefixIndex(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
@@ -81,8 +81,6 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "rounds": 0}
         #: moves sessions to plain decoding and back (counts ``demotions`` / ``promotions`` in stats)
         self.demotion = Demotion(config, self.stats)
-        #: ``quiet()``: no turn is about to arrive (the front's queue is empty), so a pipelined call may be sent
-        self.quiet: Callable[[], bool] = lambda: True
         #: ``failure_text(exception)``: the message for turns a failed stage call ends (None: the default)
         self.failure_text: Callable[[Exception], str | None] = lambda e: None
 
@@ -227,23 +225,13 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             self.sessions[s.sid] = s
         self.stats["sessions_opened"] += len(new)
         self.admitting = [t for t, _, _ in ok]  # a watchdog may answer them while a call hangs
-        hosted, number = getattr(self.trunk, "hosts_drafters", False), None
         try:
-            if new and not hosted:  # (a trunk that hosts the drafters opens both with the prime: one call)
+            if new:
                 self.trunk.open([s.sid for s in new])
                 warm = {s.sid: (s.arm, r.prefix) for _, s, r in ok if r.prefix and s.arm in schema.DFLASH_ARMS}
                 self._open_drafters(new, warm)
-            items = [rows for _, _, rows in ok]
-            if hosted:  # each new session's arm: the prime opens its trunk and drafter state first
-                opened, number = {s.sid for s in new}, self._chain_prime(ok)  # (the first burst's call sent after it)
-                outs = self.trunk.prime(
-                    items, opens=[s.arm if s.sid in opened else "" for _, s, _ in ok], number=number
-                )
-            else:
-                outs = self.trunk.prime(items)
+            outs = self.trunk.prime([rows for _, _, rows in ok])
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
-            if number is not None:
-                self.trunk.pipeline.drop()  # (the call after the prime: its turn ends here)
             if getattr(e, "dead", False):  # the trunk's process died: every session's state is gone
                 self.on_stage_dead(self.stage_name(self.trunk), str(e))
             reason = self.failure_text(e) or f"admission failed: {type(e).__name__}: {e}"
@@ -261,18 +249,15 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
                 self._publish(s, r)
         self._drop_captures()
         self._flush_closes()
-        self._pipeline_idle()  # (a turn that ended at its first token: the call sent after its prime ran no round)
 
     def _drop_captures(self) -> None:
         """Publish or drop the prompt-boundary captures of open sessions whose turn has ended, so an idle
         session holds its cache and nothing more: a ready capture is published (a turn that ended at its
         first token on the plain arm), the others (a DFlash turn that ended at its first token: its drafter
         had not read the prompt) are dropped with one trunk ``publish`` of no blocks, which drops the
-        trunk's capture (KDA states at each block end). Not while a pipelined call is in flight (the call
-        would end its chain); the next burst without one does it."""
+        trunk's capture (KDA states at each block end)."""
         idle = [s for sid, s in self.sessions.items() if s.prefix_capture is not None and sid not in self.turns]
-        pipe = getattr(self.trunk, "pipeline", None)
-        if not idle or (pipe is not None and pipe.queued is not None) or not self._usable(self.trunk):
+        if not idle or not self._usable(self.trunk):
             return
         self._publish_prefixes(idle)
         stale = [s for s in idle if s.prefix_capture is not None]
@@ -512,13 +497,9 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
 
     def round(self, receipts: dict[int, Receipt]) -> None:
         """One verify round over every active session: one drafter call and one trunk verify, which
-        first commits each session's previous round (the walk's rows kept, see :meth:`settle`); with
-        a trunk that hosts the drafters (``colocate``), one ``draft_verify`` call doing all three."""
+        first commits each session's previous round (the walk's rows kept, see :meth:`settle`)."""
         act = self.active()
         if not act:
-            return
-        if getattr(self.trunk, "hosts_drafters", False):  # colocate: draft + verify in one trunk call
-            self._hosted_call(act, receipts, dict.fromkeys((s.sid for s in act), 1), len(act), lambda t: len(act), {})
             return
         clock = time.perf_counter
         t0 = clock()
@@ -549,10 +530,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
     def settle(self) -> None:
         """Apply every session's deferred commit now, in one trunk call: afterwards each trunk cache
         holds exactly ``committed`` (the session contract's state). Serving never needs it (the next
-        prime / verify carries the commit); tests and in-process inspection do. Raises ``RuntimeError``
-        while a pipelined call runs ahead of the sessions (:mod:`tandem.engine.pipeline`)."""
-        if (pipe := getattr(self.trunk, "pipeline", None)) is not None and pipe.queued is not None:
-            raise RuntimeError("settle() while a pipelined draft_verify_next runs ahead (its burst replays it)")
+        prime / verify carries the commit); tests and in-process inspection do."""
         pend = [s for s in self.sessions.values() if s.trunk_commit]
         if pend:
             self.trunk.commit([Commit(s.sid, s.trunk_commit) for s in pend])
@@ -563,6 +541,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         """Apply the accept walk to the session and the burst's receipt (and, after a speculative
         round with ``load`` active sessions, to the demotion policy); returns rows to commit."""
         w = accept_walk(drafts, out.argmax.tolist(), s.stop_ids, s.turn_remaining)
+        self.stats["accept_walks"] += 1
         if s.stop_text is not None and (n := s.stop_text.scan(w.emitted)) is not None:  # a stop string: cut there
             w = Walk(min(w.accepted, n), w.emitted[:n], "stop")
         m = len(w.emitted)
@@ -607,10 +586,7 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
         self._prefill_step()
         receipts: dict[int, Receipt] = {}
         deadline = time.perf_counter() + self.config.burst_ms / 1e3 if self.config.burst_ms > 0 else None
-        if getattr(self.trunk, "hosts_drafters", False):  # colocate: the rounds of a burst in as few calls as can be
-            self._hosted_burst(receipts, deadline)
-        else:
-            self._rounds_burst(receipts, deadline)
+        self._rounds_burst(receipts, deadline)
         ending = [t for sid, r in receipts.items() if r.finish_reason and (t := self.turns.get(sid)) is not None]
         for t in self._cancelled_by_client(ending, True):
             del receipts[t.sid]
@@ -620,7 +596,6 @@ class Scheduler(Lifecycle, Prefill, HostedRounds, PlainRounds):
             self._publish(self.sessions[sid], r)
         self._drop_captures()
         self._flush_closes()
-        self._pipeline_idle()
 
     def _publish(self, s: SpecSession, r: Receipt) -> None:
         t = self.turns[s.sid]

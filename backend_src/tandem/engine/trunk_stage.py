@@ -1,21 +1,18 @@
 """The trunk stage: one :class:`~tandem.model.cache.TrunkCache` per open sequence, batched prime /
 verify / commit, each pass exporting the rows' argmax, hidden and (for the DFlash arms)
-target-layer features. :meth:`TrunkStage.handle` is the same API in wire form (:data:`tandem.schema.TRUNK`):
-it is what runs inside the ``trunk`` Triton model, and in-process behind a local transport.
+target-layer features. It runs in the engine core's process (the ``tandem`` model's, or in-process).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 from tandem_kernels import dispatch
 
 from .. import schema
 from ..model.cache import KDAState, MLACache, TrunkCache
 from ..model.trunk import Trunk
-from ..schema import WireError
 from . import sampling
 from .prefix import split_points
 from .protocols import Commit, KeyedStates, Rows, VerifyOut
@@ -297,116 +294,3 @@ class TrunkStage(KeyedStates):
     def commit(self, items: list[Commit]) -> None:
         for it in items:
             self.cache(it.sid).commit(it.n_rows)
-
-    # -- wire form ----------------------------------------------------------------------------------
-    def handle(self, arrays: schema.Arrays, run=None, with_rows: bool = True) -> schema.Arrays:
-        """Run one packed request (:data:`tandem.schema.TRUNK`). Every sequence is checked before
-        any is touched, so a rejected request changes no cache. Returns ``ARGMAX [R]``,
-        ``HIDDEN [R, D]``, ``TOP2_GAP [R]``, ``FEATURES [R, F]`` over all rows (``R = 0`` but for
-        prime / verify) and ``NBYTES [S]`` (publish; else empty). ``PREFIX_KEYS`` / ``PREFIX_LENGTHS``
-        carry prime's prefix (-1: none), publish's chains and (one entry, no SIDS) evict's keys.
-        Raises :class:`~tandem.schema.WireError` naming the field.
-        ``run``: the object whose open / close / prime / verify / commit / publish / evict run the
-        checked request (default this stage; the co-located :class:`~tandem.engine.colocated.StageHost`
-        passes itself); ``with_rows`` False: ``HIDDEN`` / ``FEATURES`` go out as ``[R, 0]``.
-        """
-        op = schema.get_op(arrays, schema.TRUNK)
-        if op == "draft_verify" or op in schema.HOSTED_OPS:
-            raise WireError(
-                f"OP {op!r}: this trunk does not run the drafters (the trunk model's parameter colocate "
-                "is false; the tandem model's must be too)"
-            )
-        run, pack = run or self, lambda outs, nbytes=(): self._pack(outs, nbytes, with_rows)
-        sids = schema.get_sids(arrays)
-        if op in ("open", "close"):
-            getattr(run, op)(sids)
-            return pack([])
-        if op == "evict":
-            run.evict(schema.prefixes_from_wire(arrays, 1)[0] or [])
-            return pack([])
-        for s in sids:
-            if s not in self.caches:
-                raise WireError(f"SIDS: unknown sequence id {s} (not open in the trunk)")
-        prefixes = schema.prefixes_from_wire(arrays, len(sids))
-        if op == "publish":
-            try:
-                return pack([], run.publish([(s, p or []) for s, p in zip(sids, prefixes)]))
-            except ValueError as e:
-                raise WireError(f"PREFIX_KEYS: {e}") from None
-        n_rows = self._n_rows(arrays, sids, required=op == "commit")
-        if op == "commit":
-            run.commit([Commit(s, n) for s, n in zip(sids, n_rows)])
-            return pack([])
-        toks = schema.get_vector(arrays, schema.TRUNK.input("TOKENS"))
-        lengths = schema.lengths_of(arrays, len(sids), toks.size, "TOKENS")
-        schema.check_tokens("TOKENS", toks, self.vocab_size)
-        for s, n, p, kept in zip(sids, lengths, prefixes, n_rows):
-            c = self.caches[s]
-            if c.pending is not None and not kept:
-                raise WireError(f"OP: {op} for sequence {s} while a verify is pending (commit first, or N_ROWS)")
-            if op == "prime" and p:
-                if c.pos != 0:
-                    raise WireError(
-                        f"PREFIX_KEYS: sequence {s} is not empty ({c.pos} rows); a prefix starts a sequence"
-                    )
-                missing = [k for k in p if k not in self.blocks]
-                if missing:
-                    raise WireError(f"PREFIX_KEYS: block {missing[0]} is not published")
-                n += len(p) * schema.PREFIX_BLOCK
-            if c.pos + n > c.max_ctx:
-                raise WireError(f"TOKENS: context full for sequence {s}: {c.pos} + {n} rows > max_ctx {c.max_ctx}")
-        smp = sampling.from_wire(arrays, len(sids)) if op == "prime" else [None] * len(sids)
-        items = [
-            Rows(s, rows.tolist(), p if op == "prime" else None, n, sp)
-            for s, rows, p, n, sp in zip(sids, schema.split_rows(toks, lengths), prefixes, n_rows, smp)
-        ]
-        return pack(getattr(run, op)(items))
-
-    def _n_rows(self, arrays: schema.Arrays, sids: list[int], required: bool, check: bool = True) -> list[int]:
-        """``N_ROWS`` per sequence, checked against its pending verify (``check``; else only its count):
-        commit's rows to keep, or for prime / verify the previous round's commit folded in (0 or
-        absent: none). Raises ``WireError``."""
-        if schema.TRUNK.input("N_ROWS").name not in arrays and not required:
-            return [0] * len(sids)
-        n_rows = [int(x) for x in schema.get_vector(arrays, schema.TRUNK.input("N_ROWS"))]
-        if len(n_rows) != len(sids):
-            raise WireError(f"N_ROWS has {len(n_rows)} entries for {len(sids)} SIDS")
-        for s, n in zip(sids, n_rows if check else ()):
-            c = self.caches[s]
-            if n == 0 and not required:
-                continue
-            if c.pending is None:
-                raise WireError(f"N_ROWS: sequence {s} has no pending verify to commit")
-            if not 1 <= n <= c.pending_rows:
-                raise WireError(f"N_ROWS: {n} for sequence {s} outside [1, {c.pending_rows}]")
-        return n_rows
-
-    def _pack(self, outs: list[VerifyOut], nbytes: list[int] = (), with_rows: bool = True) -> schema.Arrays:
-        """The wire outputs over ``outs``' rows (``with_rows`` False: ``HIDDEN`` / ``FEATURES`` ``[R, 0]``, the
-        rows stay in this process)."""
-        nb = np.array(list(nbytes), np.int64)
-        none = {
-            "DRAFTS": np.zeros(0, np.int64),
-            "DRAFT_LENGTHS": np.zeros(0, np.int32),  # draft_verify's (colocate)
-            "ROUNDS_RUN": np.zeros(0, np.int32),
-            "ANCHORS": np.zeros(0, np.int64),
-        }
-        R = sum(o.argmax.shape[0] for o in outs)
-        D, F = self.model.cfg.hidden_size, len(self.feature_layers) * self.model.cfg.hidden_size
-
-        def wire(
-            name: str, dtype, width: int | None = None
-        ) -> np.ndarray:  # the one copy back to the host (bf16 has no numpy dtype)
-            if not outs or (width is not None and not with_rows):
-                return np.zeros((R, width if with_rows else 0) if width is not None else 0, dtype)
-            t = torch.cat([getattr(o, name) for o in outs])
-            return (t if dtype is np.int64 else t.float()).cpu().numpy().astype(dtype, copy=False)
-
-        return {
-            "ARGMAX": wire("argmax", np.int64),
-            "HIDDEN": wire("hidden", np.float32, D),
-            "TOP2_GAP": wire("top2_gap", np.float32),
-            "FEATURES": wire("features", np.float32, F),
-            "NBYTES": nb,
-            **none,
-        }

@@ -8,7 +8,6 @@ import faulthandler
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -145,14 +144,18 @@ _ONE_PROCESS = (
 IN_ORDER = "two instances could finish a stream's responses out of order"
 
 
-#: the interpreter's GIL switch interval in a model process with a compute thread beside the stub's
-#: (seconds; Python's default 5 ms would hold the stub's answer behind a speculative call's Python)
-SWITCH_INTERVAL_S = 0.0005
-
-
-def share_the_gil(interval_s: float = SWITCH_INTERVAL_S) -> None:
-    """Set this process's GIL switch interval (``sys.setswitchinterval``) to ``interval_s`` seconds."""
-    sys.setswitchinterval(interval_s)
+def set_thread_nice(nice: int) -> str:
+    """Set the calling thread's nice value (on Linux a thread's own; threads it starts later inherit it) to
+    ``nice`` (-20..19: lower is served first when threads compete for a core). Returns what happened, for
+    the log: ``"nice -10"``, or ``"nice 0 (nice -10 refused: ...)"`` when the process may not (below its
+    current value it needs CAP_SYS_NICE); never raises for a refusal. ``0`` leaves the thread as it is."""
+    tid = threading.get_native_id()
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError as e:
+            return f"nice {os.getpriority(os.PRIO_PROCESS, tid)} (nice {nice} refused: {e.strerror or e}; it needs CAP_SYS_NICE)"
+    return f"nice {os.getpriority(os.PRIO_PROCESS, tid)}"
 
 
 def require_one_instance(model_config: dict, reason: str = _ONE_PROCESS) -> None:
@@ -267,7 +270,7 @@ def stage_response(
     (:func:`tandem.serving.internal_key.check`) before anything else.
     ``only_requested`` (a decoupled model's response, sent by ``ResponseSender.send``): leave out the
     outputs the caller did not request, since ``send`` would drop them itself, freeing their arrays
-    without the GIL in Triton 2.51's Python backend (see :class:`~tandem.serving.stage_worker.BarrierRelease`)."""
+    without the GIL in Triton 2.51's Python backend (python_backend #390, fixed after 2.51)."""
     try:
         if unavailable is not None:
             raise schema.WireError(unavailable)
@@ -371,20 +374,18 @@ class SendQueue:
     """A decoupled model's responses sent by one thread of their own, in the order they were queued.
 
     In the Python backend ``ResponseSender.send`` and ``ResponseSender.is_cancelled`` are each a
-    round trip to the server process (~0.6 ms apiece here: a py-spy profile of served plain turns put
-    ~6% of the wall time on them, in the worker, between a burst's ``draft_verify`` call and the next,
-    while the trunk waits). Here the worker only queues: :meth:`stream` gives a request's ``send``
+    round trip to the server process (~0.6 ms apiece here: on the engine core's thread they would hold up
+    the next burst). Here the worker only queues: :meth:`stream` gives a request's ``send``
     (queues ``(arrays, error, final)``) and ``is_cancelled(sync=False)`` (a flag this thread refreshes
     after each non-final send of that stream, so a client's cancel is seen one burst later; before the
     stream's first response ``sync`` True asks the server on the caller's thread, and False has this
     thread ask, for a later call to see). ``make(arrays,
     error)`` builds the response; ``final_flag`` is the backend's final-response flag. A send that
     raises marks its stream cancelled (the worker then ends the turn) and is logged with ``log``.
-    ``barrier``: each ``is_cancelled`` that answers False releases what it holds up to then (the
-    decoupled BLS iterators, :class:`~tandem.serving.stage_worker.BarrierRelease`)."""
+    """
 
-    def __init__(self, make: Callable, final_flag: int, log: Callable[[str], None], barrier=None) -> None:
-        self.make, self.final_flag, self.log, self.barrier = make, final_flag, log, barrier
+    def __init__(self, make: Callable, final_flag: int, log: Callable[[str], None]) -> None:
+        self.make, self.final_flag, self.log = make, final_flag, log
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tandem-sender", daemon=True)
         self._thread.start()
@@ -435,11 +436,8 @@ class SendQueue:
             try:
                 sender.send(self.make(arrays, error), flags=self.final_flag if final else 0)
                 if not final and not state["cancelled"]:  # (a cancel, or a failed send, stays)
-                    mark = self.barrier.mark() if self.barrier is not None else None
                     state["cancelled"] = bool(sender.is_cancelled())
                     state["sent"] = True
-                    if mark is not None and not state["cancelled"]:
-                        self.barrier.release(mark)
             except Exception as e:  # noqa: BLE001 - a broken client must not stop the others' responses
                 state["cancelled"] = True
                 self.log(f"could not send a response: {type(e).__name__}: {e}")

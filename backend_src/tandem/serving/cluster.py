@@ -33,7 +33,7 @@ import typer
 
 from .. import schema
 from .haproxy import HaproxyError, ensure_haproxy, haproxy_config
-from .serve import MODELS, RunningServer, ServerError, busy_ports, free_ports, running_server
+from .serve import RunningServer, ServerError, busy_ports, free_ports, running_server
 
 #: the proxy's default address (``make serve-cluster``)
 PROXY_PORT = 9001
@@ -226,7 +226,7 @@ def running_cluster(
     proxy_port: int | None = None,
     base_port: int | None = None,
     env: dict[str, str] | None = None,
-    models: tuple[str, ...] = MODELS,
+    models: tuple[str, ...] | None = None,
     ready_timeout_s: float = 300.0,
     log_dir: str | Path | None = None,
     echo_proxy_log: bool = False,

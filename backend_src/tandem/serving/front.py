@@ -4,8 +4,8 @@ gauges. Request parsing and response packing live in :mod:`tandem.serving.turns`
 in :mod:`tandem.serving.proxies` (both re-exported here).
 
 Triton-free: ``model_repository/tandem/1/model.py`` converts ``pb_utils`` tensors to numpy and back;
-:class:`BLSTransport` gets ``pb_utils`` passed in. With :class:`LocalTransport` the same code runs
-in-process over the stages' wire form (``handle``), which is how it is unit-tested.
+:class:`BLSTransport` gets ``pb_utils`` passed in. The trunk stage runs in this process; the drafters too
+(``colocate``), or in their models over BLS (with :class:`LocalTransport` in tests).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Any, Callable
 from .. import schema
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
+from .backend import set_thread_nice
+from .memory import Trimmer
 from .telemetry import Telemetry
 from .turns import (  # re-exported
     TurnRequest as TurnRequest,
@@ -30,17 +32,14 @@ from .turns import (  # re-exported
     parse_turn as parse_turn,
     receipt_outputs as receipt_outputs,
 )
-from ..engine.pipeline import Pipeline as Pipeline  # re-exported: model.py reaches it here
 from .proxies import (  # re-exported
     BLSTransport as BLSTransport,
     CallStats as CallStats,
     DFlashProxy as DFlashProxy,
     DrafterProxy as DrafterProxy,
-    HostedTransport as HostedTransport,
     LocalTransport as LocalTransport,
     StageError as StageError,
     Transport as Transport,
-    TrunkProxy as TrunkProxy,
     WatchedTransport as WatchedTransport,
 )
 
@@ -60,6 +59,8 @@ GAUGES_S = 0.25
 #: seconds between looks of the admission clock (:meth:`TandemFront._refuse_overdue`): a refusal comes at most
 #: this late after ``admission_wait_s``
 ADMISSION_TICK_S = 0.05
+#: seconds between looks, while turns run, at whether the server has begun to exit (``exit_probe``)
+EXIT_PROBE_S = 0.5
 #: seconds :meth:`TandemFront.stop` waits for the worker (the model's ``finalize``, whose whole stop must
 #: stay well inside the server's exit timeout, ``serve --exit-timeout-secs`` 10 s): a worker still in a
 #: stage call by then is left behind (a daemon thread) and its stack logged
@@ -82,8 +83,11 @@ class TandemFront:
     :class:`~tandem.serving.proxies.WatchedTransport` under the proxies (None: no stage deadline);
     ``restart(model)`` — called (on a thread of its own) when a stage's process died, to bring it
     back; it returns when the model is loaded again (or raises); ``gauges(values)`` — called with
-    :meth:`gauge_values` whenever they may have changed; ``standby`` — proxies of loaded stage models
-    no round calls (the drafter models while the trunk hosts the drafters, ``colocate``); ``state_size`` — the
+    :meth:`gauge_values` whenever they may have changed; ``exit_probe()`` — whether the server has begun to exit (asked every
+    :data:`EXIT_PROBE_S` while turns run, on a thread of its own: once it has, every turn ends with one
+    "server shutting down" instead of running into the server's exit timeout; None: never asked); ``nice`` —
+    the worker thread's nice value (``compute_nice``; 0: left as it
+    is; :attr:`priority` says what it got); ``state_size`` — the
     session state estimate admission by bytes uses (:class:`~tandem.engine.state_size.StateSize`; None: by count
     alone). A clock thread refuses turns past ``admission_wait_s`` while the worker is busy
     (:meth:`_refuse_overdue`).
@@ -106,24 +110,23 @@ class TandemFront:
         restart: Callable[[str], None] | None = None,
         gauges: Callable[[dict[str, float]], None] | None = None,
         decode: Callable[[list[int]], str] | None = None,
-        standby: tuple = (),
         state_size=None,
+        nice: int = 0,
+        exit_probe: Callable[[], bool] | None = None,
     ) -> None:
         self.log = log or (lambda msg: None)
-        #: proxies of loaded stage models no round calls (the drafter models while the trunk hosts the
-        #: drafters): probed while idle and restarted when dead, like the others
-        self.standby = tuple(standby)
         self.info = info or (lambda msg: None)
         self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids, decode=decode, state_size=state_size)
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
         self.sched.on_event = self.log
         self.sched.on_stage_dead = self._stage_dead
         self.q: queue.Queue[Turn] = queue.Queue()
-        self.sched.quiet = self.q.empty
         self.poll_s = poll_s
         self.watch, self.restart, self.on_gauges = watch, restart, gauges
         #: request metrics (counters, histogram samples) until a publisher drains them
         self.telemetry = Telemetry()
+        #: gives the memory of closed sessions back to the system (:mod:`tandem.serving.memory`)
+        self.trimmer = Trimmer()
         self._stat_seen: dict[str, int] = {}
         #: turn numbers (``TURN``): 1, 2, ... over the process's life
         self._numbers = itertools.count(1)
@@ -131,6 +134,10 @@ class TandemFront:
         self.exiting = False
         self._emit_lock = threading.Lock()
         self._stop = threading.Event()
+        self._nice = nice
+        #: what the worker thread's nice value became (:func:`~tandem.serving.backend.set_thread_nice`)
+        self.priority = ""
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-worker", daemon=True)
         self._thread.start()
         self._watchdog = threading.Thread(target=self._watch_loop, name="tandem-watchdog", daemon=True)
@@ -138,6 +145,9 @@ class TandemFront:
             self._watchdog.start()
         self._admission = threading.Thread(target=self._admission_loop, name="tandem-admission", daemon=True)
         self._admission.start()
+        self.exit_probe = exit_probe
+        if exit_probe is not None:
+            threading.Thread(target=self._exit_watch_loop, name="tandem-exit-watch", daemon=True).start()
 
     def submit(self, req: Turn, send: Send, is_cancelled: Callable[[bool], bool] | None = None) -> None:
         """Queue one turn (a :func:`~tandem.serving.turns.parse_turn` result; its ``emit``, ``number``
@@ -224,7 +234,8 @@ class TandemFront:
         """The scheduler's gauges (:meth:`~tandem.engine.lifecycle.Lifecycle.gauges`) and its
         lifecycle counters (``sessions_opened``, ``sessions_expired``, ``cancelled``, ...)."""
         st = self.sched.stats
-        out = {**self.sched.gauges(), **{k: st.get(k, 0) for k in COUNTERS}}
+        trunk = {"trunk_sequences": len(getattr(self.sched.trunk, "states", ()))}
+        out = {**self.sched.gauges(), **trunk, **{k: st.get(k, 0) for k in COUNTERS}}
         assert tuple(out) == tuple(GAUGES)
         return out
 
@@ -239,17 +250,22 @@ class TandemFront:
         return out
 
     def _loop(self) -> None:
+        self.priority = set_thread_nice(self._nice)
+        self._started.set()
         last_expire = last_probe = last_gauges = last_busy = time.monotonic()
         while not self._stop.is_set():
             sched = self.sched
+            held = len(sched.sessions)
             if sched.turns:
                 last_busy = time.monotonic()
             new = self._drain(block=not sched.busy())  # waiting turns retry every poll_s
             if new:
                 last_busy = time.monotonic()
-            if self.exiting:  # the server is shutting down: refuse, call no stage
+            if self.exiting:  # the server is shutting down: end and refuse every turn, call no stage
                 for t in new:
                     t.emit(None, SHUTTING_DOWN, True)
+                if sched.turns or sched.waiting():
+                    self._fail_all(SHUTTING_DOWN)
                 continue
             try:
                 if new or sched.waiting():
@@ -269,6 +285,9 @@ class TandemFront:
                 self.log(f"worker: {type(e).__name__}: {e}")
                 self._failed(e)
             self._count_stats()
+            if len(sched.sessions) < held:  # sessions closed: their memory goes back to the system (memory.py)
+                self.trimmer.closed()
+            self.trimmer.after_request()
             if self.on_gauges is not None and (not sched.busy() or time.monotonic() - last_gauges >= GAUGES_S):
                 last_gauges = time.monotonic()
                 try:
@@ -279,14 +298,16 @@ class TandemFront:
     def _count_stats(self) -> None:
         """The scheduler's demotion and prefix-cache counts since the last call, into :attr:`telemetry`."""
         sched = self.sched
-        now = {"demotions_total": sched.stats.get("demotions", 0), "promotions_total": sched.stats.get("promotions", 0)}
+        now = {
+            "demotions_total": sched.stats.get("demotions", 0),
+            "promotions_total": sched.stats.get("promotions", 0),
+            "accept_walks_total": sched.stats.get("accept_walks", 0),
+        }
         if sched.prefix is not None:
             now.update(
                 prefix_cache_hits_total=sched.prefix.stats["hits"],
                 prefix_cache_misses_total=sched.prefix.stats["misses"],
             )
-        if (pipe := getattr(sched.trunk, "pipeline", None)) is not None:
-            now.update(pipelined_calls_total=pipe.counts["calls"], pipelined_refused_total=pipe.counts["refused"])
         for k, v in now.items():
             if v != self._stat_seen.get(k, 0):
                 self.telemetry.count(k, v - self._stat_seen.get(k, 0))
@@ -295,7 +316,7 @@ class TandemFront:
     def _probe(self) -> None:
         """While no turn runs: find stages whose process died (and restart them) before a turn needs them."""
         sched = self.sched
-        for stage in dict.fromkeys([sched.trunk, *sched.drafters.values(), *self.standby]):
+        for stage in dict.fromkeys([sched.trunk, *sched.drafters.values()]):
             if self._stop.is_set():
                 return
             if hasattr(stage, "probe") and sched.stage_name(stage) not in sched.unavailable:
@@ -308,9 +329,7 @@ class TandemFront:
     def _failed(self, e: Exception) -> None:
         """After a failed stage call: the server exiting fails everything without further calls; a
         dead stage fails every turn (its state is gone) and is restarted; else the turns in flight fail.
-        A pipelined call in flight is forgotten (its sessions' turns fail; refused if it comes late)."""
-        if (pipe := getattr(self.sched.trunk, "pipeline", None)) is not None:
-            pipe.drop()
+        """
         if server_exiting(e):  # the stage models are going away: no further stage calls
             self.exiting = True
             self._fail_all(SHUTTING_DOWN)
@@ -348,6 +367,19 @@ class TandemFront:
             sched.unavailable = sched.unavailable - {model}
 
         threading.Thread(target=run, name=f"tandem-restart-{model}", daemon=True).start()
+
+    def _exit_watch_loop(self) -> None:
+        """Every :data:`EXIT_PROBE_S` while turns run: once ``exit_probe`` says the server is exiting, set
+        :attr:`exiting` (the worker then ends every turn with one "server shutting down")."""
+        while not self._stop.wait(EXIT_PROBE_S):
+            if not (self.sched.turns or self.sched.waiting()):
+                continue
+            try:
+                if self.exit_probe():
+                    self.exiting = True
+                    return
+            except Exception as e:  # noqa: BLE001 - the look must outlive any one failure
+                self.log(f"exit probe: {type(e).__name__}: {e}")
 
     def _admission_loop(self) -> None:
         """Every :data:`ADMISSION_TICK_S`: refuse the turns whose ``admission_wait_s`` has passed without a
@@ -449,6 +481,7 @@ GAUGES = {
     "cache_rows": "trunk cache rows (tokens) held by the open sessions",
     "prefix_cache_blocks": "prompt blocks (64 tokens each) held by the prefix cache",
     "state_bytes": "estimated bytes of state (trunk caches, drafter KV) the open sessions hold at their contexts",
+    "trunk_sequences": "sequences whose trunk cache the engine core's trunk stage holds",
     "sessions_opened": "sessions opened since the server started",
     "sessions_expired": "sessions closed for idling past idle_timeout_s",
     "sessions_refused_full": "new sequences refused after waiting admission_wait_s for a slot",
@@ -457,4 +490,4 @@ GAUGES = {
     "degraded_sessions": "sessions moved to plain decoding because their drafter failed",
     "stage_restarts": "stage models restarted after their process died",
 }
-COUNTERS = tuple(GAUGES)[7:]
+COUNTERS = tuple(GAUGES)[8:]

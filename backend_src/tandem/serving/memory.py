@@ -1,8 +1,8 @@
-"""Giving freed memory back to the system in a stage process.
+"""Giving freed memory back to the system in the engine core's process.
 
 A session's caches and a prime's buffers are freed when the session closes, but glibc's allocator keeps
 freed heap memory in the arena of the thread that allocated it (the compute thread, the decode pool's
-threads, the pipelined calls' threads each get one), and raises its mmap threshold after large frees so
+threads each get one), and raises its mmap threshold after large frees so
 later large buffers come from those heaps too: the process's resident memory then stays at the high
 water mark of every arena, and a flood of short turns leaves it gigabytes above what its open sessions
 hold. ``malloc_trim(0)`` returns the free pages of every arena to the system (``madvise(MADV_DONTNEED)``

@@ -1,26 +1,21 @@
-"""The stage proxies of the ``tandem`` process: transports (BLS inside Triton, local in tests) and
-the :class:`~tandem.engine.protocols.TrunkAPI` / :class:`~tandem.engine.protocols.DrafterAPI`
-implementations that reach the ``trunk``, ``drafter_mtp`` and ``drafter_dflash`` models, one call per
-batched op.
+"""The drafter proxies of the engine core (``colocate`` off): transports (BLS inside Triton, local in
+tests) and the :class:`~tandem.engine.protocols.DrafterAPI` implementations that reach the ``drafter_mtp``
+and ``drafter_dflash`` models, one call per batched op.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
-import torch
 
 from .. import schema
-from ..engine import sampling
-from ..engine.protocols import Commit, DecodedRounds, DraftRequest, RoundsPlan, Rows, VerifyOut
+from ..engine.protocols import DraftRequest
 from ..schema import Arrays, WireError
 from . import internal_key
 from .backend import CallStats, tensors_by_name
-from .stage_worker import BarrierRelease, DecoupledCaller, StageDied
 
 
 # -- transports ---------------------------------------------------------------------------------------
@@ -45,7 +40,7 @@ class WatchedTransport:
     def __init__(self, inner: Transport, timeout_s: float) -> None:
         self.inner, self.timeout_s = inner, timeout_s
         self.stats = getattr(inner, "stats", None)
-        #: the calls running, by thread (the worker's, and a pipelined one: :mod:`tandem.engine.pipeline`):
+        #: the calls running, by thread:
         #: [model, op, monotonic start, fired]
         self._calls: dict[int, list] = {}
 
@@ -92,7 +87,7 @@ class LocalTransport:
     def __init__(self, stages: dict[str, Any]) -> None:
         self.stages = stages
         self.stats = CallStats()
-        self._lock = threading.Lock()  # one call at a time (calls may come from two threads: tandem.engine.pipeline)
+        self._lock = threading.Lock()  # one call at a time
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
         with self._lock:
@@ -112,35 +107,18 @@ class LocalTransport:
 
 
 class BLSTransport:
-    """One ``pb_utils.InferenceRequest(...).exec()`` per call, from any thread of a decoupled model.
-    ``pb_utils``: the ``triton_python_backend_utils`` module, passed in. A decoupled model (the
-    ``trunk``: :class:`~tandem.serving.stage_worker.StageWorker`) is called with ``exec(decoupled=True)``
-    and answers one response with the final flag; its finished response iterators go to ``held``
-    (:class:`~tandem.serving.stage_worker.BarrierRelease`: dropping them here could free their tensors
-    on a thread of the stub without the GIL). Raises :class:`StageError`."""
+    """One ``pb_utils.InferenceRequest(...).exec()`` per call, from any thread of the engine core.
+    ``pb_utils``: the ``triton_python_backend_utils`` module, passed in. Raises :class:`StageError`."""
 
     def __init__(self, pb_utils, timeout_us: int = 0) -> None:
         self.pb = pb_utils
         self.timeout_us = timeout_us
         self.auth = internal_key.key_array(internal_key.server_key())  # every stage call carries the server's key
         self.stats = CallStats()
-        self.held = BarrierRelease()
-        self.decoupled = DecoupledCaller(self.held)
 
     def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
         t0 = time.perf_counter()
-        if model.decoupled:
-            try:
-                probe = {"SIDS": np.zeros(0, np.int64)}  # a no-op close: answered at once by a dead process
-                resp = self.decoupled.call(
-                    model.name,
-                    lambda: self._request(model, op, arrays).exec(decoupled=True),
-                    lambda: self._request(model, "close", probe).exec(decoupled=True),
-                )
-            except StageDied as e:
-                raise StageError(model.name, op, str(e)) from None
-        else:
-            resp = self._request(model, op, arrays).exec()
+        resp = self._request(model, op, arrays).exec()
         self.stats.add(f"{model.name}.{op}", time.perf_counter() - t0)
         if resp is None:
             raise StageError(model.name, op, "the call ended without a response")
@@ -162,19 +140,6 @@ class BLSTransport:
 
 
 # -- stage proxies ------------------------------------------------------------------------------------
-def _plan_arrays(plans: list[RoundsPlan]) -> Arrays:
-    """The round programs of a ``draft_verify`` (per sequence: arm, draft count, rounds, budget, room, stop ids)."""
-    return {
-        schema.NUM_DRAFT_TOKENS: np.array([p.k if p.arm else 0 for p in plans], np.int32),
-        schema.SPEC: np.array([(p.arm or schema.OFF).encode() for p in plans], dtype=np.object_),
-        "ROUNDS": np.array([p.rounds for p in plans], np.int32),
-        "BUDGET": np.array([p.budget for p in plans], np.int32),
-        "ROOM": np.array([p.room for p in plans], np.int32),
-        "STOP_IDS": np.array([t for p in plans for t in p.stop_ids], np.int64),
-        "STOP_LENGTHS": np.array([len(p.stop_ids) for p in plans], np.int32),
-    }
-
-
 def _rows_of(items: list[DraftRequest], field: str) -> np.ndarray:
     """The items' per-row tensors ``field`` (``hidden`` or ``features``) stacked ``[sum n, width]`` fp32."""
     return np.ascontiguousarray(
@@ -186,7 +151,7 @@ def _rows_of(items: list[DraftRequest], field: str) -> np.ndarray:
 class _Proxy:
     def __init__(self, transport: Transport, spec: schema.ModelSpec, on_error: Callable[[str], None] | None) -> None:
         self.t, self.spec, self.on_error = transport, spec, on_error
-        #: the model this proxy's calls reach (a drafter hosted by the trunk: ``trunk``)
+        #: the model this proxy's calls reach
         self.model_name = getattr(transport, "model_name", None) or spec.name
 
     def _drafts(self, items: list[DraftRequest], arrays) -> list[list[int]]:
@@ -224,7 +189,7 @@ class _Proxy:
 
 
 class _PrefixStoreProxy(_Proxy):
-    """The prefix-store ops of the ``trunk`` and ``drafter_dflash`` models."""
+    """The prefix-store ops of the ``drafter_dflash`` model."""
 
     def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
         """One ``publish`` call: ``(sid, chain keys)`` per sequence -> bytes newly stored per sequence."""
@@ -241,170 +206,6 @@ class _PrefixStoreProxy(_Proxy):
         """One ``evict`` call (keys in one PREFIX_LENGTHS entry, no SIDS)."""
         if keys:
             self.t(self.spec, "evict", {"SIDS": np.zeros(0, np.int64), **schema.prefixes_to_wire([list(keys)])})
-
-
-class HostedTransport:
-    """A drafter model's ops sent to the ``trunk`` model that hosts its stage (``colocate``): op
-    ``open`` of ``drafter_dflash`` goes out as ``drafter_dflash.open`` (:data:`tandem.schema.HOSTED_OPS`),
-    answered with the drafter's outputs. Errors name the ``trunk`` (its process runs the drafter)."""
-
-    model_name = schema.TRUNK.name
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.stats = getattr(inner, "stats", None)
-
-    def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
-        return self.inner(
-            dataclasses.replace(model, name=schema.TRUNK.name, decoupled=schema.TRUNK.decoupled),
-            f"{model.name}.{op}",
-            arrays,
-        )
-
-
-class TrunkProxy(_PrefixStoreProxy):
-    """:class:`~tandem.engine.protocols.TrunkAPI` over a transport (``vocab_size`` lets the
-    scheduler reject out-of-vocabulary prompts before any call); ``hosted``: the trunk model runs
-    the drafters (``colocate``) and the scheduler calls :meth:`draft_verify`. Raises :class:`StageError`."""
-
-    def __init__(
-        self,
-        transport: Transport,
-        vocab_size: int | None = None,
-        on_error: Callable[[str], None] | None = None,
-        hosted: bool = False,
-    ) -> None:
-        super().__init__(transport, schema.TRUNK, on_error)
-        self.vocab_size = vocab_size
-        self.hosts_drafters = hosted
-
-    @property
-    def pipeline(self):
-        """The :class:`~tandem.engine.pipeline.Pipeline` this proxy's calls go through (None: none)."""
-        return self.t if getattr(self.t, "pipelines", False) else None
-
-    def draft_verify_next(
-        self, number: int, sids: list[int], rounds: list[int], ms: float | None, plans: list[RoundsPlan] | None = None
-    ) -> list[list[tuple[int, list[int], VerifyOut]]]:
-        """Pipelined call ``number``: continue call ``number - 1`` over the same ``sids`` (in order), up to
-        ``rounds[j]`` rounds each (:mod:`tandem.engine.pipeline`); returns as :meth:`draft_verify_rounds`.
-        ``plans`` (call ``number - 1`` is a prime): each sequence's round program, from the prime's first
-        token. Raises :class:`StageError` (a refusal's message holds :data:`~tandem.engine.pipeline.NOT_NEXT`)."""
-        arrays = {
-            "SIDS": schema.sids_to_wire(sids),
-            "ROUNDS": np.array(rounds, np.int32),
-            "CALL": np.array([number], np.int64),
-        }
-        if plans is not None:
-            arrays.update(_plan_arrays(plans))
-        if ms is not None:
-            arrays["BURST_MS"] = np.array([ms], np.float32)
-        return self._rounds_of(self.t(self._draft_verify_spec, "draft_verify_next", arrays))
-
-    def draft_verify_rounds(
-        self, items: list[Rows], plans: list[RoundsPlan], ms: float | None = None, number: int | None = None
-    ) -> list[list[tuple[int, list[int], VerifyOut]]]:
-        """One ``draft_verify`` call of up to ``max(plan.rounds)`` rounds (see
-        :meth:`tandem.engine.colocated.StageHost.draft_verify_rounds`): each item's first anchor and
-        pending commit, each plan's round program, the burst's ``ms`` left, the call's ``number`` (for a
-        pipelined next call). Returns per sequence ``(anchor, drafts, verify
-        output)`` per round it ran (the output's hidden and features are ``[rows, 0]``)."""
-        if not items:
-            return []
-        arrays = {
-            "SIDS": schema.sids_to_wire([it.sid for it in items]),
-            "TOKENS": np.array([it.tokens[0] for it in items], np.int64),
-            **_plan_arrays(plans),
-        }
-        if any(it.commit for it in items):
-            arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
-        if ms is not None:
-            arrays["BURST_MS"] = np.array([ms], np.float32)
-        if number is not None:
-            arrays["CALL"] = np.array([number], np.int64)
-        return self._rounds_of(self.t(self._draft_verify_spec, "draft_verify", arrays))
-
-    def _rounds_of(self, out: Arrays) -> list:
-        """Per sequence its rounds: a :class:`~tandem.engine.protocols.DecodedRounds` when none drafted (the
-        rows whole), else ``(anchor, drafts, VerifyOut)`` a round; hidden and features ``[rows, 0]``."""
-        dl, run = out["DRAFT_LENGTHS"], out["ROUNDS_RUN"].tolist()
-        anchors, res, j, row, d0 = out["ANCHORS"].tolist(), [], 0, 0, 0
-        argmax, gaps = torch.from_numpy(out["ARGMAX"]).long(), torch.from_numpy(out["TOP2_GAP"]).float()
-        for n in run:
-            k = int(dl[j : j + n].sum())
-            if not n:  # (a sequence whose turn ended: no round)
-                res.append([])
-            elif not k:
-                none = torch.zeros(n, 0)  # the rows' hidden and features stayed in the trunk's process
-                res.append(
-                    DecodedRounds(anchors[j : j + n], VerifyOut(argmax[row : row + n], none, gaps[row : row + n], none))
-                )
-            else:
-                drafts = [d.tolist() for d in schema.split_rows(out["DRAFTS"][d0 : d0 + k], dl[j : j + n])]
-                lens = [1 + len(d) for d in drafts]
-                none = torch.zeros(sum(lens), 0)
-                outs = [
-                    VerifyOut(a, none[:m], g, none[:m])
-                    for a, g, m in zip(argmax[row : row + n + k].split(lens), gaps[row : row + n + k].split(lens), lens)
-                ]
-                res.append(list(zip(anchors[j : j + n], drafts, outs)))
-            j, row, d0 = j + n, row + n + k, d0 + k
-        return res
-
-    #: draft_verify asks for its outputs only (no hidden rows)
-    _draft_verify_spec = dataclasses.replace(
-        schema.TRUNK, outputs=tuple(o for o in schema.TRUNK.outputs if o.name in schema.DRAFT_VERIFY_OUTPUTS)
-    )
-
-    def _outs(self, out: Arrays, lens: list[int]) -> list[VerifyOut]:
-        cols = [
-            schema.split_rows(torch.from_numpy(np.ascontiguousarray(out[n])), lens)
-            for n in ("ARGMAX", "HIDDEN", "TOP2_GAP", "FEATURES")
-        ]
-        return [VerifyOut(a.long(), h.float(), g.float(), f.float()) for a, h, g, f in zip(*cols)]
-
-    def _rows(
-        self, op: str, items: list[Rows], opens: list[str] | None = None, number: int | None = None
-    ) -> list[VerifyOut]:
-        if not items:
-            return []
-        lens = [len(it.tokens) for it in items]
-        arrays = {
-            "SIDS": schema.sids_to_wire([it.sid for it in items]),
-            "TOKENS": np.array([x for it in items for x in it.tokens], np.int64),
-            "LENGTHS": np.array(lens, np.int32),
-        }
-        if any(it.prefix is not None for it in items):
-            arrays.update(schema.prefixes_to_wire([it.prefix for it in items]))
-        if any(it.commit for it in items):  # the previous round's commits ride along
-            arrays["N_ROWS"] = np.array([it.commit for it in items], np.int32)
-        if op == "prime":
-            arrays.update(sampling.to_wire([it.sampling for it in items]))
-        if opens is not None:
-            arrays[schema.SPEC] = np.array([a.encode() for a in opens], dtype=np.object_)
-        if number is not None:
-            arrays["CALL"] = np.array([number], np.int64)
-        return self._outs(self.t(self.spec, op, arrays), lens)
-
-    def prime(self, items: list[Rows], opens: list[str] | None = None, number: int | None = None) -> list[VerifyOut]:
-        """One ``prime`` call; ``opens`` (a trunk that hosts the drafters): per item, the arm of a new
-        sequence whose trunk and drafter state the call opens first, ``""`` for one already open;
-        ``number``: the call's number (a pipelined ``draft_verify_next`` continues it)."""
-        return self._rows("prime", items, opens, number)
-
-    def verify(self, items: list[Rows]) -> list[VerifyOut]:
-        return self._rows("verify", items)
-
-    def commit(self, items: list[Commit]) -> None:
-        if items:
-            self.t(
-                self.spec,
-                "commit",
-                {
-                    "SIDS": schema.sids_to_wire([it.sid for it in items]),
-                    "N_ROWS": np.array([it.n_rows for it in items], np.int32),
-                },
-            )
 
 
 class DrafterProxy(_Proxy):

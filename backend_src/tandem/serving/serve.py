@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import typer
 
 from .. import schema, schema_text
-from . import internal_key
+from . import backend, internal_key
 from .haproxy import HaproxyError
 from .host import busy_ports, free_ports, new_shm_prefix, remove_shm
 from .http_front import MAX_BODY_BYTES, Front, FrontError, start_front, wait_front
@@ -38,9 +38,20 @@ from .http_front import MAX_BODY_BYTES, Front, FrontError, start_front, wait_fro
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 BACKEND_ROOT = REPO_ROOT / "triton_backends"
-#: Models the server loads (explicit model control: ``model_repository/weights`` is not a model).
 #: every model of the repository: the session models, then the text front (ensemble last: its steps load first)
 MODELS = tuple(schema.MODELS) + tuple(schema_text.MODELS)
+#: the drafter models: loaded only with ``colocate`` off (else the drafters run in the ``tandem`` model's process)
+DRAFTER_MODELS = (schema.DRAFTER_MTP.name, schema.DRAFTER_DFLASH.name)
+
+
+def models_to_load(env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The models a server loads (explicit model control: ``model_repository/weights`` is not a model):
+    every model but the drafter models, which only ``colocate`` off loads (``$TANDEM_COLOCATE`` in ``env``, then
+    in this process's environment; else the default). Raises ``ValueError`` for a bad ``$TANDEM_COLOCATE``."""
+    name = backend.env_name("colocate")
+    value = (env or {}).get(name) or os.environ.get(name)
+    colocate = schema.ServingConfig.from_parameters({"colocate": value}).colocate if value else schema.DEFAULTS.colocate
+    return tuple(m for m in MODELS if not colocate or m not in DRAFTER_MODELS)
 
 
 class ServerError(RuntimeError):
@@ -103,7 +114,7 @@ def server_command_and_env(
     grpc_port: int = 8001,
     metrics_port: int = 8002,
     model_repository: str | Path = MODEL_REPOSITORY,
-    models: tuple[str, ...] = MODELS,
+    models: tuple[str, ...] | None = None,
     exit_timeout_s: int = 10,
     log_verbose: int = 0,
     env_overrides: dict[str, str] | None = None,
@@ -124,6 +135,7 @@ def server_command_and_env(
     """
     p = wheel_paths()
     backend_dir = ensure_backend_dir()
+    models = models_to_load(env_overrides) if models is None else models
     argv = [
         str(p["tritonserver"]),
         f"--model-repository={Path(model_repository).resolve()}",
@@ -290,7 +302,7 @@ def running_server(
     metrics_port: int | None = None,
     model_repository: str | Path = MODEL_REPOSITORY,
     env: dict[str, str] | None = None,
-    models: tuple[str, ...] = MODELS,
+    models: tuple[str, ...] | None = None,
     ready_timeout_s: float = 180.0,
     log_path: str | Path | None = None,
     shm_prefix: str | None = None,
@@ -313,6 +325,7 @@ def running_server(
     ports = (http_port or picked[0], grpc_port or picked[1], metrics_port or picked[2])
     internal = tuple([p for p in picked[3:] if p not in ports][:2])
     shm_prefix = shm_prefix or new_shm_prefix()
+    models = models_to_load(env) if models is None else models
     argv, full_env = server_command_and_env(
         internal[0],
         ports[1],
@@ -467,6 +480,7 @@ def serve(
         http_host="127.0.0.1",
         metrics_host="127.0.0.1",
     )
+    models = models_to_load(overrides)
     busy = busy_ports({"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
     if busy:  # before loading anything: a second server would load every model, then fail to bind
         print(
@@ -499,11 +513,11 @@ def serve(
         raise
     asked_to_stop = front_died = False
     try:
-        waited = wait_ready(proc, internal[0], MODELS, ready_timeout_s, metrics_port=internal[1])
+        waited = wait_ready(proc, internal[0], models, ready_timeout_s, metrics_port=internal[1])
         wait_front(front, http_port, host=host)
         print(
             f"tandem: ready in {waited:.1f} s — gRPC {host}:{grpc_port}, HTTP {host}:{http_port}, "
-            f"metrics {host}:{metrics_port}, models {', '.join(MODELS)}"
+            f"metrics {host}:{metrics_port}, models {', '.join(models)}"
             + (f"; parameters {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""),
             flush=True,
         )

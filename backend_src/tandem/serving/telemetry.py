@@ -22,6 +22,7 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens_per_pos_total": "rounds whose draft at `position` was accepted "
     "(vLLM spec_decode_num_accepted_tokens_per_pos)",
     "verify_rounds_total": "trunk verify rounds, one per session per round (plain rounds included)",
+    "accept_walks_total": "accept walks run, one per verify round that ran one (compiled plain rounds need none)",
     "prompt_tokens_total": "prompt tokens of admitted turns (vLLM prompt_tokens)",
     "generation_tokens_total": "tokens sent to clients (vLLM generation_tokens)",
     "request_success_total": "turns that finished, by `finished_reason` (vLLM request_success)",
@@ -31,8 +32,6 @@ COUNTERS = {
     "promotions_total": "demoted sessions moved back to speculation",
     "prefix_cache_hits_total": "new sessions whose prompt reused published prefix blocks",
     "prefix_cache_misses_total": "new sessions looked up in the prefix cache without a hit",
-    "pipelined_calls_total": "trunk calls sent while the one they continue ran (pipeline; tandem.engine.pipeline)",
-    "pipelined_refused_total": "pipelined calls the trunk refused, running nothing (they overtook their predecessor)",
 }
 #: histogram name -> (help, bucket upper bounds)
 HISTOGRAMS = {

@@ -1,11 +1,10 @@
-"""Warm-up turns run in the ``trunk`` model's process at load, before it reports ready.
+"""Warm-up turns run in the engine core's process at load, before the ``tandem`` model reports ready.
 
 The serving layout builds parts of itself on first use (each weight's packed kernel layout and each
 block's plan, :mod:`tandem.model.cpu_gemm`, :mod:`tandem.model.cpu_block`): without a warm-up the
 first client turn paid it, ~50 ms of a prime and ~60 ms of the first MTP turn on 2 cores (a turn
-that takes ~8 ms warm), enough to miss a tight ``stage_timeout_s``. Triton's own ``model_warmup``
-cannot drive a sequence through a stage's ops, so the stage runs short turns of every arm it hosts
-through its own wire form (``handle``), in this process, the way the ``tandem`` front drives it.
+that takes ~8 ms warm). Triton's own ``model_warmup`` cannot drive a sequence through the engine's
+rounds, so the engine core runs short turns of every arm its stages serve, in a scheduler of its own.
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ import dataclasses
 import time
 
 from .. import schema
-from ..engine.pipeline import Pipeline
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import Scheduler
 from ..engine.session import Turn
-from .proxies import DFlashProxy, DrafterProxy, HostedTransport, LocalTransport, TrunkProxy
 
 #: the warm-up turns' prompt (tokens) and length (tokens generated)
 PROMPT_TOKENS, MAX_TOKENS = 24, 8
@@ -26,32 +23,21 @@ PROMPT_TOKENS, MAX_TOKENS = 24, 8
 FIRST_SID = (1 << 62) + 1
 
 
-def warm_stage(stage, config: schema.ServingConfig = schema.DEFAULTS) -> dict[str, float]:
-    """Run a greedy and a sampled turn of each arm ``stage`` can serve, in this process.
+def warm_stages(trunk, drafters: dict, config: schema.ServingConfig = schema.DEFAULTS) -> dict[str, float]:
+    """Run a greedy and a sampled turn of each arm, in this process.
 
-    ``stage``: the ``trunk`` model's stage, a :class:`~tandem.engine.trunk_stage.TrunkStage` (plain
-    turns only) or a :class:`~tandem.engine.colocated.StageHost` (plain and every hosted drafter's
-    arm, through a :class:`~tandem.engine.pipeline.Pipeline` when ``config.pipeline`` as served);
-    ``config``: the serving config (the prefix cache is left off, so nothing is published; the
+    ``trunk``: the :class:`~tandem.engine.trunk_stage.TrunkStage`; ``drafters``: arm -> drafter stage or proxy
+    (the engine core's); ``config``: the serving config (the prefix cache is left off, so nothing is published; the
     context bound is the trunk stage's ``max_ctx``). Each turn is ``PROMPT_TOKENS`` prompt tokens and ``MAX_TOKENS``
     generated (fewer when the context is shorter), in a sequence that is closed at its end.
 
     Returns ``{"<arm>" or "<arm>+sampled": seconds}``. Raises ``RuntimeError`` when a turn fails
-    (the stage could not serve one; the model should not load) and ``AssertionError`` when a
+    (the stages could not serve one; the model should not load) and ``AssertionError`` when a
     sequence stays open afterwards.
     """
-    hosted = bool(getattr(stage, "hosts_drafters", False))
-    trunk = stage.trunk if hosted else stage  # the TrunkStage: its vocabulary and context bound
     vocab_size = trunk.vocab_size
-    transport = LocalTransport({"trunk": stage})
-    tr = Pipeline(transport) if hosted and config.pipeline else transport
-    drafters: dict = {}
-    if hosted:
-        to_drafters = HostedTransport(tr)
-        dflash = DFlashProxy(to_drafters)
-        drafters = {arm: DrafterProxy(to_drafters) if arm == schema.MTP else dflash for arm in stage.drafters}
     cfg = dataclasses.replace(config, prefix_cache_mb=0, max_ctx=min(config.max_ctx, trunk.max_ctx))
-    sched = Scheduler(TrunkProxy(tr, vocab_size, hosted=hosted), drafters, cfg)
+    sched = Scheduler(trunk, drafters, cfg)
     n_prompt = max(1, min(PROMPT_TOKENS, cfg.max_ctx // 2))  # a short context (a test trunk) takes shorter turns
     n_new = max(1, min(MAX_TOKENS, cfg.max_ctx - n_prompt - 1))
     prompt = [(37 * i + 11) % (vocab_size - 1) + 1 for i in range(n_prompt)]
@@ -84,5 +70,5 @@ def warm_stage(stage, config: schema.ServingConfig = schema.DEFAULTS) -> dict[st
                 raise RuntimeError(f"warm-up turn ({arm}{', sampled' if sampled else ''}) failed: {errors[0]}")
             sid += 1
     sched.expire_idle(now=float("inf"))  # sends the batched close of the ended sequences
-    assert not sched.sessions and not stage.states, (list(sched.sessions), list(stage.states))
+    assert not sched.sessions and not trunk.states, (list(sched.sessions), list(trunk.states))
     return took

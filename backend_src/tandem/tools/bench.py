@@ -178,7 +178,7 @@ def main(
     from .bench_limits import limits, print_limits
     from .bench_load import print_long_prompt, print_scaling, run_long_prompt, run_scaling
     from .bench_prefix import run_prefix_section
-    from .bench_report import ceilings, print_report, served_calls, speedup_ratios, summarize
+    from .bench_report import ceilings, print_report, speedup_ratios, summarize
     from .data import humaneval_prompts, sharegpt_prompts
     from .distill import used_sharegpt_turns
 
@@ -324,7 +324,6 @@ def main(
         "ceilings": ceilings(by, {label: engs[label].sched.timing for label, _, _ in arm_list}, plain_eng.sched.timing)
     }
     if server_log is not None and server_log.exists():
-        profile["served_calls"] = served_calls(server_log)
         server_log.unlink()
     if prefix is not None:
         profile["prefix"] = prefix

@@ -11,10 +11,7 @@ the demotion policy makes some rounds plain, so tau (the mean acceptance length,
 
 from __future__ import annotations
 
-import ast
-import re
 import statistics
-from pathlib import Path
 
 STAGES = ("draft_s", "verify_s", "accept_s")
 
@@ -136,30 +133,6 @@ def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
     return out
 
 
-def served_calls(log: Path) -> dict:
-    """The ``tandem`` model's BLS call statistics (``{"model.op": {"calls", "mean_ms"}}``, over every
-    served row: arms share the trunk calls) from the server log, logged when the model unloads; each
-    op the ``trunk`` model logged too gets ``stage_ms``, its mean time inside the trunk's ``handle``
-    (the rest of ``mean_ms`` is the round trip through the server's processes); ``pipelined`` (when the
-    pipeline was on): ``{"calls", "refused"}`` of :mod:`tandem.engine.pipeline`; ``compute``: the trunk's
-    compute thread (:meth:`~tandem.serving.stage_worker.StageWorker.summary`: the share of its time in
-    calls spent off the CPU, e.g. switched out for the server's other threads)."""
-    text = log.read_text(errors="replace")
-    m = re.findall(r"tandem: BLS calls (\{.*\})(?:; pipelined (\{[^{}]*\}))", text) or [
-        (x, "") for x in re.findall(r"tandem: BLS calls (\{.*\})", text)
-    ]
-    calls = ast.literal_eval(m[-1][0]) if m else {}
-    if m and m[-1][1]:
-        calls["pipelined"] = ast.literal_eval(m[-1][1])
-    if c := re.findall(r"trunk: compute thread (\{[^{}]*\})", text):
-        calls["compute"] = ast.literal_eval(c[-1])
-    h = re.findall(r"trunk: handled (\{.*\})", text)
-    for k, v in (ast.literal_eval(h[-1]) if h else {}).items():
-        if k in calls:
-            calls[k]["stage_ms"] = v["mean_ms"]
-    return calls
-
-
 def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: str) -> None:
     """The rich table, the ratios, one ceiling line per arm and the served calls."""
     from rich.table import Table
@@ -205,25 +178,6 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
             f"rounds that drafted) / round {a['round_in_plain_steps']:.2f} plain steps ("
             + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in a["round_s"].items())
             + f" ms; plain round {t_plain * 1e3:.1f} ms)"
-        )
-    calls = profile.get("served_calls")
-    if calls:
-        console.print(
-            f"{'served BLS calls (all rows)':>30}: "
-            + ", ".join(
-                f"{k} {v['mean_ms']:.1f} ms"
-                + (f" ({v['stage_ms']:.1f} in the stage)" if "stage_ms" in v else "")
-                + f" x{v['calls']}"
-                for k, v in calls.items()
-                if k not in ("pipelined", "compute")
-            )
-            + ("; pipelined {calls} (refused {refused})".format(**calls["pipelined"]) if "pipelined" in calls else "")
-            + (
-                "; the trunk's compute thread {wall_s:.1f} s in calls, {off_cpu:.1%} of it off the CPU (switched out, "
-                "or waiting for the GIL or the decode pool)".format(**calls["compute"])
-                if "compute" in calls
-                else ""
-            )
         )
     pre = profile.get("prefix")
     if pre:

@@ -1,0 +1,164 @@
+"""The ``tandem`` Triton model's composition root: the engine core and its stages in this process.
+
+``model_repository/tandem/1/model.py`` forwards ``initialize`` / ``execute`` / ``finalize`` here with
+``pb_utils`` passed in. At load it builds the trunk stage (:class:`~tandem.engine.trunk_stage.TrunkStage`) and,
+with ``colocate`` (the default), the drafter stages on the trunk's embedding and LM head, all in this process;
+with ``colocate`` off the drafters are proxies of the ``drafter_mtp`` / ``drafter_dflash`` models over BLS, under
+a stage deadline, probed while idle and restarted when their process dies. The engine core
+(:class:`~tandem.serving.front.TandemFront`: the scheduler on its worker thread) owns every session; ``execute``
+only parses each request into a turn and queues it; a sender thread streams the responses
+(:class:`~tandem.serving.backend.SendQueue`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+
+from .. import schema
+from ..engine.stages import drafter_stages
+from ..engine.state_size import StateSize
+from ..engine.trunk_stage import TrunkStage
+from ..model import cpu_decode
+from ..model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
+from ..model.cpu_amx import gemm_tiles
+from ..model.device import placement
+from ..model.tokenizer import ChatTokenizer
+from ..model.warm import compile_kernels
+from . import backend, front
+from .warmup import warm_stages
+
+
+class TandemModel:
+    """The ``tandem`` model's state and its three Triton entry points (``pb_utils``: the backend's module)."""
+
+    def __init__(self, pb_utils, args: dict) -> None:
+        pb = self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        backend.dump_stacks_on_signal()
+        backend.require_one_instance(config)
+        if "sequence_batching" in config:  # Triton would hold each sequence in a slot of its own
+            raise ValueError(
+                "model 'tandem': remove sequence_batching from config.pbtxt (the engine core owns every "
+                "session: idle expiry, max_sessions); requests still carry sequence_id and flags"
+            )
+        backend.set_torch_threads(1)
+        compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
+        cfg = backend.serving_config(config)
+        repo = args["model_repository"]
+        ckpt = backend.resolve_checkpoint(cfg, repo)
+        dirs = backend.drafter_dirs(cfg, repo, ckpt)
+        dev, dt = placement(cfg)
+        model = load_trunk(ckpt, dt, device=dev)
+        cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
+        self.max_ctx = cfg.max_ctx
+        trunk = TrunkStage(
+            model,
+            cfg.max_ctx,
+            feature_layers=dflash_feature_layers(ckpt, dirs),
+            batch_invariant=cfg.batch_invariant,
+            decode_threads=cfg.decode_threads,
+        )
+        cpu_decode.set_pool_initializer(functools.partial(backend.set_thread_nice, cfg.compute_nice))
+        log = pb.Logger.log_error
+        arms = dflash_arms(ckpt, dirs)
+        self.bls = watch = None
+        if cfg.colocate:  # the drafters here, on the trunk's embedding and LM head: a round crosses no process
+            drafters = drafter_stages(
+                model, {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms}, cfg.max_num_draft_tokens
+            )
+        else:  # the drafter models over BLS, each call under the stage deadline
+            self.bls = front.BLSTransport(pb)
+            watch = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
+            drafters = {schema.MTP: front.DrafterProxy(watch, on_error=log)}
+            dflash = front.DFlashProxy(watch, on_error=log)
+            drafters.update({arm: dflash for arm in arms})
+        # the first client turn finds the kernels' layouts built (BLS calls work only inside execute: with the
+        # drafter models, the trunk alone)
+        warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg)
+        tok = ChatTokenizer(ckpt / "tokenizer.json")
+        gauges = backend.Gauges(pb, "tandem", front.GAUGES)
+        self.core = front.TandemFront(
+            trunk,
+            drafters,
+            tok.stop_ids,
+            cfg,
+            log=log,
+            decode=tok.decode,
+            info=pb.Logger.log_info,
+            watch=watch,
+            restart=self._restart if watch is not None else None,
+            gauges=gauges.set,
+            state_size=StateSize.from_folders(ckpt, dirs),
+            nice=cfg.compute_nice,
+            exit_probe=self._server_exiting,
+        )
+        self.metrics = backend.MetricsPublisher(pb, self.core.telemetry)
+        self.sends = backend.SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)
+        pb.Logger.log_info(
+            f"tandem: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
+            f"{gemm_tiles()}); drafters {sorted(drafters)} "
+            f"{'in this process' if cfg.colocate else 'in their models (colocate off)'}, DFlash "
+            f"drafters {({a: str(dirs[a]) for a in arms}) or 'none'}; "
+            f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)}); {cfg}"
+        )
+
+    def _response(self, arrays, error):
+        pb = self.pb
+        if error is not None:
+            return pb.InferenceResponse([], error=pb.TritonError(error))
+        return pb.InferenceResponse([pb.Tensor(k, v) for k, v in arrays.items()])
+
+    def _server_exiting(self) -> bool:
+        """Whether the server has begun to exit: a no-op ``CANCEL`` sent to this model (sequence 0, which no
+        session has) is then refused "Server not ready" (Triton takes no new request once it exits)."""
+        pb = self.pb
+        req = pb.InferenceRequest(
+            model_name=schema.TANDEM.name,
+            requested_output_names=[],
+            correlation_id=0,
+            inputs=[
+                pb.Tensor(schema.CANCEL, np.array([True])),
+                pb.Tensor(schema.MAX_TOKENS, np.array([1], np.int32)),
+            ],
+        )
+        try:
+            for resp in req.exec(decoupled=True):
+                if resp.has_error():
+                    return "not ready" in resp.error().message().lower()
+        except Exception as e:  # noqa: BLE001 - the exec raises what the server answered
+            return "not ready" in str(e).lower()
+        return False
+
+    def _restart(self, model: str) -> None:
+        # pb_utils.load_model holds the GIL until the model is loaded (seconds): the turns' errors first
+        self.sends.flush()
+        backend.reload_model(self.pb, model)
+
+    def execute(self, requests) -> None:
+        """Parse each request into a turn (or a ``CANCEL``) and queue it; every answer is streamed later."""
+        for request in requests:
+            send, is_cancelled = self.sends.stream(request.get_response_sender(), request.requested_output_names())
+            arrays = backend.tensors_by_name(request.inputs(), schema.TANDEM.input_names)
+            if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
+                number = arrays.get(schema.CANCEL_TURN)
+                self.core.cancel_session(
+                    int(request.correlation_id()), send, None if number is None else int(number.reshape(-1)[0])
+                )
+                continue
+            try:
+                turn = front.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)
+            except schema.WireError as e:
+                self.core.reject(send, str(e))
+                continue
+            self.core.submit(turn, send, is_cancelled)
+
+    def finalize(self) -> None:
+        self.core.stop()
+        self.sends.close()
+        self.metrics.stop()
+        calls = f"; BLS calls {self.bls.stats.summary()}" if self.bls is not None else ""
+        self.pb.Logger.log_info(f"tandem: engine core thread {self.core.priority}{calls}")

@@ -1,0 +1,171 @@
+"""Record every arm's output on the bench prompts, in-process and served, and compare two records.
+
+A change that must not change behaviour (a refactor of the engine, the kernels or the serving path) is
+checked by recording before and after it and comparing::
+
+    python -m tandem.tools.equivalence record before.json      # on the commit before the change
+    python -m tandem.tools.equivalence record after.json       # on the change
+    python -m tandem.tools.equivalence compare before.json after.json
+
+A record holds, per prompt, the greedy token ids of every arm (``off``, ``mtp``, ``dflash``,
+``dflash2``; the DFlash arms the checkpoint holds) in-process and served, and seeded sampled outputs
+(``rejection`` and ``coupled``) of every arm, in-process and served. ``compare`` exits 1 on the first
+difference, naming the prompt, arm, path and the first token that differs. Within one record, every
+greedy arm must equal plain greedy decoding (exits 1 otherwise): speculation is lossless.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from .. import schema
+
+app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+#: the seeded sampled turns recorded per prompt (every arm, both sampling modes)
+SAMPLED = {"TEMPERATURE": 0.8, "TOP_P": 0.95, "SEED": 11}
+
+
+def _prompts(checkpoint: Path, n_sharegpt: int, n_humaneval: int, tok) -> list[list[int]]:
+    """The bench's prompts: seeded ShareGPT first turns the drafters never saw, then HumanEval."""
+    from .data import humaneval_prompts, sharegpt_prompts
+    from .distill import used_sharegpt_turns
+
+    texts = sharegpt_prompts(n_sharegpt, seed=0, exclude=used_sharegpt_turns(checkpoint))
+    return [tok.chat_prompt(t) for t in texts] + [tok.encode(t) for t in humaneval_prompts(n_humaneval, seed=0)]
+
+
+@app.command()
+def record(
+    out: Path = typer.Argument(..., help="JSON file to write"),
+    prompts: int = typer.Option(8, help="ShareGPT prompts"),
+    humaneval: int = typer.Option(4, help="HumanEval prompts"),
+    max_tokens: int = typer.Option(64, help="new tokens per prompt"),
+    sampled_prompts: int = typer.Option(4, help="prompts of the seeded sampled turns"),
+    served: bool = typer.Option(True, help="also record the served outputs (starts a tritonserver)"),
+    checkpoint: Path = typer.Option(None, help="checkpoint folder (default: the shipped one)"),
+) -> None:
+    """Run every arm on the bench prompts, in-process and served, and write the token ids to OUT."""
+    from rich.console import Console
+
+    from ..engine.inprocess import Engine
+    from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms
+
+    console = Console(stderr=True)
+    checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
+    arms = [schema.OFF, schema.MTP] + [a for a in (schema.DFLASH, schema.DFLASH2) if a in dflash_arms(checkpoint)]
+    eng = Engine(checkpoint, prefix_cache_mb=0)
+    ids = _prompts(checkpoint, prompts, humaneval, eng.tokenizer)
+    modes = (schema.REJECTION, schema.COUPLED)
+    rec: dict = {"max_tokens": max_tokens, "arms": arms, "prompts": ids, "paths": {}}
+
+    def run(path: str, greedy, sampled) -> None:
+        got = rec["paths"][path] = {"greedy": {}, "sampled": {}}
+        for arm in arms:
+            console.print(f"{path}: {arm} ...")
+            got["greedy"][arm] = [greedy(p, arm) for p in ids]
+            for mode in modes:
+                got["sampled"][f"{arm}/{mode}"] = [sampled(p, arm, mode) for p in ids[:sampled_prompts]]
+
+    run(
+        "in-process",
+        lambda p, arm: eng.generate(p, max_tokens, spec=arm)["token_ids"],
+        lambda p, arm, mode: eng.generate(
+            p,
+            max_tokens,
+            spec=arm,
+            temperature=SAMPLED["TEMPERATURE"],
+            top_p=SAMPLED["TOP_P"],
+            seed=SAMPLED["SEED"],
+            sampling=mode,
+        )["token_ids"],
+    )
+    if served:
+        from tandem_client.client import generate
+
+        from ..serving.serve import running_server
+
+        console.print("starting tritonserver ...")
+        env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_PREFIX_CACHE_MB": "0"}
+        with running_server(env=env, ready_timeout_s=240) as srv:
+            run(
+                "served",
+                lambda p, arm: generate(p, max_tokens, url=srv.grpc_url, spec=arm)["token_ids"],
+                lambda p, arm, mode: generate(
+                    p, max_tokens, url=srv.grpc_url, spec=arm, sampling={**SAMPLED, "SAMPLING": mode}
+                )["token_ids"],
+            )
+    out.write_text(json.dumps(rec) + "\n")
+    bad = lossless_errors(rec)
+    for line in bad:
+        console.print(f"[red]{line}[/]")
+    console.print(
+        f"wrote {out}: {len(ids)} prompts x {len(arms)} arms x {len(rec['paths'])} paths"
+        + ("" if bad else "; every greedy arm equals plain greedy decoding")
+    )
+    raise typer.Exit(1 if bad else 0)
+
+
+def _first_diff(a: list[int], b: list[int]) -> str:
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"token {i}: {a[i] if i < len(a) else 'end'} vs {b[i] if i < len(b) else 'end'}"
+
+
+def lossless_errors(rec: dict) -> list[str]:
+    """Within one record: each greedy arm's output that differs from plain greedy decoding on the same path."""
+    out = []
+    for path, got in rec["paths"].items():
+        plain = got["greedy"][schema.OFF]
+        for arm, outs in got["greedy"].items():
+            for j, (a, b) in enumerate(zip(plain, outs)):
+                if a != b:
+                    out.append(f"{path} {arm} prompt {j} differs from plain greedy: {_first_diff(a, b)}")
+    return out
+
+
+def differences(before: dict, after: dict) -> list[str]:
+    """Every (path, kind, arm, prompt) whose token ids differ between two records, or that one lacks."""
+    if before["prompts"] != after["prompts"] or before["max_tokens"] != after["max_tokens"]:
+        return ["the records ran different prompts or max_tokens: record both with the same options"]
+    out = []
+    for path in sorted(set(before["paths"]) | set(after["paths"])):
+        a, b = before["paths"].get(path), after["paths"].get(path)
+        if a is None or b is None:
+            out.append(f"{path}: only in {'after' if a is None else 'before'}")
+            continue
+        for kind in ("greedy", "sampled"):
+            for arm in sorted(set(a[kind]) | set(b[kind])):
+                xs, ys = a[kind].get(arm), b[kind].get(arm)
+                if xs is None or ys is None:
+                    out.append(f"{path} {kind} {arm}: only in {'after' if xs is None else 'before'}")
+                    continue
+                out += [
+                    f"{path} {kind} {arm} prompt {j}: {_first_diff(x, y)}"
+                    for j, (x, y) in enumerate(zip(xs, ys))
+                    if x != y
+                ]
+    return out
+
+
+@app.command()
+def compare(before: Path = typer.Argument(...), after: Path = typer.Argument(...)) -> None:
+    """Exit 1 when two records differ anywhere (each difference printed), else print what matched."""
+    a, b = (json.loads(p.read_text()) for p in (before, after))
+    diffs = differences(a, b) + lossless_errors(b)
+    for line in diffs:
+        print(line)
+    if diffs:
+        sys.exit(1)
+    n = sum(len(v) for p in b["paths"].values() for kind in p.values() for v in kind.values())
+    print(
+        f"identical: {n} outputs ({len(b['prompts'])} prompts x {len(b['arms'])} arms, "
+        f"{', '.join(b['paths'])}; greedy and seeded sampled)"
+    )
+
+
+if __name__ == "__main__":
+    app()
