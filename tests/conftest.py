@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 
 # Triton kernels run on CPU tensors in Triton's interpreter (read when a kernel module is imported,
@@ -29,6 +30,20 @@ LONG_TURN_TEXTS = (
 )
 
 
+@functools.lru_cache(maxsize=1)
+def _serving_numerics_engine():
+    """One in-process engine on the checkpoint for :func:`long_turn_prompt` (loaded once a run)."""
+    from tandem.engine.inprocess import Engine
+    from tandem.model import cpu_amx, cpu_gemm
+
+    before = cpu_gemm._INPUTS[0], cpu_amx.ON[0]
+    try:
+        return Engine(CHECKPOINT, prefix_cache_mb=0)
+    finally:
+        cpu_gemm.set_inputs(before[0])
+        cpu_amx.set_amx(before[1])
+
+
 @functools.lru_cache(maxsize=None)
 def long_turn_prompt(tokens: int) -> tuple[int, ...]:
     """A chat prompt (token ids) whose greedy plain continuation on the checkpoint, in serving's
@@ -36,18 +51,20 @@ def long_turn_prompt(tokens: int) -> tuple[int, ...]:
     served tests that need a turn still streaming seconds later (served greedy output equals
     in-process; a fixed prompt stopped after 40 tokens once the GEMM numerics changed). Raises
     ``AssertionError`` when no candidate of :data:`LONG_TURN_TEXTS` does."""
-    from tandem.engine.inprocess import Engine
-    from tandem.model import cpu_gemm
+    from tandem.model import cpu_amx, cpu_gemm
+    from tandem.model.device import gemm_inputs
 
-    before = cpu_gemm._INPUTS[0]  # the process's GEMM inputs, which Engine(dtype="auto") sets
+    eng = _serving_numerics_engine()
+    before = cpu_gemm._INPUTS[0], cpu_amx.ON[0]  # the process's GEMM inputs and tiles, which serving's set
     try:
-        eng = Engine(CHECKPOINT, prefix_cache_mb=0)
+        gemm_inputs("auto", eng.config.amx)
         for text in LONG_TURN_TEXTS:
             ids = eng.tokenizer.chat_prompt(text)
             if eng.generate(ids, tokens, spec="off")["finish_reason"] == "length":
                 return tuple(ids)
     finally:
-        cpu_gemm.set_inputs(before)
+        cpu_gemm.set_inputs(before[0])
+        cpu_amx.set_amx(before[1])
     raise AssertionError(f"no prompt of {LONG_TURN_TEXTS} runs {tokens} greedy tokens without a stop")
 
 
@@ -110,15 +127,40 @@ def make_tiny_trunk(max_position_embeddings: int = 64):
     return cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=1), torch.float32)
 
 
-@pytest.fixture(scope="module")
-def server():
-    """A real tritonserver serving model_repository/ on free 127.0.0.1 ports (one per test module)."""
+def settled(read, interval_s: float = 1.2):
+    """``read()`` once two calls ``interval_s`` apart agree: a server publishes its metrics about once a
+    second, so a gauge or counter read just after a turn may not show it yet."""
+    before = read()
+    while True:
+        time.sleep(interval_s)
+        now = read()
+        if now == before:
+            return now
+        before = now
+
+
+#: checks run on the shared ``server`` fixture's log once it has stopped (each takes the log's path); a test
+#: appends one for what the server logs only at its stop (the models log their call profiles when they unload)
+AFTER_SERVER_STOP: list = []
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A real tritonserver serving model_repository/ with the default configuration on free 127.0.0.1 ports,
+    shared by every test that uses it: each leaves it as it found it (its sequences ended, gauges compared
+    with their value before it, sequence ids of its own). A clean stop leaves no HAProxy running (the
+    bounded HTTP front stops with its server); then the checks in :data:`AFTER_SERVER_STOP` read its log."""
     from tandem.serving.serve import running_server
 
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
-    with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
+    log = tmp_path_factory.mktemp("server") / "tritonserver.log"
+    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}
+    with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
         yield srv
+    assert srv.front.proc.poll() is not None and not srv.front.workdir.exists()
+    for check in AFTER_SERVER_STOP:
+        check(log)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """(integration) `make bench QUICK=1` end to end: a smoke run of every row and section (in-process,
-a real tritonserver, transformers) whose JSON must hold each row's runs and outputs equal to plain
-decoding. Its speeds mean nothing; the test checks the bench runs and reports what it should (a
-QUICK run once crashed on its long-prompt section when the streams ended before the prompt arrived)."""
+the served rows on the shared test server through ``--url``, transformers) whose JSON must hold each
+row's runs and outputs equal to plain decoding. Its speeds mean nothing; the test checks the bench runs
+and reports what it should (a QUICK run once crashed on its long-prompt section when the streams ended
+before the prompt arrived)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from tandem.serving.serve import REPO_ROOT
 pytestmark = pytest.mark.integration
 
 
-def test_quick_bench_runs_every_row_and_section(tmp_path):
+def test_quick_bench_runs_every_row_and_section(tmp_path, server):
     out = tmp_path / "bench.json"
     p = subprocess.run(
-        [sys.executable, "-m", "tandem.tools.bench", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "tandem.tools.bench", "--quick", "--json", str(out), "--url", server.grpc_url],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -37,7 +38,9 @@ def test_quick_bench_runs_every_row_and_section(tmp_path):
             assert r["exact_match_rate"] * len(d["runs"][name]) + r["near_ties"] == len(d["runs"][name]), r
         else:
             assert r["exact_match_rate"] == 1.0, r  # greedy speculative and served output equal plain decoding
-    assert 0 < d["ratios"]["served_vs_inprocess plain"]
+    assert 0 < d["ratios"]["served_vs_inprocess plain"] and d["settings"]["url"] == server.grpc_url
     lp = d["profile"]["long_prompt"]
     assert lp["waiting"]["short_ttft_s"] > 0 and lp["alone"]["gap_p90_s"] > 0 and lp["waiting"]["shorts"] == 3
     assert d["profile"]["limits"] and d["profile"]["scaling"]
+
+

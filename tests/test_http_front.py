@@ -1,6 +1,7 @@
 """The bounded HTTP front (HAProxy on the public HTTP and metrics ports, tandem.serving.http_front): a body
 over the limit is answered 413 at once on every path, a chunked body 411, and the server, and a stream
-running meanwhile, carry on untouched; small requests pass through; the front stops with its server."""
+running meanwhile, carry on untouched; small requests pass through; the front stops with its server (a
+killed one here; a clean stop: the shared ``server`` fixture's, in conftest.py)."""
 
 import http.client
 import json
@@ -25,18 +26,6 @@ PATHS = (
     "/v2/repository/index",
 )
 BIG = (5_000_000, 50_000_000)
-
-
-@pytest.fixture(scope="module")
-def server():
-    """A real tritonserver behind its front (as the shared fixture); a clean stop leaves no HAProxy running."""
-    from conftest import CHECKPOINT
-
-    from tandem.serving.serve import running_server
-
-    with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
-        yield srv
-    assert srv.front.proc.poll() is not None and not srv.front.workdir.exists()
 
 
 def _json_body(n: int) -> bytes:

@@ -1,6 +1,7 @@
 """The Locust load test (``loadtest/``): its helpers and workload, the report arithmetic on a
 hand-made raw file, sampled traffic only where the model takes TEMPERATURE, and (integration) a
-very short real ramp 1 -> 2 users against a server the runner starts itself."""
+very short real ramp 1 -> 2 users against a server the runner starts itself (the shared test server),
+and a short soak against a server of its own."""
 
 from __future__ import annotations
 
@@ -19,24 +20,6 @@ from loadtest.workload import build_sessions, describe, exchanges, load_workload
 from tandem.serving.serve import REPO_ROOT
 
 CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or REPO_ROOT / "model_repository" / "weights" / "tandem-tiny")
-
-
-def _runner(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``python -m loadtest.run``; past ``timeout`` s it gets SIGTERM (it then stops its server
-    and Locust) and the test fails."""
-    argv = [sys.executable, "-m", "loadtest.run", *args]
-    with subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.terminate()
-            try:
-                out, err = p.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-            pytest.fail(f"loadtest.run took over {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
 def test_ramp_levels_and_host_checks():
@@ -200,36 +183,66 @@ def test_a_locust_stuck_after_quit_exits_with_its_code():
 
 
 @pytest.mark.integration
-def test_short_ramp_zero_failures(tmp_path):
-    """The runner starts its own tritonserver, ramps 1 -> 2 users (5 s per step, 8 tokens per turn,
-    half the sessions sampled) and leaves Locust's CSV/HTML, the PNG plots and a summary with both
-    user levels and tau for greedy and sampled turns apart."""
-    if not (CKPT / "model.safetensors").exists():
-        pytest.skip(f"{CKPT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
+def test_short_ramp_zero_failures(tmp_path, server, monkeypatch):
+    """The runner starts its own tritonserver (:func:`running_server`, here yielding the shared test
+    server: the runner's start, use and stop of it are checked without another server start), ramps
+    1 -> 2 users (5 s per step, 8 tokens per turn, half the sessions sampled) and leaves Locust's
+    CSV/HTML, the PNG plots and a summary with both user levels and tau for greedy and sampled turns
+    apart. (The ``--url`` path: the soak below.)"""
+    import contextlib
+    import signal
+
+    from typer.testing import CliRunner
+
+    import tandem.serving.serve as serve_mod
+    from loadtest import run
+
     out = tmp_path / "report"
-    p = _runner(
-        "--users",
-        "2",
-        "--step-seconds",
-        "5",
-        "--max-tokens",
-        "8",
-        "--sessions",
-        "64",
-        "--max-prompt-tokens",
-        "256",
-        "--sampled-share",
-        "0.5",
-        "--checkpoint",
-        str(CKPT),
-        "--report-dir",
-        str(out),
-        "--quiet",
-        "--stop-timeout",
-        "20",
-        timeout=240,
-    )
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    started: dict = {}
+
+    @contextlib.contextmanager
+    def own_server(**kwargs):
+        started["kwargs"] = kwargs
+        yield server
+        started["files_at_stop"] = sorted(f.name for f in out.iterdir())
+
+    monkeypatch.setattr(serve_mod, "running_server", own_server)
+    term = signal.getsignal(signal.SIGTERM)  # (the runner makes SIGTERM unwind like Ctrl-C)
+    try:
+        res = CliRunner().invoke(
+            run.app,
+            [
+                "--users",
+                "2",
+                "--step-seconds",
+                "5",
+                "--max-tokens",
+                "8",
+                "--sessions",
+                "64",
+                "--max-prompt-tokens",
+                "256",
+                "--sampled-share",
+                "0.5",
+                "--checkpoint",
+                str(CKPT),
+                "--report-dir",
+                str(out),
+                "--quiet",
+                "--stop-timeout",
+                "20",
+            ],
+        )
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert res.exit_code == 0, res.output[-4000:] + repr(res.exception)
+    assert started["kwargs"] == {
+        "env": {"TANDEM_CHECKPOINT": str(CKPT.resolve())},
+        "ready_timeout_s": 300.0,
+        "log_path": out.resolve() / "tritonserver.log",
+    }
+    assert f"loadtest: server ready at {server.grpc_url}" in res.output
+    assert "locust_stats.csv" in started["files_at_stop"]  # stopped once Locust had finished
     for name in (
         "locust_stats.csv",
         "locust_stats_history.csv",
@@ -254,11 +267,11 @@ def test_short_ramp_zero_failures(tmp_path):
     assert summary["all"]["requests"] == int(stats["E2E"]["Request Count"])
     for r in summary["levels"]:
         assert r["requests"] > 0 and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tau"] >= 1.0
-    assert "TTFT p50 ms" in p.stdout and "all" in p.stdout
+    assert "TTFT p50 ms" in res.output and "all" in res.output
     bs = summary["by_sampling"]
     assert bs["greedy"]["requests"] > 0 and bs["sampled"]["requests"] > 0
     assert bs["greedy"]["requests"] + bs["sampled"]["requests"] == summary["all"]["requests"]
-    assert bs["greedy"]["tau"] >= 1.0 and bs["sampled"]["tau"] >= 1.0 and "loadtest: tau greedy" in p.stdout
+    assert bs["greedy"]["tau"] >= 1.0 and bs["sampled"]["tau"] >= 1.0 and "loadtest: tau greedy" in res.output
 
 
 def test_soak_fault_mix_is_judged():

@@ -17,7 +17,7 @@ from tandem import schema, schema_text  # noqa: E402
 from tandem.serving.observe import tandem_metrics  # noqa: E402
 from tandem_client.client import stage_infer  # noqa: E402
 
-from conftest import long_turn_prompt  # noqa: E402
+from conftest import long_turn_prompt, settled  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -158,7 +158,7 @@ def test_internal_models_refuse_outside_requests(drafter_server):
     server = drafter_server
     ids, victim = list(long_turn_prompt(160)), (1 << 40) + 12345
     alone = {spec: Turn(server, ids, 160, spec=spec).tokens() for spec in ("mtp", "dflash2")}
-    before = _stage_sequences(server)
+    before = settled(lambda: _stage_sequences(server))  # (the turns above: their sequences closed)
     turns = {spec: Turn(server, ids, 160, sequence_id=victim + i, spec=spec) for i, spec in enumerate(alone)}
     for t in turns.values():
         assert t.next()  # streaming: its sequence is open in its drafter model
@@ -168,7 +168,7 @@ def test_internal_models_refuse_outside_requests(drafter_server):
             with pytest.raises(InferenceServerException, match=f"model '{model}' is internal"):
                 _stage_call(server, model, sent)
     assert {spec: t.tokens() for spec, t in turns.items()} == alone
-    assert _stage_sequences(server) == before
+    assert settled(lambda: _stage_sequences(server)) == before  # nothing opened or left open by the calls
     # the same kind of call with the key is let through (and answered by the stage itself)
     key = np.array([server.internal_key], dtype=object)
     with pytest.raises(InferenceServerException, match="SIDS: unknown sequence id 424242"):

@@ -16,6 +16,8 @@ import pytest
 from tandem import schema, schema_text
 from tandem.serving.observe import tandem_metrics
 
+from conftest import settled
+
 PROMPT = "Write a haiku about the sea."
 
 
@@ -161,6 +163,7 @@ def test_one_turn_sessions_run_at_once_and_close(server, cli_reply):
 
     import time
 
+    before = settled(lambda: tandem_metrics(server.metrics_port)["tandem"]["sessions_open"])  # (the shared server's)
     threads = [threading.Thread(target=run) for _ in range(3)]
     for t in threads:
         t.start()
@@ -168,7 +171,7 @@ def test_one_turn_sessions_run_at_once_and_close(server, cli_reply):
         t.join(timeout=180)
     assert [g.get("text_output") for g in got] == [cli_reply["text"]] * 3
     deadline = time.monotonic() + 10
-    while tandem_metrics(server.metrics_port)["tandem"]["sessions_open"] != 0:
+    while tandem_metrics(server.metrics_port)["tandem"]["sessions_open"] != before:
         assert time.monotonic() < deadline, tandem_metrics(server.metrics_port)["tandem"]
         time.sleep(0.5)
 
@@ -176,9 +179,13 @@ def test_one_turn_sessions_run_at_once_and_close(server, cli_reply):
 def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
     """gRPC streaming to the ensemble with a sequence id: the first turn's text equals the CLI's,
     and a second turn continues the same session (its context counts the first turn); the
-    ``tandem_cache_rows`` gauge holds the open session's rows, then none."""
+    ``tandem_cache_rows`` gauge holds the open session's rows beside what it held before, then drops back."""
     import tritonclient.grpc as grpcclient
 
+    from tandem_client.client import new_sequence_id
+
+    sid = new_sequence_id()
+    rows0 = settled(lambda: tandem_metrics(server.metrics_port)["tandem"]["cache_rows"])  # (the shared server's)
     q: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(server.grpc_url)
     c.start_stream(callback=lambda result, error: q.put((result, error)))
@@ -187,7 +194,7 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
         c.async_stream_infer(
             "ensemble",
             _stream_inputs(text, 64),
-            sequence_id=4242,
+            sequence_id=sid,
             sequence_start=start,
             sequence_end=end,
             enable_empty_final_response=True,
@@ -215,9 +222,10 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
 
     try:
         t1, ctx1 = turn(PROMPT, True, False)
-        assert cache_rows(ctx1 + 63) == ctx1 + 63  # the open session's committed rows (the last token is its anchor)
+        want = rows0 + ctx1 + 63  # the open session's committed rows (the last token is its anchor)
+        assert cache_rows(want) == want
         t2, ctx2 = turn("And another one.", False, True)
-        assert cache_rows(0) == 0
+        assert cache_rows(rows0) == rows0
     finally:
         c.stop_stream()
         c.close()

@@ -158,7 +158,13 @@ def main(
         "--amx/--no-amx",
         help="bf16 GEMMs on AMX tiles where the CPU has them, in-process and served (the serving parameter amx)",
     ),
-    served: bool = typer.Option(True, help="include the served rows (starts a tritonserver)"),
+    served: bool = typer.Option(True, help="include the served rows (starts a tritonserver, or uses --url)"),
+    url: str = typer.Option(
+        "",
+        "--url",
+        help="gRPC host:port of a running server for the served rows instead of starting one; its own settings "
+        "apply (the server started here has the prefix cache off), and its RSS is not measured",
+    ),
     hf: bool = typer.Option(True, "--transformers/--no-transformers", help="include transformers generate"),
     quick: bool = typer.Option(
         False, help="SMOKE RUN (3 prompts x 32 tokens): checks the bench runs; its figures mean nothing"
@@ -234,19 +240,24 @@ def main(
 
         from ..serving.serve import running_server
 
-        env = {
-            "TANDEM_CHECKPOINT": str(checkpoint),
-            "TANDEM_DTYPE": dtype,
-            "TANDEM_PREFIX_CACHE_MB": "0",
-            "TANDEM_AMX": str(amx),
-        }
-        console.print("starting tritonserver for the served rows ...")
-        server_log = Path(tempfile.mkstemp(prefix="bench-tritonserver-", suffix=".log")[1])
-        server_ctx = running_server(env=env, log_path=server_log)
-        server = server_ctx.__enter__()
+        served_url = url
+        if not served_url:
+            env = {
+                "TANDEM_CHECKPOINT": str(checkpoint),
+                "TANDEM_DTYPE": dtype,
+                "TANDEM_PREFIX_CACHE_MB": "0",
+                "TANDEM_AMX": str(amx),
+            }
+            console.print("starting tritonserver for the served rows ...")
+            server_log = Path(tempfile.mkstemp(prefix="bench-tritonserver-", suffix=".log")[1])
+            server_ctx = running_server(env=env, log_path=server_log)
+            server = server_ctx.__enter__()
+            served_url = server.grpc_url
+        else:
+            console.print(f"served rows: the running server at {served_url}")
         for label, arm, k in served_list:
             runners[f"{label} (served)"] = lambda ids, n=max_tokens, a=arm, k=k: served_generate(
-                ids, n, url=server.grpc_url, spec=a, num_draft_tokens=k
+                ids, n, url=served_url, spec=a, num_draft_tokens=k
             )
     if hf:
         console.print("loading transformers Glm5NextForConditionalGeneration ...")
@@ -327,9 +338,10 @@ def main(
         server_log.unlink()
     if prefix is not None:
         profile["prefix"] = prefix
-    console.print("weight-streaming limit and ops per token ...")  # after the ceilings: these runs
-    lim = limits(plain_eng.model, plain_eng, raw["plain (in-process)"], prompt_ids[0])  # must not enter
-    scaling = []  # the engines' stage timings
+    # after the ceilings: these runs must not enter the engines' stage timings
+    console.print("weight-streaming limit and ops per token ...")
+    lim = limits(plain_eng.model, plain_eng, raw["plain (in-process)"], prompt_ids[0], ops_tokens=4 if quick else 32)
+    scaling = []
     if concurrency > 1:
         conc_ids = [tok.chat_prompt(t) for t in sharegpt_prompts(concurrency, seed=seed + 2, exclude=seen)]
         best = next((a for a in arm_list if a[0] == ratios.get("best_arm")), None)
@@ -387,6 +399,7 @@ def main(
             "reps": reps,
             "arms": arms,
             "served_arms": served_arms,
+            "url": url,
             "dtype": dtype,
             "amx": amx,
             "seed": seed,

@@ -134,10 +134,11 @@ def decode_seconds_per_token(runs: list[dict]) -> float:
     return statistics.median(per)
 
 
-def limits(model, engine, plain_runs: list[dict], ids: list[int]) -> dict:
+def limits(model, engine, plain_runs: list[dict], ids: list[int], ops_tokens: int = 32) -> dict:
     """The weight-streaming section: bytes per token, bandwidth, limit (s per token), plain decoding's
-    measured s per token and its fraction of the limit (limit / measured), ops per token."""
-    ops = ops_per_token(engine, ids, 32)  # first: a decode makes the kernels' weights
+    measured s per token and its fraction of the limit (limit / measured), ops per token (counted over a
+    generation of ``ops_tokens`` tokens; the profiled pure-torch reference takes seconds a token)."""
+    ops = ops_per_token(engine, ids, ops_tokens)  # first: a decode makes the kernels' weights
     wb = weight_bytes_per_token(model)
     bw = matvec_bandwidth(wb["total"], model.cfg.hidden_size, model.dtype)
     cold = matvec_bandwidth(wb["total"], model.cfg.hidden_size, model.dtype, reps=15, cold=True)
