@@ -139,17 +139,12 @@ def settled(read, interval_s: float = 1.2):
         before = now
 
 
-#: checks run on the shared ``server`` fixture's log once it has stopped (each takes the log's path); a test
-#: appends one for what the server logs only at its stop (the models log their call profiles when they unload)
-AFTER_SERVER_STOP: list = []
-
-
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """A real tritonserver serving model_repository/ with the default configuration on free 127.0.0.1 ports,
     shared by every test that uses it: each leaves it as it found it (its sequences ended, gauges compared
-    with their value before it, sequence ids of its own). A clean stop leaves no HAProxy running (the
-    bounded HTTP front stops with its server); then the checks in :data:`AFTER_SERVER_STOP` read its log."""
+    with their value before it, sequence ids of its own). Its log stays in pytest's temporary folder (it
+    spans many tests). A clean stop leaves no HAProxy running (the bounded HTTP front stops with its server)."""
     from tandem.serving.serve import running_server
 
     if not (CHECKPOINT / "model.safetensors").exists():
@@ -159,8 +154,6 @@ def server(tmp_path_factory):
     with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
         yield srv
     assert srv.front.proc.poll() is not None and not srv.front.workdir.exists()
-    for check in AFTER_SERVER_STOP:
-        check(log)
 
 
 @pytest.fixture(scope="session")

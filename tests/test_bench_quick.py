@@ -42,5 +42,3 @@ def test_quick_bench_runs_every_row_and_section(tmp_path, server):
     lp = d["profile"]["long_prompt"]
     assert lp["waiting"]["short_ttft_s"] > 0 and lp["alone"]["gap_p90_s"] > 0 and lp["waiting"]["shorts"] == 3
     assert d["profile"]["limits"] and d["profile"]["scaling"]
-
-

@@ -220,12 +220,15 @@ def test_small_requests_pass_through_the_front(server):
 
 @pytest.mark.integration
 def test_a_server_that_dies_takes_its_front_down():
-    """Its public HTTP and metrics ports refuse connections at once: no proxy left answering 503."""
+    """Its public HTTP and metrics ports refuse connections at once: no proxy left answering 503. (A server
+    of its own, with the preprocessing model alone: the front watches the tritonserver process, whatever it
+    serves, and the light model starts in seconds.)"""
     from conftest import CHECKPOINT
 
     from tandem.serving.serve import running_server
 
-    with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
+    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}
+    with running_server(env=env, models=("preprocessing",), ready_timeout_s=240) as srv:
         os.killpg(srv.proc.pid, signal.SIGKILL)
         srv.front.proc.wait(timeout=5)
         for port in (srv.http_port, srv.metrics_port):
