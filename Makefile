@@ -18,7 +18,7 @@ BACKEND := triton_backends/.stamp-backend
 # the Python backend folder tritonserver needs, assembled from the nvidia-pytriton wheel; the numba
 # serving kernels compiled into their on-disk cache (so no first request pays ~10 s)
 $(BACKEND): $(STAMP)
-	$(VPY) -m tandem.serving.serve backend-dir
+	$(VPY) -m tandem.launch.serve backend-dir
 	$(VPY) -m tandem.model.warm
 	@touch $(BACKEND)
 
@@ -27,15 +27,15 @@ $(BACKEND): $(STAMP)
 # triton_backends/haproxy (no root install; once)
 HAPROXY := triton_backends/haproxy/.stamp
 $(HAPROXY): $(STAMP)
-	$(VPY) -m tandem.serving.cluster install-haproxy
+	$(VPY) -m tandem.launch.cluster install-haproxy
 
 setup: $(STAMP) $(BACKEND) $(HAPROXY)
 
 # Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics), HTTP and metrics through the bounded HAProxy
-# front (tandem.serving.http_front), so even one server needs HAProxy: setup installs it; CHECKPOINT=dir overrides
+# front (tandem.launch.http_front), so even one server needs HAProxy: setup installs it; CHECKPOINT=dir overrides
 # the weights
 serve: setup
-	$(VPY) -m tandem.serving.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
+	$(VPY) -m tandem.launch.serve serve $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
 # REPLICAS tritonservers (server i: HTTP 9100+3i, gRPC +1, metrics +2) behind HAProxy on 127.0.0.1:9001 (installed
 # by setup), sessions routed by a consistent hash of the x-tandem-session header; Ctrl-C stops everything
@@ -43,7 +43,7 @@ serve: setup
 REPLICAS ?= 2
 .PHONY: serve-cluster
 serve-cluster: setup
-	$(VPY) -m tandem.serving.cluster serve --replicas $(REPLICAS) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
+	$(VPY) -m tandem.launch.cluster serve --replicas $(REPLICAS) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
 # style by tools (ruff: pyproject.toml's [tool.ruff]), then the suite with its 15 slowest tests listed
 test: setup

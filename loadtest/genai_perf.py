@@ -194,7 +194,7 @@ def main(
     if url:
         rc = profile(url)
     else:
-        from tandem.serving.serve import running_server
+        from tandem.launch.serve import running_server
 
         print("starting tritonserver on free 127.0.0.1 ports ...", flush=True)
         with running_server(ready_timeout_s=240) as srv:

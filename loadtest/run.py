@@ -1,6 +1,6 @@
 """``make loadtest``: a headless Locust ramp against tandem, with reports and plots.
 
-Steps: start ``tritonserver`` on free 127.0.0.1 ports (:func:`tandem.serving.serve.running_server`)
+Steps: start ``tritonserver`` on free 127.0.0.1 ports (:func:`tandem.launch.serve.running_server`)
 unless ``--url`` is given; check the model (ready, metadata, context limit; sampled requests only
 when it has a ``TEMPERATURE`` input); build the ShareGPT workload; run ``loadtest/locustfile.py``
 headless in a subprocess (1 -> ``--users`` users in steps) with Locust's ``--csv`` and ``--html``;
@@ -264,7 +264,7 @@ def main(
     )
 
     from tandem.model.tokenizer import ChatTokenizer
-    from tandem.serving.serve import ServerError, running_server
+    from tandem.launch.serve import ServerError, running_server
 
     rc = 0
     with contextlib.ExitStack() as stack:

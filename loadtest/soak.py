@@ -200,13 +200,13 @@ def mixer(
 def served_drafters(env: dict[str, str]) -> tuple[str, ...]:
     """The drafter models a server started with ``env`` loads (``colocate`` off; none by default, the drafters
     then run in the ``tandem`` model's process)."""
-    from tandem.serving.serve import DRAFTER_MODELS, models_to_load
+    from tandem.launch.serve import DRAFTER_MODELS, models_to_load
 
     return tuple(m for m in models_to_load(env) if m in DRAFTER_MODELS)
 
 
 def stage_sequences(metrics: dict[str, dict[str, float]], drafters: tuple[str, ...]) -> dict[str, float]:
-    """Sequences each stage holds, from ``metrics`` (:func:`~tandem.serving.observe.tandem_metrics`): ``trunk``,
+    """Sequences each stage holds, from ``metrics`` (:func:`~tandem.launch.observe.tandem_metrics`): ``trunk``,
     the ``tandem`` model's ``trunk_sequences`` (the engine core runs the trunk), and each served drafter model
     of ``drafters``, its ``stage_sequences``. A gauge missing is NaN: never at baseline."""
     nan = float("nan")
@@ -226,7 +226,7 @@ def off_baseline(s: dict) -> dict[str, float]:
 def sample(srv, drafters: tuple[str, ...] = ()) -> dict:
     """One sample: epoch seconds, RSS in MB per process, tandem's gauges and each stage's sequences
     (:func:`stage_sequences`; ``drafters``: the drafter models the server loaded)."""
-    from tandem.serving.observe import process_rss, tandem_metrics
+    from tandem.launch.observe import process_rss, tandem_metrics
 
     m = tandem_metrics(srv.metrics_port)
     return {
@@ -317,7 +317,7 @@ def main(
     from loadtest import report
     from tandem.model.checkpoint import DEFAULT_CHECKPOINT
     from tandem.model.tokenizer import ChatTokenizer
-    from tandem.serving.serve import running_server
+    from tandem.launch.serve import running_server
 
     seconds = minutes * 60
     chosen = tuple(k.strip() for k in kinds_opt.split(",") if k.strip())

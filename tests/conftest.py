@@ -145,7 +145,7 @@ def server(tmp_path_factory):
     shared by every test that uses it: each leaves it as it found it (its sequences ended, gauges compared
     with their value before it, sequence ids of its own). Its log stays in pytest's temporary folder (it
     spans many tests). A clean stop leaves no HAProxy running (the bounded HTTP front stops with its server)."""
-    from tandem.serving.serve import running_server
+    from tandem.launch.serve import running_server
 
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
@@ -160,7 +160,7 @@ def server(tmp_path_factory):
 def drafter_server():
     """A real tritonserver with ``colocate`` off: the drafters in the drafter_mtp / drafter_dflash models
     (one for the whole run: the tests of that configuration share it)."""
-    from tandem.serving.serve import running_server
+    from tandem.launch.serve import running_server
 
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")

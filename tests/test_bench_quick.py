@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tandem.serving.serve import REPO_ROOT
+from tandem.launch.serve import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

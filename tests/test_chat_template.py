@@ -122,7 +122,7 @@ def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
     and greedy DFlash2 output equals plain decoding's."""
     from typer.testing import CliRunner
 
-    from tandem.serving.serve import running_server
+    from tandem.launch.serve import running_server
     from tandem_client.cli import app
 
     tok = ChatTokenizer(served_folder / "tokenizer.json")

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from tandem import schema  # noqa: E402
-from tandem.serving.observe import scrape, tandem_metrics  # noqa: E402
+from tandem.launch.observe import scrape, tandem_metrics  # noqa: E402
 from tandem_client.client import AtCapacity, SessionLost, TandemClientError, generate, new_sequence_id  # noqa: E402
 from tandem_client.conversation import Conversation  # noqa: E402
 
@@ -53,7 +53,7 @@ STATE: dict = {}
 
 @pytest.fixture(scope="module")
 def cluster():
-    from tandem.serving.cluster import running_cluster
+    from tandem.launch.cluster import running_cluster
 
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors")
@@ -471,7 +471,7 @@ def test_full_server_refuses_at_capacity_and_the_retry_goes_elsewhere(cluster, t
 
 
 def test_serve_cluster_runs_in_the_foreground_and_ctrl_c_cleans_up(tokenizer):
-    """``python -m tandem.serving.cluster serve`` (what ``make serve-cluster`` runs), one replica: it
+    """``python -m tandem.launch.cluster serve`` (what ``make serve-cluster`` runs), one replica: it
     prints its ready line, a turn through its proxy works, and SIGINT stops the proxy and the server
     (every port free again) and removes the server's shared-memory files."""
     import re
@@ -479,7 +479,7 @@ def test_serve_cluster_runs_in_the_foreground_and_ctrl_c_cleans_up(tokenizer):
     import subprocess
     import sys
 
-    from tandem.serving.host import busy_ports, free_ports, shm_files
+    from tandem.launch.host import busy_ports, free_ports, shm_files
 
     proxy = free_ports(1)[0]
     base = next(
@@ -491,7 +491,7 @@ def test_serve_cluster_runs_in_the_foreground_and_ctrl_c_cleans_up(tokenizer):
         [
             sys.executable,
             "-m",
-            "tandem.serving.cluster",
+            "tandem.launch.cluster",
             "serve",
             "--replicas",
             "1",
@@ -533,7 +533,7 @@ def test_haproxy_config_is_valid_and_keys_on_the_routing_header(tmp_path):
     on both sides, a consistent hash of the header (fixed server ids and weights, so every proxy builds the
     same ring), a stick table on it, health checks on each HTTP port that tolerate a stall of 10 s or more
     and leave a server's streams alone when it is marked down, redispatch."""
-    from tandem.serving.haproxy import check_tolerance_s, ensure_haproxy, haproxy_config
+    from tandem.launch.haproxy import check_tolerance_s, ensure_haproxy, haproxy_config
 
     text = haproxy_config([("tandem0", 9101, 9100), ("tandem1", 9104, 9103)], 9001)
     (tmp_path / "haproxy.cfg").write_text(text)

@@ -48,7 +48,7 @@ def test_the_accept_walk_has_one_call_site():
 
 
 def _counter(srv, name: str) -> float:
-    from tandem.serving.observe import scrape
+    from tandem.launch.observe import scrape
 
     return scrape(srv.metrics_port).get((f"tandem_{name}", frozenset({("model", "tandem")})), 0.0)
 
@@ -57,7 +57,7 @@ def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, t
     """A served dflash2 turn on the default server: the accept walks the engine core counted
     (``tandem_accept_walks_total``) equal the turn's verify rounds (its usage), and no drafter model is loaded
     (the drafters run in the ``tandem`` model's process)."""
-    from tandem.serving.serve import model_states
+    from tandem.launch.serve import model_states
     from tandem_client.client import generate
 
     states = model_states(server.internal_http_port)
@@ -79,7 +79,7 @@ def test_served_with_colocate_off_takes_the_drafter_models(server, shipped, chec
     """A real tritonserver with ``colocate=false`` (``$TANDEM_COLOCATE``): the drafter models are loaded and
     draft (the engine core's BLS statistics, logged at unload, say which), and every arm's greedy tokens equal
     the default server's and the engine's."""
-    from tandem.serving.serve import model_states, running_server
+    from tandem.launch.serve import model_states, running_server
     from tandem_client.client import generate
 
     prompts = [tokenizer.chat_prompt(t) for t in ("Write a short poem about the sea.", "Explain a hash map.")]

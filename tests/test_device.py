@@ -19,7 +19,8 @@ from tandem.model import cpu_gemm, cpu_kernels
 from tandem.model.checkpoint import check_fits, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, param_bytes
 from tandem.model.config import TrunkConfig
 from tandem.model.device import parse_dtype, placement, resolve_device
-from tandem.serving import backend
+from tandem.launch.settings import parameter_overrides
+from tandem.serving.parameters import serving_config
 from tandem.serving import front as fr
 
 GiB = 2**30
@@ -51,16 +52,16 @@ def test_bad_device_is_refused_naming_the_field(device):
 def test_device_is_global_through_the_environment(monkeypatch):
     """``$TANDEM_DEVICE`` (``tandem serve --device``) applies to every model, over its config.pbtxt."""
     model = {"parameters": {"device": {"string_value": "auto"}, "dtype": {"string_value": "auto"}}}
-    assert backend.serving_config(model).device == "auto"
+    assert serving_config(model).device == "auto"
     monkeypatch.setenv("TANDEM_DEVICE", "cuda:1")
-    assert backend.serving_config(model).device == "cuda:1"
-    assert backend.serving_config({"parameters": {}}).device == "cuda:1"  # a model whose config names none
+    assert serving_config(model).device == "cuda:1"
+    assert serving_config({"parameters": {}}).device == "cuda:1"  # a model whose config names none
     monkeypatch.setenv("TANDEM_DEVICE", "gpu")
     with pytest.raises(ValueError, match="device must be one of"):
-        backend.serving_config(model)
-    assert backend.parameter_overrides({"device": "cpu", "dtype": None}) == {"TANDEM_DEVICE": "cpu"}
+        serving_config(model)
+    assert parameter_overrides({"device": "cpu", "dtype": None}) == {"TANDEM_DEVICE": "cpu"}
     with pytest.raises(ValueError, match="device must be one of"):
-        backend.parameter_overrides({"device": "tpu"})
+        parameter_overrides({"device": "tpu"})
 
 
 def test_auto_is_the_cpu_and_fp32_without_cuda(monkeypatch):
@@ -86,7 +87,7 @@ def test_auto_is_the_cpu_and_fp32_without_cuda(monkeypatch):
         ):
             resolve_device(name)
         with pytest.raises(ValueError, match="torch sees no CUDA device"):  # `tandem serve --device cuda`
-            backend.parameter_overrides({"device": name})
+            parameter_overrides({"device": name})
 
 
 def test_auto_is_cuda_and_bf16_on_a_gpu(fake_gpu, monkeypatch):

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from tandem import schema  # noqa: E402
-from tandem.serving.observe import process_rss, scrape, stub_pid, tandem_metrics  # noqa: E402
+from tandem.launch.observe import process_rss, scrape, stub_pid, tandem_metrics  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id, stage_health  # noqa: E402
 
 from conftest import CHECKPOINT, long_turn_prompt  # noqa: E402
@@ -56,7 +56,7 @@ PROMPT = [9, 120, 431, 77, 1500, 32, 8, 640, 91, 12]
 
 
 def _server(env: dict[str, str]):
-    from tandem.serving.serve import models_to_load, running_server
+    from tandem.launch.serve import models_to_load, running_server
 
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors")

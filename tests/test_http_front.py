@@ -1,4 +1,4 @@
-"""The bounded HTTP front (HAProxy on the public HTTP and metrics ports, tandem.serving.http_front): a body
+"""The bounded HTTP front (HAProxy on the public HTTP and metrics ports, tandem.launch.http_front): a body
 over the limit is answered 413 at once on every path, a chunked body 411, and the server, and a stream
 running meanwhile, carry on untouched; small requests pass through; the front stops with its server (a
 killed one here; a clean stop: the shared ``server`` fixture's, in conftest.py)."""
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tandem.serving.haproxy import ensure_haproxy
-from tandem.serving.http_front import MAX_BODY_BYTES, front_config
+from tandem.launch.haproxy import ensure_haproxy
+from tandem.launch.http_front import MAX_BODY_BYTES, front_config
 
 PROMPT = "Write a haiku about the sea."
 #: every kind of HTTP path: text generate / stream, a model's infer, a model that does not exist, the repository
@@ -225,7 +225,7 @@ def test_a_server_that_dies_takes_its_front_down():
     serves, and the light model starts in seconds.)"""
     from conftest import CHECKPOINT
 
-    from tandem.serving.serve import running_server
+    from tandem.launch.serve import running_server
 
     env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}
     with running_server(env=env, models=("preprocessing",), ready_timeout_s=240) as srv:

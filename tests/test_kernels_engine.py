@@ -81,7 +81,8 @@ def test_the_switch_is_a_checked_server_parameter(monkeypatch):
     """``--set kernels=…`` reaches every model that computes as $TANDEM_KERNELS, checked before anything starts:
     a bad value, or the kernels forced on the CPU without Triton's interpreter, is refused with the way out."""
     from tandem import schema
-    from tandem.serving.backend import parameter_overrides, serving_config
+    from tandem.launch.settings import parameter_overrides
+    from tandem.serving.parameters import serving_config
 
     assert {m for m, spec in schema.MODELS.items() if "kernels" in spec.parameters} == {
         "tandem",

@@ -1,4 +1,10 @@
-"""The package layers import only downward: wire <- schema <- schema_text <- model <- engine <- serving <- tools."""
+"""The source layout: layers import only downward, each package runs in the process its name says, no
+module imports itself back, and each file keeps its line budget.
+
+Layers, lowest first: the modules every process shares (``wire``, ``schema``, ``schema_text``,
+``internal_key``), then ``model`` (the reference glm5_next in torch), ``engine`` (the engine core and its
+stages), ``serving`` (inside Triton's model processes), ``launch`` (the launcher's process, which starts
+tritonserver) and ``tools``."""
 
 import ast
 from pathlib import Path
@@ -6,7 +12,10 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "backend_src" / "tandem"
-ORDER = ["wire", "schema", "schema_text", "model", "engine", "serving", "tools"]
+ORDER = ["wire", "schema", "schema_text", "internal_key", "model", "engine", "serving", "launch", "tools"]
+#: packages a package must not import although they sit below it: the launcher starts the server's
+#: processes and never runs their code
+APART = {"launch": {"engine", "serving"}}
 
 
 def _layer(module: str) -> int:
@@ -18,7 +27,9 @@ def _imports(path: Path) -> list[str]:
     rel = path.relative_to(PKG).with_suffix("").parts
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.Import):
+            out += [a.name[len("tandem.") :] for a in node.names if a.name.startswith("tandem.")]
+        elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = list(rel[: len(rel) - node.level])
                 mod = ".".join(base + ([node.module] if node.module else []))
@@ -42,6 +53,12 @@ def test_imports_run_downward(path):
     own = path.relative_to(PKG).parts[0].removesuffix(".py")
     for mod in _imports(path):
         assert _layer(mod) <= _layer(own), f"{path.relative_to(PKG)} imports {mod} (a higher layer)"
+        assert mod.split(".")[0] not in APART.get(own, ()), f"{path.relative_to(PKG)} imports {mod} (another process)"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PKG).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 #: a source file's line budget: none may pass ``HARD_LINES``; one over ``LISTED_LINES`` must be listed in
@@ -51,7 +68,7 @@ LONG_FILES: dict[str, str] = {
     "backend_src/tandem/engine/scheduler.py": "the session state machine (admission, rounds, accept walk, publication) "
     "as one class; splitting it by responsibility is the engine core's job",
     "backend_src/tandem/schema.py": "the wire declared once: every model's tensors, the serving defaults and limits",
-    "backend_src/tandem/serving/serve.py": "one path from the wheel to a running tritonserver (backend folder, argv, "
+    "backend_src/tandem/launch/serve.py": "one path from the wheel to a running tritonserver (backend folder, argv, "
     "environment, lifetime)",
     "tests/test_cluster.py": "every test of one served configuration (replicas behind HAProxy) shares its cluster",
     "tests/test_faults_served.py": "every test of one served configuration (short limits) shares its server",

@@ -18,7 +18,7 @@ from tandem import schema
 from tandem.engine.inprocess import Engine
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT
-from tandem.serving.serve import REPO_ROOT, busy_ports, free_ports
+from tandem.launch.serve import REPO_ROOT, busy_ports, free_ports
 
 from conftest import long_turn_prompt
 
@@ -185,7 +185,7 @@ def test_a_new_turn_after_a_cancel_waits_for_the_cancelled_one(engine):
 
 def _serve(*args, log=subprocess.PIPE, ignore_sigint=False):
     return subprocess.Popen(
-        [sys.executable, "-m", "tandem.serving.serve", "serve", *args],
+        [sys.executable, "-m", "tandem.launch.serve", "serve", *args],
         cwd=REPO_ROOT,
         stdout=log,
         stderr=subprocess.STDOUT if log is not subprocess.PIPE else subprocess.PIPE,
@@ -253,10 +253,10 @@ def test_shutdown_gives_streams_one_clear_error():
     leaves no shared-memory files."""
     import threading
 
-    from tandem.serving.serve import running_server, stop_server
+    from tandem.launch.serve import running_server, stop_server
     from tandem_client.client import TandemClientError, generate
 
-    from tandem.serving.host import shm_files
+    from tandem.launch.host import shm_files
 
     prompt = list(long_turn_prompt(3000))  # a greedy turn that does not stop early
     with running_server(env={"TANDEM_CHECKPOINT": str(DEFAULT_CHECKPOINT.resolve())}, ready_timeout_s=240) as srv:
@@ -379,7 +379,7 @@ def test_security_defaults():
     package); no request field can name a file path; request sizes are capped by the schema."""
     import ast
 
-    from tandem.serving.serve import server_command_and_env
+    from tandem.launch.serve import server_command_and_env
 
     argv, _ = server_command_and_env(18000, 18001, 18002)
     addresses = {a.split("=")[0]: a.split("=")[1] for a in argv if a.startswith("--") and "-address=" in a}

@@ -17,7 +17,7 @@ import pytest
 from loadtest import report
 from loadtest.common import model_max_ctx, ramp_levels, sampling_input, split_host
 from loadtest.workload import build_sessions, describe, exchanges, load_workload, save_workload
-from tandem.serving.serve import REPO_ROOT
+from tandem.launch.serve import REPO_ROOT
 
 CKPT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT") or REPO_ROOT / "model_repository" / "weights" / "tandem-tiny")
 
@@ -194,7 +194,7 @@ def test_short_ramp_zero_failures(tmp_path, server, monkeypatch):
 
     from typer.testing import CliRunner
 
-    import tandem.serving.serve as serve_mod
+    import tandem.launch.serve as serve_mod
     from loadtest import run
 
     out = tmp_path / "report"

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from tandem import schema  # noqa: E402
-from tandem.serving.observe import tandem_metrics  # noqa: E402
+from tandem.launch.observe import tandem_metrics  # noqa: E402
 from tandem_client.client import TandemClientError, generate  # noqa: E402
 
 from conftest import settled  # noqa: E402

@@ -8,13 +8,14 @@ either place fails until the other follows; `test_checker_catches_a_renamed_inpu
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tandem import schema, schema_text
-from tandem.serving.serve import MODELS, MODEL_REPOSITORY
+from tandem.launch.serve import MODELS, MODEL_REPOSITORY
 
 
 def load_config(name: str) -> mc.ModelConfig:
@@ -65,7 +66,7 @@ def test_no_model_runs_more_than_one_instance():
     and a config asking for more is refused at load with the reason."""
     from google.protobuf import json_format
 
-    from tandem.serving.backend import IN_ORDER, require_one_instance
+    from tandem.serving.process import IN_ORDER, require_one_instance
 
     for name in (*schema.MODELS, schema_text.POSTPROCESSING.name):  # preprocessing is stateless
         cfg = load_config(name)
@@ -81,9 +82,9 @@ def test_no_model_runs_more_than_one_instance():
             require_one_instance(
                 json_format.MessageToDict(cfg, preserving_proto_field_name=True), *([IN_ORDER] if post else [])
             )
-    assert (
-        "require_one_instance(config, backend.IN_ORDER)" in (MODEL_REPOSITORY / "postprocessing/1/model.py").read_text()
-    )
+    from tandem.serving import text_models
+
+    assert "require_one_instance(config, IN_ORDER)" in Path(text_models.__file__).read_text()
 
 
 def test_checker_catches_a_renamed_input():
@@ -139,7 +140,8 @@ def test_range_errors_use_wire_names():
 def test_serve_options_become_checked_model_parameters(monkeypatch):
     """`tandem serve` flags and `--set NAME=VALUE` become the TANDEM_<NAME> variables the models read;
     an unknown name, a name no model takes, or a bad value is refused before anything starts."""
-    from tandem.serving.backend import parameter_overrides, parse_settings, serving_config
+    from tandem.launch.settings import parameter_overrides, parse_settings
+    from tandem.serving.parameters import serving_config
 
     env = parameter_overrides({"spec": "mtp", "burst_rounds": 1, "max_ctx": None, **parse_settings(["max_sessions=9"])})
     assert env == {"TANDEM_SPEC": "mtp", "TANDEM_BURST_ROUNDS": "1", "TANDEM_MAX_SESSIONS": "9"}

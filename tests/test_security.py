@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from tandem import schema, schema_text  # noqa: E402
-from tandem.serving.observe import tandem_metrics  # noqa: E402
+from tandem.launch.observe import tandem_metrics  # noqa: E402
 from tandem_client.client import stage_infer  # noqa: E402
 
 from conftest import long_turn_prompt, settled  # noqa: E402

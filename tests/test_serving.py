@@ -23,7 +23,7 @@ pytest.importorskip("tritonclient.grpc")
 from tandem import schema  # noqa: E402
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
 from tandem.model.device import parse_dtype, resolve_device  # noqa: E402
-from tandem.serving.serve import models_to_load, model_states  # noqa: E402
+from tandem.launch.serve import models_to_load, model_states  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id, stage_infer  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -62,7 +62,7 @@ def test_models_ready(server):
 
 def test_stub_stacks_dump_to_the_log_and_the_models_stay_ready(server):
     """A server that does not become ready has its model processes' stacks in the ServerError's log."""
-    from tandem.serving.serve import dump_stub_stacks
+    from tandem.launch.serve import dump_stub_stacks
 
     before = server.log().count("most recent call first")
     assert dump_stub_stacks(server.proc.pid) == len(MODELS) - 1  # every Python model (not the ensemble)
@@ -233,7 +233,7 @@ def test_cli_generate_text_and_unreachable(server, engine):
     ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=8, spec="off")
     assert p.stdout == engine.tokenizer.decode(ref["token_ids"]) + "\n"
     assert "tokens/s" in p.stderr and "tau 1.00" in p.stderr
-    from tandem.serving.serve import free_ports
+    from tandem.launch.serve import free_ports
 
     p = _cli("generate", "Hello", "--url", f"127.0.0.1:{free_ports(1)[0]}", "--checkpoint", str(CKPT))
     assert p.returncode == 2 and "cannot reach" in p.stderr

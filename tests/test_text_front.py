@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tandem import schema, schema_text
-from tandem.serving.observe import tandem_metrics
+from tandem.launch.observe import tandem_metrics
 
 from conftest import settled
 
@@ -248,10 +248,10 @@ def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flig
 
     import tritonclient.grpc as grpcclient
 
-    from tandem.serving.serve import running_server
+    from tandem.launch.serve import running_server
     from conftest import CHECKPOINT
 
-    from tandem.serving.observe import scrape
+    from tandem.launch.observe import scrape
 
     log = tmp_path / "server.log"
     with running_server(env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve())}, ready_timeout_s=240, log_path=log) as srv:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 from typing import Any
 
 import numpy as np
@@ -192,6 +193,15 @@ DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DE
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 KERNEL_MODES = ("auto", "triton", "torch")  # ServingConfig.kernels / $TANDEM_KERNELS
 DEFAULTS = ServingConfig()
+
+
+def env_name(parameter: str) -> str:
+    """The environment variable that overrides a model parameter: ``TANDEM_`` + its name in capitals."""
+    return "TANDEM_" + parameter.upper()
+
+
+#: the signal on which a stage process writes every thread's Python stack to the server log
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 FINISH_REASONS = (
     "stop",
     "length",
@@ -465,7 +475,7 @@ _OP, _SIDS = (
     TensorSpec("OP", "TYPE_STRING", (1,)),
     TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)"),
 )
-#: every stage request carries the server's internal key (:mod:`tandem.serving.internal_key`); one without it is
+#: every stage request carries the server's internal key (:mod:`tandem.internal_key`); one without it is
 #: refused before it touches state: the stage models answer only tandem's own models
 _AUTH = TensorSpec(
     "AUTH", "TYPE_STRING", (1,), optional=True, doc="the server's internal key (tandem's own calls only)"

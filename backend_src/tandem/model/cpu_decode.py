@@ -323,7 +323,7 @@ def thread_pool(n: int) -> ThreadPoolExecutor:
 
 def set_pool_initializer(fn) -> None:
     """``fn()`` runs first on every thread of :func:`thread_pool` from now on (the served trunk sets its compute
-    threads' priority: :func:`tandem.serving.backend.set_thread_nice`); the threads made before go."""
+    threads' priority: :func:`tandem.serving.process.set_thread_nice`); the threads made before go."""
     _POOL[2] = fn
     if _POOL[0] is not None:
         _POOL[0].shutdown(wait=False)

@@ -1,2 +1,3 @@
-"""The serving layer: what runs inside the ``tandem`` Triton model (request parsing, the worker thread,
-BLS stage proxies), the shared Triton glue, and the ``tritonserver`` launcher."""
+"""The Triton models' processes: one composition root per model of the repository
+(``model_repository/*/1/model.py`` forwards to it), the engine core's worker, request parsing and
+response sending, drafter proxies, metrics. Everything here runs inside a Python-backend stub."""

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from .. import schema
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
-from .backend import set_thread_nice
+from .process import set_thread_nice
 from .memory import Trimmer
 from .telemetry import Telemetry
 from .turns import (  # re-exported
@@ -135,7 +135,7 @@ class TandemFront:
         self._emit_lock = threading.Lock()
         self._stop = threading.Event()
         self._nice = nice
-        #: what the worker thread's nice value became (:func:`~tandem.serving.backend.set_thread_nice`)
+        #: what the worker thread's nice value became (:func:`~tandem.serving.process.set_thread_nice`)
         self.priority = ""
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-worker", daemon=True)

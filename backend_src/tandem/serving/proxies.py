@@ -14,8 +14,9 @@ import numpy as np
 from .. import schema
 from ..engine.protocols import DraftRequest
 from ..schema import Arrays, WireError
-from . import internal_key
-from .backend import CallStats, tensors_by_name
+from .. import internal_key
+from .stage_io import tensors_by_name
+from .telemetry import CallStats
 
 
 # -- transports ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ with ``colocate`` off the drafters are proxies of the ``drafter_mtp`` / ``drafte
 a stage deadline, probed while idle and restarted when their process dies. The engine core
 (:class:`~tandem.serving.front.TandemFront`: the scheduler on its worker thread) owns every session; ``execute``
 only parses each request into a turn and queues it; a sender thread streams the responses
-(:class:`~tandem.serving.backend.SendQueue`).
+(:class:`~tandem.serving.send_queue.SendQueue`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ from ..model.cpu_amx import gemm_tiles
 from ..model.device import placement
 from ..model.tokenizer import ChatTokenizer
 from ..model.warm import compile_kernels
-from . import backend, front
+from . import front
+from .metrics import Gauges, MetricsPublisher
+from .parameters import drafter_dirs, resolve_checkpoint, serving_config
+from .process import dump_stacks_on_signal, reload_model, require_one_instance, set_thread_nice, set_torch_threads
+from .send_queue import SendQueue
+from .stage_io import tensors_by_name
 from .warmup import warm_stages
 
 
@@ -38,19 +43,19 @@ class TandemModel:
     def __init__(self, pb_utils, args: dict) -> None:
         pb = self.pb = pb_utils
         config = json.loads(args["model_config"])
-        backend.dump_stacks_on_signal()
-        backend.require_one_instance(config)
+        dump_stacks_on_signal()
+        require_one_instance(config)
         if "sequence_batching" in config:  # Triton would hold each sequence in a slot of its own
             raise ValueError(
                 "model 'tandem': remove sequence_batching from config.pbtxt (the engine core owns every "
                 "session: idle expiry, max_sessions); requests still carry sequence_id and flags"
             )
-        backend.set_torch_threads(1)
+        set_torch_threads(1)
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
-        cfg = backend.serving_config(config)
+        cfg = serving_config(config)
         repo = args["model_repository"]
-        ckpt = backend.resolve_checkpoint(cfg, repo)
-        dirs = backend.drafter_dirs(cfg, repo, ckpt)
+        ckpt = resolve_checkpoint(cfg, repo)
+        dirs = drafter_dirs(cfg, repo, ckpt)
         dev, dt = placement(cfg)
         model = load_trunk(ckpt, dt, device=dev)
         cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
@@ -62,7 +67,7 @@ class TandemModel:
             batch_invariant=cfg.batch_invariant,
             decode_threads=cfg.decode_threads,
         )
-        cpu_decode.set_pool_initializer(functools.partial(backend.set_thread_nice, cfg.compute_nice))
+        cpu_decode.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
         log = pb.Logger.log_error
         arms = dflash_arms(ckpt, dirs)
         self.bls = watch = None
@@ -80,7 +85,7 @@ class TandemModel:
         # drafter models, the trunk alone)
         warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
-        gauges = backend.Gauges(pb, "tandem", front.GAUGES)
+        gauges = Gauges(pb, "tandem", front.GAUGES)
         self.core = front.TandemFront(
             trunk,
             drafters,
@@ -96,8 +101,8 @@ class TandemModel:
             nice=cfg.compute_nice,
             exit_probe=self._server_exiting,
         )
-        self.metrics = backend.MetricsPublisher(pb, self.core.telemetry)
-        self.sends = backend.SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)
+        self.metrics = MetricsPublisher(pb, self.core.telemetry)
+        self.sends = SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)
         pb.Logger.log_info(
             f"tandem: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
             f"{gemm_tiles()}); drafters {sorted(drafters)} "
@@ -136,13 +141,13 @@ class TandemModel:
     def _restart(self, model: str) -> None:
         # pb_utils.load_model holds the GIL until the model is loaded (seconds): the turns' errors first
         self.sends.flush()
-        backend.reload_model(self.pb, model)
+        reload_model(self.pb, model)
 
     def execute(self, requests) -> None:
         """Parse each request into a turn (or a ``CANCEL``) and queue it; every answer is streamed later."""
         for request in requests:
             send, is_cancelled = self.sends.stream(request.get_response_sender(), request.requested_output_names())
-            arrays = backend.tensors_by_name(request.inputs(), schema.TANDEM.input_names)
+            arrays = tensors_by_name(request.inputs(), schema.TANDEM.input_names)
             if schema.CANCEL in arrays and bool(arrays[schema.CANCEL].reshape(-1)[0]):
                 number = arrays.get(schema.CANCEL_TURN)
                 self.core.cancel_session(

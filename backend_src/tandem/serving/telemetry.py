@@ -1,6 +1,6 @@
 """Request metrics of the ``tandem`` model: counters and histogram samples accumulated as turns are
 answered, drained periodically into Prometheus metrics (the publisher is
-:class:`tandem.serving.backend.MetricsPublisher`). Triton-free; thread-safe.
+:class:`tandem.serving.metrics.MetricsPublisher`). Triton-free; thread-safe.
 
 Names follow vLLM's spec-decode and request metrics where one exists (``tandem_`` in place of
 ``vllm:``; Prometheus adds ``_total`` to nothing here: counter names are written in full).
@@ -8,6 +8,7 @@ Names follow vLLM's spec-decode and request metrics where one exists (``tandem_`
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -143,3 +144,20 @@ class TurnClock:
 
     def error(self) -> None:
         self.tel.count("request_errors_total")
+
+
+@dataclasses.dataclass
+class CallStats:
+    """Per ``model.op``: number of calls and total seconds (the bench's figures: BLS round trips in
+    ``tandem``, time inside ``handle`` in a stage model)."""
+
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def add(self, key: str, dt: float) -> None:
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.seconds[key] = self.seconds.get(key, 0.0) + dt
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{"model.op": {"calls": n, "mean_ms": ...}}``."""
+        return {k: {"calls": n, "mean_ms": 1e3 * self.seconds[k] / n} for k, n in sorted(self.calls.items())}

@@ -11,7 +11,7 @@ id ... [tandem: session lost]", which the client types as ``SessionLost``.
 
 :func:`haproxy_config` writes the config, :func:`running_cluster` runs N servers and the proxy (tests;
 servers can be killed and restarted, the proxy restarted, more proxies added),
-``python -m tandem.serving.cluster serve`` runs them in the foreground (``make serve-cluster``).
+``python -m tandem.launch.cluster serve`` runs them in the foreground (``make serve-cluster``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 class Cluster:
     """Handle yielded by :func:`running_cluster`: ``url`` (the proxy's gRPC ``host:port``), ``ports``
-    (per server: HTTP, gRPC, metrics), ``servers`` (a :class:`~tandem.serving.serve.RunningServer` per
+    (per server: HTTP, gRPC, metrics), ``servers`` (a :class:`~tandem.launch.serve.RunningServer` per
     index, None while stopped), ``names`` (HAProxy's server names), ``proxy`` (the HAProxy process),
     ``proxy_log`` (its log file; a restarted proxy appends to it), ``extra`` (proxies added by
     :meth:`add_proxy`)."""
@@ -106,7 +106,7 @@ class Cluster:
 
     def start(self, i: int) -> RunningServer:
         """Start server ``i`` on its ports (a fresh shared-memory prefix) and wait until every model is
-        READY. Raises :class:`~tandem.serving.serve.ServerError`."""
+        READY. Raises :class:`~tandem.launch.serve.ServerError`."""
         if self.servers[i] is not None:
             raise ServerError(f"server {i} is already running")
         cm = running_server(
@@ -148,7 +148,7 @@ class Cluster:
     def start_proxy(self, echo_log: bool = False, append: bool = False) -> None:
         """Start the main proxy on its port (its log written to :attr:`proxy_log`, appended to when
         ``append``; on stdout when ``echo_log``) and wait until it routes a call. Raises
-        :class:`~tandem.serving.haproxy.HaproxyError` or :class:`~tandem.serving.serve.ServerError`."""
+        :class:`~tandem.launch.haproxy.HaproxyError` or :class:`~tandem.launch.serve.ServerError`."""
         if self.proxy is not None and self.proxy.poll() is None:
             raise ServerError(f"the proxy on {self.url} is already running")
         cfg = self.log_dir / "haproxy.cfg"
@@ -194,7 +194,7 @@ class Cluster:
 
 def wait_proxy(proc: subprocess.Popen | None, url: str, log_path: Path, timeout_s: float = 30.0) -> None:
     """Wait until the proxy ``proc`` on ``url`` accepts connections and answers a readiness call routed to a
-    server. Raises :class:`~tandem.serving.serve.ServerError` with the proxy's log (``log_path``)."""
+    server. Raises :class:`~tandem.launch.serve.ServerError` with the proxy's log (``log_path``)."""
     import tritonclient.grpc as grpcclient
 
     t0 = time.monotonic()
@@ -239,8 +239,8 @@ def running_cluster(
 
     Logs (each server's, HAProxy's, its config) go to ``log_dir`` (default: a temporary folder, removed
     after a clean run). Raises ``ValueError`` when ``replicas`` < 1 or a fixed port is in use,
-    :class:`~tandem.serving.haproxy.HaproxyError` when HAProxy cannot be installed or rejects its config,
-    and :class:`~tandem.serving.serve.ServerError` when a server or the proxy does not come up.
+    :class:`~tandem.launch.haproxy.HaproxyError` when HAProxy cannot be installed or rejects its config,
+    and :class:`~tandem.launch.serve.ServerError` when a server or the proxy does not come up.
     """
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
@@ -346,7 +346,7 @@ def serve(
 ) -> None:
     """Run REPLICAS tritonservers and HAProxy on 127.0.0.1:PORT in the foreground; Ctrl-C stops everything
     and removes each server's shared memory."""
-    from .backend import parameter_overrides, parse_settings
+    from .settings import parameter_overrides, parse_settings
 
     try:
         env = parameter_overrides(

@@ -4,8 +4,8 @@ The wheel ships ``tritonserver`` 2.51.0, the Python backend and one backend stub
 version, but not laid out as a backend folder. :func:`ensure_backend_dir` assembles
 ``triton_backends/python/`` (repo root, gitignored) from it; :func:`server_command_and_env` builds
 the argv and environment (README, "Running tritonserver from the wheel"); :func:`running_server` starts a server for tests and
-always stops it; ``python -m tandem.serving.serve serve`` runs one in the foreground. Both put the bounded
-HTTP front (:mod:`tandem.serving.http_front`) on the public HTTP and metrics ports: Triton 2.51 crashes on
+always stops it; ``python -m tandem.launch.serve serve`` runs one in the foreground. Both put the bounded
+HTTP front (:mod:`tandem.launch.http_front`) on the public HTTP and metrics ports: Triton 2.51 crashes on
 an HTTP request body of ~4.2 MB, so its own HTTP and metrics services listen on loopback behind it.
 """
 
@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import typer
 
 from .. import schema, schema_text
-from . import backend, internal_key
+from .. import internal_key
 from .haproxy import HaproxyError
 from .host import busy_ports, free_ports, new_shm_prefix, remove_shm
 from .http_front import MAX_BODY_BYTES, Front, FrontError, start_front, wait_front
@@ -48,7 +48,7 @@ def models_to_load(env: dict[str, str] | None = None) -> tuple[str, ...]:
     """The models a server loads (explicit model control: ``model_repository/weights`` is not a model):
     every model but the drafter models, which only ``colocate`` off loads (``$TANDEM_COLOCATE`` in ``env``, then
     in this process's environment; else the default). Raises ``ValueError`` for a bad ``$TANDEM_COLOCATE``."""
-    name = backend.env_name("colocate")
+    name = schema.env_name("colocate")
     value = (env or {}).get(name) or os.environ.get(name)
     colocate = schema.ServingConfig.from_parameters({"colocate": value}).colocate if value else schema.DEFAULTS.colocate
     return tuple(m for m in MODELS if not colocate or m not in DRAFTER_MODELS)
@@ -221,10 +221,10 @@ def wait_ready(
 
 
 def dump_stub_stacks(root_pid: int, settle_s: float = 1.0) -> int:
-    """Send :data:`tandem.serving.backend.STACK_DUMP_SIGNAL` to every Python-backend stub process under
+    """Send :data:`tandem.schema.STACK_DUMP_SIGNAL` to every Python-backend stub process under
     ``root_pid`` (each writes its threads' stacks to the server log), wait ``settle_s`` seconds for the
     writes; ``tritonserver`` itself is never signalled. Returns how many processes were signalled."""
-    from .backend import STACK_DUMP_SIGNAL
+    from ..schema import STACK_DUMP_SIGNAL
     from .observe import stub_pids
 
     pids = stub_pids(root_pid)
@@ -265,7 +265,7 @@ class RunningServer:
     """Handle yielded by :func:`running_server`: ``http_port``, ``grpc_port``, ``metrics_port`` (the public
     ports: HTTP and metrics are the bounded front's, gRPC is Triton's own), ``internal_http_port`` /
     ``internal_metrics_port`` (Triton's own HTTP / metrics on 127.0.0.1, behind the front), ``front`` (the
-    :class:`~tandem.serving.http_front.Front`), ``grpc_url`` (``127.0.0.1:port``), ``proc`` (tritonserver),
+    :class:`~tandem.launch.http_front.Front`), ``grpc_url`` (``127.0.0.1:port``), ``proc`` (tritonserver),
     ``log_path``, ``ready_s``, ``shm_prefix``, ``internal_key`` (bytes: what a call to a stage model must
     carry as ``AUTH``)."""
 
@@ -309,7 +309,7 @@ def running_server(
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> Iterator[RunningServer]:
     """Start ``tritonserver`` (free ports where not given) behind its bounded HTTP front
-    (:mod:`tandem.serving.http_front`: HAProxy on the public HTTP and metrics ports, refusing a request
+    (:mod:`tandem.launch.http_front`: HAProxy on the public HTTP and metrics ports, refusing a request
     body over ``max_body_bytes`` with 413; Triton's HTTP and metrics on 127.0.0.1 at internal free ports),
     wait until ready and every model is READY, yield a :class:`RunningServer`, then always stop both
     (tritonserver: SIGINT, then SIGKILL of its process group; the front after it) and remove the
@@ -434,9 +434,9 @@ def serve(
     log_verbose: int = typer.Option(0, help="tritonserver --log-verbose"),
 ) -> None:
     """Run tritonserver in the foreground (server log on stdout) behind its bounded HTTP front (HAProxy on
-    the HTTP and metrics ports, :mod:`tandem.serving.http_front`); Ctrl-C stops both, and either one
+    the HTTP and metrics ports, :mod:`tandem.launch.http_front`); Ctrl-C stops both, and either one
     exiting stops the other."""
-    from .backend import parameter_overrides, parse_settings
+    from .settings import parameter_overrides, parse_settings
 
     try:
         overrides = parameter_overrides(

@@ -5,10 +5,10 @@ model of the repository, and their ops (``open``, ``close``, ``evict``, ``prime`
 on any sequence id or prefix key they are given. So each server start makes a random key of
 :data:`KEY_BYTES` bytes; the ``tandem`` model sends it as the ``AUTH`` input of every stage call
 (:class:`tandem.serving.proxies.BLSTransport`), and a stage model refuses any request without it before
-the request touches state (:func:`tandem.serving.backend.stage_response`).
+the request touches state (:func:`tandem.serving.stage_io.stage_response`).
 
 The key reaches every model process of one server through the environment (:data:`ENV`), which
-:func:`tandem.serving.serve.server_command_and_env` sets for each server it starts. A ``tritonserver``
+:func:`tandem.launch.serve.server_command_and_env` sets for each server it starts. A ``tritonserver``
 started by hand without it gets one per server process instead: the first model process to load writes
 a fresh key to a file only root and the server's user can read (``/dev/shm/tandem-key-<server pid>``,
 created exclusively), and the others read it.

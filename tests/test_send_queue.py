@@ -1,4 +1,4 @@
-"""``tandem.serving.backend``'s I/O helpers. ``SendQueue``: a decoupled model's responses leave on a
+"""The ``tandem`` model's I/O helpers. ``SendQueue``: a decoupled model's responses leave on a
 thread of their own, in order, the final flag on the last; ``is_cancelled`` follows the client after
 each send; a failing send marks its stream cancelled and leaves the other streams alone; ``close``
 sends what is queued first. ``tensors_by_name``: one pass over a request's or response's tensors."""
@@ -7,7 +7,8 @@ import threading
 
 import numpy as np
 
-from tandem.serving import backend
+from tandem.serving.send_queue import SendQueue
+from tandem.serving.stage_io import tensors_by_name
 
 FINAL = 1
 
@@ -30,7 +31,7 @@ class FakeSender:
 
 def test_responses_leave_in_order_on_their_own_thread_and_cancels_follow():
     logs = []
-    q = backend.SendQueue(lambda arrays, error: ("error", error) if error else ("ok", arrays), FINAL, logs.append)
+    q = SendQueue(lambda arrays, error: ("error", error) if error else ("ok", arrays), FINAL, logs.append)
     a, b, broken = FakeSender(), FakeSender(), FakeSender(fail_at=1)
     send_a, cancelled_a = q.stream(a)
     send_b, cancelled_b = q.stream(b)
@@ -66,7 +67,7 @@ class _T:
 
 def test_tensors_by_name_reads_each_named_tensor_once_in_the_names_order():
     ts = [_T("B", np.array([2])), _T("X", np.array([9])), _T("A", np.array([1]))]
-    got = backend.tensors_by_name(ts, ("A", "B", "C"))
+    got = tensors_by_name(ts, ("A", "B", "C"))
     assert list(got) == ["A", "B"] and got["A"].tolist() == [1] and got["B"].tolist() == [2]
     assert [t.reads for t in ts] == [1, 0, 1]  # X is not asked for; C is absent
 
@@ -79,7 +80,7 @@ def test_flush_returns_once_everything_queued_before_it_was_sent():
             gate.wait(5)
             super().send(response, flags)
 
-    q = backend.SendQueue(lambda arrays, error: (arrays, error), FINAL, log=lambda m: None)
+    q = SendQueue(lambda arrays, error: (arrays, error), FINAL, log=lambda m: None)
     a = Slow()
     send, _ = q.stream(a)
     send({"x": 1}, None, False)
