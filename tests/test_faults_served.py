@@ -585,7 +585,7 @@ OWN_SIDS = 10**12
 def _mtp_call(srv, op: str, sids, timeout_s: float = 120.0, **arrays):
     """One ``drafter_mtp`` call carrying the server's key, as the engine core makes them."""
     import tritonclient.grpc as grpcclient
-    from tandem.serving import internal_key
+    from tandem import internal_key
     from tandem_client.client import stage_infer
 
     arrays = {"OP": schema.string_array(op), internal_key.AUTH: internal_key.key_array(srv.internal_key), **arrays}

@@ -238,7 +238,7 @@ def main(
 
         from tandem_client.client import generate as served_generate
 
-        from ..serving.serve import running_server
+        from ..launch.serve import running_server
 
         served_url = url
         if not served_url:

@@ -87,7 +87,7 @@ def record(
     if served:
         from tandem_client.client import generate
 
-        from ..serving.serve import running_server
+        from ..launch.serve import running_server
 
         console.print("starting tritonserver ...")
         env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_PREFIX_CACHE_MB": "0"}
