@@ -107,7 +107,7 @@ def test_a_turn_that_cannot_fit_waits_then_is_refused_naming_the_limit():
     assert schema.AT_CAPACITY_MARKER in err and sched.waiting() == 0 and sched.stats["sessions_refused_memory"] == 1
     for sid in list(sched.sessions):
         sched.close(sid)
-    sched._flush_closes()
+    sched.flush_closes()
     assert sched.gauges()["state_bytes"] == 0 and not sched.trunk.open_sids
 
 

@@ -34,8 +34,9 @@ def test_a_burst_ends_after_burst_ms(shipped, tokenizer, sharegpt_prompts, arm):
 
 
 def test_the_accept_walk_has_one_call_site():
-    """Every round's accept walk is the scheduler's (its one call, in ``_after_verify``): no other module
-    of the package calls it, so no process replays or re-derives a walk."""
+    """Every round's accept walk is the engine core's (its one call, in
+    :class:`~tandem.engine.spec_round.SpecRound`): no other module of the package calls it, so no process
+    replays or re-derives a walk."""
     calls = []
     for path in PKG.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -44,7 +45,7 @@ def test_the_accept_walk_has_one_call_site():
                 and getattr(node.func, "id", getattr(node.func, "attr", None)) == "accept_walk"
             ):
                 calls.append(str(path.relative_to(PKG)))
-    assert calls == ["engine/scheduler.py"]
+    assert calls == ["engine/spec_round.py"]
 
 
 def _counter(srv, name: str) -> float:

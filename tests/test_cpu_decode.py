@@ -142,7 +142,7 @@ def test_scheduler_plain_rounds_in_one_call_equal_rounds_one_at_a_time(
     calls = []
     real = eng.trunk.decode_rows
     monkeypatch.setattr(eng.trunk, "decode_rows", lambda *a: calls.append(a[1]) or real(*a))
-    eng.sched._decode_round_s = 10.0  # a slow call once (a compile) must not keep later bursts from one call
+    eng.sched.plain.round_s = 10.0  # a slow call once (a compile) must not keep later bursts from one call
     fast = _plain(eng, prompts, 40)
     assert calls and min(calls) >= 2
     # each way a turn ends, reached inside a call: a stop id, the budget, the context end
@@ -182,7 +182,7 @@ def test_a_paced_plain_call_ends_its_burst(checkpoint, trunk_fp32, tokenizer, sh
     real, burst = eng.trunk.decode_rows, eng.sched.burst
     monkeypatch.setattr(eng.trunk, "decode_rows", lambda *a: calls.append(a[1]) or real(*a))
     monkeypatch.setattr(eng.sched, "burst", lambda: bursts.append(len(calls)) or burst())
-    eng.sched._decode_round_s = 0.1  # a slow pace: the first burst's call is two rounds, and ends the burst
+    eng.sched.plain.round_s = 0.1  # a slow pace: the first burst's call is two rounds, and ends the burst
     ids = tokenizer.chat_prompt(sharegpt_prompts[2])
     out = eng.generate(ids, 40, spec="off")
     assert calls[0] == 2 and len(calls) <= len(bursts) and len(out["token_ids"]) == 40

@@ -77,7 +77,7 @@ def _run(eng, prompts, spec, max_tokens=64, **sampling):
     for i in range(len(prompts)):
         states[i] = eng.sched.sessions[i].demotion
         eng.sched.close(i)
-    eng.sched._flush_closes()
+    eng.sched.flush_closes()
     return [out[i] for i in range(len(prompts))], states
 
 

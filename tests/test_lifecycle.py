@@ -71,7 +71,7 @@ def test_turn_boundary_follows_the_template_and_keeps_the_drafter_level(engine):
     assert tok.render([("user", q1)]) + reply1[:-1] + tok.render([("user", q2)]) == ref
     assert all(a == b for a, b in levels) and len(levels) >= 2
     sched.close(77)
-    sched._flush_closes()
+    sched.flush_closes()
 
 
 def test_user_text_cannot_inject_control_tokens(engine):
@@ -324,7 +324,7 @@ def test_draft_count_is_honoured_or_refused_never_ignored(engine):
     while 94 in sched.turns:
         sched.burst()
     sched.close(94)
-    sched._flush_closes()
+    sched.flush_closes()
     assert 91 not in sched.sessions and 92 not in sched.sessions
 
 

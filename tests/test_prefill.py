@@ -122,7 +122,7 @@ def test_budget_bounds_each_burst_and_short_prompts_go_first(trunk_fp32, tokeniz
     rows = _counting_prime(sched)
     sched.admit([Turn(10 + i, ids, 3, emit(10 + i), spec="off") for i, ids in enumerate(longs)])
     admitted = rows.pop()
-    assert sched.invariant_prime
+    assert sched.prefill.invariant_prime
     assert admitted <= budget + (len(longs) - 1) * LEAST_PIECE_ROWS and len(sched.prefilling()) == len(longs)
     cycles = []
     for _ in range(2):

@@ -1,4 +1,4 @@
-"""The scheduler's plain decode rounds in one trunk call: when every active session decodes plain
+"""The engine core's plain decode rounds in one trunk call: when every active session decodes plain
 greedy rows (arm ``off``, no sampling, no stop strings), the rounds of a burst go to the trunk as
 one :meth:`~tandem.engine.trunk_stage.TrunkStage.decode` call (compiled on the CPU,
 :mod:`tandem.model.cpu_decode`) instead of one verify call each, and are then applied round by round
@@ -10,35 +10,24 @@ import math
 import time
 
 from .. import schema
-from .protocols import Rows, VerifyOut
-from .session import Receipt, SpecSession
+from .protocols import Rows, TrunkAPI, VerifyOut
+from .session import Receipt, SpecSession, finish
 
 
 class PlainRounds:
-    """Mixin of :class:`~tandem.engine.scheduler.Scheduler`: a burst's rounds without a hosting trunk
-    (:meth:`_rounds_burst`), the plain greedy ones in one call (:meth:`_plain_rounds`)."""
+    """A burst's plain greedy rounds in one trunk ``decode`` call (:meth:`run`).
 
-    def _rounds_burst(self, receipts: dict, deadline: float | None) -> None:
-        """Up to ``burst_rounds`` rounds (:meth:`~tandem.engine.scheduler.Scheduler.round`, or several in
-        one :meth:`_plain_rounds` call), ending at the first round boundary after ``deadline``, or after
-        a plain call that ran the rounds the deadline gave it at the last call's pace (a call's fixed
-        cost is in that pace: a second call for the rounds left would be a short one, mostly that cost)."""
-        n = 0
-        plain = self._all_plain(self.active())  # once a burst: a speculative burst never asks again
-        while n < self.config.burst_rounds and self.active():
-            if deadline is not None and receipts and time.perf_counter() >= deadline:
-                break
-            k, paced = self._plain_rounds(receipts, self.config.burst_rounds - n, deadline) if plain else (0, False)
-            if not k:
-                self.round(receipts)
-            n += k or 1
-            if paced:
-                break
+    Args: ``trunk`` — the trunk stage (rounds in one call need its ``decode_rows``); ``stats`` and
+    ``timing`` — the engine core's counters (``rounds``) and stage clocks (``verify_s``, ``accept_s``,
+    ``rounds``), added to in place.
+    """
 
-    #: seconds a round of the last decode call took (0: none yet), to end a burst near ``burst_ms``
-    _decode_round_s = 0.0
+    def __init__(self, trunk: TrunkAPI, stats: dict, timing: dict) -> None:
+        self.trunk, self.stats, self.timing = trunk, stats, timing
+        #: seconds a round of the last decode call took (0: none yet), to end a burst near ``burst_ms``
+        self.round_s = 0.0
 
-    def _all_plain(self, act: list) -> bool:
+    def applicable(self, act: list[SpecSession]) -> bool:
         """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
         stop strings) on a trunk that decodes them in one call."""
         return (
@@ -47,49 +36,19 @@ class PlainRounds:
             and all(s.arm == schema.OFF and s.sampling is None and s.stop_text is None for s in act)
         )
 
-    def _after_plain(self, s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOut, r: Receipt) -> int:
-        """``len(targets)`` plain greedy rounds of ``s`` (arm ``off``) applied at once: round ``t`` emitted
-        its target ``targets[t]`` (top-2 gap ``gaps[t]``), ``last`` is the last round's one-row output.
-        The session, the receipt ``r`` and the finish are what :meth:`_after_verify` leaves after those
-        rounds one at a time (a round without drafts emits its target; the turn ends at a stop id, at
-        its budget or at the context end), without a walk a round. Returns the rows the next call
-        commits (1). Raises ``AssertionError`` (nothing changed) when the turn ended before the last round."""
-        n, n0, budget = len(targets), len(s.committed), s.turn_remaining
-        assert s.arm == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (
-            s.sid,
-            s.arm,
-            s.turn_done,
-            n,
-        )
-        end = min(
-            budget,
-            max(1, s.max_ctx - 1 - n0),  # the first round that ends the turn (1-based)
-            next((t + 1 for t, x in enumerate(targets) if x in s.stop_ids), n),
-        )
-        assert end >= n, f"sequence {s.sid}: a plain decode call ran past a finished turn (round {end} of {n})"
-        s.rounds += n
-        r.rounds += n
-        s.committed.append(s.anchor)
-        s.committed.extend(targets[:-1])
-        s.anchor, s.turn_remaining = targets[-1], budget - n
-        r.tokens.extend(targets)
-        r.top2_gaps.extend(gaps)
-        s.ingest = (last, targets[-1:])
-        s.last_active = time.monotonic()
-        self._finish(s, r, "stop" if targets[-1] in s.stop_ids else ("length" if n == budget else None))
-        return 1
-
-    def _plain_rounds(self, receipts: dict, most: int, deadline: float | None = None) -> tuple[int, bool]:
-        """Run up to ``most`` rounds of every active session in one trunk ``decode`` call when they all
-        decode plain greedy rows and each can run two rounds at least (its budget and context room);
-        with a ``deadline`` (``time.perf_counter()`` seconds), only the rounds that end at the first
-        round boundary after it at the last call's pace (:func:`rounds_until`). Returns the rounds run
+    def run(
+        self, act: list[SpecSession], receipts: dict[int, Receipt], most: int, deadline: float | None = None
+    ) -> tuple[int, bool]:
+        """Run up to ``most`` rounds of the active sessions ``act`` in one trunk ``decode`` call when they
+        all decode plain greedy rows (:meth:`applicable`) and each can run two rounds at least (its budget
+        and context room); with a ``deadline`` (``time.perf_counter()`` seconds), only the rounds that end
+        at the first round boundary after it at the last call's pace (:func:`rounds_until`). Each
+        session's receipt in ``receipts`` (made when missing) gets its rounds. Returns the rounds run
         (0: not applicable, nothing ran) and whether they were every round the deadline gave (the
         burst then ends: a second call for the time left would be mostly its fixed cost)."""
-        act = self.active()
-        if not self._all_plain(act):
+        if not self.applicable(act):
             return 0, False
-        paced = rounds_until(deadline, self._decode_round_s)
+        paced = rounds_until(deadline, self.round_s)
         steps = min(most, paced, *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
         if steps < 2:
             return 0, False
@@ -99,17 +58,51 @@ class PlainRounds:
         )
         t1 = time.perf_counter()
         n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
-        self._decode_round_s = (t1 - t0) / n
+        self.round_s = (t1 - t0) / n
         for s, o in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
             k = o.argmax.shape[0]
-            s.trunk_commit = self._after_plain(s, o.argmax.tolist(), o.top2_gap.tolist(), o.rows_at(k - 1), r)
+            s.trunk_commit = _apply(s, o.argmax.tolist(), o.top2_gap.tolist(), o.rows_at(k - 1), r)
         self.stats["rounds"] += sum(o.argmax.shape[0] for o in outs)
         tm = self.timing
         tm["verify_s"] += t1 - t0
         tm["accept_s"] += time.perf_counter() - t1
         tm["rounds"] += n
         return n, n == steps == paced
+
+
+def _apply(s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOut, r: Receipt) -> int:
+    """``len(targets)`` plain greedy rounds of ``s`` (arm ``off``) applied at once: round ``t`` emitted
+    its target ``targets[t]`` (top-2 gap ``gaps[t]``), ``last`` is the last round's one-row output.
+    The session, the receipt ``r`` and the finish are what the speculative round
+    (:class:`~tandem.engine.spec_round.SpecRound`) leaves after those rounds one at a time (a round
+    without drafts emits its target; the turn ends at a stop id, at its budget or at the context end),
+    without a walk a round. Returns the rows the next call commits (1). Raises ``AssertionError``
+    (nothing changed) when the turn ended before the last round."""
+    n, n0, budget = len(targets), len(s.committed), s.turn_remaining
+    assert s.arm == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (
+        s.sid,
+        s.arm,
+        s.turn_done,
+        n,
+    )
+    end = min(
+        budget,
+        max(1, s.max_ctx - 1 - n0),  # the first round that ends the turn (1-based)
+        next((t + 1 for t, x in enumerate(targets) if x in s.stop_ids), n),
+    )
+    assert end >= n, f"sequence {s.sid}: a plain decode call ran past a finished turn (round {end} of {n})"
+    s.rounds += n
+    r.rounds += n
+    s.committed.append(s.anchor)
+    s.committed.extend(targets[:-1])
+    s.anchor, s.turn_remaining = targets[-1], budget - n
+    r.tokens.extend(targets)
+    r.top2_gaps.extend(gaps)
+    s.ingest = (last, targets[-1:])
+    s.last_active = time.monotonic()
+    finish(s, r, "stop" if targets[-1] in s.stop_ids else ("length" if n == budget else None))
+    return 1
 
 
 def rounds_until(deadline: float | None, round_s: float) -> int:

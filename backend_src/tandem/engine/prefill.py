@@ -1,4 +1,4 @@
-"""Chunked prefill for the :class:`~tandem.engine.scheduler.Scheduler`, under a budget of prompt rows
+"""Chunked prefill for the engine core (:class:`PrefillPlanner`), under a budget of prompt rows
 per burst (the policy of vLLM's chunked prefill with ``max_num_batched_tokens``: decode first, then
 prompt chunks from the budget). A burst cycle (the admissions before a burst, then the burst) primes at
 most ``config.prefill_budget`` prompt rows, shared by every turn being primed, shortest remaining prompt
@@ -11,7 +11,7 @@ A prompt beyond its share keeps the rest in ``s.prefill`` (:class:`PendingPrefil
 goes with the admission's prime call (with the turn's prefix keys and the previous turn's commit): every
 admitted turn primes at least its :meth:`PendingPrefill.least` piece there, since the prime call opens the
 session and a prime has one row at least. Each later piece rides in one batched prime call at the start
-of a burst (:meth:`Prefill._prefill_step`), with an empty prefix list where the prefix cache is in use (so
+of a burst (:meth:`PrefillPlanner.step`), with an empty prefix list where the prefix cache is in use (so
 the trunk keeps cutting at multiples of ``PREFIX_BLOCK`` and capturing the states there).
 
 Exactness: under ``batch_invariant`` on the CPU every prime row runs the row-wise kernels, so pieces of
@@ -28,7 +28,11 @@ from __future__ import annotations
 import dataclasses
 
 from .. import schema
-from .protocols import Rows, VerifyOut
+from ..model.device import invariant_prime
+from ..schema import ServingConfig
+from .lifecycle import SessionTable
+from .protocols import Rows, TrunkAPI, VerifyOut
+from .session import SpecSession
 
 
 #: a burst's prefill rows at least while no turn decodes: a long prompt alone is primed in pieces this big
@@ -85,56 +89,61 @@ class PendingPrefill:
         return self.done == len(self.item.tokens)
 
 
-class Prefill:
-    """Mixed into :class:`~tandem.engine.scheduler.Scheduler` (whose ``sessions``, ``turns``,
-    ``trunk``, ``config``, ``invariant_prime``, ``busy``, ``active``, ``_after_prime`` and ``_publish`` it uses)."""
+class PrefillPlanner:
+    """Which prompt rows each prime call carries: the admission's first pieces (:meth:`chunk`) and each
+    burst's later ones (:meth:`step`), within the burst cycle's budget; joins a turn's pieces' outputs.
 
-    #: prompt rows the admissions since the last :meth:`_prefill_step` primed (the burst cycle's budget spent)
-    _prefill_used: int = 0
+    Args: ``config`` — ``prefill_budget`` (and the trunk settings :func:`invariant_prime` reads);
+    ``table`` — the sessions and running turns; ``trunk`` — the stage :meth:`step` primes on.
+    """
 
-    def _chunked(self, ok: list[tuple]) -> list[tuple]:
+    def __init__(self, config: ServingConfig, table: SessionTable, trunk: TrunkAPI) -> None:
+        self.config, self.table, self.trunk = config, table, trunk
+        #: a prime's rows do not depend on its pieces, so prompts are cut anywhere (module docstring)
+        self.invariant_prime = invariant_prime(config)
+        #: prompt rows the admissions since the last :meth:`step` primed (the burst cycle's budget spent)
+        self._used = 0
+
+    def chunk(self, ok: list[tuple]) -> list[tuple]:
         """The admission's prime items. ``ok`` holds each admitted ``(turn, session, whole prime item)``;
         returns them in the same order with each item cut to the piece primed now, the rest left in the
         session's ``prefill`` (None: primed whole). Shortest prompt first, from the burst cycle's budget
         (:meth:`_burst_budget`, counting the turns already running, not these);
         a turn the budget does not reach still primes its least piece."""
         budget = self._burst_budget() if self.config.prefill_budget else 0  # (idle: IDLE_PREFILL_ROWS at least)
-        if not self.busy():  # no burst ran after the last admissions: their rows were never a burst's
-            self._prefill_used = 0
+        if not self.table.busy():  # no burst ran after the last admissions: their rows were never a burst's
+            self._used = 0
         cut = {}
         for j in sorted(range(len(ok)), key=lambda j: len(ok[j][2].tokens)):
             t, s, item = ok[j]
             start = s.warm_rows if item.prefix is not None else len(s.committed)
             p = PendingPrefill(item, t.max_tokens, start, aligned=item.prefix is not None and not self.invariant_prime)
-            n = p.left() if not budget else max(p.fit(budget - self._prefill_used), p.least())
-            self._prefill_used += n
+            n = p.left() if not budget else max(p.fit(budget - self._used), p.least())
+            self._used += n
             s.prefill = None if n == p.left() else p
             cut[j] = item if s.prefill is None else p.piece(n, first=True)
         return [(t, s, cut[j]) for j, (t, s, _) in enumerate(ok)]
 
-    def _primed(self, s, item: Rows, out: VerifyOut):
-        """After a prime call: the turn's first receipt once its prime is complete, else None."""
+    def primed(self, s: SpecSession, item: Rows, out: VerifyOut) -> tuple[Rows, VerifyOut, int] | None:
+        """After a prime call of ``s``'s piece ``item`` (outputs ``out``): once its prompt is primed whole,
+        the whole prime item, its joined outputs and the turn's ``max_tokens``; else None."""
         p = s.prefill
         if p is None:
-            return self._after_prime(s, item, out, self.turns[s.sid].max_tokens)
+            return item, out, self.table.turns[s.sid].max_tokens
         if not p.add(len(item.tokens), out):
             return None
         s.prefill = None
-        return self._after_prime(s, p.item, p.out, p.max_tokens)
-
-    def prefilling(self) -> list:
-        """Sessions whose turn is still being primed in pieces."""
-        return [self.sessions[sid] for sid in self.turns if self.sessions[sid].prefill is not None]
+        return p.item, p.out, p.max_tokens
 
     def _burst_budget(self) -> int:
         """This burst's prefill rows: ``prefill_budget`` while any turn decodes (its gap between responses
         is what the budget bounds), else at least :data:`IDLE_PREFILL_ROWS` (nobody waits on the burst but a
         prompt arriving meanwhile, which waits one piece)."""
-        b = self.config.prefill_budget
-        decoding = any(self.sessions[sid].prefill is None for sid in self.turns if sid in self.sessions)
+        b, sessions = self.config.prefill_budget, self.table.sessions
+        decoding = any(sessions[sid].prefill is None for sid in self.table.turns if sid in sessions)
         return b if decoding else max(b, IDLE_PREFILL_ROWS)
 
-    def _prefill_plan(self, group: list, budget: int, full: int) -> list[tuple]:
+    def _plan(self, group: list, budget: int, full: int) -> list[tuple]:
         """``(session, rows)`` of this burst's pieces over the prefilling ``group`` within ``budget`` rows,
         shortest remaining prompt first. With no budget spent this cycle (``budget == full``) and none fitting
         (a budget under one block), the shortest primes its least piece, so every prompt goes on."""
@@ -150,16 +159,13 @@ class Prefill:
             plan = [(s, s.prefill.least())]
         return plan
 
-    def _prefill_step(self) -> None:
-        """Prime this burst's pieces (one trunk call; the budget the admissions left); emit the first
-        token of each turn whose prime completes."""
-        group, used, self._prefill_used = self.prefilling(), self._prefill_used, 0
+    def step(self) -> list[tuple[SpecSession, Rows, VerifyOut]]:
+        """Prime this burst's pieces (one trunk call; the budget the admissions left). Returns each
+        piece's ``(session, item, outputs)`` (for :meth:`primed`), in the call's order."""
+        group, used, self._used = self.table.prefilling(), self._used, 0
         full = self._burst_budget()
-        plan = self._prefill_plan(group, full - used, full) if group else []
+        plan = self._plan(group, full - used, full) if group else []
         if not plan:
-            return
+            return []
         items = [s.prefill.piece(n, first=False) for s, n in plan]
-        for (s, _), it, out in zip(plan, items, self.trunk.prime(items)):
-            r = self._primed(s, it, out)
-            if r is not None:
-                self._publish(s, r)
+        return [(s, it, out) for (s, _), it, out in zip(plan, items, self.trunk.prime(items))]

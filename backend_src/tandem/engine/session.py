@@ -4,8 +4,9 @@ At every burst boundary: ``pos() == len(committed)`` rows are in the trunk cache
 row's trunk state equals a fresh prime of ``committed`` (checked by :mod:`tandem.engine.gate`);
 exactly one emitted-but-uncommitted anchor exists (row 0 of the next verify).
 
-The session holds state only: the :class:`~tandem.engine.scheduler.Scheduler` opens and closes
-its stage state (batched over sessions) and applies each round's results.
+The session holds state only: the engine core (:class:`~tandem.engine.scheduler.Scheduler` and the
+classes it wires) opens and closes its stage state (batched over sessions) and applies each round's
+results; :func:`finish` ends a turn.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class SpecSession:
     sampling: Any = None
     #: the :mod:`~tandem.engine.demotion` policy's state of this session
     demotion: DemotionState = dataclasses.field(default_factory=DemotionState)
-    #: its drafter failed: it decodes plain for the rest of its life (:mod:`tandem.engine.lifecycle`)
+    #: its drafter failed: it decodes plain for the rest of its life (:mod:`tandem.engine.stage_set`)
     degraded: bool = False
     #: tokens that end the current turn: the scheduler's and the turn's own ``stop_token_ids``
     stop_ids: tuple[int, ...] = ()
@@ -163,6 +164,17 @@ class SpecSession:
         """Drafts to propose this round: ``num_draft_tokens`` capped so that even when every draft is
         accepted, the committed rows plus the new anchor stay within ``max_ctx`` tokens."""
         return max(0, min(self.num_draft_tokens, self.max_ctx - len(self.committed) - 2))
+
+
+def finish(s: SpecSession, r: Receipt, reason: str | None) -> None:
+    """End ``s``'s turn with ``reason`` (None: it goes on, unless its next anchor would leave no context
+    room: then ``"context"``), recording the reason and any matched stop string in its receipt ``r``."""
+    if reason is None and len(s.committed) + 1 >= s.max_ctx:
+        reason = "context"
+    if reason is not None:
+        r.finish_reason = s.finish_reason = reason
+        s.turn_done = True
+        r.stop_string = (s.stop_text.matched or "") if s.stop_text is not None else ""
 
 
 #: ``emit(receipt, error, final)``: one streamed response (``receipt`` None when ``error`` is set).

@@ -231,7 +231,7 @@ class TandemFront:
             self.log(f"could not send an error response: {type(e).__name__}: {e}")
 
     def gauge_values(self) -> dict[str, float]:
-        """The scheduler's gauges (:meth:`~tandem.engine.lifecycle.Lifecycle.gauges`) and its
+        """The scheduler's gauges (:meth:`~tandem.engine.scheduler.Scheduler.gauges`) and its
         lifecycle counters (``sessions_opened``, ``sessions_expired``, ``cancelled``, ...)."""
         st = self.sched.stats
         trunk = {"trunk_sequences": len(getattr(self.sched.trunk, "states", ()))}
@@ -409,7 +409,7 @@ class TandemFront:
             for t in late:
                 self.q.queue.remove(t)
         for t in late:
-            t.emit(None, sched._no_free_session(t), True)
+            t.emit(None, sched.no_free_session(t), True)
         return n + len(late)
 
     def _watch_loop(self) -> None:
@@ -430,7 +430,7 @@ class TandemFront:
             sched = self.sched
             for _ in range(3):  # the worker may wake up meanwhile and change the dicts
                 try:
-                    turns = list(sched.turns.values()) + list(sched.admitting) + [t for _, t in list(sched._waiting)]
+                    turns = sched.in_flight()
                     break
                 except RuntimeError:
                     turns = []
@@ -449,11 +449,8 @@ class TandemFront:
     def _fail_all(self, reason: str) -> None:
         """Every turn in flight or queued gets one final ``reason``; sessions are forgotten without
         stage calls (at shutdown the stage models may be gone already, and their state dies with them)."""
-        for t in list(self.sched.turns.values()) + [t for _, t in self.sched._waiting] + self._drain(block=False):
+        for t in self.sched.drop_all() + self._drain(block=False):
             t.emit(None, reason, True)
-        self.sched.turns.clear()
-        self.sched.sessions.clear()
-        self.sched._waiting.clear()
 
     def stop(self, timeout_s: float = STOP_JOIN_S) -> bool:
         """Stop the worker and fail the turns in flight (see :meth:`_fail_all`). Waits ``timeout_s``
@@ -472,7 +469,7 @@ class TandemFront:
 
 
 #: the ``tandem`` model's gauges (metric ``tandem_<name>``, :meth:`TandemFront.gauge_values`): the
-#: scheduler's (:meth:`~tandem.engine.lifecycle.Lifecycle.gauges`), then its lifecycle counters
+#: scheduler's (:meth:`~tandem.engine.scheduler.Scheduler.gauges`), then its lifecycle counters
 GAUGES = {
     "sessions_open": "open sessions (sequences with state in the stages)",
     "session_slots_free": "sessions that may still open (max_sessions minus open)",

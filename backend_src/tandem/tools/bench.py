@@ -276,7 +276,7 @@ def main(
                 if "transformers" not in n:
                     runners[n](ids, 2)
         for e in [plain_eng, *engs.values()]:
-            e.sched.timing = {key: 0.0 for key in e.sched.timing}
+            e.sched.timing.update(dict.fromkeys(e.sched.timing, 0.0))
         order = random.Random(seed)
         with Progress(console=console) as prog:
             task = prog.add_task(

@@ -1,0 +1,93 @@
+"""The engine core's verify round: draft, verify, accept walk, commit. Every active session's draft work
+goes to one drafter call per drafter stage, all verify work to one trunk call that also carries each
+session's previous round's commit; the accept walk (:func:`~tandem.engine.accept.accept_walk`) runs
+here, once per session per round, and nowhere else."""
+
+from __future__ import annotations
+
+import time
+
+from .. import schema
+from .accept import Walk, accept_walk
+from .demotion import Demotion
+from .protocols import DraftRequest, Rows, VerifyOut
+from .session import Receipt, SpecSession, finish
+from .stage_set import StageSet
+
+
+class SpecRound:
+    """One verify round over the active sessions (:meth:`run`); a session without drafts (arm ``off``,
+    demoted, degraded) verifies its anchor alone, a plain round.
+
+    Args: ``stages`` — the trunk and the drafters (a failed drafter call degrades its group there);
+    ``demotion`` — which sessions speculate this round, told each speculative round's outcome;
+    ``stats`` and ``timing`` — the engine core's counters (``rounds``, ``accept_walks``) and stage clocks
+    (``draft_s``, ``verify_s``, ``accept_s``, ``rounds``), added to in place.
+    """
+
+    def __init__(self, stages: StageSet, demotion: Demotion, stats: dict, timing: dict) -> None:
+        self.stages, self.demotion, self.stats, self.timing = stages, demotion, stats, timing
+
+    def run(self, act: list[SpecSession], receipts: dict[int, Receipt]) -> None:
+        """One round over the active sessions ``act`` (some): one drafter call per stage and one trunk
+        verify, which first commits each session's previous round (the walk's rows kept, see
+        :meth:`~tandem.engine.scheduler.Scheduler.settle`). Each session's receipt in ``receipts`` (made
+        when missing) gets the round."""
+        clock = time.perf_counter
+        t0 = clock()
+        drafts: dict[int, list[int]] = {s.sid: [] for s in act}
+        spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
+        for stage, group in self.stages.by_drafter(spec):
+            reqs = [
+                DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
+                for s in group
+            ]
+            for s, d in zip(group, self.stages.draft(stage, group, reqs)):
+                s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
+        t1 = clock()
+        outs = self.stages.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
+        t2 = clock()
+        speculated = {s.sid for s in spec}
+        for s, out in zip(act, outs):
+            r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
+            s.trunk_commit = self._after_verify(s, drafts[s.sid], out, r, len(act) if s.sid in speculated else None)
+        t3 = clock()
+        self.stats["rounds"] += len(act)
+        tm = self.timing
+        tm["draft_s"] += t1 - t0
+        tm["verify_s"] += t2 - t1
+        tm["accept_s"] += t3 - t2
+        tm["rounds"] += 1
+
+    def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt, load: int | None) -> int:
+        """Apply the accept walk to the session and the burst's receipt (and, after a speculative
+        round with ``load`` active sessions, to the demotion policy); returns rows to commit."""
+        w = accept_walk(drafts, out.argmax.tolist(), s.stop_ids, s.turn_remaining)
+        self.stats["accept_walks"] += 1
+        if s.stop_text is not None and (n := s.stop_text.scan(w.emitted)) is not None:  # a stop string: cut there
+            w = Walk(min(w.accepted, n), w.emitted[:n], "stop")
+        m = len(w.emitted)
+        s.rounds += 1
+        s.drafted += len(drafts)
+        s.accepted += w.accepted
+        r.rounds += 1
+        r.spec_rounds += bool(drafts)
+        r.drafted += len(drafts)
+        r.accepted += w.accepted
+        for i in range(w.accepted):
+            s.accepted_at[i] += 1
+            r.accepted_at[i] += 1
+        s.committed.extend([s.anchor] + w.emitted[:-1])
+        s.anchor = w.emitted[-1]
+        s.turn_remaining -= m
+        r.tokens.extend(w.emitted)
+        r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
+        if load is not None:
+            self.demotion.observe(s, w.accepted, len(drafts), load)
+        if s.arm == schema.OFF or s.degraded or s.ingest is None:
+            s.ingest = (out.rows(m), w.emitted)
+        else:  # a demoted session: its rows wait for the drafter's next (probe) round
+            s.ingest = (s.ingest[0].then(out.rows(m)), s.ingest[1] + w.emitted)
+        s.last_active = time.monotonic()
+        finish(s, r, w.finish)
+        return m
