@@ -18,7 +18,7 @@ from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.state_size import StateSize
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.model.cache import KDAState, MLACache
-from tandem.serving.front import TandemFront
+from tandem.serving.engine_core import EngineCore
 from tandem.serving.turns import TurnRequest
 
 
@@ -136,7 +136,7 @@ def test_refusals_come_while_the_worker_primes():
     """max_sessions 1, admission_wait_s 0.3: while the worker is inside a 2 s prime, turns of new sequences
     arriving meanwhile are refused 0.3 s after they arrive, not after the prime."""
     cfg = dataclasses.replace(schema.DEFAULTS, max_sessions=1, admission_wait_s=0.3, prefix_cache_mb=0)
-    front = TandemFront(_Stage(prime_s=2.0), {}, (), cfg)
+    front = EngineCore(_Stage(prime_s=2.0), {}, (), cfg)
     got: dict[int, float] = {}
     try:
         front.submit(TurnRequest(1, [3, 4, 5], 2), lambda o, e, f: None)

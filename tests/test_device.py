@@ -21,7 +21,7 @@ from tandem.model.config import TrunkConfig
 from tandem.model.device import parse_dtype, placement, resolve_device
 from tandem.launch.settings import parameter_overrides
 from tandem.serving.parameters import serving_config
-from tandem.serving import front as fr
+from tandem.serving import engine_core as fr
 
 GiB = 2**30
 

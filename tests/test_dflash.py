@@ -12,7 +12,7 @@ from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import DraftRequest
 from tandem.engine.scheduler import Turn
 from tandem.model.dflash import DFlashConfig, DFlashDrafter, TwoTapConv, rope
-from tandem.serving import front as fr
+from tandem.serving import engine_core as fr
 
 from conftest import make_tiny_trunk
 

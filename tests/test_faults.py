@@ -15,7 +15,7 @@ from tandem import schema
 from tandem.engine.mtp_stage import MTPStage
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.serving import front as fr
+from tandem.serving import engine_core as fr
 
 from conftest import make_tiny_trunk
 
@@ -114,7 +114,7 @@ def _front(
             assert back.wait(30)
         tr.dead.discard(name)
 
-    front = fr.TandemFront(
+    front = fr.EngineCore(
         TrunkStage(tr.model),
         {"mtp": fr.DrafterProxy(w)},
         stop_ids=(),

@@ -14,7 +14,7 @@ from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import Rows
 from tandem.engine.prefix import KeyedHasher, PrefixIndex, reusable_blocks, split_points
 from tandem.engine.scheduler import Scheduler, Turn
-from tandem.serving import front as fr
+from tandem.serving import engine_core as fr
 
 from test_dflash import _Tok, tiny  # noqa: F401 - the tiny trunk + drafters fixture
 

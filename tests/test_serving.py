@@ -68,7 +68,7 @@ def test_stub_stacks_dump_to_the_log_and_the_models_stay_ready(server):
     assert dump_stub_stacks(server.proc.pid) == len(MODELS) - 1  # every Python model (not the ensemble)
     dumped = server.log().split("most recent call first")[before + 1 :]  # one section a thread
     assert len(dumped) >= len(MODELS) - 1
-    assert "tandem/serving/front.py" in "".join(dumped)  # the tandem worker's thread, waiting for turns
+    assert "tandem/serving/engine_core.py" in "".join(dumped)  # the tandem worker's thread, waiting for turns
     assert all(model_states(server.http_port).get(m) == "READY" for m in MODELS)
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 from .. import schema
 from ..schema import ServingConfig
-from .lifecycle import SessionTable
+from .session_table import SessionTable
 from .protocols import Rows
 from .publication import PrefixPublisher
 from .session import SpecSession, Turn

@@ -30,7 +30,7 @@ import dataclasses
 from .. import schema
 from ..model.device import invariant_prime
 from ..schema import ServingConfig
-from .lifecycle import SessionTable
+from .session_table import SessionTable
 from .protocols import Rows, TrunkAPI, VerifyOut
 from .session import SpecSession
 

@@ -1,6 +1,6 @@
 """What the scheduler exchanges with its stages: per-sequence items (small dataclasses) and the stage
 interfaces as ``typing.Protocol``s. In-process stages (:mod:`tandem.engine.trunk_stage`,
-:mod:`tandem.engine.mtp_stage`) and their BLS proxies (:mod:`tandem.serving.front`) both implement them.
+:mod:`tandem.engine.mtp_stage`) and their BLS proxies (:mod:`tandem.serving.engine_core`) both implement them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ capture is dropped so it holds its cache and nothing more."""
 from __future__ import annotations
 
 from .. import schema
-from .lifecycle import SessionTable
+from .session_table import SessionTable
 from .prefix import PrefixIndex, publish_ready, reusable_blocks
 from .protocols import Rows
 from .session import SpecSession

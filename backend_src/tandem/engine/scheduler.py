@@ -1,11 +1,11 @@
 """The scheduler: the engine core's facade. It admits turns, runs every active session in bursts of
 rounds, and publishes one receipt per session per burst. Synchronous: in-process it is driven directly,
-behind Triton by the worker thread of :mod:`tandem.serving.front`.
+behind Triton by the worker thread of :mod:`tandem.serving.engine_core`.
 
 Each responsibility is a class of its own, wired here and talking through public methods:
 
 - :class:`~tandem.engine.stage_set.StageSet`: the trunk and drafters, their availability, drafter failures;
-- :class:`~tandem.engine.lifecycle.SessionTable`: sessions and running turns; close, expiry, cancellation;
+- :class:`~tandem.engine.session_table.SessionTable`: sessions and running turns; close, expiry, cancellation;
 - :class:`~tandem.engine.admission.Admission`: validation, waiting turns, admission by count and bytes;
 - :class:`~tandem.engine.prefill.PrefillPlanner`: chunked prefill under the burst's budget;
 - :class:`~tandem.engine.plain_rounds.PlainRounds`: a burst's plain greedy rounds in one trunk call;
@@ -24,7 +24,7 @@ from .. import schema
 from ..schema import ServingConfig
 from .admission import Admission
 from .demotion import Demotion
-from .lifecycle import SessionTable
+from .session_table import SessionTable
 from .plain_rounds import PlainRounds
 from .prefill import PrefillPlanner
 from .prefix import PrefixIndex

@@ -1,5 +1,5 @@
 """Watching a running server from outside: its Prometheus metrics (the tandem gauges of
-:data:`tandem.serving.front.GAUGES` and each stage's ``tandem_stage_sequences``) and the resident
+:data:`tandem.serving.engine_core.GAUGES` and each stage's ``tandem_stage_sequences``) and the resident
 memory of its processes (tritonserver and one Python-backend stub per model). Used by the leak and
 fault tests and by ``make soak``."""
 

@@ -5,7 +5,7 @@
 with ``colocate`` (the default), the drafter stages on the trunk's embedding and LM head, all in this process;
 with ``colocate`` off the drafters are proxies of the ``drafter_mtp`` / ``drafter_dflash`` models over BLS, under
 a stage deadline, probed while idle and restarted when their process dies. The engine core
-(:class:`~tandem.serving.front.TandemFront`: the scheduler on its worker thread) owns every session; ``execute``
+(:class:`~tandem.serving.engine_core.EngineCore`: the scheduler on its worker thread) owns every session; ``execute``
 only parses each request into a turn and queues it; a sender thread streams the responses
 (:class:`~tandem.serving.send_queue.SendQueue`).
 """
@@ -28,7 +28,7 @@ from ..model.cpu_amx import gemm_tiles
 from ..model.device import placement
 from ..model.tokenizer import ChatTokenizer
 from ..model.warm import compile_kernels
-from . import front
+from . import engine_core
 from .metrics import Gauges, MetricsPublisher
 from .parameters import drafter_dirs, resolve_checkpoint, serving_config
 from .process import dump_stacks_on_signal, reload_model, require_one_instance, set_thread_nice, set_torch_threads
@@ -76,17 +76,17 @@ class TandemModel:
                 model, {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms}, cfg.max_num_draft_tokens
             )
         else:  # the drafter models over BLS, each call under the stage deadline
-            self.bls = front.BLSTransport(pb)
-            watch = front.WatchedTransport(self.bls, cfg.stage_timeout_s)
-            drafters = {schema.MTP: front.DrafterProxy(watch, on_error=log)}
-            dflash = front.DFlashProxy(watch, on_error=log)
+            self.bls = engine_core.BLSTransport(pb)
+            watch = engine_core.WatchedTransport(self.bls, cfg.stage_timeout_s)
+            drafters = {schema.MTP: engine_core.DrafterProxy(watch, on_error=log)}
+            dflash = engine_core.DFlashProxy(watch, on_error=log)
             drafters.update({arm: dflash for arm in arms})
         # the first client turn finds the kernels' layouts built (BLS calls work only inside execute: with the
         # drafter models, the trunk alone)
         warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
-        gauges = Gauges(pb, "tandem", front.GAUGES)
-        self.core = front.TandemFront(
+        gauges = Gauges(pb, "tandem", engine_core.GAUGES)
+        self.core = engine_core.EngineCore(
             trunk,
             drafters,
             tok.stop_ids,
@@ -155,7 +155,7 @@ class TandemModel:
                 )
                 continue
             try:
-                turn = front.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)
+                turn = engine_core.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)
             except schema.WireError as e:
                 self.core.reject(send, str(e))
                 continue

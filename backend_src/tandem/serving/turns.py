@@ -18,7 +18,7 @@ from ..schema import Arrays, WireError
 # -- requests in, receipts out ------------------------------------------------------------------------
 def TurnRequest(sid: int, tokens: list[int], max_tokens: int, spec: str | None = None, **fields) -> Turn:
     """A decoded ``tandem`` request: a :class:`~tandem.engine.scheduler.Turn` (same fields) whose
-    ``emit`` is still None; :meth:`tandem.serving.front.TandemFront.submit` sets it."""
+    ``emit`` is still None; :meth:`tandem.serving.engine_core.EngineCore.submit` sets it."""
     return Turn(sid, tokens, max_tokens, None, spec=spec, **fields)
 
 

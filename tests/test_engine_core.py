@@ -14,7 +14,7 @@ from tandem.engine.mtp_stage import MTPStage
 from tandem.engine.protocols import Commit, DraftRequest, Rows
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.serving import front as fr
+from tandem.serving import engine_core as fr
 from tandem_client.client import IncrementalDecoder
 
 from conftest import make_tiny_trunk
@@ -220,7 +220,7 @@ def test_front_over_proxies_equals_in_process(model):
     tr = local(model)
     cfg = schema.ServingConfig(max_ctx=64)
     core_trunk = TrunkStage(model)
-    front = fr.TandemFront(core_trunk, {"mtp": fr.DrafterProxy(tr)}, stop_ids=(), config=cfg)
+    front = fr.EngineCore(core_trunk, {"mtp": fr.DrafterProxy(tr)}, stop_ids=(), config=cfg)
     try:
         ref_s = Scheduler(TrunkStage(model), {"mtp": MTPStage(model)}, cfg)
         for spec in ("mtp", "off"):
@@ -252,7 +252,7 @@ def test_front_over_proxies_equals_in_process(model):
 
 def test_front_survives_a_broken_client(model):
     tr = local(model)
-    front = fr.TandemFront(
+    front = fr.EngineCore(
         TrunkStage(model),
         {"mtp": fr.DrafterProxy(tr)},
         stop_ids=(),
@@ -312,7 +312,7 @@ def test_shutdown_ends_turns_with_one_clear_error(model):
     internal error. (A drafter model that answers "Server not ready" meanwhile only moves its sessions to
     plain decoding, as any drafter failure does.)"""
     tr = _Exiting(local(model), {"draft"})
-    front = fr.TandemFront(
+    front = fr.EngineCore(
         TrunkStage(model, 256),
         {"mtp": fr.DrafterProxy(tr)},
         stop_ids=(),

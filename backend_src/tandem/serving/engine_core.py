@@ -1,6 +1,6 @@
-"""Everything that runs inside the ``tandem`` Triton model (besides the engine it drives): the worker
-thread that runs a :class:`~tandem.engine.scheduler.Scheduler`, its watchdog, stage restarts and
-gauges. Request parsing and response packing live in :mod:`tandem.serving.turns`, the stage proxies
+"""The engine core's threads in the ``tandem`` model's process: the worker thread that owns every session
+by running a :class:`~tandem.engine.scheduler.Scheduler`, the admission clock, the watchdog of drafter
+models, stage restarts, the exit probe and gauges. Request parsing and response packing live in :mod:`tandem.serving.turns`, the stage proxies
 in :mod:`tandem.serving.proxies` (both re-exported here).
 
 Triton-free: ``model_repository/tandem/1/model.py`` converts ``pb_utils`` tensors to numpy and back;
@@ -56,12 +56,12 @@ PROBE_S = 2.0
 PROBE_IDLE_S = 0.5
 #: seconds between gauge updates while turns run (a changed gauge is an IPC to the server; idle: every loop)
 GAUGES_S = 0.25
-#: seconds between looks of the admission clock (:meth:`TandemFront._refuse_overdue`): a refusal comes at most
+#: seconds between looks of the admission clock (:meth:`EngineCore._refuse_overdue`): a refusal comes at most
 #: this late after ``admission_wait_s``
 ADMISSION_TICK_S = 0.05
 #: seconds between looks, while turns run, at whether the server has begun to exit (``exit_probe``)
 EXIT_PROBE_S = 0.5
-#: seconds :meth:`TandemFront.stop` waits for the worker (the model's ``finalize``, whose whole stop must
+#: seconds :meth:`EngineCore.stop` waits for the worker (the model's ``finalize``, whose whole stop must
 #: stay well inside the server's exit timeout, ``serve --exit-timeout-secs`` 10 s): a worker still in a
 #: stage call by then is left behind (a daemon thread) and its stack logged
 STOP_JOIN_S = 3.0
@@ -73,7 +73,7 @@ def server_exiting(e: BaseException) -> bool:
     return isinstance(e, StageError) and "not ready" in str(e).lower()
 
 
-class TandemFront:
+class EngineCore:
     """Sessions of the ``tandem`` model: a :class:`Scheduler` on a daemon worker thread, and a
     watchdog thread.
 
@@ -468,7 +468,7 @@ class TandemFront:
         return stopped
 
 
-#: the ``tandem`` model's gauges (metric ``tandem_<name>``, :meth:`TandemFront.gauge_values`): the
+#: the ``tandem`` model's gauges (metric ``tandem_<name>``, :meth:`EngineCore.gauge_values`): the
 #: scheduler's (:meth:`~tandem.engine.scheduler.Scheduler.gauges`), then its lifecycle counters
 GAUGES = {
     "sessions_open": "open sessions (sequences with state in the stages)",
