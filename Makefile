@@ -89,10 +89,10 @@ genai-perf: setup
 	$(VPY) -m loadtest.genai_perf --concurrency $(CONCURRENCY) --requests $(REQUESTS) --output-tokens $(MAX_TOKENS) \
 		$(if $(URL),--url $(URL)) $(ARGS)
 
-# each Triton kernel (kernels/) against its torch reference on a GPU; without one it says so (ARGS=--cpu with
+# each Triton kernel (backend_src/tandem/ops/triton/) against its torch reference on a GPU; without one it says so (ARGS=--cpu with
 # TRITON_INTERPRET=1: an interpreter smoke run, agreement only)
 kernel-bench: setup
-	$(VPY) -m tandem_kernels.bench $(ARGS)
+	$(VPY) -m tandem.tools.kernel_bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-genai triton_backends runs

@@ -34,7 +34,7 @@ LONG_TURN_TEXTS = (
 def _serving_numerics_engine():
     """One in-process engine on the checkpoint for :func:`long_turn_prompt` (loaded once a run)."""
     from tandem.engine.inprocess import Engine
-    from tandem.model import cpu_amx, cpu_gemm
+    from tandem.ops.cpu import amx as cpu_amx, gemm as cpu_gemm
 
     before = cpu_gemm._INPUTS[0], cpu_amx.ON[0]
     try:
@@ -51,7 +51,7 @@ def long_turn_prompt(tokens: int) -> tuple[int, ...]:
     served tests that need a turn still streaming seconds later (served greedy output equals
     in-process; a fixed prompt stopped after 40 tokens once the GEMM numerics changed). Raises
     ``AssertionError`` when no candidate of :data:`LONG_TURN_TEXTS` does."""
-    from tandem.model import cpu_amx, cpu_gemm
+    from tandem.ops.cpu import amx as cpu_amx, gemm as cpu_gemm
     from tandem.model.device import gemm_inputs
 
     eng = _serving_numerics_engine()

@@ -1,4 +1,4 @@
-"""The bfloat16-pair GEMM on AMX tiles (``tandem.model.cpu_amx``): every row bit-identical for any
+"""The bfloat16-pair GEMM on AMX tiles (``tandem.ops.cpu.amx``): every row bit-identical for any
 number of rows and any neighbours (input and output dimensions with and without tails, more rows than
 a tile holds, column ranges), sums within float32 accumulation of the exact sum of the bfloat16
 products, and the ``amx`` setting choosing the packing (int32 strips for the tiles) only where the CPU
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_amx, cpu_gemm, cpu_tile
+from tandem.ops.cpu import amx as cpu_amx, gemm as cpu_gemm, tile as cpu_tile
 
 needs_amx = pytest.mark.skipif(not cpu_amx.HW_AMX, reason="the CPU has no AMX-BF16 (or Linux did not lend the tiles)")
 

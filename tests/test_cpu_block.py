@@ -1,4 +1,4 @@
-"""A decoder block in one numba call (``tandem.model.cpu_block``, ``cpu_mla_block``) against the same block
+"""A decoder block in one numba call (``tandem.ops.cpu.block``, ``cpu_mla_block``) against the same block
 run kernel by kernel (``DecoderLayer.run``): bit-identical hidden rows, features, KDA rows / states and
 MLA caches (rows and pools), for
 a verify of several sequences, a prime and the plain decode that follows, on odd shapes (3 streams,
@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from tandem.model import cpu_block, cpu_mla_block
+from tandem.ops.cpu import block as cpu_block, mla_block as cpu_mla_block
 from tandem.model.cache import KDAState, MLACache
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig

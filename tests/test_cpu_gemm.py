@@ -1,4 +1,4 @@
-"""The row-invariant GEMM (``tandem.model.cpu_gemm``) against ``x @ w.T`` with odd shapes, and its
+"""The row-invariant GEMM (``tandem.ops.cpu.gemm``) against ``x @ w.T`` with odd shapes, and its
 defining property: a row's output is bit-identical whatever the number of rows, its position among
 them and its neighbours; the same for the MoE's invariant path against the torch reference."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_gemm, cpu_kernels, cpu_moe
+from tandem.ops.cpu import gemm as cpu_gemm, kernels as cpu_kernels, moe as cpu_moe
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
 from tandem.model.layers import input_major_linears

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_attention, cpu_kda, cpu_kernels
+from tandem.ops.cpu import attention as cpu_attention, kda as cpu_kda, kernels as cpu_kernels
 from tandem.model.cache import MLACache
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig

@@ -1,4 +1,4 @@
-"""The register-tiled micro-kernels (``tandem.model.cpu_tile``): the GEMM tiles give the same bits as
+"""The register-tiled micro-kernels (``tandem.ops.cpu.tile``): the GEMM tiles give the same bits as
 the blocked kernels they replace for two or more rows (float32 and bfloat16-bit weights, odd shapes,
 column ranges), and the KDA state passes keep the recurrence's results (against the torch
 reference) and the identity of a prime's in-place states with a verify's kept states, for head
@@ -12,7 +12,14 @@ import pytest
 import torch
 from numba import njit
 
-from tandem.model import cpu_amx, cpu_attention, cpu_gemm, cpu_kernels, cpu_pairs, cpu_tile
+from tandem.ops.cpu import (
+    amx as cpu_amx,
+    attention as cpu_attention,
+    gemm as cpu_gemm,
+    kernels as cpu_kernels,
+    pairs as cpu_pairs,
+    tile as cpu_tile,
+)
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
 from tandem.model.trunk import Trunk

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tandem_kernels import dispatch
+from tandem.ops import dispatch
 
 from tandem import schema
 from tandem.engine.dflash_stage import DFlashStage
@@ -15,7 +15,7 @@ from tandem.engine.mtp_stage import MTPStage
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model import cpu_gemm, cpu_kernels
+from tandem.ops.cpu import gemm as cpu_gemm, kernels as cpu_kernels
 from tandem.model.checkpoint import check_fits, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, param_bytes
 from tandem.model.config import TrunkConfig
 from tandem.model.device import parse_dtype, placement, resolve_device

@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from tandem_kernels import dispatch  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
+from tandem.tools.kernel_cases import CASES  # noqa: E402
 
 from tandem.model.dflash import DFlashAttention, DFlashConfig, block_attention as reference  # noqa: E402
 
@@ -34,7 +35,7 @@ def _inputs(H, d, S, lens, seed=0, noncontig=False):
 @pytest.mark.parametrize("d", [12, 24])
 @pytest.mark.parametrize("S", [7, 8])
 def test_ragged_contexts_equal_reference(d, S):
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(3, d, S, [0, 5, 37], seed=d * 10 + S, noncontig=S == 7)
     want = reference(q, k, v, ck, cv)
@@ -47,7 +48,7 @@ def test_ragged_contexts_equal_reference(d, S):
 
 
 def test_context_spans_several_tiles_and_all_empty():
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(5, 20, 3, [130, 1, 64, 0], seed=3)  # tiles of 64: 3, 1, 1 and 0 of them
     torch.testing.assert_close(block_attention(q, k, v, ck, cv), reference(q, k, v, ck, cv), atol=1e-5, rtol=1e-4)
@@ -56,7 +57,7 @@ def test_context_spans_several_tiles_and_all_empty():
 
 
 def test_packed_entry_reads_offsets():
-    from tandem_kernels.block_attention import block_attention_packed
+    from tandem.ops.triton.block_attention import block_attention_packed
 
     q, k, v, ck, cv = _inputs(3, 12, 7, [9, 0, 21], seed=5)
     off = torch.tensor([0, 9, 9, 30], dtype=torch.int32, device=DEV)
@@ -88,7 +89,7 @@ def test_single_sequence_equals_the_unmasked_tensor_branch():
 
 
 def test_bad_inputs_are_refused():
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(3, 12, 7, [4, 5], seed=6)
     with pytest.raises(ValueError, match="lists of one length"):
@@ -100,15 +101,14 @@ def test_bad_inputs_are_refused():
 
 
 def test_bench_cases_run():
-    from tandem_kernels.block_attention import bench_cases
 
     tol = dict(atol=1e-5, rtol=1e-4) if DEV == "cpu" else dict(atol=3e-2, rtol=3e-2)  # cuda cases are bf16
-    for label, ref, tri in bench_cases(DEV):
+    for label, ref, tri in CASES["block_attention"](DEV):
         torch.testing.assert_close(tri(), ref(), **tol, msg=label)
 
 
 def test_bf16_stays_within_bf16_rounding_of_fp32():
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(3, 24, 8, [0, 5, 37], seed=7)
     bf = lambda ts: [t.bfloat16() for t in ts]  # noqa: E731

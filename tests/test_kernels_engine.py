@@ -1,5 +1,5 @@
 """The engine on the Triton kernels: the shipped model's speculative decoding with every kernel forced
-(``tandem_kernels.dispatch.force("triton")``; on the CPU they run in Triton's interpreter) gives the
+(``tandem.ops.dispatch.force("triton")``; on the CPU they run in Triton's interpreter) gives the
 same tokens as the pure-torch path, and each hooked kernel is actually called. Auto mode on the CPU
 takes no kernel (torch / numba)."""
 
@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("triton")
 
 from tandem.engine.inprocess import Engine  # noqa: E402
-from tandem.model import cpu_kernels  # noqa: E402
-from tandem_kernels import dispatch  # noqa: E402
+from tandem.ops.cpu import kernels as cpu_kernels  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
 
 #: (module, launcher the engine calls) for every hooked kernel
 HOOKS = [
@@ -40,7 +40,7 @@ def calls(monkeypatch):
 
     counts: dict[str, int] = {}
     for name, _ in HOOKS:
-        mod = importlib.import_module(f"tandem_kernels.{name}")
+        mod = importlib.import_module(f"tandem.ops.triton.{name}")
         for attr in getattr(mod, "ENGINE_LAUNCHERS", ()):
             fn = getattr(mod, attr)
 

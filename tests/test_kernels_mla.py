@@ -13,7 +13,9 @@ import torch
 pytest.importorskip("triton")
 
 from tandem.model.mla import masked_attention, pool_scores, select_pools  # noqa: E402
-from tandem_kernels import dispatch, dsa_indexer, mla_attention  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
+from tandem.tools.kernel_cases import CASES as KERNEL_CASES  # noqa: E402
+from tandem.ops.triton import dsa_indexer, mla_attention  # noqa: E402
 
 DEV = "cpu" if dispatch.interpreted() else "cuda"
 H, HI, DQK, DV, DI = 3, 5, 24, 20, 12
@@ -169,7 +171,7 @@ def test_mla_layer_rows_under_forced_kernels():
     """An MLA layer's ragged verify rows (two sequences, one cache with no complete pool yet) under
     ``dispatch.force("triton")`` equal the torch reference path."""
     from conftest import make_tiny_trunk
-    from tandem.model import cpu_kernels
+    from tandem.ops.cpu import kernels as cpu_kernels
     from tandem.model.cache import MLACache
 
     trunk = make_tiny_trunk()
@@ -213,7 +215,7 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("mod", [dsa_indexer, mla_attention])
 def test_bench_cases_agree(mod):
     """The bench cases (fp32, and bf16 for the attention) give the reference's result."""
-    for label, ref, fast in mod.bench_cases(DEV):
+    for label, ref, fast in KERNEL_CASES[mod.__name__.rsplit(".", 1)[1]](DEV):
         a, b = ref(), fast()
         assert label and a.shape == b.shape and a.dtype == b.dtype
         if a.dtype == torch.bool:

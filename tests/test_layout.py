@@ -1,4 +1,4 @@
-"""The package layers import only downward: wire <- schema <- schema_text <- model <- engine <- serving <- tools."""
+"""The package layers import only downward: wire <- schema <- schema_text <- ops <- model <- engine <- serving <- tools."""
 
 import ast
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "backend_src" / "tandem"
-ORDER = ["wire", "schema", "schema_text", "model", "engine", "serving", "tools"]
+ORDER = ["wire", "schema", "schema_text", "ops", "model", "engine", "serving", "tools"]
 
 
 def _layer(module: str) -> int:

@@ -4,7 +4,7 @@ own full forward (sparse regime)."""
 import pytest
 import torch
 
-from tandem.model import cpu_gemm, cpu_kernels
+from tandem.ops.cpu import gemm as cpu_gemm, kernels as cpu_kernels
 from tandem.model.checkpoint import load_trunk
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import schema
-from ..model import cpu_gemm
+from ..ops.cpu import gemm as cpu_gemm
 from ..model.dflash import DFlashDrafter
 from ..schema import WireError
 from .drafter_stage import DrafterStage

@@ -22,7 +22,7 @@ from ..model.checkpoint import (
     load_trunk,
     parse_dtype,
 )
-from ..model.cpu_amx import set_amx
+from ..ops.cpu.amx import set_amx
 from ..model.device import gemm_inputs
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk

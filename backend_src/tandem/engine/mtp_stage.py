@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .. import schema
-from ..model import cpu_gemm
+from ..ops.cpu import gemm as cpu_gemm
 from ..model.cache import MLACache
 from ..model.trunk import Trunk
 from ..schema import WireError

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from tandem_kernels import dispatch
+from ..ops import dispatch
 
 from .. import schema
 from ..model.cache import KDAState, MLACache, TrunkCache
@@ -45,7 +45,7 @@ def _outs(
     features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
     greedy) is ``(params, row tokens, position of row 0, last row only)`` for
     :func:`~tandem.engine.sampling.row_targets`, which then gives sequence ``j``'s targets (on CUDA,
-    or with the Triton kernels forced, the fused :func:`tandem_kernels.sampler.targets_and_gaps`).
+    or with the Triton kernels forced, the fused :func:`tandem.ops.triton.sampler.targets_and_gaps`).
 
     ``last_only`` (a prime: only its last row decides a token): the LM head runs on each sequence's
     last row alone (as vLLM and SGLang do for prefill), and the rows before it carry argmax ``-1`` and
@@ -77,7 +77,7 @@ def _outs(
 def _targets(logits: torch.Tensor, lengths: list[int], samplers: list | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets ``[R]`` and top-2 gaps ``[R]`` of ``logits [R, V]`` (the fused Triton sampler on CUDA)."""
     if dispatch.use_triton(logits):
-        from tandem_kernels import sampler
+        from ..ops.triton import sampler
 
         return sampler.targets_and_gaps(logits, lengths, samplers)
     return sampling.targets_and_gaps(logits, lengths, samplers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_block, cpu_gemm, cpu_kernels
+from ..ops.cpu import block as cpu_block, gemm as cpu_gemm, kernels as cpu_kernels
 from .config import TrunkConfig
 from .kda import LinearAttention
 from .layers import MLP, MoE, HyperConnection, RMSNorm, hc_merge
@@ -28,14 +28,14 @@ class DecoderLayer(nn.Module):
 
     def run(self, streams: torch.Tensor, attn_fn) -> torch.Tensor:
         """Apply the block with ``attn_fn(normed_input [B,T,D]) -> [B,T,D]``. In the CPU row-invariant
-        mode (fp32) the FFN half of a MoE block is one :func:`~tandem.model.cpu_block.ffn_block` call."""
+        mode (fp32) the FFN half of a MoE block is one :func:`~tandem.ops.cpu.block.ffn_block` call."""
         post, comb, x = self.attn_hc.normed(streams, self.input_layernorm)
         streams = hc_merge(post, comb, attn_fn(x), streams)
         return self.ffn(streams)
 
     def ffn(self, streams: torch.Tensor) -> torch.Tensor:
         """The block's FFN half (mHC weights and norm, MLP / MoE, mHC merge) on streams ``[B, T, N, D]``;
-        in the CPU row-invariant mode (fp32) one :func:`~tandem.model.cpu_block.ffn_block` call for a MoE."""
+        in the CPU row-invariant mode (fp32) one :func:`~tandem.ops.cpu.block.ffn_block` call for a MoE."""
         if (
             cpu_gemm.invariant()
             and streams.dtype == torch.float32

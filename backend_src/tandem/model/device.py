@@ -57,10 +57,10 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 
 def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
     """A stage model's (device, compute dtype) from its serving config, its ``kernels`` switch applied
-    (:func:`tandem_kernels.dispatch.configure`); a CUDA device becomes the process's current one (Triton kernels launch on the current device). Raises ``ValueError`` as
+    (:func:`tandem.ops.dispatch.configure`); a CUDA device becomes the process's current one (Triton kernels launch on the current device). Raises ``ValueError`` as
     :func:`resolve_device` does, or (:func:`check_kernels`) when the Triton kernels are forced on the CPU
     without Triton's interpreter."""
-    from tandem_kernels import dispatch
+    from ..ops import dispatch
 
     dev = resolve_device(cfg.device)
     check_kernels(cfg.kernels, dev)
@@ -86,10 +86,10 @@ def invariant_prime(cfg: schema.ServingConfig) -> bool:
 
 def gemm_inputs(name: str, amx: bool = schema.DEFAULTS.amx) -> None:
     """The CPU serving GEMM's inputs for the ``dtype`` parameter ``name``: ``auto`` bfloat16 inputs on
-    bfloat16 weights (:mod:`tandem.model.cpu_pairs`, the faster by measurement), ``fp32`` float32
-    inputs throughout (:func:`tandem.model.cpu_gemm.set_inputs`); ``bf16`` computes in torch bf16.
-    ``amx`` (the parameter): bfloat16 pairs on AMX tiles where the CPU has them (:func:`tandem.model.cpu_amx.set_amx`)."""
-    from . import cpu_amx, cpu_gemm
+    bfloat16 weights (:mod:`tandem.ops.cpu.pairs`, the faster by measurement), ``fp32`` float32
+    inputs throughout (:func:`tandem.ops.cpu.gemm.set_inputs`); ``bf16`` computes in torch bf16.
+    ``amx`` (the parameter): bfloat16 pairs on AMX tiles where the CPU has them (:func:`tandem.ops.cpu.amx.set_amx`)."""
+    from ..ops.cpu import amx as cpu_amx, gemm as cpu_gemm
 
     cpu_gemm.set_inputs("fp32" if name == "fp32" else "bf16")
     cpu_amx.set_amx(amx)
@@ -99,7 +99,7 @@ def check_kernels(kernels: str, device: torch.device) -> None:
     """Refuse ``kernels=triton`` on the CPU unless ``TRITON_INTERPRET=1`` is set (Triton compiles for
     GPUs only; its interpreter runs kernels on CPU tensors, correctly but seconds a round). Raises
     ``ValueError`` naming the parameter and the ways out."""
-    from tandem_kernels import dispatch
+    from ..ops import dispatch
 
     if kernels == dispatch.TRITON and device.type == "cpu" and not dispatch.interpreted():
         raise ValueError(

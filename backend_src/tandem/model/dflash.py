@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tandem_kernels import dispatch
+from ..ops import dispatch
 
 from .layers import RMSNorm, clamped_swiglu
 
@@ -119,7 +119,7 @@ def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor]
 ) -> torch.Tensor:
     """Block attention of ``N = len(ctx_k)`` sequences (the reference of
-    :func:`tandem_kernels.block_attention.block_attention`): ``q``, ``k``, ``v [1, H, N * S, d]`` hold
+    :func:`tandem.ops.triton.block_attention.block_attention`): ``q``, ``k``, ``v [1, H, N * S, d]`` hold
     the sequences' blocks of ``S`` rows in turn; the queries of block ``j`` attend, without a mask,
     to ``[ctx_k[j], block j's keys]`` (``ctx_k[j]``, ``ctx_v[j] [1, H, C_j, d]``, ``C_j >= 0``)
     with scale ``d ** -0.5``. Returns ``o [1, H, N * S, d]``."""
@@ -171,7 +171,7 @@ class DFlashAttention(nn.Module):
         k, v = self.kv(x, pos)
         if isinstance(ctx_k, list):
             if dispatch.use_triton(x):
-                from tandem_kernels import block_attention as kernel
+                from ..ops.triton import block_attention as kernel
 
                 o = kernel.block_attention(q, k, v, ctx_k, ctx_v)
             else:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tandem_kernels import dispatch
+from ..ops import dispatch
 
-from . import cpu_kda, cpu_kernels
+from ..ops.cpu import kda as cpu_kda, kernels as cpu_kernels
 from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
 
@@ -266,8 +266,8 @@ class LinearAttention(nn.Module):
         """Verify / decode path (row by row). ``x [B, T, D]`` -> ``y [B, T, D]``, pre-conv inputs with
         the old tail ``[B, 3qkv, K-1+T]`` (the tail after row r is ``[..., r+1 : r+K]``) and every
         row's recurrent state ``[B, T, H, dk, dv]``. Without autograd (serving) one sequence runs in
-        :func:`~tandem.model.cpu_kda.kda_rows_fused`; this torch path is its reference. On CUDA (or
-        with the kernels forced) the rows run in :func:`tandem_kernels.kda_verify.kda_rows`."""
+        :func:`~tandem.ops.cpu.kda.kda_rows_fused`; this torch path is its reference. On CUDA (or
+        with the kernels forced) the rows run in :func:`tandem.ops.triton.kda_verify.kda_rows`."""
         tail, S = state
         if cpu_kernels.active(x) and x.shape[0] == 1:
             y, (rows,) = self.forward_rows_many(x, [state], [x.shape[1]])
@@ -275,7 +275,7 @@ class LinearAttention(nn.Module):
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
         if dispatch.use_triton(x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
-            from tandem_kernels import kda_verify
+            from ..ops.triton import kda_verify
 
             o, states = kda_verify.kda_rows(q, k, v, g, beta, S)
         else:
@@ -288,7 +288,7 @@ class LinearAttention(nn.Module):
         """:meth:`forward_rows` for several sequences (serving): ``x [1, sum R, D]`` holds each
         sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)`` or
         :class:`~tandem.model.cache.KDAState` (read in place). The projections run over
-        all rows, the recurrences in one :func:`~tandem.model.cpu_kda.kda_rows_fused` call. Returns
+        all rows, the recurrences in one :func:`~tandem.ops.cpu.kda.kda_rows_fused` call. Returns
         ``y [1, sum R, D]`` and per sequence its :class:`~tandem.model.cache.KDARows` (pre-conv inputs
         with its tail, every row's state); without ``keep_states`` (a prime) its ``(tail, S)`` after
         its last row, as :meth:`forward` returns."""

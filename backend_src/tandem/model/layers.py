@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_block, cpu_gemm, cpu_kernels, cpu_moe
+from ..ops.cpu import block as cpu_block, gemm as cpu_gemm, kernels as cpu_kernels, moe as cpu_moe
 from .config import TrunkConfig
 
 
@@ -202,12 +202,12 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
 
     #: up to this many rows (decode and verify blocks of a batch of sessions) the serving path runs
-    #: :func:`~tandem.model.cpu_moe.moe_rows`: the same code for any row count (any number of rows
-    #: under the row-invariant kernels, :func:`tandem.model.cpu_gemm.rows_mode`)
+    #: :func:`~tandem.ops.cpu.moe.moe_rows`: the same code for any row count (any number of rows
+    #: under the row-invariant kernels, :func:`tandem.ops.cpu.gemm.rows_mode`)
     kernel_rows = 256
 
     def serving_layout(self) -> None:
-        """Fuse the routed and shared experts' weights for :func:`~tandem.model.cpu_moe.moe_rows`:
+        """Fuse the routed and shared experts' weights for :func:`~tandem.ops.cpu.moe.moe_rows`:
         ``_w_up [(E+1) * 2I, D]`` (input-major) and ``_w_down [E+1, I, D]``, the parameters becoming
         views of them. Only with one shared expert of the routed experts' width."""
         ex, sh = self.experts, self.shared_experts
@@ -291,7 +291,7 @@ class HyperConnection(nn.Module):
 
     def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the block's ``norm`` applied to the collapsed input; in serving (no
-        autograd) one :func:`~tandem.model.cpu_kernels.hc_weights` call."""
+        autograd) one :func:`~tandem.ops.cpu.kernels.hc_weights` call."""
         if cpu_kernels.active(streams):
             return cpu_kernels.hc_weights(
                 streams,
@@ -311,7 +311,7 @@ class HyperConnection(nn.Module):
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp normalisation toward a doubly-stochastic matrix (mHC): one column step, then
     ``iters - 1`` row+column steps, each ``x / (sum + eps)``. ``comb [..., N, N]`` fp32. (Serving runs
-    it inside :func:`~tandem.model.cpu_kernels.hc_weights`.)"""
+    it inside :func:`~tandem.ops.cpu.kernels.hc_weights`.)"""
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)

@@ -13,8 +13,8 @@ With ``index_topk >= p + 1`` this is plain causal attention (the dense regime in
 transformers' ``Glm5NextTextModel`` is the oracle).
 
 :func:`pool_scores`, :func:`select_pools` and :func:`masked_attention` are the torch references of
-the Triton kernels ``tandem_kernels.dsa_indexer`` and ``tandem_kernels.mla_attention``, which the
-model takes instead when :func:`tandem_kernels.dispatch.use_triton` says so (CUDA, or forced) and
+the Triton kernels ``tandem.ops.triton.dsa_indexer`` and ``tandem.ops.triton.mla_attention``, which the
+model takes instead when :func:`tandem.ops.dispatch.use_triton` says so (CUDA, or forced) and
 autograd is off.
 """
 
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tandem_kernels import dispatch
+from ..ops import dispatch
 
-from . import cpu_attention, cpu_gemm, cpu_kernels
+from ..ops.cpu import attention as cpu_attention, gemm as cpu_gemm, kernels as cpu_kernels
 from .config import TrunkConfig
 from .layers import RMSNorm, fused_linear
 
@@ -101,7 +101,7 @@ class Indexer(nn.Module):
 
     def key_norm(self, k: torch.Tensor) -> torch.Tensor:
         """``k_norm`` (LayerNorm) of keys ``[..., di]``; fp32 with the serving kernels on, one kernel call
-        (:func:`~tandem.model.cpu_kernels.layer_norm`)."""
+        (:func:`~tandem.ops.cpu.kernels.layer_norm`)."""
         n = self.k_norm
         if cpu_kernels.active(k) and k.dtype == torch.float32 == n.weight.dtype:
             return cpu_kernels.layer_norm(k, n.weight, n.bias, n.eps)
@@ -109,7 +109,7 @@ class Indexer(nn.Module):
 
     def pool_keys(self, keys: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Compress complete pools. ``keys, gates [B, P*kp, di]`` -> ``[B, P, di]`` (serving, one fp32
-        sequence: :func:`~tandem.model.cpu_attention.pool_keys`, the arithmetic of the pools the
+        sequence: :func:`~tandem.ops.cpu.attention.pool_keys`, the arithmetic of the pools the
         decode kernel completes)."""
         b, n, d = keys.shape
         if cpu_kernels.active(keys) and b == 1 and keys.dtype == gates.dtype == torch.float32:
@@ -124,7 +124,7 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """Visibility mask ``[B, T, kv_len]`` of rows ``x [B, T, D]`` (``rows`` from
         :meth:`MLAttention.project`) over pool keys ``pk [B, P, di]``: :meth:`select` of
-        :meth:`scores`, or for one sequence in serving :func:`~tandem.model.cpu_kernels.dsa_mask`."""
+        :meth:`scores`, or for one sequence in serving :func:`~tandem.ops.cpu.kernels.dsa_mask`."""
         if cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows:
             b, t = x.shape[:2]
             dots = torch.matmul(pk[0], rows["iq"].reshape(t * self.h, self.d).t()).t().reshape(b, t, self.h, -1)
@@ -132,7 +132,7 @@ class Indexer(nn.Module):
                 dots, rows["iw"], q_pos, kv_len, self.kp, self.k_pools, self.d**-0.5, self.h**-0.5
             )
         if _kernels(x):
-            from tandem_kernels import dsa_indexer
+            from ..ops.triton import dsa_indexer
 
             return dsa_indexer.mask(*self.queries(x, rows), pk, q_pos, kv_len, self.kp, self.k_pools)
         return self.select(self.scores(x, rows["q_resid"], pk), q_pos, kv_len)
@@ -229,12 +229,12 @@ class MLAttention(nn.Module):
 
     def _heads_out(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`attend` before ``o_proj``: the heads' outputs ``[B, T, H*dv]`` and the mask (the reference
-        of :func:`~tandem.model.cpu_attention.mla_rows_into` and of
-        :func:`~tandem.model.cpu_attention.mla_many`, which serving's :meth:`rows_many` calls)."""
+        of :func:`~tandem.ops.cpu.attention.mla_rows_into` and of
+        :func:`~tandem.ops.cpu.attention.mla_many`, which serving's :meth:`rows_many` calls)."""
         b, t, _ = x.shape
         mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
         if _kernels(x):
-            from tandem_kernels import mla_attention
+            from ..ops.triton import mla_attention
 
             o = mla_attention.attention(rows["q"], k_all, v_all, mask, self.scaling)
         elif cpu_kernels.active(x) and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
@@ -283,7 +283,7 @@ class MLAttention(nn.Module):
     def _row_kernels(x: torch.Tensor, longest: int) -> bool:
         """Whether rows ``x [1, T, D]`` (``longest`` rows a sequence) take the CPU row kernels of
         :meth:`_kernel_rows`: fp32 with the serving kernels on, up to 16 rows a sequence (verify blocks),
-        any number under the row-invariant mode (:func:`~tandem.model.cpu_gemm.rows_mode`), so a prime's
+        any number under the row-invariant mode (:func:`~tandem.ops.cpu.gemm.rows_mode`), so a prime's
         rows do not depend on its chunks."""
         return (
             cpu_kernels.active(x)
@@ -295,7 +295,7 @@ class MLAttention(nn.Module):
     def _kernel_rows(self, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
         """Serving path of :meth:`rows_many` before ``o_proj``: every sequence's rows appended to its
         cache and the heads' outputs ``[1, sum R, H * dv]`` of all of them, in two kernel calls
-        (:func:`~tandem.model.cpu_attention.mla_many`)."""
+        (:func:`~tandem.ops.cpu.attention.mla_many`)."""
         ix = self.indexer
         return torch.from_numpy(
             cpu_attention.mla_many(
@@ -317,7 +317,7 @@ class MLAttention(nn.Module):
         """CUDA path of :meth:`rows_many` before ``o_proj``: each sequence's rows appended to its cache,
         then one DSA indexer and one attention launch over all sequences' rows (ragged; each reads its
         own cache in place). Returns the heads' outputs ``[1, sum R, H * dv]``."""
-        from tandem_kernels import dsa_indexer, mla_attention
+        from ..ops.triton import dsa_indexer, mla_attention
 
         ix, pos, off = self.indexer, [], 0
         for cache, n in zip(caches, lengths):

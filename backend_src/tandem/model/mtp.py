@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_block
+from ..ops.cpu import block as cpu_block
 from .cache import MLACache
 from .config import TrunkConfig
 from .layers import RMSNorm

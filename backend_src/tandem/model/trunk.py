@@ -19,7 +19,13 @@ import itertools
 import torch
 import torch.nn as nn
 
-from . import cpu_block, cpu_decode, cpu_gemm, cpu_kernels, cpu_mla_block
+from ..ops.cpu import (
+    block as cpu_block,
+    decode as cpu_decode,
+    gemm as cpu_gemm,
+    kernels as cpu_kernels,
+    mla_block as cpu_mla_block,
+)
 from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -62,7 +68,7 @@ class Trunk(nn.Module):
 
     #: a row's logits bit-identical alone (plain decoding, M=1), inside a verify block (M=k+1) or in a
     #: batch of sessions: on the CPU the verify passes and the LM head take the row-invariant GEMM of
-    #: :mod:`~tandem.model.cpu_gemm` (a BLAS sums a row differently by the number of rows); elsewhere
+    #: :mod:`~tandem.ops.cpu.gemm` (a BLAS sums a row differently by the number of rows); elsewhere
     #: a one-row verify is padded to two rows. The serving parameter ``batch_invariant`` sets it
     batch_invariant: bool = False
     #: threads of :meth:`decode_many` (groups of sequences decoded side by side; the serving parameter
@@ -102,7 +108,7 @@ class Trunk(nn.Module):
     @staticmethod
     def _mean(streams: torch.Tensor) -> torch.Tensor:
         """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
-        decode steps take (:func:`~tandem.model.cpu_decode.stream_mean`), so their rows match."""
+        decode steps take (:func:`~tandem.ops.cpu.decode.stream_mean`), so their rows match."""
         if (
             cpu_gemm.invariant()
             and streams.shape[0] == 1
@@ -165,9 +171,9 @@ class Trunk(nn.Module):
     def _kda_blocks(self, on: bool, caches: list[TrunkCache], lengths: list[int], attn_fn, keep_states: bool, keep):
         """``block_fn`` of :meth:`_layers` for a pass over ``caches``' rows (``lengths``): when ``on``
         (:meth:`_invariant_rows`), each KDA block that fits runs in one
-        :func:`~tandem.model.cpu_block.kda_block` call, bit-identical to the block run kernel by kernel,
+        :func:`~tandem.ops.cpu.block.kda_block` call, bit-identical to the block run kernel by kernel,
         and ``keep(i, per_sequence)`` takes layer ``i``'s KDA rows (``keep_states``) or final states;
-        each MLA block that fits in one :func:`~tandem.model.cpu_mla_block.mla_block` call (the rows
+        each MLA block that fits in one :func:`~tandem.ops.cpu.mla_block.mla_block` call (the rows
         appended to the caches, as the unfused path appends them)."""
 
         def block_fn(i, layer):
@@ -357,7 +363,7 @@ class Trunk(nn.Module):
         rows of every step but the last are committed (the last stays pending, as after a verify); the
         sequences stop after the first step in which one's target is in its ``stop_ids[j]``. Under
         :attr:`batch_invariant` on the CPU the steps run compiled
-        (:func:`~tandem.model.cpu_decode.decode_steps`, in ``threads`` groups of sequences, default
+        (:func:`~tandem.ops.cpu.decode.decode_steps`, in ``threads`` groups of sequences, default
         :attr:`decode_threads`, each group stopping on its own), bit-identical to the verify passes;
         else (or when a layer does not run fused) the verify passes themselves.
 

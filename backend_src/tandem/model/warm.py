@@ -1,4 +1,4 @@
-"""Compile the numba serving kernels (:mod:`tandem.model.cpu_kernels`) ahead of the first request:
+"""Compile the numba serving kernels (:mod:`tandem.ops.cpu.kernels`) ahead of the first request:
 ``python -m tandem.model.warm`` (``make setup`` runs it), and the ``trunk`` and ``drafter_mtp``
 models at load (disk-cache hits then, ~5-7 s here)."""
 
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from . import cpu_amx, cpu_kernels
+from ..ops.cpu import amx as cpu_amx, kernels as cpu_kernels
 from .checkpoint import cast_trunk, init_weights, is_fp32_param
 from .config import TrunkConfig
 from .layers import input_major_linears
@@ -21,7 +21,7 @@ def compile_kernels() -> float:
     machine pays: ~100 s on 2 cores) by running tiny random trunks through primes and two-sequence
     verifies (and, row-invariant, decode steps in one call): the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
     with bf16-exact weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each
-    a set of argument types of the fused blocks), on a CPU with AMX for both GEMM tiles (:mod:`~tandem.model.cpu_amx`:
+    a set of argument types of the fused blocks), on a CPU with AMX for both GEMM tiles (:mod:`~tandem.ops.cpu.amx`:
     the ``amx`` parameter picks one). Returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = TrunkConfig(

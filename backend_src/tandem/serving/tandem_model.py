@@ -22,9 +22,9 @@ from .. import schema
 from ..engine.stages import drafter_stages
 from ..engine.state_size import StateSize
 from ..engine.trunk_stage import TrunkStage
-from ..model import cpu_decode
+from ..ops.cpu import decode as cpu_decode
 from ..model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
-from ..model.cpu_amx import gemm_tiles
+from ..ops.cpu.amx import gemm_tiles
 from ..model.device import placement
 from ..model.tokenizer import ChatTokenizer
 from ..model.warm import compile_kernels

@@ -179,8 +179,8 @@ def main(
 
     from ..engine.inprocess import Engine
     from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
-    from ..model.cpu_amx import HW_AMX, gemm_tiles, set_amx
-    from ..model.cpu_tile import HW_BF16
+    from ..ops.cpu.amx import HW_AMX, gemm_tiles, set_amx
+    from ..ops.cpu.tile import HW_BF16
     from .bench_limits import limits, print_limits
     from .bench_load import print_long_prompt, print_scaling, run_long_prompt, run_scaling
     from .bench_prefix import run_prefix_section

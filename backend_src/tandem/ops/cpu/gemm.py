@@ -14,7 +14,7 @@ It is also faster than MKL for these few-row shapes. Rows go in fours with the i
 steps of 4 (one accumulator load and store per 4 fmas, every operand in a register), the last three as
 four with a zero row, or the last two or one in one block with steps of 8 (a weight slice is read once
 per block). For two or more rows, whole 64-column strips take the register tiles of
-:mod:`~tandem.model.cpu_tile` instead (accumulators in registers over the whole input dimension; the
+:mod:`~tandem.ops.cpu.tile` instead (accumulators in registers over the whole input dimension; the
 same fma chain, so the same bits).
 
 Serving's weights are strip-packed (:func:`kernel_weight`, :func:`pack_strips`): each 64-column strip
@@ -23,10 +23,10 @@ unpacked, the reads come in pieces the hardware prefetchers do not follow, and a
 stay in the cache streams at a fraction of the memory bandwidth.
 
 bfloat16 weights with an even input dimension (the shipped checkpoint's) are packed as bfloat16 pairs
-by default (:func:`~tandem.model.cpu_pairs.pack_pairs`): the GEMM rounds its input rows to bfloat16 and
+by default (:func:`~tandem.ops.cpu.pairs.pack_pairs`): the GEMM rounds its input rows to bfloat16 and
 runs AVX512-BF16 dot products with float32 accumulation, about twice the float32 tiles' rate (a bf16
 GEMM's numerics, one fixed chain per element, so as row-invariant as the float32 path), or on a CPU with
-AMX its tiles (:mod:`~tandem.model.cpu_amx`, :func:`~tandem.model.cpu_amx.set_amx`: the strips
+AMX its tiles (:mod:`~tandem.ops.cpu.amx`, :func:`~tandem.ops.cpu.amx.set_amx`: the strips
 viewed as int32). :func:`fp32_inputs` keeps the float32 inputs.
 """
 
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from numba import njit, types
 from numba.extending import overload
 
-from .cpu_amx import ON as _AMX, amx_gemm
-from .cpu_pairs import _pair_tail, _pair_tiles, bf16_pairs, pack_pairs
-from .cpu_tile import TILE, _f32, tile1, tile2, tile3, tile4
+from .amx import ON as _AMX, amx_gemm
+from .pairs import _pair_tail, _pair_tiles, bf16_pairs, pack_pairs
+from .tile import TILE, _f32, tile1, tile2, tile3, tile4
 
 #: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
 _BLOCK = 512
@@ -188,7 +188,7 @@ def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True)
 def _mm(x, wt, c0, c1, out):  # pragma: no cover - numba
-    # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1]: for M >= 2 the register tiles of cpu_tile over
+    # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1]: for M >= 2 the register tiles of tile.py over
     # whole 64-column strips (a strip's weights read once for all rows), the rest as _mm_blocked;
     # one row as _mm_blocked (it streams the weights in longer runs: ~1.5x faster for the LM head)
     M = x.shape[0]
@@ -372,7 +372,7 @@ def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> 
 def set_inputs(mode: str) -> None:
     """This process's GEMM inputs for bfloat16 weights: ``"bf16"`` (the default; the stage models'
     ``dtype=auto`` on the CPU) or ``"fp32"`` (``dtype=fp32``). Forgets the serving layout's plans
-    (:func:`tandem.model.cpu_block.relayout`) when it changes. Raises ``ValueError`` for another mode."""
+    (:func:`tandem.ops.cpu.block.relayout`) when it changes. Raises ``ValueError`` for another mode."""
     if mode not in ("bf16", "fp32"):
         raise ValueError(f"GEMM inputs must be 'bf16' or 'fp32', got {mode!r}")
     if _INPUTS[0] != mode:
@@ -381,9 +381,9 @@ def set_inputs(mode: str) -> None:
 
 
 def _relayout() -> None:
-    from . import cpu_block  # here: cpu_block imports this module
+    from . import block  # here: block imports this module
 
-    cpu_block.relayout()
+    block.relayout()
 
 
 @contextlib.contextmanager
@@ -422,10 +422,10 @@ def invariant() -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x [..., D], w [O, D], b)``; inside :func:`rows_mode`, for CPU float32 without
-    autograd and the serving kernels on (:func:`tandem.model.cpu_kernels.active`), the row-invariant kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
-    from . import cpu_kernels  # here: cpu_kernels' users import this module
+    autograd and the serving kernels on (:func:`tandem.ops.cpu.kernels.active`), the row-invariant kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
+    from . import kernels  # here: kernels' users import this module
 
-    if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and cpu_kernels.active(x):
+    if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and kernels.active(x):
         y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w))).view(
             *x.shape[:-1], w.shape[0]
         )

@@ -1,7 +1,7 @@
 """A decoder block in one numba call on the CPU serving path (row-invariant mode, fp32).
 
-Between the kernels of :mod:`~tandem.model.cpu_kernels`, :mod:`~tandem.model.cpu_kda`,
-:mod:`~tandem.model.cpu_moe` and :mod:`~tandem.model.cpu_gemm` a block of the tiny trunk spent more
+Between the kernels of :mod:`~tandem.ops.cpu.kernels`, :mod:`~tandem.ops.cpu.kda`,
+:mod:`~tandem.ops.cpu.moe` and :mod:`~tandem.ops.cpu.gemm` a block of the tiny trunk spent more
 time in Python (torch views, numpy conversions, weight lookups, one dispatch per kernel) than in the
 kernels: a KDA + MoE block of one decode row cost ~330 us through :meth:`DecoderLayer.run
 <tandem.model.block.DecoderLayer.run>` and ~95 us in its kernels. Here the same kernels run in the
@@ -13,11 +13,11 @@ A row's output, its KDA rows and states are bit-identical to the unfused path's
 
 Blocks with MLA/DSA attention run the attention as before and their FFN half here
 (:func:`ffn_block`); a KDA block with a dense MLP in one call too (:func:`_dense_ffn`, the clamped SwiGLU
-of :func:`~tandem.model.cpu_kernels.swiglu`, as the MLP runs it op by op); MLA blocks in
-:mod:`~tandem.model.cpu_mla_block`; the MTP layer is unchanged.
+of :func:`~tandem.ops.cpu.kernels.swiglu`, as the MLP runs it op by op); MLA blocks in
+:mod:`~tandem.ops.cpu.mla_block`; the MTP layer is unchanged.
 
 numba's on-disk cache keys these functions on this file alone, but their compiled code holds the
-kernels they call: after editing a kernel in another ``cpu_*.py`` file, clear this folder's
+kernels they call: after editing a kernel in another file of this folder, clear this folder's
 ``__pycache__`` (a fresh clone has none; ``make setup`` compiles them, :mod:`tandem.model.warm`).
 """
 
@@ -30,16 +30,16 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cpu_gemm import _mmp, cols, kernel_weight
-from .cpu_kda import _kda_many, conv_taps, kda_buffers, kda_results
-from .cpu_kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_param_t, np_rows
-from .cpu_moe import _moe_route, _moe_sparse
+from .gemm import _mmp, cols, kernel_weight
+from .kda import _kda_many, conv_taps, kda_buffers, kda_results
+from .kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_param_t, np_rows
+from .moe import _moe_route, _moe_sparse
 
 #: whether the fused blocks apply: the last entry (tests and A/B benches turn them off with :func:`off`)
 _ON = [True]
 
 #: calls so far of the whole block, a KDA attention half and a MoE FFN half; an MLA block and an MLA
-#: attention half (:mod:`~tandem.model.cpu_mla_block`) (tests, benches)
+#: attention half (:mod:`~tandem.ops.cpu.mla_block`) (tests, benches)
 CALLS = {"block": 0, "attn": 0, "ffn": 0, "mla_block": 0, "mla_attn": 0}
 
 
@@ -377,7 +377,7 @@ def kda_block(
 ) -> tuple[torch.Tensor, list]:
     """``layer`` (KDA attention; :func:`kda_fits` must hold) on several sequences' rows: streams ``[1,
     sum T, n, D]`` fp32, sequence ``j``'s ``lengths[j]`` rows in turn, starting from ``starts[j]`` (as
-    :func:`~tandem.model.cpu_kda.kda_rows_fused` takes them, read only), in the row-invariant mode:
+    :func:`~tandem.ops.cpu.kda.kda_rows_fused` takes them, read only), in the row-invariant mode:
     the whole block in one call when its FFN half fits too (:func:`ffn_fits`), else the attention
     half here and the FFN half as :meth:`~tandem.model.block.DecoderLayer.run` runs it. Returns the
     streams out ``[1, sum T, n, D]`` and per sequence what

@@ -3,7 +3,7 @@
 ``TANDEM_KERNELS`` (the serving parameter ``kernels``, :attr:`tandem.schema.ServingConfig.kernels`):
 
 * ``auto`` (default): Triton kernels for CUDA tensors, the torch path (and on the CPU the numba
-  serving kernels of :mod:`tandem.model.cpu_kernels`) otherwise;
+  serving kernels of :mod:`tandem.ops.cpu.kernels`) otherwise;
 * ``triton``: the Triton kernels everywhere: on CPU tensors they run in Triton's interpreter, which
   needs ``TRITON_INTERPRET=1`` set before the kernels are first imported (correctness only: ~ms per
   program); the numba kernels are off so the model takes the call sites that dispatch here;

@@ -3,7 +3,7 @@
 On this CPU a torch op costs 3-5 us of dispatch whatever its size, and a decode row of the tiny trunk is
 a few hundred such ops: the per-row glue between the matrix products (mHC weights with their Sinkhorn
 loop and the block norm, the mHC merge, the KDA conv / gates / recurrence / output norm (in
-:mod:`~tandem.model.cpu_kda`), MoE routing / SwiGLU / combine (in :mod:`~tandem.model.cpu_moe`), DSA pool
+:mod:`~tandem.ops.cpu.kda`), MoE routing / SwiGLU / combine (in :mod:`~tandem.ops.cpu.moe`), DSA pool
 selection) is fused into one call each. Every kernel has a pure-torch reference it is tested against
 (``tests/test_cpu_kernels.py``): :meth:`~tandem.model.layers.HyperConnection.forward` + RMSNorm,
 :func:`~tandem.model.layers.hc_merge`, :meth:`~tandem.model.kda.LinearAttention.forward_rows`,
@@ -24,9 +24,9 @@ import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
-from tandem_kernels import dispatch
+from .. import dispatch
 
-from .cpu_tile import hc_mix8
+from .tile import hc_mix8
 
 
 _F = np.float32
@@ -37,7 +37,7 @@ ENABLED = True
 
 def active(t: torch.Tensor | None = None) -> bool:
     """True when the serving hot path should call these kernels: enabled, autograd off, the Triton
-    kernels not forced (:func:`tandem_kernels.dispatch.numba_allowed`) and, when given, ``t`` on the CPU."""
+    kernels not forced (:func:`tandem.ops.dispatch.numba_allowed`) and, when given, ``t`` on the CPU."""
     return ENABLED and not torch.is_grad_enabled() and dispatch.numba_allowed() and (t is None or t.is_cpu)
 
 
