@@ -4,12 +4,15 @@ dims and block sizes, the packed-offset entry, and the engine hook under the for
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from tandem.ops import dispatch  # noqa: E402
+from tandem.ops.settings import REFERENCE, KernelSettings  # noqa: E402
 from tandem.tools.kernel_cases import CASES  # noqa: E402
 
 from tandem.model.dflash import DFlashAttention, DFlashConfig, block_attention as reference  # noqa: E402
@@ -79,11 +82,11 @@ def test_single_sequence_equals_the_unmasked_tensor_branch():
     x, ctx = torch.randn(1, 7, 40, device=DEV), torch.randn(1, 19, 40, device=DEV)
     pos = torch.arange(19, 26, device=DEV)
     ck, cv = attn.kv(ctx, torch.arange(19, device=DEV))
-    with dispatch.force("torch"):
-        want = attn(x, pos, ck, cv, mask=None)
-        ref_list = attn(x, pos, [ck], [cv])
-    with dispatch.force("triton"):
-        got = attn(x, pos, [ck], [cv])  # the hook: the list branch takes the kernel
+    ref = dispatch.install(copy.deepcopy(attn), REFERENCE)
+    want = ref(x, pos, ck, cv, mask=None)
+    ref_list = ref(x, pos, [ck], [cv])
+    # the hook: the list branch takes the kernel
+    got = dispatch.install(copy.deepcopy(attn), KernelSettings(backend="triton"))(x, pos, [ck], [cv])
     torch.testing.assert_close(ref_list, want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 

@@ -169,10 +169,12 @@ def test_kernels_pipeline_dense_is_causal_attention():
 
 def test_mla_layer_rows_under_forced_kernels():
     """An MLA layer's ragged verify rows (two sequences, one cache with no complete pool yet) under
-    ``dispatch.force("triton")`` equal the torch reference path."""
+    the ``triton`` backend equal the torch reference path."""
+    import copy
+
     from conftest import make_tiny_trunk
-    from tandem.ops.cpu import kernels as cpu_kernels
     from tandem.model.cache import MLACache
+    from tandem.ops.settings import REFERENCE, KernelSettings
 
     trunk = make_tiny_trunk()
     attn = next(layer.self_attn for layer in trunk.layers if layer.layer_type != "linear_attention")
@@ -182,12 +184,12 @@ def test_mla_layer_rows_under_forced_kernels():
     x = torch.randn(1, 7, trunk.cfg.hidden_size, generator=g)
     outs = []
     with torch.no_grad():
-        for mode in ("torch", "triton"):
+        for settings in (REFERENCE, KernelSettings(backend="triton", numba=False)):
+            layer = dispatch.install(copy.deepcopy(attn), settings)
             caches = [MLACache(kp) for _ in prompts]
-            with dispatch.force(mode), cpu_kernels.reference():
-                for c, pr in zip(caches, prompts):
-                    attn.prime(pr, c)
-                outs.append(attn.rows_many(x, caches, [3, 4]))
+            for c, pr in zip(caches, prompts):
+                layer.prime(pr, c)
+            outs.append(layer.rows_many(x, caches, [3, 4]))
             assert [len(c) for c in caches] == [5, 6 * kp + 5]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..ops.cpu import block as cpu_block, gemm as cpu_gemm, kernels as cpu_kernels
+from ..ops import dispatch
+from ..ops.cpu import block as cpu_block, gemm as cpu_gemm
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .kda import LinearAttention
 from .layers import MLP, MoE, HyperConnection, RMSNorm, hc_merge
@@ -15,6 +17,9 @@ from .mla import MLAttention
 class DecoderLayer(nn.Module):
     """One glm5_next block: mHC-collapsed input -> norm -> KDA or MLA -> mHC merge -> norm -> MLP/MoE
     -> mHC merge. Streams ``[B, T, N, D]`` in and out."""
+
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
 
     def __init__(self, cfg: TrunkConfig, layer_type: str, mlp_type: str) -> None:
         super().__init__()
@@ -30,7 +35,7 @@ class DecoderLayer(nn.Module):
         """Apply the block with ``attn_fn(normed_input [B,T,D]) -> [B,T,D]``. In the CPU row-invariant
         mode (fp32) the FFN half of a MoE block is one :func:`~tandem.ops.cpu.block.ffn_block` call."""
         post, comb, x = self.attn_hc.normed(streams, self.input_layernorm)
-        streams = hc_merge(post, comb, attn_fn(x), streams)
+        streams = hc_merge(post, comb, attn_fn(x), streams, self.kernels)
         return self.ffn(streams)
 
     def ffn(self, streams: torch.Tensor) -> torch.Tensor:
@@ -40,9 +45,9 @@ class DecoderLayer(nn.Module):
             cpu_gemm.invariant()
             and streams.dtype == torch.float32
             and streams.shape[0] == 1
-            and cpu_kernels.active(streams)
+            and dispatch.numba(self.kernels, streams)
             and cpu_block.ffn_fits(self)
         ):
             return cpu_block.ffn_block(self, streams)
         post, comb, x = self.ffn_hc.normed(streams, self.post_attention_layernorm)
-        return hc_merge(post, comb, self.mlp(x), streams)
+        return hc_merge(post, comb, self.mlp(x), streams, self.kernels)

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..ops import dispatch
+from ..ops.settings import DEFAULT, KernelSettings
 
 from .layers import RMSNorm, clamped_swiglu
 
@@ -140,6 +141,9 @@ def block_attention(
 class DFlashAttention(nn.Module):
     """Block queries over ``[context K/V, block K/V]``; per-head RMSNorm on q and k, RoPE."""
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.h, self.d = cfg.num_attention_heads, cfg.head_dim
@@ -170,7 +174,7 @@ class DFlashAttention(nn.Module):
         q = rope(self.q_norm(self.q_proj(x).view(b, s, self.h, self.d)).transpose(1, 2), pos, self.theta)
         k, v = self.kv(x, pos)
         if isinstance(ctx_k, list):
-            if dispatch.use_triton(x):
+            if dispatch.use_triton(self.kernels, x):
                 from ..ops.triton import block_attention as kernel
 
                 o = kernel.block_attention(q, k, v, ctx_k, ctx_v)

@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from ..ops import dispatch
 
-from ..ops.cpu import kda as cpu_kda, kernels as cpu_kernels
+from ..ops.cpu import kda as cpu_kda
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
 
@@ -185,6 +186,9 @@ class LinearAttention(nn.Module):
     """A KDA ``linear_attention`` layer. State per sequence: conv tail ``[B, 3*H*dk, K-1]`` (the
     last K-1 pre-conv inputs) and recurrent state ``[B, H, dk, dv]`` (fp32)."""
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     #: linears reading the layer input, fused in the serving layout (q | k | v first: the conv input)
     FUSED = {"_fused_x": ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "b_proj", "g_a_proj")}
 
@@ -269,12 +273,12 @@ class LinearAttention(nn.Module):
         :func:`~tandem.ops.cpu.kda.kda_rows_fused`; this torch path is its reference. On CUDA (or
         with the kernels forced) the rows run in :func:`tandem.ops.triton.kda_verify.kda_rows`."""
         tail, S = state
-        if cpu_kernels.active(x) and x.shape[0] == 1:
+        if dispatch.numba(self.kernels, x) and x.shape[0] == 1:
             y, (rows,) = self.forward_rows_many(x, [state], [x.shape[1]])
             return y, rows.full, rows.states
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
-        if dispatch.use_triton(x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
+        if dispatch.use_triton(self.kernels, x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
             from ..ops.triton import kda_verify
 
             o, states = kda_verify.kda_rows(q, k, v, g, beta, S)

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops import dispatch
 from ..ops.cpu import block as cpu_block, gemm as cpu_gemm, kernels as cpu_kernels, moe as cpu_moe
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 
 
@@ -58,7 +60,7 @@ def fused_linear(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor 
     fused = getattr(module, attr, None)
     if fused is None or torch.is_grad_enabled() or fused[0].dtype != x.dtype:
         return None
-    return cpu_gemm.linear(x, fused[0])
+    return cpu_gemm.linear(x, fused[0], None, module.kernels)
 
 
 class RMSNorm(nn.Module):
@@ -67,13 +69,16 @@ class RMSNorm(nn.Module):
     Input ``[..., D]``; output same shape and dtype.
     """
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.active(x) and x.dtype == torch.float32 == self.weight.dtype:  # one kernel call
+        if dispatch.numba(self.kernels, x) and x.dtype == torch.float32 == self.weight.dtype:  # one kernel call
             return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
         dt = x.dtype
         xf = x.float()
@@ -105,6 +110,9 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 class MLP(nn.Module):
     """Dense SwiGLU MLP. ``[..., D] -> [..., D]``."""
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, cfg: TrunkConfig, intermediate: int | None = None) -> None:
         super().__init__()
         inter = intermediate or cfg.intermediate_size
@@ -115,7 +123,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_proj(x), self.up_proj(x)
-        if cpu_kernels.active(x) and g.dtype == torch.float32:  # the experts' arithmetic (cpu_block's dense FFN)
+        if (
+            dispatch.numba(self.kernels, x) and g.dtype == torch.float32
+        ):  # the experts' arithmetic (cpu_block's dense FFN)
             return self.down_proj(cpu_kernels.swiglu(g, u, self.limit))
         return self.down_proj(clamped_swiglu(g, u, self.limit))
 
@@ -194,6 +204,9 @@ class MoE(nn.Module):
     expert (used by training to update the correction bias).
     """
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
         self.experts = Experts(cfg)
@@ -228,7 +241,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if (
-            cpu_kernels.active(x)
+            dispatch.numba(self.kernels, x)
             and getattr(self, "_w_up", None) is not None
             and x.dtype == torch.float32
             and self._w_up.dtype == torch.float32
@@ -246,6 +259,7 @@ class MoE(nn.Module):
                 self._w_down,
                 self.experts.limit,
                 cpu_gemm.invariant(),
+                self.kernels,
             ).view(shape)
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)
@@ -262,6 +276,9 @@ class HyperConnection(nn.Module):
     here to collapse the streams into the block input ``[B, T, D]``), ``post [B,T,N]`` and the
     Sinkhorn-normalised doubly-stochastic ``comb [B,T,N,N]``.
     """
+
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
 
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
@@ -292,7 +309,7 @@ class HyperConnection(nn.Module):
     def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the block's ``norm`` applied to the collapsed input; in serving (no
         autograd) one :func:`~tandem.ops.cpu.kernels.hc_weights` call."""
-        if cpu_kernels.active(streams):
+        if dispatch.numba(self.kernels, streams):
             return cpu_kernels.hc_weights(
                 streams,
                 self.fn,
@@ -319,10 +336,16 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def hc_merge(
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    block_out: torch.Tensor,
+    residual: torch.Tensor,
+    kernels: KernelSettings = DEFAULT,
+) -> torch.Tensor:
     """mHC expand + mix: ``post ⊗ block_out + comb^T @ residual``. Shapes ``[B,T,N]``, ``[B,T,N,N]``,
     ``[B,T,D]``, ``[B,T,N,D]`` -> ``[B,T,N,D]``."""
-    if cpu_kernels.active(residual) and residual.dtype == torch.float32:
+    if dispatch.numba(kernels, residual) and residual.dtype == torch.float32:
         return cpu_kernels.hc_merge(post, comb, block_out, residual)
     dt = residual.dtype
     return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), residual)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..ops import dispatch
 
 from ..ops.cpu import attention as cpu_attention, gemm as cpu_gemm, kernels as cpu_kernels
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .layers import RMSNorm, fused_linear
 
@@ -35,9 +36,9 @@ if TYPE_CHECKING:
     from .cache import MLACache
 
 
-def _kernels(x: torch.Tensor) -> bool:
+def _kernels(k: KernelSettings, x: torch.Tensor) -> bool:
     """Whether rows ``x`` take the Triton kernels (no autograd through them)."""
-    return not torch.is_grad_enabled() and dispatch.use_triton(x)
+    return not torch.is_grad_enabled() and dispatch.use_triton(k, x)
 
 
 def pool_scores(iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,9 @@ def masked_attention(
 class Indexer(nn.Module):
     """DSA indexer weights (checkpoint names of transformers' ``Glm5NextTextIndexer``)."""
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
         self.h, self.d = cfg.index_n_heads, cfg.index_head_dim
@@ -97,13 +101,13 @@ class Indexer(nn.Module):
 
     def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token indexer key and pool gate logits, both ``[B, T, di]``."""
-        return self.key_norm(self.wk(x)), cpu_gemm.linear(x, self.index_kpool_compress_gate)
+        return self.key_norm(self.wk(x)), cpu_gemm.linear(x, self.index_kpool_compress_gate, None, self.kernels)
 
     def key_norm(self, k: torch.Tensor) -> torch.Tensor:
         """``k_norm`` (LayerNorm) of keys ``[..., di]``; fp32 with the serving kernels on, one kernel call
         (:func:`~tandem.ops.cpu.kernels.layer_norm`)."""
         n = self.k_norm
-        if cpu_kernels.active(k) and k.dtype == torch.float32 == n.weight.dtype:
+        if dispatch.numba(self.kernels, k) and k.dtype == torch.float32 == n.weight.dtype:
             return cpu_kernels.layer_norm(k, n.weight, n.bias, n.eps)
         return n(k)
 
@@ -112,7 +116,7 @@ class Indexer(nn.Module):
         sequence: :func:`~tandem.ops.cpu.attention.pool_keys`, the arithmetic of the pools the
         decode kernel completes)."""
         b, n, d = keys.shape
-        if cpu_kernels.active(keys) and b == 1 and keys.dtype == gates.dtype == torch.float32:
+        if dispatch.numba(self.kernels, keys) and b == 1 and keys.dtype == gates.dtype == torch.float32:
             return cpu_attention.pool_keys(keys, gates, self.index_kpool_compress_ape)
         p = n // self.kp
         kk = keys[:, : p * self.kp].view(b, p, self.kp, d)
@@ -125,13 +129,13 @@ class Indexer(nn.Module):
         """Visibility mask ``[B, T, kv_len]`` of rows ``x [B, T, D]`` (``rows`` from
         :meth:`MLAttention.project`) over pool keys ``pk [B, P, di]``: :meth:`select` of
         :meth:`scores`, or for one sequence in serving :func:`~tandem.ops.cpu.kernels.dsa_mask`."""
-        if cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows:
+        if dispatch.numba(self.kernels, x) and x.shape[0] == 1 and "iq" in rows:
             b, t = x.shape[:2]
             dots = torch.matmul(pk[0], rows["iq"].reshape(t * self.h, self.d).t()).t().reshape(b, t, self.h, -1)
             return cpu_kernels.dsa_mask(
                 dots, rows["iw"], q_pos, kv_len, self.kp, self.k_pools, self.d**-0.5, self.h**-0.5
             )
-        if _kernels(x):
+        if _kernels(self.kernels, x):
             from ..ops.triton import dsa_indexer
 
             return dsa_indexer.mask(*self.queries(x, rows), pk, q_pos, kv_len, self.kp, self.k_pools)
@@ -162,6 +166,9 @@ class MLAttention(nn.Module):
     Cached per token: latent ``c_kv [kv_lora]`` plus its expansion ``K [H, dqk]``, ``V [H, dv]``,
     indexer key and gate ``[di]``; per complete pool its compressed key ``[di]``.
     """
+
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
 
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
@@ -201,7 +208,7 @@ class MLAttention(nn.Module):
         if fx is not None and fq is not None:  # serving layout: one GEMM per shared input
             qa, kva, ikr, rows["iw"], ig = fx.split(self._fused_x[1], -1)
             q_resid = self.q_a_layernorm(qa)
-            q, rows["iq"] = cpu_gemm.linear(q_resid, fq[0]).split(fq[1], -1)
+            q, rows["iq"] = cpu_gemm.linear(q_resid, fq[0], None, self.kernels).split(fq[1], -1)
             ik = self.indexer.key_norm(ikr)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
@@ -233,11 +240,13 @@ class MLAttention(nn.Module):
         :func:`~tandem.ops.cpu.attention.mla_many`, which serving's :meth:`rows_many` calls)."""
         b, t, _ = x.shape
         mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
-        if _kernels(x):
+        if _kernels(self.kernels, x):
             from ..ops.triton import mla_attention
 
             o = mla_attention.attention(rows["q"], k_all, v_all, mask, self.scaling)
-        elif cpu_kernels.active(x) and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
+        elif (
+            dispatch.numba(self.kernels, x) and t <= 16
+        ):  # few rows: two GEMMs, each row's sums independent of the row count
             # K @ Q^T, not Q @ K^T: this CPU's GEMM gives each column the same sums whatever the column
             # count, but not each row whatever the row count (measured)
             att = torch.matmul(k_all, (rows["q"] * self.scaling).transpose(-1, -2)).transpose(-1, -2)
@@ -271,7 +280,7 @@ class MLAttention(nn.Module):
         rows, outs, off = self.project(x), [], 0
         if "iq" in rows and self._row_kernels(x, max(lengths)):
             return self.o_proj(self._kernel_rows(rows, caches, lengths))
-        if _kernels(x) and x.shape[0] == 1:
+        if _kernels(self.kernels, x) and x.shape[0] == 1:
             return self.o_proj(self._triton_rows(x, rows, caches, lengths))
         for cache, n in zip(caches, lengths):
             seg = {k: v[:, :, off : off + n] if k in ("q", "k", "v") else v[:, off : off + n] for k, v in rows.items()}
@@ -279,14 +288,13 @@ class MLAttention(nn.Module):
             off += n
         return self.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
 
-    @staticmethod
-    def _row_kernels(x: torch.Tensor, longest: int) -> bool:
+    def _row_kernels(self, x: torch.Tensor, longest: int) -> bool:
         """Whether rows ``x [1, T, D]`` (``longest`` rows a sequence) take the CPU row kernels of
         :meth:`_kernel_rows`: fp32 with the serving kernels on, up to 16 rows a sequence (verify blocks),
         any number under the row-invariant mode (:func:`~tandem.ops.cpu.gemm.rows_mode`), so a prime's
         rows do not depend on its chunks."""
         return (
-            cpu_kernels.active(x)
+            dispatch.numba(self.kernels, x)
             and x.shape[0] == 1
             and x.dtype == torch.float32
             and (longest <= 16 or cpu_gemm.invariant())

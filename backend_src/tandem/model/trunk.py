@@ -26,6 +26,8 @@ from ..ops.cpu import (
     kernels as cpu_kernels,
     mla_block as cpu_mla_block,
 )
+from ..ops import dispatch
+from ..ops.settings import DEFAULT, KernelSettings
 from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -66,6 +68,9 @@ class Trunk(nn.Module):
     in :data:`FP32_KEEP` stay fp32 as in transformers.
     """
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     #: a row's logits bit-identical alone (plain decoding, M=1), inside a verify block (M=k+1) or in a
     #: batch of sessions: on the CPU the verify passes and the LM head take the row-invariant GEMM of
     #: :mod:`~tandem.ops.cpu.gemm` (a BLAS sums a row differently by the number of rows); elsewhere
@@ -105,15 +110,14 @@ class Trunk(nn.Module):
         e = self.embed_tokens(ids)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
-    @staticmethod
-    def _mean(streams: torch.Tensor) -> torch.Tensor:
+    def _mean(self, streams: torch.Tensor) -> torch.Tensor:
         """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
         decode steps take (:func:`~tandem.ops.cpu.decode.stream_mean`), so their rows match."""
         if (
             cpu_gemm.invariant()
             and streams.shape[0] == 1
             and streams.dtype == torch.float32
-            and cpu_kernels.active(streams)
+            and dispatch.numba(self.kernels, streams)
         ):
             return cpu_decode.stream_mean(streams)
         return streams.mean(2)
@@ -209,7 +213,7 @@ class Trunk(nn.Module):
     def _invariant_rows(self) -> bool:
         """The row-invariant kernels apply (:attr:`batch_invariant` on the CPU in fp32)."""
         w = self.embed_tokens.weight
-        return self.batch_invariant and w.dtype == torch.float32 and cpu_kernels.active(w)
+        return self.batch_invariant and w.dtype == torch.float32 and dispatch.numba(self.kernels, w)
 
     @torch.no_grad()
     def prime_many(self, caches: list[TrunkCache], ids: list[torch.Tensor], features: tuple[int, ...] = ()) -> list:
@@ -247,7 +251,7 @@ class Trunk(nn.Module):
             attn = layer.self_attn
 
             def fn(x):
-                if layer.layer_type == "linear_attention" and cpu_kernels.active(x) and x.shape[0] == 1:
+                if layer.layer_type == "linear_attention" and dispatch.numba(self.kernels, x) and x.shape[0] == 1:
                     # the recurrence row by row, every sequence in one kernel call (faster here than
                     # the chunked form up to 256 rows, and the same whatever the chunking)
                     y, finals = attn.forward_rows_many(
@@ -321,7 +325,7 @@ class Trunk(nn.Module):
             sts = self._kda_starts(caches, i, layer, ids[0].shape[0])
 
             def fn(x):
-                if cpu_kernels.active(x) and x.shape[0] == 1:
+                if dispatch.numba(self.kernels, x) and x.shape[0] == 1:
                     y, per = attn.forward_rows_many(x, sts, comp)
                 else:  # the torch reference, one sequence at a time
                     res = [
@@ -394,7 +398,7 @@ class Trunk(nn.Module):
             outs = self.verify_many(caches, [torch.tensor([[a]], device=self.device) for a in anchor], features)
             h = torch.cat([o[0] if features else o for o in outs], 1)[0]
             logits = self.logits(h)
-            if cpu_kernels.active(logits) and logits.dtype == torch.float32:
+            if dispatch.numba(self.kernels, logits) and logits.dtype == torch.float32:
                 tgt, gap = cpu_kernels.top2(logits)
             else:
                 top = logits.topk(2, dim=-1)

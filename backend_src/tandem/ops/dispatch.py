@@ -1,59 +1,43 @@
-"""The one switch between tandem's Triton kernels and the pure-torch path.
+"""The one place that picks an op's implementation: torch, the CPU numba kernels (:mod:`tandem.ops.cpu`) or
+the Triton kernels (:mod:`tandem.ops.triton`), from a model's :class:`~tandem.ops.settings.KernelSettings`
+and the tensor the op runs on.
 
-``TANDEM_KERNELS`` (the serving parameter ``kernels``, :attr:`tandem.schema.ServingConfig.kernels`):
-
-* ``auto`` (default): Triton kernels for CUDA tensors, the torch path (and on the CPU the numba
-  serving kernels of :mod:`tandem.ops.cpu.kernels`) otherwise;
-* ``triton``: the Triton kernels everywhere: on CPU tensors they run in Triton's interpreter, which
-  needs ``TRITON_INTERPRET=1`` set before the kernels are first imported (correctness only: ~ms per
-  program); the numba kernels are off so the model takes the call sites that dispatch here;
-* ``torch``: the pure-torch reference path everywhere (also on CUDA).
-
-This module imports no triton (only :mod:`tandem.schema`, where the modes are written).
+A model gets its settings at load (:func:`install`); its layers ask :func:`numba` or :func:`use_triton`
+with them. This module imports no triton and no numba.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
-from typing import Iterator
 
 import torch
-from tandem.schema import KERNEL_MODES as MODES
+from torch import nn
+
+from .settings import AUTO, DEFAULT, REFERENCE, TORCH, TRITON, KernelSettings
+
+__all__ = [
+    "AUTO",
+    "DEFAULT",
+    "ENV",
+    "REFERENCE",
+    "TORCH",
+    "TRITON",
+    "KernelSettings",
+    "KernelUnavailable",
+    "available",
+    "install",
+    "interpreted",
+    "numba",
+    "use_triton",
+]
 
 ENV = "TANDEM_KERNELS"
-AUTO, TRITON, TORCH = MODES
-
-_forced: str | None = None
-
-
-def _checked(m: str, where: str) -> str:
-    if m not in MODES:
-        raise ValueError(f"{where} must be one of {MODES}, got {m!r}")
-    return m
-
-
-#: the configured mode: ``$TANDEM_KERNELS`` when this module is imported, then :func:`configure`
-#: (a stage model's start-up); read on every dispatch, so it is a plain variable, not the environment
-_mode: str = _checked(os.environ.get(ENV) or AUTO, ENV)
 
 
 class KernelUnavailable(RuntimeError):
-    """Raised when ``triton`` is forced where no kernel can run (no triton package, or CPU tensors
+    """Raised when ``triton`` is asked for where no kernel can run (no triton package, or CPU tensors
     without ``TRITON_INTERPRET=1``)."""
-
-
-def configure(m: str) -> None:
-    """Set the mode (a stage model's ``kernels`` parameter). Raises ``ValueError`` for an unknown one."""
-    global _mode
-    _mode = _checked(m, "kernels")
-
-
-def mode() -> str:
-    """The switch's value: :func:`force` if inside one, else the configured mode (:func:`configure`,
-    at import ``$TANDEM_KERNELS``, default ``auto``)."""
-    return _forced or _mode
 
 
 def interpreted() -> bool:
@@ -69,18 +53,17 @@ def available() -> bool:
     return _AVAILABLE
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Whether the call whose main input is ``t`` should take its Triton kernel.
+def use_triton(k: KernelSettings, t: torch.Tensor) -> bool:
+    """Whether the call whose main input is ``t`` takes its Triton kernel under settings ``k``.
 
     ``auto``: ``t`` on CUDA and triton installed; ``torch``: never; ``triton``: always, raising
     :class:`KernelUnavailable` when it cannot run there (``t`` on the CPU without ``TRITON_INTERPRET=1``,
     or no triton)."""
-    m = _forced or _mode
-    if m == TORCH:
+    if k.backend == TORCH:
         return False
-    if m == AUTO:
+    if k.backend == AUTO:
         return t.is_cuda and _AVAILABLE
-    if not available():
+    if not _AVAILABLE:
         raise KernelUnavailable(f"{ENV}=triton but the triton package is not installed")
     if not t.is_cuda and not interpreted():
         raise KernelUnavailable(
@@ -90,18 +73,19 @@ def use_triton(t: torch.Tensor) -> bool:
     return True
 
 
-def numba_allowed() -> bool:
-    """False when ``triton`` is forced: the CPU model then takes the call sites that dispatch here
-    instead of the fused numba kernels (which replace whole stretches of the row path)."""
-    return (_forced or _mode) != TRITON
+def numba(k: KernelSettings, t: torch.Tensor | None = None) -> bool:
+    """Whether the CPU numba kernels serve the call under settings ``k``: ``k.numba``, the backend not
+    ``triton`` (the model then takes the call sites that reach the Triton kernels), autograd off and,
+    when given, ``t`` on the CPU."""
+    return k.numba and k.backend != TRITON and not torch.is_grad_enabled() and (t is None or t.is_cpu)
 
 
-@contextlib.contextmanager
-def force(m: str) -> Iterator[None]:
-    """Within this block :func:`mode` is ``m`` (tests, A/B benches). Raises ``ValueError`` for an unknown mode."""
-    global _forced
-    old, _forced = _forced, _checked(m, "kernel mode")
-    try:
-        yield
-    finally:
-        _forced = old
+def install(module: nn.Module, k: KernelSettings) -> nn.Module:
+    """Give ``module`` and every module in it the settings ``k`` (their ``kernels`` attribute, read by the
+    layers' calls here); a model's loader calls it once. The CPU kernels pack weights for the settings a
+    layer has (:func:`tandem.ops.cpu.gemm.kernel_weight`). Returns ``module``."""
+    if not isinstance(k, KernelSettings):
+        raise TypeError(f"kernel settings must be a KernelSettings, got {type(k).__name__}")
+    for m in module.modules():
+        m.kernels = k
+    return module

@@ -111,16 +111,20 @@ def ops_per_token(engine, ids: list[int], max_tokens: int) -> dict:
     pure-torch reference. Returns ``{"serving": n, "reference": n}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ..ops.cpu import kernels as cpu_kernels
+    from ..ops import dispatch
+    from ..ops.settings import REFERENCE
 
     def count() -> float:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             r = engine.generate(ids, max_tokens, spec="off")
         return sum(k.count for k in prof.key_averages() if k.key.startswith("aten::")) / max(len(r["token_ids"]), 1)
 
-    serving = count()
-    with cpu_kernels.reference():
+    serving, kernels = count(), engine.kernels
+    dispatch.install(engine.model, REFERENCE)
+    try:
         reference = count()
+    finally:
+        dispatch.install(engine.model, kernels)
     return {"serving": serving, "reference": reference}
 
 

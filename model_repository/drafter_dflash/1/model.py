@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 from tandem import schema
 from tandem.engine.dflash_stage import DFlashStage
 from tandem.model.checkpoint import dflash_arms, load_dflash, load_trunk
-from tandem.model.device import placement
+from tandem.model.device import kernel_settings, placement
 from tandem.serving import backend
 
 
@@ -26,9 +26,11 @@ class TritonPythonModel:
         (dev, dt), arms = placement(cfg), dflash_arms(ckpt, dirs)
         self.stage = None
         if arms:
-            trunk = load_trunk(ckpt, dt, with_mtp=False, device=dev)  # for its embedding and LM head
+            trunk = load_trunk(
+                ckpt, dt, with_mtp=False, device=dev, kernels=kernel_settings(cfg)
+            )  # for its embedding and LM head
             self.stage = DFlashStage(
-                {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms},
+                {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernel_settings(cfg)) for a in arms},
                 trunk.embed_tokens,
                 trunk.lm_head,
                 cfg.max_num_draft_tokens,

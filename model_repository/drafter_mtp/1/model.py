@@ -8,7 +8,7 @@ from tandem import schema
 from tandem.model.warm import compile_kernels
 from tandem.engine.mtp_stage import MTPStage
 from tandem.model.checkpoint import load_trunk
-from tandem.model.device import placement
+from tandem.model.device import kernel_settings, placement
 from tandem.serving import backend
 
 
@@ -23,7 +23,7 @@ class TritonPythonModel:
         cfg = backend.serving_config(config)
         ckpt = backend.resolve_checkpoint(cfg, args["model_repository"])
         dev, dt = placement(cfg)
-        self.stage = MTPStage(load_trunk(ckpt, dt, device=dev), cfg.max_num_draft_tokens)
+        self.stage = MTPStage(load_trunk(ckpt, dt, device=dev, kernels=kernel_settings(cfg)), cfg.max_num_draft_tokens)
         pb_utils.Logger.log_info(f"drafter_mtp: loaded {ckpt} ({dt} on {dev})")
 
     def execute(self, requests):

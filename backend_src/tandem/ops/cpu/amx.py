@@ -63,29 +63,20 @@ _FEATURES = llvm.get_host_cpu_features()
 HW_AMX = bool(_FEATURES.get("amx-bf16", False) and _FEATURES.get("amx-tile", False)) and _request_tiles()
 if HW_AMX:
     llvm.initialize_native_asmparser()  # numba's code emitter needs it for inline assembly
-#: this process's setting (:func:`set_amx`): bfloat16 pairs take the AMX tiles
-ON = [HW_AMX]
 
 
-def set_amx(on: bool) -> bool:
-    """Whether this process's bfloat16-pair GEMMs run on AMX tiles (``on`` and :data:`HW_AMX`; the
-    serving parameter ``amx``) or on AVX512-BF16 tiles. Each is row-invariant; their sums differ in
-    the last bits, so a process uses one for every row count: :func:`~tandem.ops.cpu.gemm.kernel_weight`
-    packs for the setting of the moment, and a change forgets the serving layout's plans. Returns the
-    previous setting."""
-    from . import block  # here: block imports the GEMM, which imports this module
-
-    prev, now = ON[0], bool(on) and HW_AMX
-    if now != prev:
-        ON[0] = now
-        block.relayout()
-    return prev
+def uses_amx(amx: bool) -> bool:
+    """Whether bfloat16-pair GEMMs take the AMX tiles for the setting ``amx`` (the serving parameter, a
+    model's :attr:`~tandem.ops.settings.KernelSettings.amx`): ``amx`` and :data:`HW_AMX`. AMX and
+    AVX512-BF16 tiles are each row-invariant but their sums differ in the last bits, so a model packs its
+    weights for one (:func:`~tandem.ops.cpu.gemm.kernel_weight`) and uses it for every row count."""
+    return bool(amx) and HW_AMX
 
 
-def gemm_tiles() -> str:
-    """Which tiles this process's bfloat16-pair GEMMs run on: ``"AMX"``, ``"AVX512-BF16"`` or ``"fp32 FMA"``
-    (``vdpbf16ps``' chain emulated on a CPU without AVX512-BF16); for logs and reports."""
-    return "AMX" if ON[0] else "AVX512-BF16" if HW_BF16 else "fp32 FMA"
+def gemm_tiles(amx: bool) -> str:
+    """Which tiles bfloat16-pair GEMMs run on for the setting ``amx``: ``"AMX"``, ``"AVX512-BF16"`` or
+    ``"fp32 FMA"`` (``vdpbf16ps``' chain emulated on a CPU without AVX512-BF16); for logs and reports."""
+    return "AMX" if uses_amx(amx) else "AVX512-BF16" if HW_BF16 else "fp32 FMA"
 
 
 #: rows of a tile (``A`` and ``C``), pairs of a chunk of the input dimension

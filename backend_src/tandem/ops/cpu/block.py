@@ -23,34 +23,21 @@ kernels they call: after editing a kernel in another file of this folder, clear 
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import numpy as np
 import torch
 from numba import njit
 
+from ..settings import KernelSettings
 from .gemm import _mmp, cols, kernel_weight
 from .kda import _kda_many, conv_taps, kda_buffers, kda_results
 from .kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_param_t, np_rows
 from .moe import _moe_route, _moe_sparse
 
-#: whether the fused blocks apply: the last entry (tests and A/B benches turn them off with :func:`off`)
-_ON = [True]
-
 #: calls so far of the whole block, a KDA attention half and a MoE FFN half; an MLA block and an MLA
 #: attention half (:mod:`~tandem.ops.cpu.mla_block`) (tests, benches)
 CALLS = {"block": 0, "attn": 0, "ffn": 0, "mla_block": 0, "mla_attn": 0}
-
-
-@contextlib.contextmanager
-def off():
-    """Within this block every decoder block runs unfused (:meth:`DecoderLayer.run`); nests."""
-    _ON.append(False)
-    try:
-        yield
-    finally:
-        _ON.pop()
 
 
 @njit(cache=True, nogil=True)
@@ -176,7 +163,9 @@ def _plan(layer, what: str, sources, fits, make) -> _Plan:
     tensor of ``sources()`` is replaced or changed in place (its data pointer, version or dtype;
     checked once a model forward, :func:`new_pass`); the tensors themselves are looked up again when
     the layer's serving layout is redone (:func:`relayout`) or a cast changes whether it fits.
+    A plan is kept per kernel settings of the layer (``layer.kernels``: the weights are packed for them).
     Threads may ask at once (prime groups): a plan is published whole, and marked checked last."""
+    what = (what, layer.kernels)
     epoch = _EPOCH[0]
     plans = _PLANS.get(layer)
     if plans is None:
@@ -219,16 +208,16 @@ def _hc_args(hc, norm) -> tuple:
     )
 
 
-def _moe_args(mo) -> tuple:
+def _moe_args(mo, k: KernelSettings) -> tuple:
     g = mo.gate
     return (
-        kernel_weight(g.weight),
+        kernel_weight(g.weight, k),
         np_param(g.e_score_correction_bias),
         g.top_k,
         g.norm_topk_prob,
         _F(g.scale),
-        kernel_weight(mo._w_up, experts=mo._w_down.shape[0]),
-        kernel_weight(mo._w_down, transpose=False),
+        kernel_weight(mo._w_up, k, experts=mo._w_down.shape[0]),
+        kernel_weight(mo._w_down, k, transpose=False),
         _F(mo.experts.limit),
     )
 
@@ -289,7 +278,7 @@ def _dense_fits(layer) -> bool:
 
 
 def _dense_plan(layer) -> _Plan:
-    mo, hc = layer.mlp, layer.ffn_hc
+    mo, hc, k = layer.mlp, layer.ffn_hc, layer.kernels
     return _plan(
         layer,
         "dense",
@@ -306,9 +295,9 @@ def _dense_plan(layer) -> _Plan:
         lambda: (
             _hc_args(hc, layer.post_attention_layernorm),
             (
-                kernel_weight(mo.gate_proj.weight),
-                kernel_weight(mo.up_proj.weight),
-                kernel_weight(mo.down_proj.weight),
+                kernel_weight(mo.gate_proj.weight, k),
+                kernel_weight(mo.up_proj.weight, k),
+                kernel_weight(mo.down_proj.weight, k),
                 _F(mo.limit),
             ),
         ),
@@ -321,19 +310,19 @@ def _ffn_plan(layer) -> _Plan:
         "ffn",
         lambda: _ffn_sources(layer),
         lambda: _ffn_fits(layer),
-        lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp)),
+        lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp, layer.kernels)),
     )
 
 
 def _kda_plan(layer) -> _Plan:
     def make():
-        a = layer.self_attn
+        a, k = layer.self_attn, layer.kernels
         g = a.forget_gate
         kda = (
-            kernel_weight(a._fused_x[0]),
-            kernel_weight(g.f_b_proj.weight),
-            kernel_weight(a.g_b_proj.weight),
-            kernel_weight(a.o_proj.weight),
+            kernel_weight(a._fused_x[0], k),
+            kernel_weight(g.f_b_proj.weight, k),
+            kernel_weight(a.g_b_proj.weight, k),
+            kernel_weight(a.o_proj.weight, k),
             conv_taps(a.conv1d.weight),
             np_param(g.A_log),
             np_param(g.dt_bias),
@@ -352,13 +341,13 @@ def _kda_plan(layer) -> _Plan:
 def ffn_fits(layer) -> bool:
     """Whether ``layer``'s FFN half runs here (:func:`ffn_block`): a MoE in the serving layout or a dense
     MLP, fp32."""
-    return _ON[-1] and (_ffn_plan(layer).fits or _dense_plan(layer).fits)
+    return layer.kernels.fused and (_ffn_plan(layer).fits or _dense_plan(layer).fits)
 
 
 def kda_fits(layer) -> bool:
     """Whether ``layer``'s attention half runs here (:func:`kda_block`): KDA attention with its fused
     input projections, fp32."""
-    return _ON[-1] and _kda_plan(layer).fits
+    return layer.kernels.fused and _kda_plan(layer).fits
 
 
 def ffn_block(layer, streams: torch.Tensor) -> torch.Tensor:

@@ -198,7 +198,7 @@ def _layer_plans(model) -> tuple | None:
         f = block._ffn_plan(layer)
         if f.fits:
             ffn = (_MOE, f.args)
-        elif (d := block._dense_plan(layer)).fits and block._ON[-1]:
+        elif (d := block._dense_plan(layer)).fits and layer.kernels.fused:
             ffn = (_DENSE, d.args)
         else:
             return None
@@ -219,7 +219,7 @@ def _plan(model) -> _Plan | None:
     head not strip-packed."""
     block.new_pass()
     layers = _layer_plans(model)
-    lm = kernel_weight(model.lm_head.weight)
+    lm = kernel_weight(model.lm_head.weight, model.kernels)
     if layers is None or not isinstance(lm, tuple):
         return None
     key = tuple(x[1] for x in layers) + tuple(x[3] for x in layers) + (lm,)  # the plans' own argument tuples

@@ -27,7 +27,7 @@ from numba import njit
 
 from .attention import _append_many, _attend_many, cache_args
 from . import block
-from .block import _ON, _f32, _ffn, _ffn_plan, _gemm, _hc_args, _hc_in, _plan
+from .block import _f32, _ffn, _ffn_plan, _gemm, _hc_args, _hc_in, _plan
 from .gemm import kernel_weight
 from .kernels import _F, _hc_merge, _layer_norm, _rms, np_param, np_rows
 
@@ -137,7 +137,7 @@ def _sources(layer) -> list[torch.Tensor]:
 
 def _mla_plan(layer):
     def make():
-        a = layer.self_attn
+        a, k = layer.self_attn, layer.kernels
         ix = a.indexer
         qr, kvr, di, Hi, dg = a._fused_x[1]
         assert dg == di == ix.d and Hi == ix.h, (
@@ -146,10 +146,10 @@ def _mla_plan(layer):
             ix.h,
         )  # the fused group's order (MLAttention.FUSED)
         mla = (
-            kernel_weight(a._fused_x[0]),
-            kernel_weight(a._fused_q[0]),
-            kernel_weight(a.kv_b_proj.weight),
-            kernel_weight(a.o_proj.weight),
+            kernel_weight(a._fused_x[0], k),
+            kernel_weight(a._fused_q[0], k),
+            kernel_weight(a.kv_b_proj.weight, k),
+            kernel_weight(a.o_proj.weight, k),
             np_param(a.q_a_layernorm.weight),
             _F(a.q_a_layernorm.variance_epsilon),
             np_param(a.kv_a_layernorm.weight),
@@ -186,7 +186,7 @@ def _mla_plan(layer):
 def fits(layer) -> bool:
     """Whether ``layer``'s attention half runs here (:func:`mla_block`): MLA / DSA attention with its
     fused input and query projections, fp32."""
-    return _ON[-1] and _mla_plan(layer).fits
+    return layer.kernels.fused and _mla_plan(layer).fits
 
 
 def mla_block(layer, streams: torch.Tensor, caches: list, lengths: list[int]) -> torch.Tensor:

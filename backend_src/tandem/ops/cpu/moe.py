@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from ..settings import DEFAULT, KernelSettings
 from . import gemm
 from .gemm import _mmp
 from .kernels import _F, _swiglu_row, np_param
@@ -119,6 +120,7 @@ def moe_rows(
     w_down: torch.Tensor,
     limit: float,
     invariant: bool = False,
+    kernels: KernelSettings = DEFAULT,
 ) -> torch.Tensor:
     """Sigmoid-routed MoE plus shared expert over a few fp32 rows (:meth:`tandem.model.layers.MoE.forward`
     is the reference). Only the experts some row selects are computed, each run of consecutive ones
@@ -133,13 +135,15 @@ def moe_rows(
 
     ``invariant``: each expert runs on only the rows that selected it, with the row-invariant GEMM
     of :mod:`~tandem.ops.cpu.gemm` (a row's output bit-identical for any number of rows; the
-    trunk's verify under ``batch_invariant``)."""
+    trunk's verify under ``batch_invariant``), on weights packed for ``kernels``."""
     N = x.shape[0]
     E1, n_inter, D = w_down.shape
     w = np.empty((N, E1), _F)
     xn = np.ascontiguousarray(x.numpy())
     logits = (
-        gemm.mm_rows(xn, gemm.kernel_weight(router_w)) if invariant else torch.nn.functional.linear(x, router_w).numpy()
+        gemm.mm_rows(xn, gemm.kernel_weight(router_w, kernels))
+        if invariant
+        else torch.nn.functional.linear(x, router_w).numpy()
     )
     _moe_route(logits, np_param(bias), top_k, norm, _F(scale), w)
     out = np.zeros((N, D), _F)
@@ -147,8 +151,8 @@ def moe_rows(
         _moe_sparse(
             xn,
             w,
-            gemm.kernel_weight(w_up, experts=E1),
-            gemm.kernel_weight(w_down, transpose=False),
+            gemm.kernel_weight(w_up, kernels, experts=E1),
+            gemm.kernel_weight(w_down, kernels, transpose=False),
             _F(limit),
             out,
         )

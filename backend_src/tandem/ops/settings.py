@@ -1,0 +1,56 @@
+"""The kernel settings a model is loaded with: which implementation each op takes and how the CPU GEMM's
+weights are packed. One frozen value per loaded model (:func:`tandem.ops.dispatch.install`), built from the
+serving parameters (:func:`tandem.model.device.kernel_settings`); nothing here changes at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..schema import KERNEL_MODES
+
+AUTO, TRITON, TORCH = KERNEL_MODES
+GEMM_INPUTS = ("bf16", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """How a model's ops run.
+
+    * ``backend`` (the serving parameter ``kernels``, :data:`tandem.schema.KERNEL_MODES`): ``auto`` the
+      Triton kernels for CUDA tensors and the torch path (with the numba kernels) on the CPU; ``triton``
+      the Triton kernels everywhere (on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET=1``), the
+      numba kernels off; ``torch`` no Triton kernel;
+    * ``numba``: the CPU numba kernels (:mod:`tandem.ops.cpu`) where the backend allows them; off, the
+      model runs its pure-torch reference code (:data:`REFERENCE`, tests and A/B comparisons);
+    * ``gemm_inputs``: the CPU GEMM's inputs on bfloat16 weights, ``"bf16"`` (bfloat16 pairs,
+      :mod:`tandem.ops.cpu.pairs`; the ``dtype=auto`` default) or ``"fp32"`` (float32 inputs throughout:
+      ``dtype=fp32``);
+    * ``amx``: the bfloat16-pair GEMMs on AMX tiles where the CPU has them (:mod:`tandem.ops.cpu.amx`; the
+      serving parameter ``amx``);
+    * ``fused``: in the row-invariant mode a decoder block runs as one numba call where it fits
+      (:mod:`tandem.ops.cpu.block`, :mod:`tandem.ops.cpu.mla_block`); off, kernel by kernel (tests compare the two).
+
+    Raises ``ValueError`` for an unknown ``backend`` or ``gemm_inputs``."""
+
+    backend: str = AUTO
+    numba: bool = True
+    gemm_inputs: str = "bf16"
+    amx: bool = True
+    fused: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.backend!r}")
+        if self.gemm_inputs not in GEMM_INPUTS:
+            raise ValueError(f"GEMM inputs must be one of {GEMM_INPUTS}, got {self.gemm_inputs!r}")
+
+    def replace(self, **changes) -> "KernelSettings":
+        """A copy with ``changes`` (the fields above)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: what a model runs with unless it is loaded with other settings
+DEFAULT = KernelSettings()
+#: the pure-torch reference path: no numba, no Triton kernel
+REFERENCE = KernelSettings(backend=TORCH, numba=False)
