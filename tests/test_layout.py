@@ -69,3 +69,52 @@ def test_source_files_keep_their_line_budget():
     assert {f: n for f, n in lines.items() if n > HARD_LINES} == {}
     assert {f: n for f, n in lines.items() if n > LISTED_LINES and f not in LONG_FILES} == {}
     assert [f for f in LONG_FILES if lines.get(f, 0) <= LISTED_LINES] == []  # the list holds only long files
+
+
+def _module(path: Path) -> str:
+    """``tandem``-relative dotted name of a source file (a package's ``__init__`` is the package)."""
+    parts = path.relative_to(PKG).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycle():
+    """No module reaches itself through imports, at module level or inside a function (Tarjan's strongly
+    connected components over the import graph; an imported name that is not a module counts as its
+    package)."""
+    paths = {_module(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for m, p in paths.items():
+        deps = set()
+        for d in _imports(p):
+            while d and d not in paths:
+                d = d.rpartition(".")[0]
+            if d and d != m:
+                deps.add(d)
+        graph[m] = deps
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert cycles == []
