@@ -11,7 +11,6 @@ import weakref
 import pytest
 import torch
 
-from tandem.ops import dispatch
 from tandem.ops.cpu import block as cpu_block, mla_block as cpu_mla_block
 from tandem.ops.settings import KernelSettings
 from tandem.model.cache import KDAState, MLACache
@@ -60,7 +59,7 @@ def odd():
 
 def _unfused(model):
     """A copy of ``model`` (its weights as they are now) whose blocks run kernel by kernel."""
-    return dispatch.install(copy.deepcopy(model), KernelSettings(fused=False))
+    return copy.deepcopy(model).use_kernels(KernelSettings(fused=False))
 
 
 def _ids(n, seed):

@@ -38,17 +38,16 @@ def test_mm_rows_matches_matmul_and_is_row_invariant(D, n_out):
 def test_linear_takes_the_kernel_only_in_rows_mode():
     x, w = _randn(2, 5, 24, seed=1), _randn(30, 24, seed=2)
     w_im = w.t().contiguous().t()  # the serving layout
+    rows = KernelSettings(rows=True)
     with torch.no_grad():
         plain = cpu_gemm.linear(x, w_im)
-        with cpu_gemm.rows_mode():
-            assert cpu_gemm.invariant()
-            inv, inv_rowmajor = cpu_gemm.linear(x, w_im), cpu_gemm.linear(x, w)
-            biased = cpu_gemm.linear(x, w_im, torch.ones(30))
-        assert not cpu_gemm.invariant()
+        inv, inv_rowmajor = cpu_gemm.linear(x, w_im, None, rows), cpu_gemm.linear(x, w, None, rows)
+        biased = cpu_gemm.linear(x, w_im, torch.ones(30), rows)
+        one = cpu_gemm.linear(x.reshape(10, 24)[3:4], w_im, None, rows)
+        assert torch.equal(plain, torch.nn.functional.linear(x, w_im))  # off: the BLAS
     assert inv.shape == (2, 5, 30) and torch.equal(inv, inv_rowmajor) and torch.equal(biased, inv + 1)
     torch.testing.assert_close(inv, plain, atol=1e-5, rtol=1e-4)
-    with cpu_gemm.rows_mode(), torch.no_grad():
-        assert torch.equal(inv.reshape(10, 30)[3:4], cpu_gemm.linear(x.reshape(10, 24)[3:4], w_im))
+    assert torch.equal(inv.reshape(10, 30)[3:4], one)
 
 
 def test_serving_layout_swaps_linear_class_keeping_the_checkpoint():

@@ -23,7 +23,6 @@ from ..model.checkpoint import (
     parse_dtype,
 )
 from ..model.device import kernel_settings as kernel_settings_of
-from ..ops import dispatch
 from ..ops.settings import KernelSettings
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
@@ -65,7 +64,7 @@ class Engine:
         #: the kernel settings the models run with (a shared ``model`` or ``dflash`` drafters too)
         self.kernels = kernel_settings or kernel_settings_of(self.config, dtype if isinstance(dtype, str) else None)
         if model is not None:
-            dispatch.install(model, self.kernels)
+            model.use_kernels(self.kernels)
         self.model = model if model is not None else load_trunk(checkpoint, dt, kernels=self.kernels)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         if dflash is None:
@@ -75,7 +74,7 @@ class Engine:
             }
         else:
             for d in dflash.values():
-                dispatch.install(d, self.kernels)
+                d.use_kernels(self.kernels)
         feature_layers = (
             next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
         )

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from ..ops import dispatch
-from ..ops.cpu import block as cpu_block, gemm as cpu_gemm
+from ..ops.cpu import block as cpu_block
 from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .kda import LinearAttention
@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         """The block's FFN half (mHC weights and norm, MLP / MoE, mHC merge) on streams ``[B, T, N, D]``;
         in the CPU row-invariant mode (fp32) one :func:`~tandem.ops.cpu.block.ffn_block` call for a MoE."""
         if (
-            cpu_gemm.invariant()
+            self.kernels.rows
             and streams.dtype == torch.float32
             and streams.shape[0] == 1
             and dispatch.numba(self.kernels, streams)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from ..ops import dispatch
 from ..ops.settings import DEFAULT, KernelSettings
 from .. import schema
 from .config import TrunkConfig
@@ -158,7 +157,7 @@ def load_trunk(
                     raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
                 sd[k].copy_(t)
     model.eval().requires_grad_(False)
-    return dispatch.install(input_major_linears(model), kernels)
+    return input_major_linears(model).use_kernels(kernels)
 
 
 def save_sharded(model: Trunk, folder: str | Path, shards: int, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -306,7 +305,7 @@ def load_dflash(
     if missing or unexpected:
         raise KeyError(f"{arm} drafter checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
     model = input_major_linears(model.eval().requires_grad_(False).to(device=device, dtype=dtype))
-    return dispatch.install(model, kernels)
+    return model.use_kernels(kernels)
 
 
 def save_dflash(model, folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16) -> None:

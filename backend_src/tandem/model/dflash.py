@@ -269,6 +269,11 @@ class DFlashDrafter(nn.Module):
     ``mask_embedding [D]`` (the MASK input; the trunk's vocabulary has no mask token), ``layers``,
     ``norm`` and (DFlash2) ``selector``."""
 
+    def use_kernels(self, kernels: KernelSettings) -> "DFlashDrafter":
+        """Run with the kernel settings ``kernels`` in the row-invariant mode (a draft's few rows take the
+        row-invariant GEMM, faster than MKL here; :func:`tandem.ops.dispatch.install`). Returns the drafter."""
+        return dispatch.install(self, kernels.replace(rows=True))
+
     def __init__(self, cfg: DFlashConfig, dflash2: bool = True) -> None:
         super().__init__()
         self.cfg = cfg

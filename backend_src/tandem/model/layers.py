@@ -245,7 +245,7 @@ class MoE(nn.Module):
             and getattr(self, "_w_up", None) is not None
             and x.dtype == torch.float32
             and self._w_up.dtype == torch.float32
-            and (x.numel() <= shape[-1] * self.kernel_rows or cpu_gemm.invariant())
+            and (x.numel() <= shape[-1] * self.kernel_rows or self.kernels.rows)
         ):
             g = self.gate
             return cpu_moe.moe_rows(
@@ -258,7 +258,7 @@ class MoE(nn.Module):
                 self._w_up,
                 self._w_down,
                 self.experts.limit,
-                cpu_gemm.invariant(),
+                self.kernels.rows,
                 self.kernels,
             ).view(shape)
         flat = x.reshape(-1, shape[-1])

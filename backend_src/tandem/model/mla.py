@@ -291,13 +291,13 @@ class MLAttention(nn.Module):
     def _row_kernels(self, x: torch.Tensor, longest: int) -> bool:
         """Whether rows ``x [1, T, D]`` (``longest`` rows a sequence) take the CPU row kernels of
         :meth:`_kernel_rows`: fp32 with the serving kernels on, up to 16 rows a sequence (verify blocks),
-        any number under the row-invariant mode (:func:`~tandem.ops.cpu.gemm.rows_mode`), so a prime's
+        any number in the row-invariant mode (:attr:`~tandem.ops.settings.KernelSettings.rows`), so a prime's
         rows do not depend on its chunks."""
         return (
             dispatch.numba(self.kernels, x)
             and x.shape[0] == 1
             and x.dtype == torch.float32
-            and (longest <= 16 or cpu_gemm.invariant())
+            and (longest <= 16 or self.kernels.rows)
         )
 
     def _kernel_rows(self, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
@@ -365,7 +365,7 @@ class MLAttention(nn.Module):
 
     def prime(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
         """Prefill rows ``x [1, T, D]``: the full causal pass when ``cache`` is empty, else :meth:`rows`."""
-        if len(cache) > 0 or (cpu_gemm.invariant() and self._row_kernels(x, x.shape[1])):
+        if len(cache) > 0 or (self.kernels.rows and self._row_kernels(x, x.shape[1])):
             return self.rows(x, cache)
         y, rows = self(x)
         cache.append(rows)

@@ -22,7 +22,6 @@ import torch.nn as nn
 from ..ops.cpu import (
     block as cpu_block,
     decode as cpu_decode,
-    gemm as cpu_gemm,
     kernels as cpu_kernels,
     mla_block as cpu_mla_block,
 )
@@ -74,8 +73,9 @@ class Trunk(nn.Module):
     #: a row's logits bit-identical alone (plain decoding, M=1), inside a verify block (M=k+1) or in a
     #: batch of sessions: on the CPU the verify passes and the LM head take the row-invariant GEMM of
     #: :mod:`~tandem.ops.cpu.gemm` (a BLAS sums a row differently by the number of rows); elsewhere
-    #: a one-row verify is padded to two rows. The serving parameter ``batch_invariant`` sets it
-    batch_invariant: bool = False
+    #: a one-row verify is padded to two rows. The serving parameter ``batch_invariant`` sets it; setting it gives
+    #: the trunk's layers the row-invariant kernel settings (:meth:`use_kernels`)
+    _batch_invariant: bool = False
     #: threads of :meth:`decode_many` (groups of sequences decoded side by side; the serving parameter
     #: ``decode_threads`` sets it)
     decode_threads: int = 1
@@ -90,6 +90,25 @@ class Trunk(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def use_kernels(self, kernels: KernelSettings) -> "Trunk":
+        """Run with the kernel settings ``kernels`` (:func:`tandem.ops.dispatch.install`; a loader calls it once):
+        the trunk's own modules in the row-invariant mode when :attr:`batch_invariant`, the MTP layer always
+        (its drafts come from the row-invariant GEMM, faster than MKL for a few rows). Returns the trunk."""
+        dispatch.install(self, kernels.replace(rows=self._batch_invariant))
+        if self.mtp is not None:
+            dispatch.install(self.mtp, kernels.replace(rows=True))
+        return self
+
+    @property
+    def batch_invariant(self) -> bool:
+        """See :attr:`_batch_invariant`; setting it gives the trunk's modules the matching kernel settings."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = bool(on)
+        self.use_kernels(self.kernels)
 
     @property
     def mtp(self) -> MTPLayer | None:
@@ -114,7 +133,7 @@ class Trunk(nn.Module):
         """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
         decode steps take (:func:`~tandem.ops.cpu.decode.stream_mean`), so their rows match."""
         if (
-            cpu_gemm.invariant()
+            self.kernels.rows
             and streams.shape[0] == 1
             and streams.dtype == torch.float32
             and dispatch.numba(self.kernels, streams)
@@ -152,8 +171,7 @@ class Trunk(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head in fp32: ``[..., D] -> [..., V]`` (under :attr:`batch_invariant` row-invariant, see there)."""
         if self._invariant_rows():
-            with cpu_gemm.rows_mode():
-                return self.lm_head(h).float()
+            return self.lm_head(h).float()
         if self.batch_invariant and h.numel() == h.shape[-1]:
             return self.lm_head(h.reshape(1, -1).expand(2, -1)).float()[:1].view(*h.shape[:-1], -1)
         return self.lm_head(h).float()
@@ -273,13 +291,12 @@ class Trunk(nn.Module):
             return fn
 
         fused = self._invariant_rows()
-        with cpu_gemm.rows_mode(fused):
-            out = self._layers(
-                self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]),
-                attn_fn,
-                tuple(features),
-                self._kda_blocks(fused, caches, lengths, attn_fn, False, keep),
-            )
+        out = self._layers(
+            self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]),
+            attn_fn,
+            tuple(features),
+            self._kda_blocks(fused, caches, lengths, attn_fn, False, keep),
+        )
         for c, n in zip(caches, lengths):
             c.pos += n
         parts = [o.split(lengths, 1) for o in (out if features else (out,))]
@@ -339,13 +356,12 @@ class Trunk(nn.Module):
 
             return fn
 
-        with cpu_gemm.rows_mode(kernel):
-            out = self._layers(
-                self._streams(torch.cat(rows, 1)),
-                attn_fn,
-                tuple(features),
-                self._kda_blocks(kernel, caches, comp, attn_fn, True, keep),
-            )
+        out = self._layers(
+            self._streams(torch.cat(rows, 1)),
+            attn_fn,
+            tuple(features),
+            self._kda_blocks(kernel, caches, comp, attn_fn, True, keep),
+        )
         for c, p, n in zip(caches, pending, lengths):
             c.pending, c.pending_rows = p, n
         parts = [o.split(comp, 1) for o in (out if features else (out,))]
@@ -379,10 +395,9 @@ class Trunk(nn.Module):
         if steps < 1 or len(anchors) != len(caches) or len(stop_ids) != len(caches):
             raise ValueError(f"decode: steps {steps} >= 1 and one anchor and stop set per cache ({len(caches)})")
         if self._invariant_rows():
-            with cpu_gemm.rows_mode():
-                out = cpu_decode.decode_steps(
-                    self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads
-                )
+            out = cpu_decode.decode_steps(
+                self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads
+            )
             if out is not None:
                 return out
         return self._decode_reference(caches, anchors, steps, stop_ids, features)

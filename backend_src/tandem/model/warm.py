@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from ..ops import dispatch
 from ..ops.cpu import amx as cpu_amx, kernels as cpu_kernels
 from ..ops.settings import KernelSettings
 from .checkpoint import cast_trunk, init_weights, is_fp32_param
@@ -80,7 +79,7 @@ def compile_kernels() -> float:
         for amx in (True, False) if cpu_amx.HW_AMX else (True,):  # both tiles where the `amx` parameter picks one
             for weights in ("fp32", "shipped", "bf16") if amx else ("shipped", "bf16"):  # (fp32 weights: once)
                 # the serving layout (fused linears and experts: ops/cpu/block.py) with its kernel settings
-                model = dispatch.install(input_major_linears(trunk(weights)), KernelSettings(amx=amx))
+                model = input_major_linears(trunk(weights)).use_kernels(KernelSettings(amx=amx))
                 model.batch_invariant = True  # the row-invariant GEMM and MoE (ops/cpu/gemm.py), the fused blocks
                 run(model)
     return time.perf_counter() - t0

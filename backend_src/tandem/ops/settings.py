@@ -28,6 +28,9 @@ class KernelSettings:
       ``dtype=fp32``);
     * ``amx``: the bfloat16-pair GEMMs on AMX tiles where the CPU has them (:mod:`tandem.ops.cpu.amx`; the
       serving parameter ``amx``);
+    * ``rows``: the row-invariant mode: CPU float32 linears take the row-invariant GEMM
+      (:func:`tandem.ops.cpu.gemm.linear`), the MoE, MLA rows and decoder blocks their row kernels, so a row's
+      result does not depend on the rows beside it (a trunk's ``batch_invariant``; always on for the drafters);
     * ``fused``: in the row-invariant mode a decoder block runs as one numba call where it fits
       (:mod:`tandem.ops.cpu.block`, :mod:`tandem.ops.cpu.mla_block`); off, kernel by kernel (tests compare the two).
 
@@ -37,6 +40,7 @@ class KernelSettings:
     numba: bool = True
     gemm_inputs: str = "bf16"
     amx: bool = True
+    rows: bool = False
     fused: bool = True
 
     def __post_init__(self) -> None:

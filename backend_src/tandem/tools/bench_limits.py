@@ -111,7 +111,6 @@ def ops_per_token(engine, ids: list[int], max_tokens: int) -> dict:
     pure-torch reference. Returns ``{"serving": n, "reference": n}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ..ops import dispatch
     from ..ops.settings import REFERENCE
 
     def count() -> float:
@@ -120,11 +119,11 @@ def ops_per_token(engine, ids: list[int], max_tokens: int) -> dict:
         return sum(k.count for k in prof.key_averages() if k.key.startswith("aten::")) / max(len(r["token_ids"]), 1)
 
     serving, kernels = count(), engine.kernels
-    dispatch.install(engine.model, REFERENCE)
+    engine.model.use_kernels(REFERENCE)
     try:
         reference = count()
     finally:
-        dispatch.install(engine.model, kernels)
+        engine.model.use_kernels(kernels)
     return {"serving": serving, "reference": reference}
 
 

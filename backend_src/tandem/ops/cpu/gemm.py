@@ -8,7 +8,7 @@ output element is one fixed sequence of float32 fused multiply-adds over the inp
 ``out[r, j] = fma(x[r, D-1], w[D-1, j], ... fma(x[r, 0], w[0, j], 0))``, whatever the number of
 rows, their position or their neighbours: a row is bit-identical in any batch by construction, on
 any CPU. The serving parameter ``batch_invariant`` routes the trunk's verify passes here
-(:func:`rows_mode`); the reference is ``x @ w.T`` (``tests/test_cpu_gemm.py``).
+(:attr:`~tandem.ops.settings.KernelSettings.rows`); the reference is ``x @ w.T`` (``tests/test_cpu_gemm.py``).
 
 It is also faster than MKL for these few-row shapes. Rows go in fours with the input dimension in
 steps of 4 (one accumulator load and store per 4 fmas, every operand in a register), the last three as
@@ -32,9 +32,6 @@ loaded with ``gemm_inputs="fp32"`` (:class:`~tandem.ops.settings.KernelSettings`
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -49,7 +46,6 @@ from .tile import TILE, _f32, tile1, tile2, tile3, tile4
 
 #: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
 _BLOCK = 512
-_DEPTH, _DEPTH_LOCK = [0], threading.Lock()
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -373,32 +369,13 @@ def kernel_weight(
     return packed
 
 
-@contextlib.contextmanager
-def rows_mode(on: bool = True):
-    """Within this block (when ``on``) :func:`linear` on CPU float32 rows takes the row-invariant
-    kernel instead of the BLAS (the trunk's verify passes and LM head under ``batch_invariant``). The
-    depth is the process's: threads may be inside at once (prime groups), so it counts under a lock."""
-    with _DEPTH_LOCK:
-        _DEPTH[0] += bool(on)
-    try:
-        yield
-    finally:
-        with _DEPTH_LOCK:
-            _DEPTH[0] -= bool(on)
-
-
-def invariant() -> bool:
-    """True inside :func:`rows_mode`."""
-    return _DEPTH[0] > 0
-
-
 def linear(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernels: KernelSettings = DEFAULT
 ) -> torch.Tensor:
-    """``F.linear(x [..., D], w [O, D], b)``; inside :func:`rows_mode`, for CPU float32 rows with the numba
-    kernels on for ``kernels`` (:func:`tandem.ops.dispatch.numba`), the row-invariant kernel on
-    :func:`kernel_weight`'s array. Returns ``[..., O]``."""
-    if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and dispatch.numba(kernels, x):
+    """``F.linear(x [..., D], w [O, D], b)``; in the row-invariant mode (``kernels.rows``), for CPU float32
+    rows with the numba kernels on for ``kernels`` (:func:`tandem.ops.dispatch.numba`), the row-invariant
+    kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
+    if kernels.rows and x.dtype == torch.float32 == w.dtype and dispatch.numba(kernels, x):
         y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w, kernels))).view(
             *x.shape[:-1], w.shape[0]
         )
