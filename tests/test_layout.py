@@ -118,3 +118,18 @@ def test_no_import_cycle():
         if v not in index:
             visit(v)
     assert cycles == []
+
+
+def test_the_model_reaches_its_kernels_only_through_dispatch():
+    """``model/`` is the reference in torch: of :mod:`tandem.ops` it imports the dispatch point, the settings
+    and the state types, never a kernel module (numba or Triton)."""
+    allowed = {"ops.dispatch", "ops.settings", "ops.state"}
+    for path in sorted((PKG / "model").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            mod = ("." * node.level + (node.module or "")).lstrip(".").removeprefix("tandem.")
+            names = [mod] if mod != "ops" else [f"ops.{a.name}" for a in node.names]
+            for name in names:
+                if name.startswith("ops"):
+                    assert name in allowed, f"model/{path.name} imports {name}"

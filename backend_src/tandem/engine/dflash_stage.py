@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import schema
-from ..ops.cpu import gemm as cpu_gemm
+from ..ops import dispatch
 from ..model.dflash import DFlashDrafter
 from ..schema import WireError
 from .drafter_stage import DrafterStage
@@ -186,8 +186,8 @@ class DFlashStage(DrafterStage):
         """The trunk's LM head on drafted rows ``h [..., D] -> [..., V]``, row-invariant as the drafter is (the
         tandem GEMM: faster than MKL for a few rows, cold weights as bf16), whatever the trunk's setting."""
         head = self.head
-        if isinstance(head, cpu_gemm.ServingLinear):
-            return cpu_gemm.linear(h, head.weight, head.bias, head.kernels.replace(rows=True))
+        if isinstance(head, dispatch.ServingLinear):
+            return dispatch.linear(head.kernels.replace(rows=True), h, head.weight, head.bias)
         return head(h)
 
     def handle(self, arrays: schema.Arrays) -> schema.Arrays:

@@ -30,7 +30,6 @@ import torch
 
 from .. import schema
 from ..ops import dispatch
-from ..ops.cpu import kernels as cpu_kernels
 from ..ops.noise import ACCEPT, BONUS, DRAFT, GUMBEL, RESIDUAL  # noqa: F401 - the noise purposes, used here and by callers
 from ..ops.settings import DEFAULT, KernelSettings
 from ..schema import WireError
@@ -190,8 +189,9 @@ def targets_and_gaps(
     argmax) is ``(params, row tokens, position of row 0, last row only)`` for :func:`row_targets`;
     ``kernels`` the model's kernel settings.
     """
-    if dispatch.numba(kernels, logits) and logits.dtype == torch.float32 and logits.shape[-1] > 1:
-        target, gap = cpu_kernels.top2(logits)  # one pass over each row
+    got = dispatch.top2(kernels, logits)  # one pass over each row
+    if got is not None:
+        target, gap = got
     else:
         top = logits.topk(2, dim=-1)
         target, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]

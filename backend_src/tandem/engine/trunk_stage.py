@@ -80,11 +80,8 @@ def _targets(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets ``[R]`` and top-2 gaps ``[R]`` of ``logits [R, V]`` (the fused Triton sampler on CUDA), the
     model's kernel settings ``kernels`` choosing the implementation."""
-    if dispatch.use_triton(kernels, logits):
-        from ..ops.triton import sampler
-
-        return sampler.targets_and_gaps(logits, lengths, samplers)
-    return sampling.targets_and_gaps(logits, lengths, samplers, kernels)
+    got = dispatch.sampler_targets(kernels, logits, lengths, samplers)
+    return sampling.targets_and_gaps(logits, lengths, samplers, kernels) if got is None else got
 
 
 class TrunkStage(KeyedStates):

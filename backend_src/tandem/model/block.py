@@ -6,7 +6,6 @@ import torch
 import torch.nn as nn
 
 from ..ops import dispatch
-from ..ops.cpu import block as cpu_block
 from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .kda import LinearAttention
@@ -41,13 +40,8 @@ class DecoderLayer(nn.Module):
     def ffn(self, streams: torch.Tensor) -> torch.Tensor:
         """The block's FFN half (mHC weights and norm, MLP / MoE, mHC merge) on streams ``[B, T, N, D]``;
         in the CPU row-invariant mode (fp32) one :func:`~tandem.ops.cpu.block.ffn_block` call for a MoE."""
-        if (
-            self.kernels.rows
-            and streams.dtype == torch.float32
-            and streams.shape[0] == 1
-            and dispatch.numba(self.kernels, streams)
-            and cpu_block.ffn_fits(self)
-        ):
-            return cpu_block.ffn_block(self, streams)
+        out = dispatch.ffn_block(self.kernels, self, streams)
+        if out is not None:
+            return out
         post, comb, x = self.ffn_hc.normed(streams, self.post_attention_layernorm)
         return hc_merge(post, comb, self.mlp(x), streams, self.kernels)

@@ -174,11 +174,8 @@ class DFlashAttention(nn.Module):
         q = rope(self.q_norm(self.q_proj(x).view(b, s, self.h, self.d)).transpose(1, 2), pos, self.theta)
         k, v = self.kv(x, pos)
         if isinstance(ctx_k, list):
-            if dispatch.use_triton(self.kernels, x):
-                from ..ops.triton import block_attention as kernel
-
-                o = kernel.block_attention(q, k, v, ctx_k, ctx_v)
-            else:
+            o = dispatch.block_attention(self.kernels, x, q, k, v, ctx_k, ctx_v)  # Triton, or None
+            if o is None:
                 o = block_attention(q, k, v, ctx_k, ctx_v)
         else:
             k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)

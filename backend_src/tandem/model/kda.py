@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from ..ops import dispatch
 
-from ..ops.cpu import kda as cpu_kda
 from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
@@ -278,12 +277,9 @@ class LinearAttention(nn.Module):
             return y, rows.full, rows.states
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
-        if dispatch.use_triton(self.kernels, x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
-            from ..ops.triton import kda_verify
-
-            o, states = kda_verify.kda_rows(q, k, v, g, beta, S)
-        else:
-            o, states = kda_rows(q, k, v, g, beta, S)
+        needs_grad = torch.is_grad_enabled() and q.requires_grad  # the Triton kernel has no backward
+        got = dispatch.kda_rows_triton(self.kernels, x, q, k, v, g, beta, S, needs_grad)
+        o, states = kda_rows(q, k, v, g, beta, S) if got is None else got
         return self._out(x, o), full, states
 
     def forward_rows_many(
@@ -313,7 +309,7 @@ class LinearAttention(nn.Module):
         mixed, fa, b, ga = out.split([3 * C, dk, H, dk], -1)
         fg = self.forget_gate
         fb, gb = fg.f_b_proj(fa), self.g_b_proj(ga)
-        y, per = cpu_kda.kda_rows_fused(
+        y, per = dispatch.kda_rows_fused(
             mixed,
             states,
             self.conv1d.weight,

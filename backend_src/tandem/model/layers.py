@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops import dispatch
-from ..ops.cpu import block as cpu_block, gemm as cpu_gemm, kernels as cpu_kernels, moe as cpu_moe
 from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 
@@ -29,7 +28,7 @@ def input_major_linears(module: nn.Module) -> nn.Module:
         if isinstance(m, nn.Linear):
             m.weight.data = m.weight.data.t().contiguous().t()
             if type(m) is nn.Linear:  # same parameters; its forward can take the row-invariant kernel
-                m.__class__ = cpu_gemm.ServingLinear
+                m.__class__ = dispatch.ServingLinear
     for m in module.modules():
         for attr, names in getattr(type(m), "FUSED", {}).items():
             ps = [_weight(m, n) for n in names]
@@ -42,7 +41,7 @@ def input_major_linears(module: nn.Module) -> nn.Module:
             setattr(m, attr, (w.t(), outs))
         if hasattr(m, "serving_layout"):
             m.serving_layout()
-    cpu_block.relayout()
+    dispatch.relayout()
     return module
 
 
@@ -60,7 +59,7 @@ def fused_linear(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor 
     fused = getattr(module, attr, None)
     if fused is None or torch.is_grad_enabled() or fused[0].dtype != x.dtype:
         return None
-    return cpu_gemm.linear(x, fused[0], None, module.kernels)
+    return dispatch.linear(module.kernels, x, fused[0])
 
 
 class RMSNorm(nn.Module):
@@ -78,8 +77,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dispatch.numba(self.kernels, x) and x.dtype == torch.float32 == self.weight.dtype:  # one kernel call
-            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
+        y = dispatch.rms_norm(self.kernels, x, self.weight, self.variance_epsilon)  # one kernel call
+        if y is not None:
+            return y
         dt = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -123,11 +123,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_proj(x), self.up_proj(x)
-        if (
-            dispatch.numba(self.kernels, x) and g.dtype == torch.float32
-        ):  # the experts' arithmetic (cpu_block's dense FFN)
-            return self.down_proj(cpu_kernels.swiglu(g, u, self.limit))
-        return self.down_proj(clamped_swiglu(g, u, self.limit))
+        h = dispatch.swiglu(self.kernels, g, u, self.limit)  # the experts' arithmetic (the fused dense FFN's)
+        return self.down_proj(clamped_swiglu(g, u, self.limit) if h is None else h)
 
 
 class Experts(nn.Module):
@@ -240,27 +237,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if (
-            dispatch.numba(self.kernels, x)
-            and getattr(self, "_w_up", None) is not None
-            and x.dtype == torch.float32
-            and self._w_up.dtype == torch.float32
-            and (x.numel() <= shape[-1] * self.kernel_rows or self.kernels.rows)
-        ):
-            g = self.gate
-            return cpu_moe.moe_rows(
-                x.reshape(-1, shape[-1]),
-                g.weight,
-                g.e_score_correction_bias,
-                g.top_k,
-                g.norm_topk_prob,
-                g.scale,
-                self._w_up,
-                self._w_down,
-                self.experts.limit,
-                self.kernels.rows,
-                self.kernels,
-            ).view(shape)
+        y = dispatch.moe(self.kernels, self, x)
+        if y is not None:
+            return y
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)
         if self.training:
@@ -309,18 +288,9 @@ class HyperConnection(nn.Module):
     def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the block's ``norm`` applied to the collapsed input; in serving (no
         autograd) one :func:`~tandem.ops.cpu.kernels.hc_weights` call."""
-        if dispatch.numba(self.kernels, streams):
-            return cpu_kernels.hc_weights(
-                streams,
-                self.fn,
-                self.base,
-                self.scale,
-                self.iters,
-                self.eps,
-                self.norm_eps,
-                norm.weight,
-                norm.variance_epsilon,
-            )
+        out = dispatch.hc_normed(self.kernels, self, streams, norm)
+        if out is not None:
+            return out
         post, comb, x = self(streams)
         return post, comb, norm(x)
 
@@ -345,7 +315,8 @@ def hc_merge(
 ) -> torch.Tensor:
     """mHC expand + mix: ``post ⊗ block_out + comb^T @ residual``. Shapes ``[B,T,N]``, ``[B,T,N,N]``,
     ``[B,T,D]``, ``[B,T,N,D]`` -> ``[B,T,N,D]``."""
-    if dispatch.numba(kernels, residual) and residual.dtype == torch.float32:
-        return cpu_kernels.hc_merge(post, comb, block_out, residual)
+    out = dispatch.hc_merge(kernels, post, comb, block_out, residual)
+    if out is not None:
+        return out
     dt = residual.dtype
     return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), residual)

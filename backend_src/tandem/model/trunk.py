@@ -19,12 +19,6 @@ import itertools
 import torch
 import torch.nn as nn
 
-from ..ops.cpu import (
-    block as cpu_block,
-    decode as cpu_decode,
-    kernels as cpu_kernels,
-    mla_block as cpu_mla_block,
-)
 from ..ops import dispatch
 from ..ops.settings import DEFAULT, KernelSettings
 from .cache import KDARows, KDAState, TrunkCache
@@ -132,14 +126,8 @@ class Trunk(nn.Module):
     def _mean(self, streams: torch.Tensor) -> torch.Tensor:
         """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
         decode steps take (:func:`~tandem.ops.cpu.decode.stream_mean`), so their rows match."""
-        if (
-            self.kernels.rows
-            and streams.shape[0] == 1
-            and streams.dtype == torch.float32
-            and dispatch.numba(self.kernels, streams)
-        ):
-            return cpu_decode.stream_mean(streams)
-        return streams.mean(2)
+        m = dispatch.stream_mean(self.kernels, streams)
+        return streams.mean(2) if m is None else m
 
     def _final(self, streams: torch.Tensor) -> torch.Tensor:
         return self.norm(self._mean(streams))
@@ -151,7 +139,7 @@ class Trunk(nn.Module):
         ``features`` the pair (hidden, the mean of the streams after each listed layer, concatenated
         ``[B, T, n*D]``)."""
         feats = []
-        cpu_block.new_pass()
+        dispatch.new_pass()
         for i, layer in enumerate(
             itertools.islice(self.layers, self.cfg.num_hidden_layers)
         ):  # (a slice: a new ModuleList)
@@ -201,19 +189,19 @@ class Trunk(nn.Module):
         def block_fn(i, layer):
             if not on:
                 return None
-            if not cpu_block.kda_fits(layer):
-                if not cpu_mla_block.fits(layer):
+            if not dispatch.kda_fits(layer):
+                if not dispatch.mla_fits(layer):
                     return None
                 return lambda s: (
                     layer.run(s, attn_fn(i, layer))
                     if s.shape[0] != 1
-                    else cpu_mla_block.mla_block(layer, s, [c.layers[i] for c in caches], lengths)
+                    else dispatch.mla_block(layer, s, [c.layers[i] for c in caches], lengths)
                 )
 
             def run(s):
                 if s.shape[0] != 1:
                     return layer.run(s, attn_fn(i, layer))
-                s, per = cpu_block.kda_block(layer, s, self._kda_starts(caches, i, layer), lengths, keep_states)
+                s, per = dispatch.kda_block(layer, s, self._kda_starts(caches, i, layer), lengths, keep_states)
                 keep(i, per)
                 return s
 
@@ -250,7 +238,7 @@ class Trunk(nn.Module):
         groups = row_groups(lengths, self.decode_threads) if self._invariant_rows() else [range(len(caches))]
         if len(groups) == 1:
             return self._prime_rows(caches, ids, lengths, features)
-        return cpu_decode.run_groups(
+        return dispatch.run_groups(
             lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g], [lengths[j] for j in g], features),
             groups,
         )
@@ -395,7 +383,7 @@ class Trunk(nn.Module):
         if steps < 1 or len(anchors) != len(caches) or len(stop_ids) != len(caches):
             raise ValueError(f"decode: steps {steps} >= 1 and one anchor and stop set per cache ({len(caches)})")
         if self._invariant_rows():
-            out = cpu_decode.decode_steps(
+            out = dispatch.decode_steps(
                 self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads
             )
             if out is not None:
@@ -413,8 +401,9 @@ class Trunk(nn.Module):
             outs = self.verify_many(caches, [torch.tensor([[a]], device=self.device) for a in anchor], features)
             h = torch.cat([o[0] if features else o for o in outs], 1)[0]
             logits = self.logits(h)
-            if dispatch.numba(self.kernels, logits) and logits.dtype == torch.float32:
-                tgt, gap = cpu_kernels.top2(logits)
+            got = dispatch.top2(self.kernels, logits)
+            if got is not None:
+                tgt, gap = got
             else:
                 top = logits.topk(2, dim=-1)
                 tgt, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..ops.cpu import amx as cpu_amx, kernels as cpu_kernels
+from ..ops import dispatch
 from ..ops.settings import KernelSettings
 from .checkpoint import cast_trunk, init_weights, is_fp32_param
 from .config import TrunkConfig
@@ -63,8 +63,9 @@ def compile_kernels() -> float:
         for c in caches:
             model.prime(c, torch.arange(1, 21)[None])
         for _ in range(2):
-            cpu_kernels.top2(
-                model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0])
+            dispatch.top2(
+                model.kernels,
+                model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0]),
             )
             for c in caches:
                 c.commit(1)
@@ -76,7 +77,7 @@ def compile_kernels() -> float:
 
     with torch.no_grad():
         run(trunk("fp32"))  # the plain layout, BLAS GEMMs
-        for amx in (True, False) if cpu_amx.HW_AMX else (True,):  # both tiles where the `amx` parameter picks one
+        for amx in (True, False) if dispatch.HW_AMX else (True,):  # both tiles where the `amx` parameter picks one
             for weights in ("fp32", "shipped", "bf16") if amx else ("shipped", "bf16"):  # (fp32 weights: once)
                 # the serving layout (fused linears and experts: ops/cpu/block.py) with its kernel settings
                 model = input_major_linears(trunk(weights)).use_kernels(KernelSettings(amx=amx))

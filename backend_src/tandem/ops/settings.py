@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..schema import KERNEL_MODES
+from .triton import ENV, KernelUnavailable, available, interpreted
 
 AUTO, TRITON, TORCH = KERNEL_MODES
 GEMM_INPUTS = ("bf16", "fp32")
@@ -48,6 +51,28 @@ class KernelSettings:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.backend!r}")
         if self.gemm_inputs not in GEMM_INPUTS:
             raise ValueError(f"GEMM inputs must be one of {GEMM_INPUTS}, got {self.gemm_inputs!r}")
+
+    def numba_on(self, t: torch.Tensor | None = None) -> bool:
+        """Whether the CPU numba kernels serve a call: :attr:`numba`, the backend not ``triton`` (the model then
+        takes the call sites that reach the Triton kernels), autograd off and, when given, ``t`` on the CPU."""
+        return self.numba and self.backend != TRITON and not torch.is_grad_enabled() and (t is None or t.is_cpu)
+
+    def triton_on(self, t: torch.Tensor) -> bool:
+        """Whether the call whose main input is ``t`` takes its Triton kernel. ``auto``: ``t`` on CUDA and triton
+        installed; ``torch``: never; ``triton``: always, raising :class:`~tandem.ops.triton.KernelUnavailable`
+        when it cannot run there (``t`` on the CPU without ``TRITON_INTERPRET=1``, or no triton)."""
+        if self.backend == TORCH:
+            return False
+        if self.backend == AUTO:
+            return t.is_cuda and available()
+        if not available():
+            raise KernelUnavailable(f"{ENV}=triton but the triton package is not installed")
+        if not t.is_cuda and not interpreted():
+            raise KernelUnavailable(
+                f"{ENV}=triton on {t.device} tensors needs TRITON_INTERPRET=1 (Triton's "
+                "interpreter), set before the kernels are imported"
+            )
+        return True
 
     def replace(self, **changes) -> "KernelSettings":
         """A copy with ``changes`` (the fields above)."""

@@ -22,9 +22,8 @@ from .. import schema
 from ..engine.stages import drafter_stages
 from ..engine.state_size import StateSize
 from ..engine.trunk_stage import TrunkStage
-from ..ops.cpu import decode as cpu_decode
 from ..model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
-from ..ops.cpu.amx import gemm_tiles
+from ..ops import dispatch
 from ..model.device import kernel_settings, placement
 from ..model.tokenizer import ChatTokenizer
 from ..model.warm import compile_kernels
@@ -63,7 +62,7 @@ class TandemModel:
             batch_invariant=cfg.batch_invariant,
             decode_threads=cfg.decode_threads,
         )
-        cpu_decode.set_pool_initializer(functools.partial(backend.set_thread_nice, cfg.compute_nice))
+        dispatch.set_pool_initializer(functools.partial(backend.set_thread_nice, cfg.compute_nice))
         log = pb.Logger.log_error
         arms = dflash_arms(ckpt, dirs)
         self.bls = watch = None
@@ -101,7 +100,7 @@ class TandemModel:
         self.sends = backend.SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)
         pb.Logger.log_info(
             f"tandem: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
-            f"{gemm_tiles(cfg.amx)}); drafters {sorted(drafters)} "
+            f"{dispatch.gemm_tiles(cfg.amx)}); drafters {sorted(drafters)} "
             f"{'in this process' if cfg.colocate else 'in their models (colocate off)'}, DFlash "
             f"drafters {({a: str(dirs[a]) for a in arms}) or 'none'}; "
             f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)}); {cfg}"

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from numba import njit, types
 from numba.extending import overload
 
-from .. import dispatch
 from ..settings import DEFAULT, KernelSettings
 from .amx import amx_gemm, uses_amx
 from .pairs import _pair_tail, _pair_tiles, bf16_pairs, pack_pairs
@@ -373,9 +372,9 @@ def linear(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernels: KernelSettings = DEFAULT
 ) -> torch.Tensor:
     """``F.linear(x [..., D], w [O, D], b)``; in the row-invariant mode (``kernels.rows``), for CPU float32
-    rows with the numba kernels on for ``kernels`` (:func:`tandem.ops.dispatch.numba`), the row-invariant
+    rows with the numba kernels on for ``kernels`` (:meth:`~tandem.ops.settings.KernelSettings.numba_on`), the row-invariant
     kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
-    if kernels.rows and x.dtype == torch.float32 == w.dtype and dispatch.numba(kernels, x):
+    if kernels.rows and x.dtype == torch.float32 == w.dtype and kernels.numba_on(x):
         y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w, kernels))).view(
             *x.shape[:-1], w.shape[0]
         )

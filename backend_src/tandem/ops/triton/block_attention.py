@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import dispatch
+from . import interpreted
 
 MAX_S, MAX_D = 128, 256
 
@@ -206,7 +206,7 @@ def block_attention_packed(
         BLOCK_C=64 if BLOCK_D <= 64 else 32,
         BLOCK_D=BLOCK_D,
         PREC="ieee" if q.dtype == torch.float32 else None,
-        DOT_F32=dispatch.interpreted(),
+        DOT_F32=interpreted(),
         num_warps=4,
     )
     return o

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import dispatch
+from . import interpreted
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def kda_rows_ragged(
     starts = torch.cumsum(lens, 0) - lens
     # on the GPU a program per 32 state columns; in the interpreter, whose cost is per program and op,
     # one per head
-    bv = block_v or (triton.next_power_of_2(dv) if dispatch.interpreted() else min(triton.next_power_of_2(dv), 32))
+    bv = block_v or (triton.next_power_of_2(dv) if interpreted() else min(triton.next_power_of_2(dv), 32))
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"kda_verify: block_v must be a power of two, got {bv}")
     o = torch.empty(R, H, dv, dtype=torch.float32, device=k.device)

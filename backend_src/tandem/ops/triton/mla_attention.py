@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import dispatch
+from . import interpreted
 
 #: the launchers the engine calls (:mod:`tandem.model.mla`; tests count their calls)
 ENGINE_LAUNCHERS = ("attention", "attend_rows")
@@ -205,7 +205,7 @@ def attend_rows(
         BLOCK_N=32,
         BLOCK_DQ=max(16, triton.next_power_of_2(DQK)),
         BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-        IEEE=q.dtype == torch.float32 or dispatch.interpreted(),
+        IEEE=q.dtype == torch.float32 or interpreted(),
     )
     return out
 
