@@ -213,7 +213,7 @@ class MoE(nn.Module):
 
     #: up to this many rows (decode and verify blocks of a batch of sessions) the serving path runs
     #: :func:`~tandem.ops.cpu.moe.moe_rows`: the same code for any row count (any number of rows
-    #: under the row-invariant kernels, :func:`tandem.ops.cpu.gemm.rows_mode`)
+    #: in the row-invariant mode, :attr:`tandem.ops.settings.KernelSettings.rows`)
     kernel_rows = 256
 
     def serving_layout(self) -> None:

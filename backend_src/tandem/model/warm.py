@@ -69,7 +69,7 @@ def compile_kernels() -> float:
             )
             for c in caches:
                 c.commit(1)
-        if model.batch_invariant:  # plain decode steps in one call (cpu_decode.py): two sequences, then one
+        if model.batch_invariant:  # plain decode steps in one call (ops/cpu/decode.py): two sequences, then one
             for cs in (caches, caches[:1]):
                 model.decode_many(cs, [3] * len(cs), 3, [()] * len(cs), (1,))
                 for c in cs:

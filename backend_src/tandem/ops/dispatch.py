@@ -51,16 +51,12 @@ _F32 = torch.float32
 # -- selection ----------------------------------------------------------------------------------------------
 
 
-def numba(k: KernelSettings, t: torch.Tensor | None = None) -> bool:
-    """Whether the CPU numba kernels serve a call under settings ``k`` (on ``t``, when given):
-    :meth:`KernelSettings.numba_on`."""
-    return k.numba_on(t)
-
-
-def use_triton(k: KernelSettings, t: torch.Tensor) -> bool:
-    """Whether the call whose main input is ``t`` takes its Triton kernel under settings ``k``:
-    :meth:`KernelSettings.triton_on` (raises :class:`KernelUnavailable` where ``triton`` cannot run)."""
-    return k.triton_on(t)
+#: ``numba(k, t=None)``: whether the CPU numba kernels serve a call under settings ``k`` (on ``t``, when given):
+#: :meth:`KernelSettings.numba_on` itself (no wrapper on the layers' hot path)
+numba = KernelSettings.numba_on
+#: ``use_triton(k, t)``: whether the call whose main input is ``t`` takes its Triton kernel under settings ``k``:
+#: :meth:`KernelSettings.triton_on` (raises :class:`KernelUnavailable` where ``triton`` cannot run)
+use_triton = KernelSettings.triton_on
 
 
 def _triton(k: KernelSettings, t: torch.Tensor) -> bool:

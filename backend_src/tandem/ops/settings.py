@@ -46,7 +46,11 @@ class KernelSettings:
     rows: bool = False
     fused: bool = True
 
+    def __hash__(self) -> int:  # the fused blocks' plans are keyed by settings: hashed once, not per lookup
+        return self._hash
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
         if self.backend not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.backend!r}")
         if self.gemm_inputs not in GEMM_INPUTS:
