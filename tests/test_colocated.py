@@ -35,9 +35,12 @@ def test_a_burst_ends_after_burst_ms(shipped, tokenizer, sharegpt_prompts, arm):
 
 def test_the_accept_walk_has_one_call_site():
     """Every round's accept walk is the scheduler's (its one call, in ``_after_verify``): no other module
-    of the package calls it, so no process replays or re-derives a walk."""
+    of the package calls it, so no process replays or re-derives a walk. (The Triton kernels' bench cases,
+    ``tools/kernel_cases.py``, run the walk and its kernel side by side on made-up rows: no session's.)"""
     calls = []
     for path in PKG.rglob("*.py"):
+        if path.relative_to(PKG).as_posix() == "tools/kernel_cases.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if (
                 isinstance(node, ast.Call)
