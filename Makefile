@@ -15,12 +15,17 @@ $(STAMP): requirements.txt pyproject.toml
 
 BACKEND := triton_backends/.stamp-backend
 
-# the Python backend folder tritonserver needs, assembled from the nvidia-pytriton wheel; the numba
-# serving kernels compiled into their on-disk cache (so no first request pays ~10 s)
+# the Python backend folder tritonserver needs, assembled from the nvidia-pytriton wheel
 $(BACKEND): $(STAMP)
 	$(VPY) -m tandem.launch.serve backend-dir
-	$(VPY) -m tandem.model.warm
 	@touch $(BACKEND)
+
+# the numba serving kernels compiled into their on-disk cache beside them (so no first request pays ~10 s);
+# again when a kernel source (backend_src/tandem/ops/cpu) changes
+WARM := $(VENV)/.stamp-warm
+$(WARM): $(STAMP) $(wildcard backend_src/tandem/ops/cpu/*.py)
+	$(VPY) -m tandem.model.warm
+	@touch $(WARM)
 
 # HAProxy for the bounded HTTP front of every server (`make serve`, the test servers) and for `make serve-cluster`:
 # Debian 12's haproxy 2.6 + the libraries it lacks here, fetched with apt-get download and unpacked under
@@ -29,7 +34,7 @@ HAPROXY := triton_backends/haproxy/.stamp
 $(HAPROXY): $(STAMP)
 	$(VPY) -m tandem.launch.cluster install-haproxy
 
-setup: $(STAMP) $(BACKEND) $(HAPROXY)
+setup: $(STAMP) $(BACKEND) $(WARM) $(HAPROXY)
 
 # Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics), HTTP and metrics through the bounded HAProxy
 # front (tandem.launch.http_front), so even one server needs HAProxy: setup installs it; CHECKPOINT=dir overrides
@@ -89,10 +94,10 @@ genai-perf: setup
 	$(VPY) -m loadtest.genai_perf --concurrency $(CONCURRENCY) --requests $(REQUESTS) --output-tokens $(MAX_TOKENS) \
 		$(if $(URL),--url $(URL)) $(ARGS)
 
-# each Triton kernel (kernels/) against its torch reference on a GPU; without one it says so (ARGS=--cpu with
+# each Triton kernel (backend_src/tandem/ops/triton/) against its torch reference on a GPU; without one it says so (ARGS=--cpu with
 # TRITON_INTERPRET=1: an interpreter smoke run, agreement only)
 kernel-bench: setup
-	$(VPY) -m tandem_kernels.bench $(ARGS)
+	$(VPY) -m tandem.tools.kernel_bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-genai triton_backends runs

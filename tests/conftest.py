@@ -34,14 +34,8 @@ LONG_TURN_TEXTS = (
 def _serving_numerics_engine():
     """One in-process engine on the checkpoint for :func:`long_turn_prompt` (loaded once a run)."""
     from tandem.engine.inprocess import Engine
-    from tandem.model import cpu_amx, cpu_gemm
 
-    before = cpu_gemm._INPUTS[0], cpu_amx.ON[0]
-    try:
-        return Engine(CHECKPOINT, prefix_cache_mb=0)
-    finally:
-        cpu_gemm.set_inputs(before[0])
-        cpu_amx.set_amx(before[1])
+    return Engine(CHECKPOINT, prefix_cache_mb=0)  # dtype=auto: serving's kernel settings
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,20 +45,11 @@ def long_turn_prompt(tokens: int) -> tuple[int, ...]:
     served tests that need a turn still streaming seconds later (served greedy output equals
     in-process; a fixed prompt stopped after 40 tokens once the GEMM numerics changed). Raises
     ``AssertionError`` when no candidate of :data:`LONG_TURN_TEXTS` does."""
-    from tandem.model import cpu_amx, cpu_gemm
-    from tandem.model.device import gemm_inputs
-
     eng = _serving_numerics_engine()
-    before = cpu_gemm._INPUTS[0], cpu_amx.ON[0]  # the process's GEMM inputs and tiles, which serving's set
-    try:
-        gemm_inputs("auto", eng.config.amx)
-        for text in LONG_TURN_TEXTS:
-            ids = eng.tokenizer.chat_prompt(text)
-            if eng.generate(ids, tokens, spec="off")["finish_reason"] == "length":
-                return tuple(ids)
-    finally:
-        cpu_gemm.set_inputs(before[0])
-        cpu_amx.set_amx(before[1])
+    for text in LONG_TURN_TEXTS:
+        ids = eng.tokenizer.chat_prompt(text)
+        if eng.generate(ids, tokens, spec="off")["finish_reason"] == "length":
+            return tuple(ids)
     raise AssertionError(f"no prompt of {LONG_TURN_TEXTS} runs {tokens} greedy tokens without a stop")
 
 

@@ -58,7 +58,10 @@ def cluster():
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors")
     with running_cluster(
-        2, env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **ENV}, models=tuple(schema.MODELS), ready_timeout_s=300
+        2,
+        env={"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **ENV},
+        models=(schema.TANDEM.name,),
+        ready_timeout_s=300,
     ) as c:
         yield c
 

@@ -1,4 +1,4 @@
-"""The bfloat16-pair GEMM on AMX tiles (``tandem.model.cpu_amx``): every row bit-identical for any
+"""The bfloat16-pair GEMM on AMX tiles (``tandem.ops.cpu.amx``): every row bit-identical for any
 number of rows and any neighbours (input and output dimensions with and without tails, more rows than
 a tile holds, column ranges), sums within float32 accumulation of the exact sum of the bfloat16
 products, and the ``amx`` setting choosing the packing (int32 strips for the tiles) only where the CPU
@@ -8,16 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_amx, cpu_gemm, cpu_tile
+from tandem.ops.cpu import amx as cpu_amx, gemm as cpu_gemm, tile as cpu_tile
+from tandem.ops.settings import KernelSettings
 
 needs_amx = pytest.mark.skipif(not cpu_amx.HW_AMX, reason="the CPU has no AMX-BF16 (or Linux did not lend the tiles)")
 
 
-@pytest.fixture
-def amx_on():
-    before = cpu_amx.set_amx(True)
-    yield
-    cpu_amx.set_amx(before)
+AMX, NO_AMX = KernelSettings(amx=True), KernelSettings(amx=False)
 
 
 def _bf16_weight(n_out, D, seed):
@@ -33,9 +30,9 @@ def _inputs(M, D, seed):
 
 @needs_amx
 @pytest.mark.parametrize("D,n_out", [(2, 64), (38, 130), (40, 5), (96, 200), (256, 517), (512, 256)])
-def test_amx_rows_are_bit_identical_for_any_row_count(D, n_out, amx_on):
+def test_amx_rows_are_bit_identical_for_any_row_count(D, n_out):
     w = _bf16_weight(n_out, D, seed=D + n_out)
-    pw = cpu_gemm.kernel_weight(w)
+    pw = cpu_gemm.kernel_weight(w, AMX)
     assert pw[0].dtype == np.int32 and pw[0].shape == (n_out // 64, D // 2, 64)
     x = _inputs(40, D, seed=D)
     full = cpu_gemm.mm_rows(x, pw)
@@ -53,34 +50,26 @@ def test_amx_rows_are_bit_identical_for_any_row_count(D, n_out, amx_on):
 
 
 @needs_amx
-def test_amx_sums_lie_within_float32_accumulation_of_the_exact_sum(amx_on):
+def test_amx_sums_lie_within_float32_accumulation_of_the_exact_sum():
     D, n_out = 256, 1000
     w = _bf16_weight(n_out, D, seed=7)
     x = _inputs(24, D, seed=8)
-    got = cpu_gemm.mm_rows(x, cpu_gemm.kernel_weight(w)).astype(np.float64)
+    got = cpu_gemm.mm_rows(x, cpu_gemm.kernel_weight(w, AMX)).astype(np.float64)
     xb = torch.from_numpy(x).to(torch.bfloat16).double().numpy()  # the inputs the tiles multiply
     wd = w.double().numpy().T
     exact, scale = xb @ wd, np.abs(xb) @ np.abs(wd)
     err = np.abs(got - exact) / scale
     assert err.max() <= D * 2.0**-24  # the bound of D float32 roundings (Higham, Accuracy and Stability, eq. 3.5)
     assert np.median(err) < 1e-7
-    cpu_amx.set_amx(False)  # the AVX512-BF16 chain on the same inputs: another summation, so other last bits
-    try:
-        other = cpu_gemm.mm_rows(x, cpu_gemm.kernel_weight(w))
-    finally:
-        cpu_amx.set_amx(True)
+    # the AVX512-BF16 chain on the same inputs: another summation, so other last bits
+    other = cpu_gemm.mm_rows(x, cpu_gemm.kernel_weight(w, NO_AMX))
     assert not np.array_equal(other, got.astype(np.float32))
     assert np.abs(other - exact).max() / scale.max() < 1e-6
 
 
 def test_amx_setting_chooses_the_packing_only_where_the_cpu_has_tiles():
     w = _bf16_weight(130, 38, seed=1)
-    before = cpu_amx.set_amx(True)
-    try:
-        assert cpu_amx.ON[0] == cpu_amx.HW_AMX and (cpu_amx.gemm_tiles() == "AMX") == cpu_amx.HW_AMX
-        assert cpu_gemm.kernel_weight(w)[0].dtype == (np.int32 if cpu_amx.HW_AMX else np.uint32)
-        assert cpu_amx.set_amx(False) == cpu_amx.HW_AMX
-        assert cpu_gemm.kernel_weight(w)[0].dtype == np.uint32 and not cpu_amx.ON[0]
-        assert cpu_amx.gemm_tiles() == ("AVX512-BF16" if cpu_tile.HW_BF16 else "fp32 FMA")
-    finally:
-        cpu_amx.set_amx(before)
+    assert cpu_amx.uses_amx(True) == cpu_amx.HW_AMX and (cpu_amx.gemm_tiles(True) == "AMX") == cpu_amx.HW_AMX
+    assert cpu_gemm.kernel_weight(w, AMX)[0].dtype == (np.int32 if cpu_amx.HW_AMX else np.uint32)
+    assert cpu_gemm.kernel_weight(w, NO_AMX)[0].dtype == np.uint32 and not cpu_amx.uses_amx(False)
+    assert cpu_amx.gemm_tiles(False) == ("AVX512-BF16" if cpu_tile.HW_BF16 else "fp32 FMA")

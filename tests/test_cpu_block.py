@@ -1,16 +1,18 @@
-"""A decoder block in one numba call (``tandem.model.cpu_block``, ``cpu_mla_block``) against the same block
+"""A decoder block in one numba call (``tandem.ops.cpu.block``, ``cpu_mla_block``) against the same block
 run kernel by kernel (``DecoderLayer.run``): bit-identical hidden rows, features, KDA rows / states and
 MLA caches (rows and pools), for
 a verify of several sequences, a prime and the plain decode that follows, on odd shapes (3 streams,
 5 experts, heads of 12), and the weight arguments made again after an in-place change."""
 
+import copy
 import gc
 import weakref
 
 import pytest
 import torch
 
-from tandem.model import cpu_block, cpu_mla_block
+from tandem.ops.cpu import block as cpu_block, mla_block as cpu_mla_block
+from tandem.ops.settings import KernelSettings
 from tandem.model.cache import KDAState, MLACache
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
@@ -55,6 +57,11 @@ def odd():
     return _odd_model()
 
 
+def _unfused(model):
+    """A copy of ``model`` (its weights as they are now) whose blocks run kernel by kernel."""
+    return copy.deepcopy(model).use_kernels(KernelSettings(fused=False))
+
+
 def _ids(n, seed):
     return torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -68,9 +75,9 @@ def _counting(monkeypatch):
 def _session(model, fused: bool, prompts, blocks):
     """Prime each prompt (one prime_many), verify ``blocks`` (one verify_many, features of layers 1
     and 3), commit 2 rows each, then one plain row each; every output and the caches."""
+    model = model if fused else _unfused(model)
     caches = [model.new_cache() for _ in prompts]
-    ctx = cpu_block.off() if not fused else torch.no_grad()
-    with ctx:
+    with torch.no_grad():
         primed = model.prime_many(caches, prompts)
         verified = model.verify_many(caches, blocks, features=(1, 3))
         pend = [{i: (r.full.clone(), r.states.clone(), r.col, r.row) for i, r in c.pending.items()} for c in caches]
@@ -117,10 +124,10 @@ def test_fused_block_sees_an_in_place_weight_change(odd):
     prompt, block = _ids(5, 7), _ids(3, 8)
 
     def run(fused):
-        c = odd.new_cache()
-        with torch.no_grad() if fused else cpu_block.off():
-            odd.prime(c, prompt)
-            return odd.verify(c, block)
+        model = odd if fused else _unfused(odd)
+        c = model.new_cache()
+        model.prime(c, prompt)
+        return model.verify(c, block)
 
     before = run(True)
     with torch.no_grad():
@@ -143,7 +150,8 @@ def test_a_layers_plans_go_with_it():
     with torch.no_grad():
         model.verify(model.new_cache(), _ids(2, 10))
     layer = model.layers[1]
-    assert set(cpu_block._PLANS[layer]) == {"kda", "ffn"} and cpu_block._PLANS[layer]["kda"].fits
+    k = layer.kernels  # a plan a kernel settings: the weights are packed for them
+    assert set(cpu_block._PLANS[layer]) == {("kda", k), ("ffn", k)} and cpu_block._PLANS[layer][("kda", k)].fits
     n, ref = len(cpu_block._PLANS), weakref.ref(layer)
     del layer, model
     gc.collect()

@@ -1,4 +1,4 @@
-"""Plain greedy decode steps in one compiled call (``tandem.model.cpu_decode``, ``Trunk.decode_many``)
+"""Plain greedy decode steps in one compiled call (``tandem.ops.cpu.decode``, ``Trunk.decode_many``)
 against the same steps as one-row verify passes with their commits: bit-identical targets, gaps,
 hidden rows, features and caches, on odd shapes (3 streams, 5 experts, a vocabulary of 97) and on the
 shipped checkpoint; the early stop; the scheduler's and the co-located host's plain rounds in one
@@ -10,7 +10,7 @@ import torch
 from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import Rows
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model import cpu_decode
+from tandem.ops.cpu import decode as cpu_decode
 from test_cpu_block import _odd_model
 
 

@@ -1,4 +1,4 @@
-"""The row-invariant GEMM (``tandem.model.cpu_gemm``) against ``x @ w.T`` with odd shapes, and its
+"""The row-invariant GEMM (``tandem.ops.cpu.gemm``) against ``x @ w.T`` with odd shapes, and its
 defining property: a row's output is bit-identical whatever the number of rows, its position among
 them and its neighbours; the same for the MoE's invariant path against the torch reference."""
 
@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_gemm, cpu_kernels, cpu_moe
+from tandem.ops import dispatch
+from tandem.ops.cpu import gemm as cpu_gemm, moe as cpu_moe
+from tandem.ops.settings import DEFAULT, REFERENCE, KernelSettings
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
 from tandem.model.layers import input_major_linears
@@ -36,17 +38,16 @@ def test_mm_rows_matches_matmul_and_is_row_invariant(D, n_out):
 def test_linear_takes_the_kernel_only_in_rows_mode():
     x, w = _randn(2, 5, 24, seed=1), _randn(30, 24, seed=2)
     w_im = w.t().contiguous().t()  # the serving layout
+    rows = KernelSettings(rows=True)
     with torch.no_grad():
         plain = cpu_gemm.linear(x, w_im)
-        with cpu_gemm.rows_mode():
-            assert cpu_gemm.invariant()
-            inv, inv_rowmajor = cpu_gemm.linear(x, w_im), cpu_gemm.linear(x, w)
-            biased = cpu_gemm.linear(x, w_im, torch.ones(30))
-        assert not cpu_gemm.invariant()
+        inv, inv_rowmajor = cpu_gemm.linear(x, w_im, None, rows), cpu_gemm.linear(x, w, None, rows)
+        biased = cpu_gemm.linear(x, w_im, torch.ones(30), rows)
+        one = cpu_gemm.linear(x.reshape(10, 24)[3:4], w_im, None, rows)
+        assert torch.equal(plain, torch.nn.functional.linear(x, w_im))  # off: the BLAS
     assert inv.shape == (2, 5, 30) and torch.equal(inv, inv_rowmajor) and torch.equal(biased, inv + 1)
     torch.testing.assert_close(inv, plain, atol=1e-5, rtol=1e-4)
-    with cpu_gemm.rows_mode(), torch.no_grad():
-        assert torch.equal(inv.reshape(10, 30)[3:4], cpu_gemm.linear(x.reshape(10, 24)[3:4], w_im))
+    assert torch.equal(inv.reshape(10, 30)[3:4], one)
 
 
 def test_serving_layout_swaps_linear_class_keeping_the_checkpoint():
@@ -97,7 +98,7 @@ def test_moe_invariant_path_matches_reference_and_is_row_invariant(N, D, n_inter
         with torch.no_grad():
             for w in (moe._w_up, moe._w_down):
                 w.copy_(w.to(torch.bfloat16).float())
-        assert cpu_gemm.kernel_weight(moe._w_down, transpose=False)[0].dtype in (
+        assert cpu_gemm.kernel_weight(moe._w_down, DEFAULT, transpose=False)[0].dtype in (
             np.uint32,
             np.int32,
         )  # pairs (int32: AMX)
@@ -119,8 +120,7 @@ def test_moe_invariant_path_matches_reference_and_is_row_invariant(N, D, n_inter
 
     with torch.no_grad():
         y = run(x)
-        with cpu_kernels.reference():
-            ref = moe(x[None])[0]
+        ref = dispatch.install(moe, REFERENCE)(x[None])[0]  # (this test's own model)
         dense = cpu_moe.moe_rows(
             x,
             g.weight,
@@ -143,41 +143,42 @@ def test_kernel_weight_streams_bf16_bits_with_the_same_products():
     """Weights that are exactly bfloat16 (the shipped checkpoint, upcast) are read as their uint16
     bits: half the bytes, the products bit-identical to the fp32 weights; others stay fp32; an
     in-place change of the weight is seen; the arrays are strip-packed (64 columns a run). (The float32-input
-    layout, :func:`fp32_inputs`; the default bfloat16 pairs: tests/test_cpu_tile.py.)"""
-    with cpu_gemm.fp32_inputs():
-        w = _randn(517, 40, seed=5).to(torch.bfloat16).float().t().contiguous().t()  # input-major, bf16 values
-        x = _randn(9, 40, seed=6).numpy()
-        wt = cpu_gemm.kernel_weight(w)
-        strips, tail = wt
-        assert strips.dtype == tail.dtype == np.uint16 and strips.shape == (8, 40, 64) and tail.shape == (40, 5)
-        assert strips.nbytes + tail.nbytes == w.numel() * 2 and cpu_gemm.cols(wt) == 517
-        assert cpu_gemm.kernel_weight(w) is wt  # made once
-        fp32 = w.t().numpy().copy()
-        assert np.array_equal(cpu_gemm.mm_rows(x, wt), cpu_gemm.mm_rows(x, fp32))
-        assert np.array_equal(cpu_gemm.mm_rows(x, wt, 128, 320), cpu_gemm.mm_rows(x, fp32)[:, 128:320])
-        assert np.array_equal(cpu_gemm.mm_rows(x, wt, 448, 517), cpu_gemm.mm_rows(x, fp32)[:, 448:517])
-        with pytest.raises(ValueError, match="strips of 64: got 100..333 of 517"):
-            cpu_gemm.mm_rows(x, wt, 100, 333)
-        odd = _randn(30, 40, seed=7)  # not bfloat16 values
-        assert not cpu_gemm.is_bf16(cpu_gemm.kernel_weight(odd)) and cpu_gemm.kernel_weight(odd)[1].dtype == np.float32
-        with torch.no_grad():
-            w.mul_(2.0)  # still bfloat16 values
-        again = cpu_gemm.kernel_weight(w)
-        assert again is not wt and np.array_equal(cpu_gemm.mm_rows(x, again), 2 * cpu_gemm.mm_rows(x, fp32))
-        down = _randn(3, 24, 130, seed=8).to(torch.bfloat16).float()  # [E, I, D], not transposed
-        ds, dt = cpu_gemm.kernel_weight(down, transpose=False)
-        bits = down.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        assert (
-            ds.shape == (3, 2, 24, 64)
-            and np.array_equal(ds[1, 1], bits[1, :, 64:128])
-            and np.array_equal(dt, bits[:, :, 128:])
-        )
-        up = _randn(3 * 48, 40, seed=9).to(torch.bfloat16).float()  # [E * 2I, D]: each expert's rows in turn
-        us, ut = cpu_gemm.kernel_weight(up, experts=3)
-        assert us.shape == (3, 0, 40, 64) and ut.shape == (3, 40, 48)
-        assert np.array_equal(
-            cpu_gemm.mm_rows(x, (us[2], ut[2])), cpu_gemm.mm_rows(x, up[96:].t().contiguous().numpy())
-        )
+    layout, ``gemm_inputs="fp32"``; the default bfloat16 pairs: tests/test_cpu_tile.py.)"""
+    fp32 = KernelSettings(gemm_inputs="fp32")
+    w = _randn(517, 40, seed=5).to(torch.bfloat16).float().t().contiguous().t()  # input-major, bf16 values
+    x = _randn(9, 40, seed=6).numpy()
+    wt = cpu_gemm.kernel_weight(w, fp32)
+    strips, tail = wt
+    assert strips.dtype == tail.dtype == np.uint16 and strips.shape == (8, 40, 64) and tail.shape == (40, 5)
+    assert strips.nbytes + tail.nbytes == w.numel() * 2 and cpu_gemm.cols(wt) == 517
+    assert cpu_gemm.kernel_weight(w, fp32) is wt  # made once
+    w32 = w.t().numpy().copy()
+    assert np.array_equal(cpu_gemm.mm_rows(x, wt), cpu_gemm.mm_rows(x, w32))
+    assert np.array_equal(cpu_gemm.mm_rows(x, wt, 128, 320), cpu_gemm.mm_rows(x, w32)[:, 128:320])
+    assert np.array_equal(cpu_gemm.mm_rows(x, wt, 448, 517), cpu_gemm.mm_rows(x, w32)[:, 448:517])
+    with pytest.raises(ValueError, match="strips of 64: got 100..333 of 517"):
+        cpu_gemm.mm_rows(x, wt, 100, 333)
+    odd = _randn(30, 40, seed=7)  # not bfloat16 values
+    assert (
+        not cpu_gemm.is_bf16(cpu_gemm.kernel_weight(odd, fp32))
+        and cpu_gemm.kernel_weight(odd, fp32)[1].dtype == np.float32
+    )
+    with torch.no_grad():
+        w.mul_(2.0)  # still bfloat16 values
+    again = cpu_gemm.kernel_weight(w, fp32)
+    assert again is not wt and np.array_equal(cpu_gemm.mm_rows(x, again), 2 * cpu_gemm.mm_rows(x, w32))
+    down = _randn(3, 24, 130, seed=8).to(torch.bfloat16).float()  # [E, I, D], not transposed
+    ds, dt = cpu_gemm.kernel_weight(down, fp32, transpose=False)
+    bits = down.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert (
+        ds.shape == (3, 2, 24, 64)
+        and np.array_equal(ds[1, 1], bits[1, :, 64:128])
+        and np.array_equal(dt, bits[:, :, 128:])
+    )
+    up = _randn(3 * 48, 40, seed=9).to(torch.bfloat16).float()  # [E * 2I, D]: each expert's rows in turn
+    us, ut = cpu_gemm.kernel_weight(up, fp32, experts=3)
+    assert us.shape == (3, 0, 40, 64) and ut.shape == (3, 40, 48)
+    assert np.array_equal(cpu_gemm.mm_rows(x, (us[2], ut[2])), cpu_gemm.mm_rows(x, up[96:].t().contiguous().numpy()))
 
 
 @pytest.mark.parametrize("bf16", [False, True])

@@ -1,13 +1,15 @@
 """The numba serving kernels against their pure-torch references, with odd shapes (3 streams,
 5 experts, heads of 12, pools of 4), and the preallocated MLA cache against concatenation."""
 
-import contextlib
+import copy
 
 import numpy as np
 import pytest
 import torch
 
-from tandem.model import cpu_attention, cpu_kda, cpu_kernels
+from tandem.ops import dispatch
+from tandem.ops.cpu import attention as cpu_attention, kda as cpu_kda, kernels as cpu_kernels
+from tandem.ops.settings import REFERENCE
 from tandem.model.cache import MLACache
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
@@ -45,20 +47,25 @@ def odd():
     return cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=3), torch.float32)
 
 
+@pytest.fixture(scope="module")
+def ref(odd):
+    """``odd`` (the same weights) on the pure-torch reference path."""
+    return dispatch.install(copy.deepcopy(odd), REFERENCE)
+
+
 def _randn(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 @pytest.mark.parametrize("T", [1, 3, 9])
-def test_hc_weights_and_merge_match_reference(odd, T):
-    layer = odd.layers[0]
+def test_hc_weights_and_merge_match_reference(odd, ref, T):
+    layer, rlayer = odd.layers[0], ref.layers[0]
     s = _randn(1, T, 3, 40, seed=T)
     with torch.no_grad():
         post, comb, x = layer.attn_hc.normed(s, layer.input_layernorm)
-        with cpu_kernels.reference():
-            rp, rc, rx = layer.attn_hc(s)
-            rx = layer.input_layernorm(rx)
-            ref_merge = hc_merge(rp, rc, rx, s)
+        rp, rc, rx = rlayer.attn_hc(s)
+        rx = rlayer.input_layernorm(rx)
+        ref_merge = hc_merge(rp, rc, rx, s, REFERENCE)
         assert post.shape == (1, T, 3) and comb.shape == (1, T, 3, 3) and x.shape == (1, T, 40)
         torch.testing.assert_close(post, rp, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(comb, rc, atol=1e-6, rtol=1e-5)
@@ -72,14 +79,13 @@ def test_hc_weights_and_merge_match_reference(odd, T):
 
 
 @pytest.mark.parametrize("T", [1, 2, 9])
-def test_kda_rows_match_reference(odd, T):
+def test_kda_rows_match_reference(odd, ref, T):
     kda = odd.layers[0].self_attn
     x = _randn(1, T, 40, seed=10 + T)
     tail, S = _randn(1, 3 * 36, 3, seed=1), _randn(1, 3, 12, 12, seed=2, scale=0.3)
     with torch.no_grad():
         y, full, states = kda.forward_rows(x, (tail, S))
-        with cpu_kernels.reference():
-            ry, rfull, rstates = kda.forward_rows(x, (tail, S))
+        ry, rfull, rstates = ref.layers[0].self_attn.forward_rows(x, (tail, S))
     assert y.shape == (1, T, 40) and full.shape == (1, 108, 3 + T) and states.shape == (1, T, 3, 12, 12)
     torch.testing.assert_close(full, rfull, atol=1e-6, rtol=1e-5)  # one fused GEMM vs three
     torch.testing.assert_close(states, rstates, atol=1e-5, rtol=1e-4)
@@ -125,13 +131,12 @@ def test_kda_rows_many_reads_a_previous_pass_in_place(odd):
 
 
 @pytest.mark.parametrize("N", [1, 5, 16])
-def test_moe_rows_match_reference(odd, N):
+def test_moe_rows_match_reference(odd, ref, N):
     moe = odd.layers[1].mlp
     x = _randn(1, N, 40, seed=N)
     with torch.no_grad():
         y = moe(x)
-        with cpu_kernels.reference():
-            ry = moe(x)
+        ry = ref.layers[1].mlp(x)
     assert y.shape == (1, N, 40)
     torch.testing.assert_close(y, ry, atol=1e-5, rtol=1e-4)
 
@@ -155,7 +160,7 @@ def test_dsa_mask_equals_reference_selection(odd, T, pos0):
 
 
 @pytest.mark.parametrize("T,pos0", [(1, 3), (1, 37), (5, 30), (9, 61)])
-def test_mla_rows_match_reference(odd, T, pos0):
+def test_mla_rows_match_reference(odd, ref, T, pos0):
     """The MLA / DSA rows kernel (indexer, k-pool selection, attention over the selected tokens)
     against the torch path, on a cache long enough for the selection to drop pools; a row alone
     equals the same row inside the block, bit for bit."""
@@ -163,11 +168,10 @@ def test_mla_rows_match_reference(odd, T, pos0):
     prompt, x = _randn(1, pos0, 40, seed=pos0), _randn(1, T, 40, seed=pos0 + 1)
     outs = []
     with torch.no_grad():
-        for ctx in (contextlib.nullcontext(), cpu_kernels.reference()):
-            cache = MLACache(attn.indexer.kp)
-            with ctx:
-                attn.prime(prompt, cache)
-                outs.append(attn.rows(x, cache))
+        for a in (attn, ref.layers[1].self_attn):
+            cache = MLACache(a.indexer.kp)
+            a.prime(prompt, cache)
+            outs.append(a.rows(x, cache))
             assert len(cache) == pos0 + T
         arrays, ix = cpu_attention.query_arrays(attn.project(x)), attn.indexer  # the block vs each row alone
         block, one = np.empty((T, 32), np.float32), np.empty((T, 32), np.float32)
@@ -227,16 +231,15 @@ def test_top2_matches_topk(R, V):
 
 
 @pytest.mark.parametrize("n", [3, 4, 13, 40])
-def test_pool_keys_match_reference(odd, n):
+def test_pool_keys_match_reference(odd, ref, n):
     """The DSA pool compression kernel against the torch softmax-weighted sum (complete pools only)."""
     ix = odd.layers[1].self_attn.indexer
     keys, gates = _randn(1, n, 8, seed=n), _randn(1, n, 8, seed=n + 1, scale=3.0)
     with torch.no_grad():
         got = ix.pool_keys(keys, gates)
-        with cpu_kernels.reference():
-            ref = ix.pool_keys(keys, gates)
-    assert got.shape == ref.shape == (1, n // ix.kp, 8)
-    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+        want = ref.layers[1].self_attn.indexer.pool_keys(keys, gates)
+    assert got.shape == want.shape == (1, n // ix.kp, 8)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_mla_many_equals_one_sequence_at_a_time_and_appends_like_torch(odd):

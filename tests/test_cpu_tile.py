@@ -1,4 +1,4 @@
-"""The register-tiled micro-kernels (``tandem.model.cpu_tile``): the GEMM tiles give the same bits as
+"""The register-tiled micro-kernels (``tandem.ops.cpu.tile``): the GEMM tiles give the same bits as
 the blocked kernels they replace for two or more rows (float32 and bfloat16-bit weights, odd shapes,
 column ranges), and the KDA state passes keep the recurrence's results (against the torch
 reference) and the identity of a prime's in-place states with a verify's kept states, for head
@@ -7,12 +7,17 @@ bfloat16 weights) give the float32 chain over bfloat16-rounded inputs bit for bi
 (``vdpbf16ps``) and emulated. The mHC mixing logits in registers (``hc_mix8``) and the MLA kernels' contracted dot product
 (``cpu_attention.dot_fma``) give the loops' bits."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from numba import njit
 
-from tandem.model import cpu_amx, cpu_attention, cpu_gemm, cpu_kernels, cpu_pairs, cpu_tile
+from tandem.ops import dispatch
+from tandem.ops.cpu import attention as cpu_attention, gemm as cpu_gemm, kernels as cpu_kernels
+from tandem.ops.cpu import pairs as cpu_pairs, tile as cpu_tile
+from tandem.ops.settings import DEFAULT, REFERENCE, KernelSettings
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
 from tandem.model.trunk import Trunk
@@ -65,20 +70,19 @@ def _kda(dk):
         max_position_embeddings=64,
     )
     trunk = cast_trunk(init_weights(Trunk(cfg, with_mtp=False).eval().requires_grad_(False), seed=dk), torch.float32)
-    return trunk.layers[0].self_attn
+    return trunk.layers[0].self_attn, dispatch.install(copy.deepcopy(trunk), REFERENCE).layers[0].self_attn
 
 
 @pytest.mark.parametrize("dk", [16, 48, 64, 20])
 def test_kda_state_passes_match_reference_and_prime_equals_verify(dk):
-    kda = _kda(dk)
+    kda, ref = _kda(dk)  # the same weights, the kernels and the torch reference
     T, C = 5, 2 * dk
     g = torch.Generator().manual_seed(dk)
     x = torch.randn(1, T, 40, generator=g)
     start = (torch.randn(1, 3 * C, 3, generator=g), torch.randn(1, 2, dk, dk, generator=g) * 0.3)
     with torch.no_grad():
         y, full, states = kda.forward_rows(x, start)
-        with cpu_kernels.reference():
-            ry, _, rstates = kda.forward_rows(x, start)
+        ry, _, rstates = ref.forward_rows(x, start)
         _, per = kda.forward_rows_many(x, [start], [T], keep_states=False)  # a prime: one state, in place
     assert states.shape == (1, T, 2, dk, dk)
     torch.testing.assert_close(states, rstates, atol=1e-5, rtol=1e-4)
@@ -119,16 +123,12 @@ def _emulated(xp, w, out):
         cpu_tile.epair1(xp, w, r, out, 0)
 
 
-@pytest.fixture
-def no_amx():
-    """The AVX512-BF16 tiles (on a CPU with AMX the bfloat16 pairs take AMX's, tests/test_cpu_amx.py)."""
-    before = cpu_amx.set_amx(False)
-    yield
-    cpu_amx.set_amx(before)
+#: the AVX512-BF16 tiles (on a CPU with AMX the bfloat16 pairs take AMX's, tests/test_cpu_amx.py)
+NO_AMX = KernelSettings(amx=False)
 
 
 @pytest.mark.parametrize("D,n_out", [(2, 64), (38, 130), (256, 517), (40, 5)])
-def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, n_out, no_amx):
+def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, n_out):
     """bfloat16 weights by default take the pair layout; mm_rows on it (AMX off) equals the float32 chain
     over bfloat16-rounded inputs bit for bit, for 1-9 rows and strip-aligned column ranges (each row
     equal alone and in the batch), and the emulated tiles equal the hardware's (where it has vdpbf16ps)."""
@@ -136,7 +136,7 @@ def test_pair_gemm_is_the_bf16_chain_for_any_rows(D, n_out, no_amx):
     w = torch.from_numpy(g.standard_normal((n_out, D)).astype(np.float32)).to(torch.bfloat16).float()  # input-major
     wf = w.t().contiguous().numpy()
     x = g.standard_normal((9, D)).astype(np.float32)
-    pw = cpu_gemm.kernel_weight(w)
+    pw = cpu_gemm.kernel_weight(w, NO_AMX)
     assert pw[0].dtype == np.uint32 and pw[0].shape == (n_out // 64, D // 2, 64) and pw[1].shape == (D, n_out % 64)
     ref = _pair_chain(x, wf)
     full = cpu_gemm.mm_rows(x, pw)
@@ -168,9 +168,8 @@ def test_bf16_pairs_round_to_nearest_even_and_keep_nan():
     nan = cpu_pairs.bf16_pairs(np.array([[np.nan, -np.nan]], np.float32)).view(np.uint16)
     assert np.isnan((nan.astype(np.uint32) << 16).view(np.float32)).all()
     odd = torch.from_numpy(np.ones((8, 7), np.float32))
-    assert cpu_gemm.kernel_weight(odd)[0].dtype == np.uint16
-    with cpu_gemm.fp32_inputs():
-        assert cpu_gemm.kernel_weight(torch.ones(8, 6))[0].dtype == np.uint16
+    assert cpu_gemm.kernel_weight(odd, DEFAULT)[0].dtype == np.uint16
+    assert cpu_gemm.kernel_weight(torch.ones(8, 6), KernelSettings(gemm_inputs="fp32"))[0].dtype == np.uint16
 
 
 @pytest.mark.parametrize("D", [4, 37, 256])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tandem_kernels import dispatch
 
 from tandem import schema
 from tandem.engine.dflash_stage import DFlashStage
@@ -15,10 +14,11 @@ from tandem.engine.mtp_stage import MTPStage
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.trunk_stage import TrunkStage
-from tandem.model import cpu_gemm, cpu_kernels
+from tandem.ops.cpu import gemm as cpu_gemm
+from tandem.ops.settings import DEFAULT, REFERENCE, KernelSettings
 from tandem.model.checkpoint import check_fits, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, param_bytes
 from tandem.model.config import TrunkConfig
-from tandem.model.device import parse_dtype, placement, resolve_device
+from tandem.model.device import kernel_settings, parse_dtype, placement, resolve_device
 from tandem.launch.settings import parameter_overrides
 from tandem.serving.parameters import serving_config
 from tandem.serving import engine_core as fr
@@ -70,15 +70,15 @@ def test_auto_is_the_cpu_and_fp32_without_cuda(monkeypatch):
     assert placement(schema.DEFAULTS) == (torch.device("cpu"), torch.float32)  # the served CPU default
     assert placement(schema.ServingConfig(dtype="bf16", device="cpu")) == (torch.device("cpu"), torch.bfloat16)
     w = torch.randn(70, 8).to(torch.bfloat16).float()  # bf16 values: the GEMM inputs follow dtype
-    try:
-        assert placement(schema.ServingConfig(dtype="fp32")) == (torch.device("cpu"), torch.float32)
-        assert cpu_gemm.kernel_weight(w)[0].dtype == np.uint16  # fp32 inputs: bf16 bits widened, strips
-        placement(schema.DEFAULTS)
-        assert cpu_gemm.kernel_weight(w)[0].dtype in (np.uint32, np.int32)  # auto: bf16 inputs, pairs (int32: AMX)
-    finally:
-        cpu_gemm.set_inputs("bf16")
-    with pytest.raises(ValueError, match="GEMM inputs must be 'bf16' or 'fp32', got 'fp16'"):
-        cpu_gemm.set_inputs("fp16")
+    fp32 = schema.ServingConfig(dtype="fp32")
+    assert placement(fp32) == (torch.device("cpu"), torch.float32)
+    assert kernel_settings(fp32) == KernelSettings(gemm_inputs="fp32")
+    assert cpu_gemm.kernel_weight(w, kernel_settings(fp32))[0].dtype == np.uint16  # fp32 inputs: bf16 bits, strips
+    assert kernel_settings(schema.DEFAULTS) == DEFAULT
+    # auto: bf16 inputs, pairs (int32: AMX)
+    assert cpu_gemm.kernel_weight(w, kernel_settings(schema.DEFAULTS))[0].dtype in (np.uint32, np.int32)
+    with pytest.raises(ValueError, match=r"GEMM inputs must be one of \('bf16', 'fp32'\), got 'fp16'"):
+        KernelSettings(gemm_inputs="fp16")
     for name in ("cuda", "cuda:0"):
         with pytest.raises(
             ValueError,
@@ -168,11 +168,12 @@ class _OnMeta:
         return call
 
 
-def _turns(checkpoint, trunk, meta: bool) -> list[list[int]]:
+def _turns(checkpoint, trunk, meta: bool, kernels: KernelSettings = DEFAULT) -> list[list[int]]:
     """Greedy turns on every arm and one sampled turn (prefix cache on): the trunk stage in this process, the
-    drafters through their models' wire form (``colocate`` off); ``meta``: every stage call on meta."""
+    drafters (loaded with ``kernels``) through their models' wire form (``colocate`` off); ``meta``: every
+    stage call on meta."""
     feats = dflash_feature_layers(checkpoint)
-    drafters = {a: load_dflash(checkpoint, a, torch.float32) for a in dflash_arms(checkpoint)}
+    drafters = {a: load_dflash(checkpoint, a, torch.float32, kernels=kernels) for a in dflash_arms(checkpoint)}
     tr = (_MetaDefault if meta else fr.LocalTransport)(
         {
             "drafter_mtp": MTPStage(trunk),
@@ -209,11 +210,11 @@ def _turns(checkpoint, trunk, meta: bool) -> list[list[int]]:
     return out
 
 
-def test_stages_create_no_tensor_off_the_model_device(checkpoint, trunk_fp32):
+def test_stages_create_no_tensor_off_the_model_device(checkpoint):
     """On the torch path (what CUDA runs with kernels=torch, and around the Triton kernels otherwise)
     every tensor the stages make for the model goes to its device: with meta as the default device
     the served turns are unchanged."""
-    with cpu_kernels.reference(), dispatch.force("torch"):
-        want = _turns(checkpoint, trunk_fp32, False)
-        got = _turns(checkpoint, trunk_fp32, True)
+    trunk = load_trunk(checkpoint, torch.float32, kernels=REFERENCE)
+    want = _turns(checkpoint, trunk, False, REFERENCE)
+    got = _turns(checkpoint, trunk, True, REFERENCE)
     assert got == want and all(len(t) == 6 for t in want)

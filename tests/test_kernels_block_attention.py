@@ -4,12 +4,16 @@ dims and block sizes, the packed-offset entry, and the engine hook under the for
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from tandem_kernels import dispatch  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
+from tandem.ops.settings import REFERENCE, KernelSettings  # noqa: E402
+from tandem.tools.kernel_cases import CASES  # noqa: E402
 
 from tandem.model.dflash import DFlashAttention, DFlashConfig, block_attention as reference  # noqa: E402
 
@@ -34,7 +38,7 @@ def _inputs(H, d, S, lens, seed=0, noncontig=False):
 @pytest.mark.parametrize("d", [12, 24])
 @pytest.mark.parametrize("S", [7, 8])
 def test_ragged_contexts_equal_reference(d, S):
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(3, d, S, [0, 5, 37], seed=d * 10 + S, noncontig=S == 7)
     want = reference(q, k, v, ck, cv)
@@ -47,7 +51,7 @@ def test_ragged_contexts_equal_reference(d, S):
 
 
 def test_context_spans_several_tiles_and_all_empty():
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(5, 20, 3, [130, 1, 64, 0], seed=3)  # tiles of 64: 3, 1, 1 and 0 of them
     torch.testing.assert_close(block_attention(q, k, v, ck, cv), reference(q, k, v, ck, cv), atol=1e-5, rtol=1e-4)
@@ -56,7 +60,7 @@ def test_context_spans_several_tiles_and_all_empty():
 
 
 def test_packed_entry_reads_offsets():
-    from tandem_kernels.block_attention import block_attention_packed
+    from tandem.ops.triton.block_attention import block_attention_packed
 
     q, k, v, ck, cv = _inputs(3, 12, 7, [9, 0, 21], seed=5)
     off = torch.tensor([0, 9, 9, 30], dtype=torch.int32, device=DEV)
@@ -78,17 +82,17 @@ def test_single_sequence_equals_the_unmasked_tensor_branch():
     x, ctx = torch.randn(1, 7, 40, device=DEV), torch.randn(1, 19, 40, device=DEV)
     pos = torch.arange(19, 26, device=DEV)
     ck, cv = attn.kv(ctx, torch.arange(19, device=DEV))
-    with dispatch.force("torch"):
-        want = attn(x, pos, ck, cv, mask=None)
-        ref_list = attn(x, pos, [ck], [cv])
-    with dispatch.force("triton"):
-        got = attn(x, pos, [ck], [cv])  # the hook: the list branch takes the kernel
+    ref = dispatch.install(copy.deepcopy(attn), REFERENCE)
+    want = ref(x, pos, ck, cv, mask=None)
+    ref_list = ref(x, pos, [ck], [cv])
+    # the hook: the list branch takes the kernel
+    got = dispatch.install(copy.deepcopy(attn), KernelSettings(backend="triton"))(x, pos, [ck], [cv])
     torch.testing.assert_close(ref_list, want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_bad_inputs_are_refused():
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(3, 12, 7, [4, 5], seed=6)
     with pytest.raises(ValueError, match="lists of one length"):
@@ -100,15 +104,14 @@ def test_bad_inputs_are_refused():
 
 
 def test_bench_cases_run():
-    from tandem_kernels.block_attention import bench_cases
 
     tol = dict(atol=1e-5, rtol=1e-4) if DEV == "cpu" else dict(atol=3e-2, rtol=3e-2)  # cuda cases are bf16
-    for label, ref, tri in bench_cases(DEV):
+    for label, ref, tri in CASES["block_attention"](DEV):
         torch.testing.assert_close(tri(), ref(), **tol, msg=label)
 
 
 def test_bf16_stays_within_bf16_rounding_of_fp32():
-    from tandem_kernels.block_attention import block_attention
+    from tandem.ops.triton.block_attention import block_attention
 
     q, k, v, ck, cv = _inputs(3, 24, 8, [0, 5, 37], seed=7)
     bf = lambda ts: [t.bfloat16() for t in ts]  # noqa: E731

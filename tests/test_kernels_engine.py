@@ -1,5 +1,5 @@
 """The engine on the Triton kernels: the shipped model's speculative decoding with every kernel forced
-(``tandem_kernels.dispatch.force("triton")``; on the CPU they run in Triton's interpreter) gives the
+(kernel settings with the ``triton`` backend; on the CPU they run in Triton's interpreter) gives the
 same tokens as the pure-torch path, and each hooked kernel is actually called. Auto mode on the CPU
 takes no kernel (torch / numba)."""
 
@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("triton")
 
 from tandem.engine.inprocess import Engine  # noqa: E402
-from tandem.model import cpu_kernels  # noqa: E402
-from tandem_kernels import dispatch  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
+from tandem.ops.settings import REFERENCE, KernelSettings  # noqa: E402
 
 #: (module, launcher the engine calls) for every hooked kernel
 HOOKS = [
@@ -23,14 +23,25 @@ HOOKS = [
 
 def test_auto_takes_no_kernel_on_the_cpu(engine, tokenizer, calls):
     ids = tokenizer.chat_prompt("Write a haiku about the sea.")
-    with dispatch.force("auto"):
-        out = engine.generate(ids, 6, spec="dflash2")
+    out = engine.generate(ids, 6, spec="dflash2")  # (the engine's settings: auto)
     assert len(out["token_ids"]) == 6 and not calls
 
 
-@pytest.fixture(scope="module")
+def _engine(trunk, tokenizer, settings=None):
+    """An engine on ``trunk`` with the kernel settings ``settings`` (default: from the serving defaults, auto)."""
+    return Engine(
+        model=trunk,
+        tokenizer=tokenizer,
+        burst_rounds=2,
+        demote_probe_rounds=0,
+        prefix_cache_mb=0,
+        kernel_settings=settings,
+    )
+
+
+@pytest.fixture
 def engine(trunk_fp32, tokenizer):
-    return Engine(model=trunk_fp32, tokenizer=tokenizer, burst_rounds=2, demote_probe_rounds=0, prefix_cache_mb=0)
+    return _engine(trunk_fp32, tokenizer)
 
 
 @pytest.fixture
@@ -40,7 +51,7 @@ def calls(monkeypatch):
 
     counts: dict[str, int] = {}
     for name, _ in HOOKS:
-        mod = importlib.import_module(f"tandem_kernels.{name}")
+        mod = importlib.import_module(f"tandem.ops.triton.{name}")
         for attr in getattr(mod, "ENGINE_LAUNCHERS", ()):
             fn = getattr(mod, attr)
 
@@ -53,7 +64,7 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("arm,sampled,n", [("dflash2", False, 16), ("mtp", True, 10)])
-def test_speculative_decoding_on_kernels_equals_torch(engine, tokenizer, sharegpt_prompts, calls, arm, sampled, n):
+def test_speculative_decoding_on_kernels_equals_torch(trunk_fp32, tokenizer, sharegpt_prompts, calls, arm, sampled, n):
     """Greedy DFlash2 and sampled (rejection, seeded) MTP; the interpreter costs seconds a round."""
     if not dispatch.interpreted():
         pytest.skip("the in-process engine holds CPU tensors: forcing the kernels on them needs TRITON_INTERPRET=1")
@@ -62,11 +73,10 @@ def test_speculative_decoding_on_kernels_equals_torch(engine, tokenizer, sharegp
     ids = tokenizer.chat_prompt(sharegpt_prompts[14])
     assert 64 < len(ids) <= 96, len(ids)
     kw = dict(temperature=0.8, seed=11) if sampled else {}
-    with dispatch.force("torch"), cpu_kernels.reference():
-        ref = engine.generate(ids, n, spec=arm, **kw)
+    ref = _engine(trunk_fp32, tokenizer, REFERENCE).generate(ids, n, spec=arm, **kw)
     assert not calls
-    with dispatch.force("triton"):
-        got = engine.generate(ids, n, spec=arm, **kw)
+    got = _engine(trunk_fp32, tokenizer, KernelSettings(backend="triton")).generate(ids, n, spec=arm, **kw)
+    _engine(trunk_fp32, tokenizer)  # the shared trunk back on the default settings
     assert got["error"] is None and ref["error"] is None
     assert got["token_ids"] == ref["token_ids"] and len(got["token_ids"]) == n
     assert got["accepted"] == ref["accepted"] and got["accepted"] > 0 and got["rounds"] == ref["rounds"] >= 3
@@ -101,11 +111,10 @@ def test_the_switch_is_a_checked_server_parameter(monkeypatch):
     with pytest.raises(ValueError, match=r"\$TANDEM_DEVICE \(from the environment\): device must be one of"):
         parameter_overrides({})
     monkeypatch.delenv("TANDEM_DEVICE")
-    # a stage model's start-up (serving_config, then placement) sets the switch dispatch reads
-    from tandem.model.device import placement
+    # a stage model's start-up (serving_config, then placement) gives its models the kernel settings
+    from tandem.model.device import kernel_settings, placement
 
-    monkeypatch.setattr(dispatch, "_mode", dispatch.mode())  # restored after the test
     monkeypatch.setenv("TANDEM_KERNELS", "torch")
     cfg = serving_config({"parameters": {"kernels": {"string_value": "auto"}}})
     assert placement(cfg)[0].type == "cpu"
-    assert cfg.kernels == "torch" and dispatch.mode() == "torch"
+    assert cfg.kernels == "torch" and kernel_settings(cfg).backend == "torch"

@@ -6,8 +6,9 @@ import torch
 pytest.importorskip("triton")
 
 from tandem.model.kda import kda_recurrent, kda_rows  # noqa: E402
-from tandem_kernels import dispatch  # noqa: E402
-from tandem_kernels import kda_verify  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
+from tandem.tools.kernel_cases import CASES  # noqa: E402
+from tandem.ops.triton import kda_verify  # noqa: E402
 
 DEV = "cpu" if dispatch.interpreted() else "cuda"
 
@@ -82,7 +83,7 @@ def test_bad_inputs_raise():
 
 
 def test_bench_cases_run():
-    for label, ref, tri in kda_verify.bench_cases(DEV):
+    for label, ref, tri in CASES["kda_verify"](DEV):
         (ro, rst), (o, st) = ref(), tri()
         torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-4, msg=label)
         torch.testing.assert_close(st, rst, atol=1e-5, rtol=1e-4, msg=label)

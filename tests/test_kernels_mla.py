@@ -13,7 +13,9 @@ import torch
 pytest.importorskip("triton")
 
 from tandem.model.mla import masked_attention, pool_scores, select_pools  # noqa: E402
-from tandem_kernels import dispatch, dsa_indexer, mla_attention  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
+from tandem.tools.kernel_cases import CASES as KERNEL_CASES  # noqa: E402
+from tandem.ops.triton import dsa_indexer, mla_attention  # noqa: E402
 
 DEV = "cpu" if dispatch.interpreted() else "cuda"
 H, HI, DQK, DV, DI = 3, 5, 24, 20, 12
@@ -167,10 +169,12 @@ def test_kernels_pipeline_dense_is_causal_attention():
 
 def test_mla_layer_rows_under_forced_kernels():
     """An MLA layer's ragged verify rows (two sequences, one cache with no complete pool yet) under
-    ``dispatch.force("triton")`` equal the torch reference path."""
+    the ``triton`` backend equal the torch reference path."""
+    import copy
+
     from conftest import make_tiny_trunk
-    from tandem.model import cpu_kernels
     from tandem.model.cache import MLACache
+    from tandem.ops.settings import REFERENCE, KernelSettings
 
     trunk = make_tiny_trunk()
     attn = next(layer.self_attn for layer in trunk.layers if layer.layer_type != "linear_attention")
@@ -180,12 +184,12 @@ def test_mla_layer_rows_under_forced_kernels():
     x = torch.randn(1, 7, trunk.cfg.hidden_size, generator=g)
     outs = []
     with torch.no_grad():
-        for mode in ("torch", "triton"):
+        for settings in (REFERENCE, KernelSettings(backend="triton", numba=False)):
+            layer = dispatch.install(copy.deepcopy(attn), settings)
             caches = [MLACache(kp) for _ in prompts]
-            with dispatch.force(mode), cpu_kernels.reference():
-                for c, pr in zip(caches, prompts):
-                    attn.prime(pr, c)
-                outs.append(attn.rows_many(x, caches, [3, 4]))
+            for c, pr in zip(caches, prompts):
+                layer.prime(pr, c)
+            outs.append(layer.rows_many(x, caches, [3, 4]))
             assert [len(c) for c in caches] == [5, 6 * kp + 5]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-4)
 
@@ -213,7 +217,7 @@ def test_bad_shapes_raise():
 @pytest.mark.parametrize("mod", [dsa_indexer, mla_attention])
 def test_bench_cases_agree(mod):
     """The bench cases (fp32, and bf16 for the attention) give the reference's result."""
-    for label, ref, fast in mod.bench_cases(DEV):
+    for label, ref, fast in KERNEL_CASES[mod.__name__.rsplit(".", 1)[1]](DEV):
         a, b = ref(), fast()
         assert label and a.shape == b.shape and a.dtype == b.dtype
         if a.dtype == torch.bool:

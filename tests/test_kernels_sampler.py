@@ -1,4 +1,4 @@
-"""The fused Triton sampler and accept walk (tandem_kernels.sampler) against the engine's references
+"""The fused Triton sampler and accept walk (tandem.ops.triton.sampler) against the engine's references
 (sampling.targets_and_gaps / uniforms, accept.accept_walk): ragged walks, a vocabulary that is not a
 power of two and spans several tiles, greedy / rejection (top-k, top-p) / coupled rows. On CPU the
 kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest)."""
@@ -15,7 +15,8 @@ from tandem import schema  # noqa: E402
 from tandem.engine import sampling  # noqa: E402
 from tandem.engine.accept import accept_walk  # noqa: E402
 from tandem.engine.sampling import SamplingParams  # noqa: E402
-from tandem_kernels import dispatch, sampler  # noqa: E402
+from tandem.ops import dispatch  # noqa: E402
+from tandem.ops.triton import sampler  # noqa: E402
 
 DEV = "cpu" if dispatch.interpreted() else "cuda"
 

@@ -4,7 +4,7 @@ own full forward (sparse regime)."""
 import pytest
 import torch
 
-from tandem.model import cpu_gemm, cpu_kernels
+from tandem.ops.settings import REFERENCE, KernelSettings
 from tandem.model.checkpoint import load_trunk
 
 
@@ -57,16 +57,16 @@ def test_logits_match_transformers_dense_regime(checkpoint, tokenizer, sharegpt_
     assert worst <= 1e-4
 
 
-def test_cached_paths_equal_full_forward_sparse_regime(trunk_fp32, tokenizer, sharegpt_prompts):
+def test_cached_paths_equal_full_forward_sparse_regime(checkpoint, tokenizer, sharegpt_prompts):
     """Sparse DSA (contexts up to ~300 tokens >> index_topk): prime + verify/commit in uneven
     pieces reproduces tandem's own full forward (fp32 GEMM inputs: the bf16 inputs' rounding is
     bounded by test_serving_kernels_track_the_reference_on_the_checkpoint)."""
-    model = trunk_fp32
+    model = load_trunk(checkpoint, torch.float32, kernels=KernelSettings(gemm_inputs="fp32"))
     text = " ".join(sharegpt_prompts)
     ids = tokenizer.encode(text)[:301]
     assert len(ids) > 4 * model.cfg.index_topk
     x = torch.tensor([ids])
-    with torch.no_grad(), cpu_gemm.fp32_inputs():
+    with torch.no_grad():
         full = model.logits(model.hidden(x))[0]
         cache = model.new_cache()
         parts = [model.logits(model.prime(cache, x[:, :97]))[0]]
@@ -236,6 +236,7 @@ def test_serving_kernels_track_the_reference_on_the_checkpoint(checkpoint, token
     packed weight (the MoE once took its pairs' half width for the expert width) gave a median of 7."""
     model = load_trunk(checkpoint, torch.float32)
     model.batch_invariant = True
+    reference = load_trunk(checkpoint, torch.float32, kernels=REFERENCE)
     per = []
     with torch.no_grad():
         for p in sharegpt_prompts[:6]:
@@ -245,10 +246,7 @@ def test_serving_kernels_track_the_reference_on_the_checkpoint(checkpoint, token
                 [model.prime(cache, torch.tensor([ids[:-5]])), model.verify(cache, torch.tensor([ids[-5:]]))], 1
             )
             got = model.logits(h)[0]
-            with cpu_kernels.reference():
-                model.batch_invariant = False
-                ref = model.logits(model.hidden(torch.tensor([ids])))[0]
-                model.batch_invariant = True
+            ref = reference.logits(reference.hidden(torch.tensor([ids])))[0]
             per.append((got - ref).abs().amax(-1))
             top2 = ref.topk(2, -1).values
             sure = (top2[:, 0] - top2[:, 1]) > 0.2

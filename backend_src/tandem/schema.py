@@ -72,17 +72,17 @@ class ServingConfig:
     ``dflash_checkpoint`` /
     ``dflash2_checkpoint``: a drafter folder of its own (``config.json`` + ``model.safetensors``, relative to the
     model repository) instead of ``<checkpoint>/dflash[2]``; ``kernels``: which implementation the stage models take
-    (:data:`KERNEL_MODES`; :mod:`tandem_kernels.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on
+    (:data:`KERNEL_MODES`; :mod:`tandem.ops.dispatch`): ``auto`` the Triton kernels on CUDA and torch / numba on
     the CPU, ``triton`` the Triton kernels everywhere, ``torch`` the reference; ``batch_invariant``: a row's logits
     bit-identical alone (plain decoding), in a verify block or in a batch of sessions: on the CPU the trunk's verify
-    passes take the row-invariant GEMM (:mod:`tandem.model.cpu_gemm`), faster here than MKL, so on by default; off,
+    passes take the row-invariant GEMM (:mod:`tandem.ops.cpu.gemm`), faster here than MKL, so on by default; off,
     they take MKL, whose rounding depends on the rows; ``colocate``: the drafters run in the engine core's process, the ``tandem`` model's, beside the trunk (sharing
     its embedding and LM head, as in-process), so a round crosses no process; off, they run in the ``drafter_mtp`` /
     ``drafter_dflash`` models (loaded only then) and a round makes a BLS call to each drafter it uses;
     ``decode_threads``: plain greedy rounds, and a prime of several sequences, in this many groups side by side;
     ``compute_nice`` (-20..19, 0: leave them): the nice value of the engine core's thread and its decode threads, so
     the server's other threads and its clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused:
-    logged, the threads left as they are); ``amx`` (stage models): bfloat16 GEMMs on Intel AMX tiles where the CPU has them (:mod:`tandem.model.cpu_amx`).
+    logged, the threads left as they are); ``amx`` (stage models): bfloat16 GEMMs on Intel AMX tiles where the CPU has them (:mod:`tandem.ops.cpu.amx`).
 
     The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``, ``demote_load_slope``,
     ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`."""

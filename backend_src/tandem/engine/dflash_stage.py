@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .. import schema
-from ..model import cpu_gemm
+from ..ops import dispatch
 from ..model.dflash import DFlashDrafter
 from ..schema import WireError
 from .drafter_stage import DrafterStage
@@ -58,6 +58,8 @@ class DFlashStage(DrafterStage):
             raise ValueError(f"DFlash drafters disagree on the feature width: {sorted(sizes)}")
         super().__init__(max_num_draft_tokens)
         self.drafters, self.embed, self.head = drafters, embed, head
+        for d in drafters.values():  # row-invariant, whatever loaded them
+            d.use_kernels(d.kernels)
         self.feature_size = sizes.pop()
         #: where the drafters' weights are: every tensor made for them is created there
         self.device = embed.weight.device
@@ -132,53 +134,61 @@ class DFlashStage(DrafterStage):
         block ``[anchor, MASK x k]`` (``anchor = next_tokens[-1]``, ``k = num_draft_tokens``, at most
         ``block_size - 1``) and return ``k`` tokens: the argmax per position (``dflash``) or the
         selector's path (``dflash2``). Raises :class:`~tandem.engine.protocols.UnknownSequence`, ``ValueError`` on an arm change."""
-        with cpu_gemm.rows_mode():  # tandem's GEMM: faster than MKL for a few rows, cold weights as bf16
-            res: list[list[int]] = []
-            blocks: dict[tuple[str, int], list[int]] = {}  # (arm, k) -> item indices drafting a block of k
-            for it in items:
-                st = self.state(it.sid)
-                if st.arm is None:
-                    st.arm = it.arm
-                elif st.arm != it.arm:
-                    raise ValueError(f"sequence {it.sid} drafts with {st.arm}, not {it.arm}")
-                model = self.drafters[it.arm]
-                n = len(it.next_tokens)
-                feats = it.features.to(self.device).reshape(1, n, -1)
-                pts = split_points(st.rows, st.rows + n)  # pieces end at multiples of PREFIX_BLOCK: warm == cold
-                pieces = [
-                    model.context_kv(
-                        model.context(feats[:, a - pts[0] : b - pts[0]]), torch.arange(a, b, device=self.device)
-                    )
-                    for a, b in zip(pts, pts[1:])
-                ]
-                if st.kv is not None:
-                    pieces.insert(0, st.kv)
-                st.kv = [
-                    (torch.cat([p[i][0] for p in pieces], 2), torch.cat([p[i][1] for p in pieces], 2))
-                    for i in range(len(pieces[0]))
-                ]
-                st.rows += n
-                k = min(it.num_draft_tokens, model.cfg.block_size - 1)
-                res.append([])
-                if k > 0:
-                    blocks.setdefault((it.arm, k), []).append(len(res) - 1)
-            for (arm, k), idx in blocks.items():  # one block forward per arm and block size, all sequences
-                model, sts = self.drafters[arm], [self.state(items[i].sid) for i in idx]
-                anchors = [int(items[i].next_tokens[-1]) for i in idx]
-                x = model.block_input(torch.tensor(anchors, device=self.device), self.embed, k + 1).reshape(
-                    1, -1, model.cfg.hidden_size
+        # the drafter runs row-invariant (:meth:`~tandem.model.dflash.DFlashDrafter.use_kernels`)
+        res: list[list[int]] = []
+        blocks: dict[tuple[str, int], list[int]] = {}  # (arm, k) -> item indices drafting a block of k
+        for it in items:
+            st = self.state(it.sid)
+            if st.arm is None:
+                st.arm = it.arm
+            elif st.arm != it.arm:
+                raise ValueError(f"sequence {it.sid} drafts with {st.arm}, not {it.arm}")
+            model = self.drafters[it.arm]
+            n = len(it.next_tokens)
+            feats = it.features.to(self.device).reshape(1, n, -1)
+            pts = split_points(st.rows, st.rows + n)  # pieces end at multiples of PREFIX_BLOCK: warm == cold
+            pieces = [
+                model.context_kv(
+                    model.context(feats[:, a - pts[0] : b - pts[0]]), torch.arange(a, b, device=self.device)
                 )
-                pos = torch.cat([torch.arange(st.rows, st.rows + k + 1, device=self.device) for st in sts])
-                kv = [([st.kv[i][0] for st in sts], [st.kv[i][1] for st in sts]) for i in range(len(model.layers))]
-                h = model(x, pos, kv, block=k + 1)[0].view(len(idx), k + 1, -1)[:, 1:]
-                logits = self.head(h).float()
-                for j, (i, a) in enumerate(zip(idx, anchors)):
-                    res[i] = (
-                        model.selector.walk(h[j], logits[j], a)
-                        if model.selector is not None
-                        else logits[j].argmax(-1).tolist()
-                    )
-            return res
+                for a, b in zip(pts, pts[1:])
+            ]
+            if st.kv is not None:
+                pieces.insert(0, st.kv)
+            st.kv = [
+                (torch.cat([p[i][0] for p in pieces], 2), torch.cat([p[i][1] for p in pieces], 2))
+                for i in range(len(pieces[0]))
+            ]
+            st.rows += n
+            k = min(it.num_draft_tokens, model.cfg.block_size - 1)
+            res.append([])
+            if k > 0:
+                blocks.setdefault((it.arm, k), []).append(len(res) - 1)
+        for (arm, k), idx in blocks.items():  # one block forward per arm and block size, all sequences
+            model, sts = self.drafters[arm], [self.state(items[i].sid) for i in idx]
+            anchors = [int(items[i].next_tokens[-1]) for i in idx]
+            x = model.block_input(torch.tensor(anchors, device=self.device), self.embed, k + 1).reshape(
+                1, -1, model.cfg.hidden_size
+            )
+            pos = torch.cat([torch.arange(st.rows, st.rows + k + 1, device=self.device) for st in sts])
+            kv = [([st.kv[i][0] for st in sts], [st.kv[i][1] for st in sts]) for i in range(len(model.layers))]
+            h = model(x, pos, kv, block=k + 1)[0].view(len(idx), k + 1, -1)[:, 1:]
+            logits = self._head(h).float()
+            for j, (i, a) in enumerate(zip(idx, anchors)):
+                res[i] = (
+                    model.selector.walk(h[j], logits[j], a)
+                    if model.selector is not None
+                    else logits[j].argmax(-1).tolist()
+                )
+        return res
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The trunk's LM head on drafted rows ``h [..., D] -> [..., V]``, row-invariant as the drafter is (the
+        tandem GEMM: faster than MKL for a few rows, cold weights as bf16), whatever the trunk's setting."""
+        head = self.head
+        if isinstance(head, dispatch.ServingLinear):
+            return dispatch.linear(head.kernels.replace(rows=True), h, head.weight, head.bias)
+        return head(h)
 
     def handle(self, arrays: schema.Arrays) -> schema.Arrays:
         """The wire form (:data:`tandem.schema.DRAFTER_DFLASH`): ``draft`` and ``close`` as every drafter;

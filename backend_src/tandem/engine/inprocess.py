@@ -22,8 +22,8 @@ from ..model.checkpoint import (
     load_trunk,
     parse_dtype,
 )
-from ..model.cpu_amx import set_amx
-from ..model.device import gemm_inputs
+from ..model.device import kernel_settings as kernel_settings_of
+from ..ops.settings import KernelSettings
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
 from .stages import drafter_stages
@@ -42,8 +42,9 @@ class Engine:
     ``model``/``tokenizer`` to share loaded ones; ``dflash`` — arm -> drafter to use instead of the
     checkpoint's (e.g. a freshly trained one);
     ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.
-    ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``; ``amx`` applies to the whole process:
-    the last Engine made sets it).
+    ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``; ``amx``, ``kernels`` and ``dtype`` make the kernel
+    settings :attr:`kernels` the models, shared ones included, run with); ``kernel_settings`` to give those
+    settings whole instead (e.g. :data:`tandem.ops.settings.REFERENCE`).
     """
 
     def __init__(
@@ -53,19 +54,27 @@ class Engine:
         model: Trunk | None = None,
         tokenizer: ChatTokenizer | None = None,
         dflash: dict | None = None,
+        kernel_settings: KernelSettings | None = None,
         **config,
     ) -> None:
         dt = dtype
         self.config = dataclasses.replace(schema.DEFAULTS, **config)
         if isinstance(dtype, str):
             dt = parse_dtype(dtype)
-            gemm_inputs(dtype, self.config.amx)
-        else:
-            set_amx(self.config.amx)  # the process's GEMM tiles: the last Engine made sets them
-        self.model = model if model is not None else load_trunk(checkpoint, dt)
+        #: the kernel settings the models run with (a shared ``model`` or ``dflash`` drafters too)
+        self.kernels = kernel_settings or kernel_settings_of(self.config, dtype if isinstance(dtype, str) else None)
+        if model is not None:
+            model.use_kernels(self.kernels)
+        self.model = model if model is not None else load_trunk(checkpoint, dt, kernels=self.kernels)
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         if dflash is None:
-            dflash = {arm: load_dflash(checkpoint, arm, self.model.dtype) for arm in dflash_arms(checkpoint)}
+            dflash = {
+                arm: load_dflash(checkpoint, arm, self.model.dtype, kernels=self.kernels)
+                for arm in dflash_arms(checkpoint)
+            }
+        else:
+            for d in dflash.values():
+                d.use_kernels(self.kernels)
         feature_layers = (
             next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
         )

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from .. import schema
-from ..model import cpu_gemm
 from ..model.cache import MLACache
 from ..model.trunk import Trunk
 from ..schema import WireError
@@ -42,7 +41,7 @@ class MTPStage(DrafterStage):
         if model.mtp is None:
             raise ValueError("checkpoint has no MTP layer")
         super().__init__(max_num_draft_tokens)
-        self.model = model
+        self.model = model.use_kernels(model.kernels)  # the MTP layer row-invariant, whatever loaded it
 
     def new_state(self) -> MTPState:
         return MTPState(MLACache(self.model.cfg.index_kpool))
@@ -51,23 +50,23 @@ class MTPStage(DrafterStage):
     def draft(self, items: list[DraftRequest]) -> list[list[int]]:
         """For each item: drop speculative entries, ingest its ``n`` committed rows, return
         ``num_draft_tokens`` greedy drafts (``[]`` for 0). Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
-        with cpu_gemm.rows_mode():  # tandem's GEMM: faster than MKL for a few rows, cold weights as bf16
-            mtp, emb, dev = self.model.mtp, self.model.embed_tokens, self.model.device
-            res = []
-            for it in items:
-                st = self.state(it.sid)
-                st.cache.truncate(st.committed)
-                h = it.hidden.to(device=dev, dtype=self.model.dtype).unsqueeze(0)
-                hn = mtp.rows(emb(torch.tensor([it.next_tokens], device=dev)), h, st.cache)[:, -1:]
-                st.committed = len(st.cache)
-                out: list[int] = []
-                for j in range(it.num_draft_tokens):
-                    tok = int(mtp.shared_head.head(hn[0, -1]).float().argmax())
-                    out.append(tok)
-                    if j + 1 < it.num_draft_tokens:
-                        hn = mtp.rows(emb(torch.tensor([[tok]], device=dev)), hn, st.cache)
-                res.append(out)
-            return res
+        # the MTP layer runs row-invariant (:meth:`~tandem.model.trunk.Trunk.use_kernels`)
+        mtp, emb, dev = self.model.mtp, self.model.embed_tokens, self.model.device
+        res = []
+        for it in items:
+            st = self.state(it.sid)
+            st.cache.truncate(st.committed)
+            h = it.hidden.to(device=dev, dtype=self.model.dtype).unsqueeze(0)
+            hn = mtp.rows(emb(torch.tensor([it.next_tokens], device=dev)), h, st.cache)[:, -1:]
+            st.committed = len(st.cache)
+            out: list[int] = []
+            for j in range(it.num_draft_tokens):
+                tok = int(mtp.shared_head.head(hn[0, -1]).float().argmax())
+                out.append(tok)
+                if j + 1 < it.num_draft_tokens:
+                    hn = mtp.rows(emb(torch.tensor([[tok]], device=dev)), hn, st.cache)
+            res.append(out)
+        return res
 
     def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
         """The draft items of a packed request: ``HIDDEN [N, D]`` (copied to the model's device),

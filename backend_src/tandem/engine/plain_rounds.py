@@ -1,7 +1,7 @@
 """The engine core's plain decode rounds in one trunk call: when every active session decodes plain
 greedy rows (arm ``off``, no sampling, no stop strings), the rounds of a burst go to the trunk as
 one :meth:`~tandem.engine.trunk_stage.TrunkStage.decode` call (compiled on the CPU,
-:mod:`tandem.model.cpu_decode`) instead of one verify call each, and are then applied round by round
+:mod:`tandem.ops.cpu.decode`) instead of one verify call each, and are then applied round by round
 with the same accept walk: the same tokens, receipts and caches as the rounds one at a time."""
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ import numpy as np
 import torch
 
 from .. import schema
-from ..model import cpu_kernels
+from ..ops import dispatch
+from ..ops.noise import ACCEPT, BONUS, DRAFT, GUMBEL, RESIDUAL  # noqa: F401 - the noise purposes, used here and by callers
+from ..ops.settings import DEFAULT, KernelSettings
 from ..schema import WireError
 
-#: noise purposes (the second word of the Philox key)
-DRAFT, ACCEPT, RESIDUAL, BONUS, GUMBEL = 0, 1, 2, 3, 4
 _SEED_MAX = (1 << 63) - 1
 
 
@@ -179,17 +179,19 @@ def row_targets(
 
 
 def targets_and_gaps(
-    logits: torch.Tensor, lengths: list[int], samplers: list | None = None
+    logits: torch.Tensor, lengths: list[int], samplers: list | None = None, kernels: KernelSettings = DEFAULT
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's target token ``[R]`` int64 and top-2 logit gap ``[R]`` (the reference of the fused
-    Triton sampler, :func:`tandem_kernels.sampler.targets_and_gaps`; on the CPU the greedy targets
-    and gaps come from :func:`~tandem.model.cpu_kernels.top2`).
+    Triton sampler, :func:`tandem.ops.triton.sampler.targets_and_gaps`; on the CPU the greedy targets
+    and gaps come from :func:`~tandem.ops.cpu.kernels.top2`).
 
     ``logits [R, V]`` hold the walks' rows in turn (``lengths``); ``samplers[j]`` (None: greedy, the
-    argmax) is ``(params, row tokens, position of row 0, last row only)`` for :func:`row_targets`.
+    argmax) is ``(params, row tokens, position of row 0, last row only)`` for :func:`row_targets`;
+    ``kernels`` the model's kernel settings.
     """
-    if cpu_kernels.active(logits) and logits.dtype == torch.float32 and logits.shape[-1] > 1:
-        target, gap = cpu_kernels.top2(logits)  # one pass over each row
+    got = dispatch.top2(kernels, logits)  # one pass over each row
+    if got is not None:
+        target, gap = got
     else:
         top = logits.topk(2, dim=-1)
         target, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from tandem_kernels import dispatch
+from ..ops import dispatch
+from ..ops.settings import KernelSettings
 
 from .. import schema
 from ..model.cache import KDAState, MLACache, TrunkCache
@@ -45,7 +46,7 @@ def _outs(
     features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
     greedy) is ``(params, row tokens, position of row 0, last row only)`` for
     :func:`~tandem.engine.sampling.row_targets`, which then gives sequence ``j``'s targets (on CUDA,
-    or with the Triton kernels forced, the fused :func:`tandem_kernels.sampler.targets_and_gaps`).
+    or with the Triton kernels forced, the fused :func:`tandem.ops.triton.sampler.targets_and_gaps`).
 
     ``last_only`` (a prime: only its last row decides a token): the LM head runs on each sequence's
     last row alone (as vLLM and SGLang do for prefill), and the rows before it carry argmax ``-1`` and
@@ -60,12 +61,12 @@ def _outs(
             if samplers is None
             else [None if x is None else (x[0], x[1][-1:], x[2] + n - 1, True) for x, n in zip(samplers, lengths)]
         )
-        last_t, last_g = _targets(model.logits(h[ends]), [1] * len(lengths), smp)
+        last_t, last_g = _targets(model.kernels, model.logits(h[ends]), [1] * len(lengths), smp)
         target = torch.full((h.shape[0],), -1, dtype=last_t.dtype, device=last_t.device)
         gap = torch.full((h.shape[0],), float("nan"), dtype=last_g.dtype, device=last_g.device)
         target[ends], gap[ends] = last_t, last_g
     else:
-        target, gap = _targets(model.logits(h), lengths, samplers)
+        target, gap = _targets(model.kernels, model.logits(h), lengths, samplers)
     cols = (target, h.float(), gap)
     res = []
     for j, parts in enumerate(zip(*(c.split(lengths) for c in cols))):
@@ -74,13 +75,13 @@ def _outs(
     return res
 
 
-def _targets(logits: torch.Tensor, lengths: list[int], samplers: list | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets ``[R]`` and top-2 gaps ``[R]`` of ``logits [R, V]`` (the fused Triton sampler on CUDA)."""
-    if dispatch.use_triton(logits):
-        from tandem_kernels import sampler
-
-        return sampler.targets_and_gaps(logits, lengths, samplers)
-    return sampling.targets_and_gaps(logits, lengths, samplers)
+def _targets(
+    kernels: KernelSettings, logits: torch.Tensor, lengths: list[int], samplers: list | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets ``[R]`` and top-2 gaps ``[R]`` of ``logits [R, V]`` (the fused Triton sampler on CUDA), the
+    model's kernel settings ``kernels`` choosing the implementation."""
+    got = dispatch.sampler_targets(kernels, logits, lengths, samplers)
+    return sampling.targets_and_gaps(logits, lengths, samplers, kernels) if got is None else got
 
 
 class TrunkStage(KeyedStates):

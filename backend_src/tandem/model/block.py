@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_block, cpu_gemm, cpu_kernels
+from ..ops import dispatch
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .kda import LinearAttention
 from .layers import MLP, MoE, HyperConnection, RMSNorm, hc_merge
@@ -15,6 +16,9 @@ from .mla import MLAttention
 class DecoderLayer(nn.Module):
     """One glm5_next block: mHC-collapsed input -> norm -> KDA or MLA -> mHC merge -> norm -> MLP/MoE
     -> mHC merge. Streams ``[B, T, N, D]`` in and out."""
+
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
 
     def __init__(self, cfg: TrunkConfig, layer_type: str, mlp_type: str) -> None:
         super().__init__()
@@ -28,21 +32,16 @@ class DecoderLayer(nn.Module):
 
     def run(self, streams: torch.Tensor, attn_fn) -> torch.Tensor:
         """Apply the block with ``attn_fn(normed_input [B,T,D]) -> [B,T,D]``. In the CPU row-invariant
-        mode (fp32) the FFN half of a MoE block is one :func:`~tandem.model.cpu_block.ffn_block` call."""
+        mode (fp32) the FFN half of a MoE block is one :func:`~tandem.ops.cpu.block.ffn_block` call."""
         post, comb, x = self.attn_hc.normed(streams, self.input_layernorm)
-        streams = hc_merge(post, comb, attn_fn(x), streams)
+        streams = hc_merge(post, comb, attn_fn(x), streams, self.kernels)
         return self.ffn(streams)
 
     def ffn(self, streams: torch.Tensor) -> torch.Tensor:
         """The block's FFN half (mHC weights and norm, MLP / MoE, mHC merge) on streams ``[B, T, N, D]``;
-        in the CPU row-invariant mode (fp32) one :func:`~tandem.model.cpu_block.ffn_block` call for a MoE."""
-        if (
-            cpu_gemm.invariant()
-            and streams.dtype == torch.float32
-            and streams.shape[0] == 1
-            and cpu_kernels.active(streams)
-            and cpu_block.ffn_fits(self)
-        ):
-            return cpu_block.ffn_block(self, streams)
+        in the CPU row-invariant mode (fp32) one :func:`~tandem.ops.cpu.block.ffn_block` call for a MoE."""
+        out = dispatch.ffn_block(self.kernels, self, streams)
+        if out is not None:
+            return out
         post, comb, x = self.ffn_hc.normed(streams, self.post_attention_layernorm)
-        return hc_merge(post, comb, self.mlp(x), streams)
+        return hc_merge(post, comb, self.mlp(x), streams, self.kernels)

@@ -7,10 +7,10 @@ state (``pending``) and :meth:`TrunkCache.commit` selects the state after the la
 
 from __future__ import annotations
 
-import typing
-
 import numpy as np
 import torch
+
+from ..ops.state import KDARows, KDAState
 
 
 #: MLACache fields and the dimension that grows with the rows: ``latent, ik, ig [1, L, .]``,
@@ -103,7 +103,7 @@ class MLACache:
         addresses of the float32 C-contiguous buffers (after :meth:`reserve`), the token capacity of
         the K and V buffers ``[1, H, capacity, .]``, the rows every row buffer has room for and the
         pools the pool buffer has room for; for the serving kernels that append rows and attend in
-        place (:func:`~tandem.model.cpu_attention.mla_many`). Made once per set of buffers.
+        place (:func:`~tandem.ops.cpu.attention.mla_many`). Made once per set of buffers.
 
         Raises ``ValueError`` when a buffer is missing, not float32 or not contiguous."""
         if self._ptrs is None:
@@ -167,61 +167,6 @@ class MLACache:
     def nbytes(self) -> int:
         """Bytes of the used rows (the buffers' spare capacity not counted)."""
         return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in _MLA_DIMS) if t is not None)
-
-
-class KDARows(typing.NamedTuple):
-    """One sequence's rows of a KDA verify pass, kept until :meth:`TrunkCache.commit`: views of the
-    pass's buffers shared by all its sequences (no per-sequence slices are made until one row is
-    kept). ``full [1, 3C, W]`` pre-conv inputs, this sequence's ``km1 = K - 1`` tail columns then its
-    rows starting at column ``col``; ``states [1, N, H, dk, dv]`` every row's state, this sequence's
-    from row ``row``."""
-
-    full: torch.Tensor
-    states: torch.Tensor
-    km1: int
-    col: int = 0
-    row: int = 0
-
-    def after(self, n_rows: int) -> "KDAState":
-        """The state after this sequence's first ``n_rows`` rows (views, not copies, made on first use)."""
-        return KDAState(rows=self, n_rows=n_rows)
-
-
-class KDAState:
-    """Recurrent state of one linear layer for one sequence: conv ``tail [1, 3*qkv, K-1]`` and
-    ``S [1, H, dk, dv]`` (both fp32). Made by :meth:`KDARows.after` it refers to that pass's buffers
-    (``rows``, after its first ``n_rows`` rows) and makes the two views on first use: a decode round's
-    kernel reads the buffers in place without them (:func:`~tandem.model.cpu_kda.kda_rows_fused`).
-    Raises ``ValueError`` unless given either both tensors or ``rows``."""
-
-    __slots__ = ("_tail", "_S", "rows", "n_rows")
-
-    def __init__(
-        self,
-        tail: torch.Tensor | None = None,
-        S: torch.Tensor | None = None,
-        rows: KDARows | None = None,
-        n_rows: int = 0,
-    ) -> None:
-        if (tail is None) != (S is None) or (tail is None) == (rows is None):
-            raise ValueError("KDAState takes tail and S, or rows (a KDARows) and n_rows")
-        self._tail, self._S, self.rows, self.n_rows = tail, S, rows, n_rows
-
-    @property
-    def tail(self) -> torch.Tensor:
-        if self._tail is None:
-            c = self.rows.col + self.n_rows
-            self._tail = self.rows.full[:, :, c : c + self.rows.km1]
-        return self._tail
-
-    @property
-    def S(self) -> torch.Tensor:
-        if self._S is None:
-            self._S = self.rows.states[:, self.rows.row + self.n_rows - 1]
-        return self._S
-
-    def clone(self) -> "KDAState":
-        return KDAState(self.tail.clone(), self.S.clone())
 
 
 class TrunkCache:

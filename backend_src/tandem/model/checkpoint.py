@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops.settings import DEFAULT, KernelSettings
 from .. import schema
 from .config import TrunkConfig
 from .device import check_bytes, free_bytes, parse_dtype  # noqa: F401 - parse_dtype, free_bytes: re-exported
@@ -105,13 +106,15 @@ def load_trunk(
     with_mtp: bool = True,
     overrides: dict | None = None,
     device: str | torch.device = "cpu",
+    kernels: KernelSettings = DEFAULT,
 ) -> Trunk:
     """Load a checkpoint folder: ``config.json`` (:meth:`TrunkConfig.from_dict`, strict) and its
     weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, read one
     file at a time into a model built on the meta device and allocated once on ``device`` in
     ``dtype`` (fp32-kept parameters in fp32) after :func:`check_fits`. ``overrides`` replace config
     fields (e.g. ``{"index_topk": 4096}`` for the dense DSA regime); the MTP layer is left out
-    without ``with_mtp`` or when ``num_nextn_predict_layers`` is 0.
+    without ``with_mtp`` or when ``num_nextn_predict_layers`` is 0. The model runs with the kernel settings
+    ``kernels`` (:func:`tandem.ops.dispatch.install`).
 
     Raises ``FileNotFoundError`` if the folder lacks a file, ``KeyError`` naming missing or
     unexpected keys, ``ValueError`` naming a key whose shape differs (or a config field tandem
@@ -154,7 +157,7 @@ def load_trunk(
                     raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
                 sd[k].copy_(t)
     model.eval().requires_grad_(False)
-    return input_major_linears(model)
+    return input_major_linears(model).use_kernels(kernels)
 
 
 def save_sharded(model: Trunk, folder: str | Path, shards: int, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -270,10 +273,11 @@ def load_dflash(
     dtype: torch.dtype = torch.bfloat16,
     path: str | Path | None = None,
     device: str | torch.device = "cpu",
+    kernels: KernelSettings = DEFAULT,
 ):
     """The ``arm`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder (or
     from its own folder ``path``), in eval mode, in ``dtype`` on ``device`` (read on the host, moved
-    once). Raises ``FileNotFoundError`` when it is missing, ``KeyError`` on missing or unexpected keys,
+    once), run with the kernel settings ``kernels``. Raises ``FileNotFoundError`` when it is missing, ``KeyError`` on missing or unexpected keys,
     ``ValueError`` on a config field it cannot honour, ``MemoryError`` (before reading the weights)
     when they cannot fit on ``device`` (:func:`~tandem.model.device.check_bytes`)."""
     from safetensors.torch import load_file
@@ -300,7 +304,8 @@ def load_dflash(
     missing, unexpected = model.load_state_dict(load_file(str(sub / "model.safetensors")), strict=False)
     if missing or unexpected:
         raise KeyError(f"{arm} drafter checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
-    return input_major_linears(model.eval().requires_grad_(False).to(device=device, dtype=dtype))
+    model = input_major_linears(model.eval().requires_grad_(False).to(device=device, dtype=dtype))
+    return model.use_kernels(kernels)
 
 
 def save_dflash(model, folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -14,6 +14,7 @@ import re
 import torch
 
 from .. import schema
+from ..ops.settings import KernelSettings
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -46,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
 
 def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
     """``"auto"`` / ``"bf16"`` / ``"fp32"`` (:data:`tandem.schema.DTYPES`) -> torch dtype; ``auto`` is
-    bf16 on a CUDA ``device`` and fp32 elsewhere (with bfloat16 GEMM inputs: :func:`gemm_inputs`). Raises ``ValueError`` naming ``dtype`` otherwise."""
+    bf16 on a CUDA ``device`` and fp32 elsewhere (with bfloat16 GEMM inputs: :func:`kernel_settings`). Raises ``ValueError`` naming ``dtype`` otherwise."""
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     try:
@@ -56,19 +57,25 @@ def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
 
 
 def placement(cfg: schema.ServingConfig) -> tuple[torch.device, torch.dtype]:
-    """A stage model's (device, compute dtype) from its serving config, its ``kernels`` switch applied
-    (:func:`tandem_kernels.dispatch.configure`); a CUDA device becomes the process's current one (Triton kernels launch on the current device). Raises ``ValueError`` as
-    :func:`resolve_device` does, or (:func:`check_kernels`) when the Triton kernels are forced on the CPU
+    """A stage model's (device, compute dtype) from its serving config; a CUDA device becomes the process's
+    current one (Triton kernels launch on the current device). Raises ``ValueError`` as
+    :func:`resolve_device` does, or (:func:`check_kernels`) when the Triton kernels are asked for on the CPU
     without Triton's interpreter."""
-    from tandem_kernels import dispatch
-
     dev = resolve_device(cfg.device)
     check_kernels(cfg.kernels, dev)
-    dispatch.configure(cfg.kernels)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
-    gemm_inputs(cfg.dtype, cfg.amx)
     return dev, parse_dtype(cfg.dtype, dev)
+
+
+def kernel_settings(cfg: schema.ServingConfig, dtype: str | None = None) -> KernelSettings:
+    """The kernel settings a stage model loads its weights with (:func:`tandem.ops.dispatch.install`): the
+    serving parameter ``kernels`` as the backend, ``amx``, and the CPU GEMM's inputs for the ``dtype``
+    parameter (``dtype`` when given, else ``cfg.dtype``): ``fp32`` float32 inputs throughout, else
+    bfloat16 inputs on bfloat16 weights (:mod:`tandem.ops.cpu.pairs`, the faster by measurement; ``bf16``
+    computes in torch bf16). Raises ``ValueError`` for an unknown ``kernels`` mode."""
+    name = cfg.dtype if dtype is None else dtype
+    return KernelSettings(backend=cfg.kernels, gemm_inputs="fp32" if name == "fp32" else "bf16", amx=cfg.amx)
 
 
 def invariant_prime(cfg: schema.ServingConfig) -> bool:
@@ -84,22 +91,11 @@ def invariant_prime(cfg: schema.ServingConfig) -> bool:
     )
 
 
-def gemm_inputs(name: str, amx: bool = schema.DEFAULTS.amx) -> None:
-    """The CPU serving GEMM's inputs for the ``dtype`` parameter ``name``: ``auto`` bfloat16 inputs on
-    bfloat16 weights (:mod:`tandem.model.cpu_pairs`, the faster by measurement), ``fp32`` float32
-    inputs throughout (:func:`tandem.model.cpu_gemm.set_inputs`); ``bf16`` computes in torch bf16.
-    ``amx`` (the parameter): bfloat16 pairs on AMX tiles where the CPU has them (:func:`tandem.model.cpu_amx.set_amx`)."""
-    from . import cpu_amx, cpu_gemm
-
-    cpu_gemm.set_inputs("fp32" if name == "fp32" else "bf16")
-    cpu_amx.set_amx(amx)
-
-
 def check_kernels(kernels: str, device: torch.device) -> None:
     """Refuse ``kernels=triton`` on the CPU unless ``TRITON_INTERPRET=1`` is set (Triton compiles for
     GPUs only; its interpreter runs kernels on CPU tensors, correctly but seconds a round). Raises
     ``ValueError`` naming the parameter and the ways out."""
-    from tandem_kernels import dispatch
+    from ..ops import dispatch
 
     if kernels == dispatch.TRITON and device.type == "cpu" and not dispatch.interpreted():
         raise ValueError(

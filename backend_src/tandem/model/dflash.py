@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tandem_kernels import dispatch
+from ..ops import dispatch
+from ..ops.settings import DEFAULT, KernelSettings
 
 from .layers import RMSNorm, clamped_swiglu
 
@@ -119,7 +120,7 @@ def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor]
 ) -> torch.Tensor:
     """Block attention of ``N = len(ctx_k)`` sequences (the reference of
-    :func:`tandem_kernels.block_attention.block_attention`): ``q``, ``k``, ``v [1, H, N * S, d]`` hold
+    :func:`tandem.ops.triton.block_attention.block_attention`): ``q``, ``k``, ``v [1, H, N * S, d]`` hold
     the sequences' blocks of ``S`` rows in turn; the queries of block ``j`` attend, without a mask,
     to ``[ctx_k[j], block j's keys]`` (``ctx_k[j]``, ``ctx_v[j] [1, H, C_j, d]``, ``C_j >= 0``)
     with scale ``d ** -0.5``. Returns ``o [1, H, N * S, d]``."""
@@ -139,6 +140,9 @@ def block_attention(
 
 class DFlashAttention(nn.Module):
     """Block queries over ``[context K/V, block K/V]``; per-head RMSNorm on q and k, RoPE."""
+
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
 
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
@@ -170,11 +174,8 @@ class DFlashAttention(nn.Module):
         q = rope(self.q_norm(self.q_proj(x).view(b, s, self.h, self.d)).transpose(1, 2), pos, self.theta)
         k, v = self.kv(x, pos)
         if isinstance(ctx_k, list):
-            if dispatch.use_triton(x):
-                from tandem_kernels import block_attention as kernel
-
-                o = kernel.block_attention(q, k, v, ctx_k, ctx_v)
-            else:
+            o = dispatch.block_attention(self.kernels, x, q, k, v, ctx_k, ctx_v)  # Triton, or None
+            if o is None:
                 o = block_attention(q, k, v, ctx_k, ctx_v)
         else:
             k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
@@ -264,6 +265,11 @@ class DFlashDrafter(nn.Module):
     """DFlash (``dflash2=False``) or DFlash2 drafter. Parameters: ``fc``, ``hidden_norm``,
     ``mask_embedding [D]`` (the MASK input; the trunk's vocabulary has no mask token), ``layers``,
     ``norm`` and (DFlash2) ``selector``."""
+
+    def use_kernels(self, kernels: KernelSettings) -> "DFlashDrafter":
+        """Run with the kernel settings ``kernels`` in the row-invariant mode (a draft's few rows take the
+        row-invariant GEMM, faster than MKL here; :func:`tandem.ops.dispatch.install`). Returns the drafter."""
+        return dispatch.install(self, kernels.replace(rows=True))
 
     def __init__(self, cfg: DFlashConfig, dflash2: bool = True) -> None:
         super().__init__()

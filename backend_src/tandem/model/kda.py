@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tandem_kernels import dispatch
+from ..ops import dispatch
 
-from . import cpu_kda, cpu_kernels
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .layers import GatedRMSNorm, fused_linear
 
@@ -185,6 +185,9 @@ class LinearAttention(nn.Module):
     """A KDA ``linear_attention`` layer. State per sequence: conv tail ``[B, 3*H*dk, K-1]`` (the
     last K-1 pre-conv inputs) and recurrent state ``[B, H, dk, dv]`` (fp32)."""
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     #: linears reading the layer input, fused in the serving layout (q | k | v first: the conv input)
     FUSED = {"_fused_x": ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "b_proj", "g_a_proj")}
 
@@ -266,20 +269,17 @@ class LinearAttention(nn.Module):
         """Verify / decode path (row by row). ``x [B, T, D]`` -> ``y [B, T, D]``, pre-conv inputs with
         the old tail ``[B, 3qkv, K-1+T]`` (the tail after row r is ``[..., r+1 : r+K]``) and every
         row's recurrent state ``[B, T, H, dk, dv]``. Without autograd (serving) one sequence runs in
-        :func:`~tandem.model.cpu_kda.kda_rows_fused`; this torch path is its reference. On CUDA (or
-        with the kernels forced) the rows run in :func:`tandem_kernels.kda_verify.kda_rows`."""
+        :func:`~tandem.ops.cpu.kda.kda_rows_fused`; this torch path is its reference. On CUDA (or
+        with the kernels forced) the rows run in :func:`tandem.ops.triton.kda_verify.kda_rows`."""
         tail, S = state
-        if cpu_kernels.active(x) and x.shape[0] == 1:
+        if dispatch.numba(self.kernels, x) and x.shape[0] == 1:
             y, (rows,) = self.forward_rows_many(x, [state], [x.shape[1]])
             return y, rows.full, rows.states
         act, full = self._qkv(x, tail)
         q, k, v, g, beta = self._heads(x, act)
-        if dispatch.use_triton(x) and not (torch.is_grad_enabled() and q.requires_grad):  # no backward
-            from tandem_kernels import kda_verify
-
-            o, states = kda_verify.kda_rows(q, k, v, g, beta, S)
-        else:
-            o, states = kda_rows(q, k, v, g, beta, S)
+        needs_grad = torch.is_grad_enabled() and q.requires_grad  # the Triton kernel has no backward
+        got = dispatch.kda_rows_triton(self.kernels, x, q, k, v, g, beta, S, needs_grad)
+        o, states = kda_rows(q, k, v, g, beta, S) if got is None else got
         return self._out(x, o), full, states
 
     def forward_rows_many(
@@ -288,7 +288,7 @@ class LinearAttention(nn.Module):
         """:meth:`forward_rows` for several sequences (serving): ``x [1, sum R, D]`` holds each
         sequence's rows in turn (``lengths``), ``states`` their ``(tail, S)`` or
         :class:`~tandem.model.cache.KDAState` (read in place). The projections run over
-        all rows, the recurrences in one :func:`~tandem.model.cpu_kda.kda_rows_fused` call. Returns
+        all rows, the recurrences in one :func:`~tandem.ops.cpu.kda.kda_rows_fused` call. Returns
         ``y [1, sum R, D]`` and per sequence its :class:`~tandem.model.cache.KDARows` (pre-conv inputs
         with its tail, every row's state); without ``keep_states`` (a prime) its ``(tail, S)`` after
         its last row, as :meth:`forward` returns."""
@@ -309,7 +309,7 @@ class LinearAttention(nn.Module):
         mixed, fa, b, ga = out.split([3 * C, dk, H, dk], -1)
         fg = self.forget_gate
         fb, gb = fg.f_b_proj(fa), self.g_b_proj(ga)
-        y, per = cpu_kda.kda_rows_fused(
+        y, per = dispatch.kda_rows_fused(
             mixed,
             states,
             self.conv1d.weight,

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import cpu_block, cpu_gemm, cpu_kernels, cpu_moe
+from ..ops import dispatch
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 
 
@@ -27,7 +28,7 @@ def input_major_linears(module: nn.Module) -> nn.Module:
         if isinstance(m, nn.Linear):
             m.weight.data = m.weight.data.t().contiguous().t()
             if type(m) is nn.Linear:  # same parameters; its forward can take the row-invariant kernel
-                m.__class__ = cpu_gemm.ServingLinear
+                m.__class__ = dispatch.ServingLinear
     for m in module.modules():
         for attr, names in getattr(type(m), "FUSED", {}).items():
             ps = [_weight(m, n) for n in names]
@@ -40,7 +41,7 @@ def input_major_linears(module: nn.Module) -> nn.Module:
             setattr(m, attr, (w.t(), outs))
         if hasattr(m, "serving_layout"):
             m.serving_layout()
-    cpu_block.relayout()
+    dispatch.relayout()
     return module
 
 
@@ -58,7 +59,7 @@ def fused_linear(module: nn.Module, attr: str, x: torch.Tensor) -> torch.Tensor 
     fused = getattr(module, attr, None)
     if fused is None or torch.is_grad_enabled() or fused[0].dtype != x.dtype:
         return None
-    return cpu_gemm.linear(x, fused[0])
+    return dispatch.linear(module.kernels, x, fused[0])
 
 
 class RMSNorm(nn.Module):
@@ -67,14 +68,18 @@ class RMSNorm(nn.Module):
     Input ``[..., D]``; output same shape and dtype.
     """
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.active(x) and x.dtype == torch.float32 == self.weight.dtype:  # one kernel call
-            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
+        y = dispatch.rms_norm(self.kernels, x, self.weight, self.variance_epsilon)  # one kernel call
+        if y is not None:
+            return y
         dt = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
@@ -105,6 +110,9 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 class MLP(nn.Module):
     """Dense SwiGLU MLP. ``[..., D] -> [..., D]``."""
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, cfg: TrunkConfig, intermediate: int | None = None) -> None:
         super().__init__()
         inter = intermediate or cfg.intermediate_size
@@ -115,9 +123,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_proj(x), self.up_proj(x)
-        if cpu_kernels.active(x) and g.dtype == torch.float32:  # the experts' arithmetic (cpu_block's dense FFN)
-            return self.down_proj(cpu_kernels.swiglu(g, u, self.limit))
-        return self.down_proj(clamped_swiglu(g, u, self.limit))
+        h = dispatch.swiglu(self.kernels, g, u, self.limit)  # the experts' arithmetic (the fused dense FFN's)
+        return self.down_proj(clamped_swiglu(g, u, self.limit) if h is None else h)
 
 
 class Experts(nn.Module):
@@ -194,6 +201,9 @@ class MoE(nn.Module):
     expert (used by training to update the correction bias).
     """
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
         self.experts = Experts(cfg)
@@ -202,12 +212,12 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
 
     #: up to this many rows (decode and verify blocks of a batch of sessions) the serving path runs
-    #: :func:`~tandem.model.cpu_moe.moe_rows`: the same code for any row count (any number of rows
-    #: under the row-invariant kernels, :func:`tandem.model.cpu_gemm.rows_mode`)
+    #: :func:`~tandem.ops.cpu.moe.moe_rows`: the same code for any row count (any number of rows
+    #: in the row-invariant mode, :attr:`tandem.ops.settings.KernelSettings.rows`)
     kernel_rows = 256
 
     def serving_layout(self) -> None:
-        """Fuse the routed and shared experts' weights for :func:`~tandem.model.cpu_moe.moe_rows`:
+        """Fuse the routed and shared experts' weights for :func:`~tandem.ops.cpu.moe.moe_rows`:
         ``_w_up [(E+1) * 2I, D]`` (input-major) and ``_w_down [E+1, I, D]``, the parameters becoming
         views of them. Only with one shared expert of the routed experts' width."""
         ex, sh = self.experts, self.shared_experts
@@ -227,26 +237,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if (
-            cpu_kernels.active(x)
-            and getattr(self, "_w_up", None) is not None
-            and x.dtype == torch.float32
-            and self._w_up.dtype == torch.float32
-            and (x.numel() <= shape[-1] * self.kernel_rows or cpu_gemm.invariant())
-        ):
-            g = self.gate
-            return cpu_moe.moe_rows(
-                x.reshape(-1, shape[-1]),
-                g.weight,
-                g.e_score_correction_bias,
-                g.top_k,
-                g.norm_topk_prob,
-                g.scale,
-                self._w_up,
-                self._w_down,
-                self.experts.limit,
-                cpu_gemm.invariant(),
-            ).view(shape)
+        y = dispatch.moe(self.kernels, self, x)
+        if y is not None:
+            return y
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)
         if self.training:
@@ -262,6 +255,9 @@ class HyperConnection(nn.Module):
     here to collapse the streams into the block input ``[B, T, D]``), ``post [B,T,N]`` and the
     Sinkhorn-normalised doubly-stochastic ``comb [B,T,N,N]``.
     """
+
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
 
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
@@ -291,19 +287,10 @@ class HyperConnection(nn.Module):
 
     def normed(self, streams: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the block's ``norm`` applied to the collapsed input; in serving (no
-        autograd) one :func:`~tandem.model.cpu_kernels.hc_weights` call."""
-        if cpu_kernels.active(streams):
-            return cpu_kernels.hc_weights(
-                streams,
-                self.fn,
-                self.base,
-                self.scale,
-                self.iters,
-                self.eps,
-                self.norm_eps,
-                norm.weight,
-                norm.variance_epsilon,
-            )
+        autograd) one :func:`~tandem.ops.cpu.kernels.hc_weights` call."""
+        out = dispatch.hc_normed(self.kernels, self, streams, norm)
+        if out is not None:
+            return out
         post, comb, x = self(streams)
         return post, comb, norm(x)
 
@@ -311,7 +298,7 @@ class HyperConnection(nn.Module):
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp normalisation toward a doubly-stochastic matrix (mHC): one column step, then
     ``iters - 1`` row+column steps, each ``x / (sum + eps)``. ``comb [..., N, N]`` fp32. (Serving runs
-    it inside :func:`~tandem.model.cpu_kernels.hc_weights`.)"""
+    it inside :func:`~tandem.ops.cpu.kernels.hc_weights`.)"""
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
@@ -319,10 +306,17 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_merge(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def hc_merge(
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    block_out: torch.Tensor,
+    residual: torch.Tensor,
+    kernels: KernelSettings = DEFAULT,
+) -> torch.Tensor:
     """mHC expand + mix: ``post ⊗ block_out + comb^T @ residual``. Shapes ``[B,T,N]``, ``[B,T,N,N]``,
     ``[B,T,D]``, ``[B,T,N,D]`` -> ``[B,T,N,D]``."""
-    if cpu_kernels.active(residual) and residual.dtype == torch.float32:
-        return cpu_kernels.hc_merge(post, comb, block_out, residual)
+    out = dispatch.hc_merge(kernels, post, comb, block_out, residual)
+    if out is not None:
+        return out
     dt = residual.dtype
     return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), residual)

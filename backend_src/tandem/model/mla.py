@@ -13,8 +13,8 @@ With ``index_topk >= p + 1`` this is plain causal attention (the dense regime in
 transformers' ``Glm5NextTextModel`` is the oracle).
 
 :func:`pool_scores`, :func:`select_pools` and :func:`masked_attention` are the torch references of
-the Triton kernels ``tandem_kernels.dsa_indexer`` and ``tandem_kernels.mla_attention``, which the
-model takes instead when :func:`tandem_kernels.dispatch.use_triton` says so (CUDA, or forced) and
+the Triton kernels ``tandem.ops.triton.dsa_indexer`` and ``tandem.ops.triton.mla_attention``, which the
+model takes instead when :func:`tandem.ops.dispatch.use_triton` says so (CUDA, or forced) and
 autograd is off.
 """
 
@@ -25,19 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tandem_kernels import dispatch
+from ..ops import dispatch
 
-from . import cpu_attention, cpu_gemm, cpu_kernels
+from ..ops.settings import DEFAULT, KernelSettings
 from .config import TrunkConfig
 from .layers import RMSNorm, fused_linear
 
 if TYPE_CHECKING:
     from .cache import MLACache
-
-
-def _kernels(x: torch.Tensor) -> bool:
-    """Whether rows ``x`` take the Triton kernels (no autograd through them)."""
-    return not torch.is_grad_enabled() and dispatch.use_triton(x)
 
 
 def pool_scores(iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
@@ -83,6 +78,9 @@ def masked_attention(
 class Indexer(nn.Module):
     """DSA indexer weights (checkpoint names of transformers' ``Glm5NextTextIndexer``)."""
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
         self.h, self.d = cfg.index_n_heads, cfg.index_head_dim
@@ -97,23 +95,22 @@ class Indexer(nn.Module):
 
     def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token indexer key and pool gate logits, both ``[B, T, di]``."""
-        return self.key_norm(self.wk(x)), cpu_gemm.linear(x, self.index_kpool_compress_gate)
+        return self.key_norm(self.wk(x)), dispatch.linear(self.kernels, x, self.index_kpool_compress_gate)
 
     def key_norm(self, k: torch.Tensor) -> torch.Tensor:
         """``k_norm`` (LayerNorm) of keys ``[..., di]``; fp32 with the serving kernels on, one kernel call
-        (:func:`~tandem.model.cpu_kernels.layer_norm`)."""
-        n = self.k_norm
-        if cpu_kernels.active(k) and k.dtype == torch.float32 == n.weight.dtype:
-            return cpu_kernels.layer_norm(k, n.weight, n.bias, n.eps)
-        return n(k)
+        (:func:`~tandem.ops.cpu.kernels.layer_norm`)."""
+        y = dispatch.layer_norm(self.kernels, k, self.k_norm)
+        return self.k_norm(k) if y is None else y
 
     def pool_keys(self, keys: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
         """Compress complete pools. ``keys, gates [B, P*kp, di]`` -> ``[B, P, di]`` (serving, one fp32
-        sequence: :func:`~tandem.model.cpu_attention.pool_keys`, the arithmetic of the pools the
+        sequence: :func:`~tandem.ops.cpu.attention.pool_keys`, the arithmetic of the pools the
         decode kernel completes)."""
         b, n, d = keys.shape
-        if cpu_kernels.active(keys) and b == 1 and keys.dtype == gates.dtype == torch.float32:
-            return cpu_attention.pool_keys(keys, gates, self.index_kpool_compress_ape)
+        got = dispatch.pool_keys(self.kernels, keys, gates, self.index_kpool_compress_ape)
+        if got is not None:
+            return got
         p = n // self.kp
         kk = keys[:, : p * self.kp].view(b, p, self.kp, d)
         lg = gates[:, : p * self.kp].view(b, p, self.kp, d).float() + self.index_kpool_compress_ape.float()
@@ -124,18 +121,9 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """Visibility mask ``[B, T, kv_len]`` of rows ``x [B, T, D]`` (``rows`` from
         :meth:`MLAttention.project`) over pool keys ``pk [B, P, di]``: :meth:`select` of
-        :meth:`scores`, or for one sequence in serving :func:`~tandem.model.cpu_kernels.dsa_mask`."""
-        if cpu_kernels.active(x) and x.shape[0] == 1 and "iq" in rows:
-            b, t = x.shape[:2]
-            dots = torch.matmul(pk[0], rows["iq"].reshape(t * self.h, self.d).t()).t().reshape(b, t, self.h, -1)
-            return cpu_kernels.dsa_mask(
-                dots, rows["iw"], q_pos, kv_len, self.kp, self.k_pools, self.d**-0.5, self.h**-0.5
-            )
-        if _kernels(x):
-            from tandem_kernels import dsa_indexer
-
-            return dsa_indexer.mask(*self.queries(x, rows), pk, q_pos, kv_len, self.kp, self.k_pools)
-        return self.select(self.scores(x, rows["q_resid"], pk), q_pos, kv_len)
+        :meth:`scores`, or for one sequence in serving :func:`~tandem.ops.cpu.kernels.dsa_mask`."""
+        mask = dispatch.dsa_mask(self.kernels, self, x, rows, pk, q_pos, kv_len)
+        return self.select(self.scores(x, rows["q_resid"], pk), q_pos, kv_len) if mask is None else mask
 
     def queries(self, x: torch.Tensor, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer queries ``[B, T, Hi, di]`` and head weights ``[B, T, Hi]`` of rows ``x [B, T, D]``
@@ -162,6 +150,9 @@ class MLAttention(nn.Module):
     Cached per token: latent ``c_kv [kv_lora]`` plus its expansion ``K [H, dqk]``, ``V [H, dv]``,
     indexer key and gate ``[di]``; per complete pool its compressed key ``[di]``.
     """
+
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
 
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
@@ -201,7 +192,7 @@ class MLAttention(nn.Module):
         if fx is not None and fq is not None:  # serving layout: one GEMM per shared input
             qa, kva, ikr, rows["iw"], ig = fx.split(self._fused_x[1], -1)
             q_resid = self.q_a_layernorm(qa)
-            q, rows["iq"] = cpu_gemm.linear(q_resid, fq[0]).split(fq[1], -1)
+            q, rows["iq"] = dispatch.linear(self.kernels, q_resid, fq[0]).split(fq[1], -1)
             ik = self.indexer.key_norm(ikr)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
@@ -229,21 +220,19 @@ class MLAttention(nn.Module):
 
     def _heads_out(self, x, rows, k_all, v_all, pk_all, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`attend` before ``o_proj``: the heads' outputs ``[B, T, H*dv]`` and the mask (the reference
-        of :func:`~tandem.model.cpu_attention.mla_rows_into` and of
-        :func:`~tandem.model.cpu_attention.mla_many`, which serving's :meth:`rows_many` calls)."""
+        of :func:`~tandem.ops.cpu.attention.mla_rows_into` and of
+        :func:`~tandem.ops.cpu.attention.mla_many`, which serving's :meth:`rows_many` calls)."""
         b, t, _ = x.shape
         mask = self.indexer.mask(x, rows, pk_all, q_pos, k_all.shape[2])
-        if _kernels(x):
-            from tandem_kernels import mla_attention
-
-            o = mla_attention.attention(rows["q"], k_all, v_all, mask, self.scaling)
-        elif cpu_kernels.active(x) and t <= 16:  # few rows: two GEMMs, each row's sums independent of the row count
+        o = dispatch.mla_attention(self.kernels, x, rows["q"], k_all, v_all, mask, self.scaling)  # Triton, or None
+        if o is None and dispatch.numba(self.kernels, x) and t <= 16:
+            # few rows: two GEMMs, each row's sums independent of the row count;
             # K @ Q^T, not Q @ K^T: this CPU's GEMM gives each column the same sums whatever the column
             # count, but not each row whatever the row count (measured)
             att = torch.matmul(k_all, (rows["q"] * self.scaling).transpose(-1, -2)).transpose(-1, -2)
             att = att.masked_fill(~mask.unsqueeze(1), float("-inf"))
             o = torch.matmul(att.softmax(-1), v_all)
-        else:
+        elif o is None:
             o = masked_attention(rows["q"], k_all, v_all, mask, self.scaling)
         return o.transpose(1, 2).reshape(b, t, -1), mask
 
@@ -269,9 +258,9 @@ class MLAttention(nn.Module):
         turn (``lengths``); projections and ``o_proj`` run over all rows, attention per sequence over
         its own ``caches[i]``. Returns ``[1, sum R, D]``."""
         rows, outs, off = self.project(x), [], 0
-        if "iq" in rows and self._row_kernels(x, max(lengths)):
-            return self.o_proj(self._kernel_rows(rows, caches, lengths))
-        if _kernels(x) and x.shape[0] == 1:
+        if "iq" in rows and dispatch.mla_rows_fit(self.kernels, x, max(lengths)):
+            return self.o_proj(dispatch.mla_rows(self, rows, caches, lengths))
+        if dispatch.mla_rows_triton(self.kernels, x):
             return self.o_proj(self._triton_rows(x, rows, caches, lengths))
         for cache, n in zip(caches, lengths):
             seg = {k: v[:, :, off : off + n] if k in ("q", "k", "v") else v[:, off : off + n] for k, v in rows.items()}
@@ -279,46 +268,12 @@ class MLAttention(nn.Module):
             off += n
         return self.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
 
-    @staticmethod
-    def _row_kernels(x: torch.Tensor, longest: int) -> bool:
-        """Whether rows ``x [1, T, D]`` (``longest`` rows a sequence) take the CPU row kernels of
-        :meth:`_kernel_rows`: fp32 with the serving kernels on, up to 16 rows a sequence (verify blocks),
-        any number under the row-invariant mode (:func:`~tandem.model.cpu_gemm.rows_mode`), so a prime's
-        rows do not depend on its chunks."""
-        return (
-            cpu_kernels.active(x)
-            and x.shape[0] == 1
-            and x.dtype == torch.float32
-            and (longest <= 16 or cpu_gemm.invariant())
-        )
-
-    def _kernel_rows(self, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]) -> torch.Tensor:
-        """Serving path of :meth:`rows_many` before ``o_proj``: every sequence's rows appended to its
-        cache and the heads' outputs ``[1, sum R, H * dv]`` of all of them, in two kernel calls
-        (:func:`~tandem.model.cpu_attention.mla_many`)."""
-        ix = self.indexer
-        return torch.from_numpy(
-            cpu_attention.mla_many(
-                rows,
-                caches,
-                lengths,
-                ix.index_kpool_compress_ape,
-                ix.kp,
-                ix.k_pools,
-                self.scaling,
-                ix.d**-0.5,
-                ix.h**-0.5,
-            )
-        )[None]
-
     def _triton_rows(
         self, x: torch.Tensor, rows: dict[str, torch.Tensor], caches: list["MLACache"], lengths: list[int]
     ) -> torch.Tensor:
         """CUDA path of :meth:`rows_many` before ``o_proj``: each sequence's rows appended to its cache,
         then one DSA indexer and one attention launch over all sequences' rows (ragged; each reads its
         own cache in place). Returns the heads' outputs ``[1, sum R, H * dv]``."""
-        from tandem_kernels import dsa_indexer, mla_attention
-
         ix, pos, off = self.indexer, [], 0
         for cache, n in zip(caches, lengths):
             pos.append(torch.arange(len(cache), len(cache) + n, device=x.device))
@@ -327,10 +282,10 @@ class MLAttention(nn.Module):
             off += n
         iq, iw = ix.queries(x, rows)
         pks = [c.pk[0] if c.pk is not None else iq.new_zeros(0, ix.d) for c in caches]
-        _, mask = dsa_indexer.select_rows(
+        _, mask = dispatch.dsa_select_rows(
             iq[0], iw[0], pks, lengths, torch.cat(pos), [len(c) for c in caches], ix.kp, ix.k_pools
         )
-        o = mla_attention.attend_rows(
+        o = dispatch.mla_attend_rows(
             rows["q"][0].transpose(0, 1),
             [c.k[0] for c in caches],
             [c.v[0] for c in caches],
@@ -357,7 +312,7 @@ class MLAttention(nn.Module):
 
     def prime(self, x: torch.Tensor, cache: "MLACache") -> torch.Tensor:
         """Prefill rows ``x [1, T, D]``: the full causal pass when ``cache`` is empty, else :meth:`rows`."""
-        if len(cache) > 0 or (cpu_gemm.invariant() and self._row_kernels(x, x.shape[1])):
+        if len(cache) > 0 or (self.kernels.rows and dispatch.mla_rows_fit(self.kernels, x, x.shape[1])):
             return self.rows(x, cache)
         y, rows = self(x)
         cache.append(rows)

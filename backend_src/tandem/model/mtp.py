@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import cpu_block
+from ..ops import dispatch
 from .cache import MLACache
 from .config import TrunkConfig
 from .layers import RMSNorm
@@ -42,5 +42,5 @@ class MTPLayer(DecoderLayer):
 
     def rows(self, emb: torch.Tensor, h: torch.Tensor, cache: MLACache) -> torch.Tensor:
         """Cached rows ``[1, R, D]`` at MTP positions ``len(cache) ..``; appends to ``cache``."""
-        cpu_block.new_pass()
+        dispatch.new_pass()
         return self._out(self.run(self._in(emb, h), lambda x: self.self_attn.rows(x, cache)))

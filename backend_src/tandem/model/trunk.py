@@ -19,7 +19,8 @@ import itertools
 import torch
 import torch.nn as nn
 
-from . import cpu_block, cpu_decode, cpu_gemm, cpu_kernels, cpu_mla_block
+from ..ops import dispatch
+from ..ops.settings import DEFAULT, KernelSettings
 from .cache import KDARows, KDAState, TrunkCache
 from .config import TrunkConfig
 from .block import DecoderLayer
@@ -60,11 +61,15 @@ class Trunk(nn.Module):
     in :data:`FP32_KEEP` stay fp32 as in transformers.
     """
 
+    #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     #: a row's logits bit-identical alone (plain decoding, M=1), inside a verify block (M=k+1) or in a
     #: batch of sessions: on the CPU the verify passes and the LM head take the row-invariant GEMM of
-    #: :mod:`~tandem.model.cpu_gemm` (a BLAS sums a row differently by the number of rows); elsewhere
-    #: a one-row verify is padded to two rows. The serving parameter ``batch_invariant`` sets it
-    batch_invariant: bool = False
+    #: :mod:`~tandem.ops.cpu.gemm` (a BLAS sums a row differently by the number of rows); elsewhere
+    #: a one-row verify is padded to two rows. The serving parameter ``batch_invariant`` sets it; setting it gives
+    #: the trunk's layers the row-invariant kernel settings (:meth:`use_kernels`)
+    _batch_invariant: bool = False
     #: threads of :meth:`decode_many` (groups of sequences decoded side by side; the serving parameter
     #: ``decode_threads`` sets it)
     decode_threads: int = 1
@@ -79,6 +84,25 @@ class Trunk(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def use_kernels(self, kernels: KernelSettings) -> "Trunk":
+        """Run with the kernel settings ``kernels`` (:func:`tandem.ops.dispatch.install`; a loader calls it once):
+        the trunk's own modules in the row-invariant mode when :attr:`batch_invariant`, the MTP layer always
+        (its drafts come from the row-invariant GEMM, faster than MKL for a few rows). Returns the trunk."""
+        dispatch.install(self, kernels.replace(rows=self._batch_invariant))
+        if self.mtp is not None:
+            dispatch.install(self.mtp, kernels.replace(rows=True))
+        return self
+
+    @property
+    def batch_invariant(self) -> bool:
+        """See :attr:`_batch_invariant`; setting it gives the trunk's modules the matching kernel settings."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = bool(on)
+        self.use_kernels(self.kernels)
 
     @property
     def mtp(self) -> MTPLayer | None:
@@ -99,18 +123,11 @@ class Trunk(nn.Module):
         e = self.embed_tokens(ids)
         return e.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
 
-    @staticmethod
-    def _mean(streams: torch.Tensor) -> torch.Tensor:
+    def _mean(self, streams: torch.Tensor) -> torch.Tensor:
         """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
-        decode steps take (:func:`~tandem.model.cpu_decode.stream_mean`), so their rows match."""
-        if (
-            cpu_gemm.invariant()
-            and streams.shape[0] == 1
-            and streams.dtype == torch.float32
-            and cpu_kernels.active(streams)
-        ):
-            return cpu_decode.stream_mean(streams)
-        return streams.mean(2)
+        decode steps take (:func:`~tandem.ops.cpu.decode.stream_mean`), so their rows match."""
+        m = dispatch.stream_mean(self.kernels, streams)
+        return streams.mean(2) if m is None else m
 
     def _final(self, streams: torch.Tensor) -> torch.Tensor:
         return self.norm(self._mean(streams))
@@ -122,7 +139,7 @@ class Trunk(nn.Module):
         ``features`` the pair (hidden, the mean of the streams after each listed layer, concatenated
         ``[B, T, n*D]``)."""
         feats = []
-        cpu_block.new_pass()
+        dispatch.new_pass()
         for i, layer in enumerate(
             itertools.islice(self.layers, self.cfg.num_hidden_layers)
         ):  # (a slice: a new ModuleList)
@@ -142,8 +159,7 @@ class Trunk(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """LM head in fp32: ``[..., D] -> [..., V]`` (under :attr:`batch_invariant` row-invariant, see there)."""
         if self._invariant_rows():
-            with cpu_gemm.rows_mode():
-                return self.lm_head(h).float()
+            return self.lm_head(h).float()
         if self.batch_invariant and h.numel() == h.shape[-1]:
             return self.lm_head(h.reshape(1, -1).expand(2, -1)).float()[:1].view(*h.shape[:-1], -1)
         return self.lm_head(h).float()
@@ -165,27 +181,27 @@ class Trunk(nn.Module):
     def _kda_blocks(self, on: bool, caches: list[TrunkCache], lengths: list[int], attn_fn, keep_states: bool, keep):
         """``block_fn`` of :meth:`_layers` for a pass over ``caches``' rows (``lengths``): when ``on``
         (:meth:`_invariant_rows`), each KDA block that fits runs in one
-        :func:`~tandem.model.cpu_block.kda_block` call, bit-identical to the block run kernel by kernel,
+        :func:`~tandem.ops.cpu.block.kda_block` call, bit-identical to the block run kernel by kernel,
         and ``keep(i, per_sequence)`` takes layer ``i``'s KDA rows (``keep_states``) or final states;
-        each MLA block that fits in one :func:`~tandem.model.cpu_mla_block.mla_block` call (the rows
+        each MLA block that fits in one :func:`~tandem.ops.cpu.mla_block.mla_block` call (the rows
         appended to the caches, as the unfused path appends them)."""
 
         def block_fn(i, layer):
             if not on:
                 return None
-            if not cpu_block.kda_fits(layer):
-                if not cpu_mla_block.fits(layer):
+            if not dispatch.kda_fits(layer):
+                if not dispatch.mla_fits(layer):
                     return None
                 return lambda s: (
                     layer.run(s, attn_fn(i, layer))
                     if s.shape[0] != 1
-                    else cpu_mla_block.mla_block(layer, s, [c.layers[i] for c in caches], lengths)
+                    else dispatch.mla_block(layer, s, [c.layers[i] for c in caches], lengths)
                 )
 
             def run(s):
                 if s.shape[0] != 1:
                     return layer.run(s, attn_fn(i, layer))
-                s, per = cpu_block.kda_block(layer, s, self._kda_starts(caches, i, layer), lengths, keep_states)
+                s, per = dispatch.kda_block(layer, s, self._kda_starts(caches, i, layer), lengths, keep_states)
                 keep(i, per)
                 return s
 
@@ -203,7 +219,7 @@ class Trunk(nn.Module):
     def _invariant_rows(self) -> bool:
         """The row-invariant kernels apply (:attr:`batch_invariant` on the CPU in fp32)."""
         w = self.embed_tokens.weight
-        return self.batch_invariant and w.dtype == torch.float32 and cpu_kernels.active(w)
+        return self.batch_invariant and w.dtype == torch.float32 and dispatch.numba(self.kernels, w)
 
     @torch.no_grad()
     def prime_many(self, caches: list[TrunkCache], ids: list[torch.Tensor], features: tuple[int, ...] = ()) -> list:
@@ -222,7 +238,7 @@ class Trunk(nn.Module):
         groups = row_groups(lengths, self.decode_threads) if self._invariant_rows() else [range(len(caches))]
         if len(groups) == 1:
             return self._prime_rows(caches, ids, lengths, features)
-        return cpu_decode.run_groups(
+        return dispatch.run_groups(
             lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g], [lengths[j] for j in g], features),
             groups,
         )
@@ -241,7 +257,7 @@ class Trunk(nn.Module):
             attn = layer.self_attn
 
             def fn(x):
-                if layer.layer_type == "linear_attention" and cpu_kernels.active(x) and x.shape[0] == 1:
+                if layer.layer_type == "linear_attention" and dispatch.numba(self.kernels, x) and x.shape[0] == 1:
                     # the recurrence row by row, every sequence in one kernel call (faster here than
                     # the chunked form up to 256 rows, and the same whatever the chunking)
                     y, finals = attn.forward_rows_many(
@@ -263,13 +279,12 @@ class Trunk(nn.Module):
             return fn
 
         fused = self._invariant_rows()
-        with cpu_gemm.rows_mode(fused):
-            out = self._layers(
-                self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]),
-                attn_fn,
-                tuple(features),
-                self._kda_blocks(fused, caches, lengths, attn_fn, False, keep),
-            )
+        out = self._layers(
+            self._streams(torch.cat(ids, 1) if len(ids) > 1 else ids[0]),
+            attn_fn,
+            tuple(features),
+            self._kda_blocks(fused, caches, lengths, attn_fn, False, keep),
+        )
         for c, n in zip(caches, lengths):
             c.pos += n
         parts = [o.split(lengths, 1) for o in (out if features else (out,))]
@@ -315,7 +330,7 @@ class Trunk(nn.Module):
             sts = self._kda_starts(caches, i, layer, ids[0].shape[0])
 
             def fn(x):
-                if cpu_kernels.active(x) and x.shape[0] == 1:
+                if dispatch.numba(self.kernels, x) and x.shape[0] == 1:
                     y, per = attn.forward_rows_many(x, sts, comp)
                 else:  # the torch reference, one sequence at a time
                     res = [
@@ -329,13 +344,12 @@ class Trunk(nn.Module):
 
             return fn
 
-        with cpu_gemm.rows_mode(kernel):
-            out = self._layers(
-                self._streams(torch.cat(rows, 1)),
-                attn_fn,
-                tuple(features),
-                self._kda_blocks(kernel, caches, comp, attn_fn, True, keep),
-            )
+        out = self._layers(
+            self._streams(torch.cat(rows, 1)),
+            attn_fn,
+            tuple(features),
+            self._kda_blocks(kernel, caches, comp, attn_fn, True, keep),
+        )
         for c, p, n in zip(caches, pending, lengths):
             c.pending, c.pending_rows = p, n
         parts = [o.split(comp, 1) for o in (out if features else (out,))]
@@ -357,7 +371,7 @@ class Trunk(nn.Module):
         rows of every step but the last are committed (the last stays pending, as after a verify); the
         sequences stop after the first step in which one's target is in its ``stop_ids[j]``. Under
         :attr:`batch_invariant` on the CPU the steps run compiled
-        (:func:`~tandem.model.cpu_decode.decode_steps`, in ``threads`` groups of sequences, default
+        (:func:`~tandem.ops.cpu.decode.decode_steps`, in ``threads`` groups of sequences, default
         :attr:`decode_threads`, each group stopping on its own), bit-identical to the verify passes;
         else (or when a layer does not run fused) the verify passes themselves.
 
@@ -369,10 +383,9 @@ class Trunk(nn.Module):
         if steps < 1 or len(anchors) != len(caches) or len(stop_ids) != len(caches):
             raise ValueError(f"decode: steps {steps} >= 1 and one anchor and stop set per cache ({len(caches)})")
         if self._invariant_rows():
-            with cpu_gemm.rows_mode():
-                out = cpu_decode.decode_steps(
-                    self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads
-                )
+            out = dispatch.decode_steps(
+                self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads
+            )
             if out is not None:
                 return out
         return self._decode_reference(caches, anchors, steps, stop_ids, features)
@@ -388,8 +401,9 @@ class Trunk(nn.Module):
             outs = self.verify_many(caches, [torch.tensor([[a]], device=self.device) for a in anchor], features)
             h = torch.cat([o[0] if features else o for o in outs], 1)[0]
             logits = self.logits(h)
-            if cpu_kernels.active(logits) and logits.dtype == torch.float32:
-                tgt, gap = cpu_kernels.top2(logits)
+            got = dispatch.top2(self.kernels, logits)
+            if got is not None:
+                tgt, gap = got
             else:
                 top = logits.topk(2, dim=-1)
                 tgt, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]

@@ -1,4 +1,4 @@
-"""Compile the numba serving kernels (:mod:`tandem.model.cpu_kernels`) ahead of the first request:
+"""Compile the numba serving kernels (:mod:`tandem.ops.cpu`) ahead of the first request:
 ``python -m tandem.model.warm`` (``make setup`` runs it), and the ``trunk`` and ``drafter_mtp``
 models at load (disk-cache hits then, ~5-7 s here)."""
 
@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from . import cpu_amx, cpu_kernels
+from ..ops import dispatch
+from ..ops.settings import KernelSettings
 from .checkpoint import cast_trunk, init_weights, is_fp32_param
 from .config import TrunkConfig
 from .layers import input_major_linears
@@ -17,12 +18,12 @@ from .trunk import Trunk
 
 def compile_kernels() -> float:
     """Compile every kernel for the argument types serving passes (numba caches them on disk beside
-    cpu_kernels.py, cpu_kda.py, cpu_moe.py, cpu_gemm.py, cpu_block.py, cpu_mla_block.py and cpu_decode.py, so only the first call on a
+    the files of ``tandem/ops/cpu``, so only the first call on a
     machine pays: ~100 s on 2 cores) by running tiny random trunks through primes and two-sequence
     verifies (and, row-invariant, decode steps in one call): the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
     with bf16-exact weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each
-    a set of argument types of the fused blocks), on a CPU with AMX for both GEMM tiles (:mod:`~tandem.model.cpu_amx`:
-    the ``amx`` parameter picks one). Returns the seconds it took."""
+    a set of argument types of the fused blocks), on a CPU with AMX for both GEMM tiles (:mod:`~tandem.ops.cpu.amx`:
+    the ``amx`` parameter picks one; a model each, :class:`~tandem.ops.settings.KernelSettings`). Returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = TrunkConfig(
         vocab_size=64,
@@ -62,31 +63,26 @@ def compile_kernels() -> float:
         for c in caches:
             model.prime(c, torch.arange(1, 21)[None])
         for _ in range(2):
-            cpu_kernels.top2(
-                model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0])
+            dispatch.top2(
+                model.kernels,
+                model.logits(model.verify_many(caches, [torch.tensor([[3]]), torch.tensor([[4, 5, 6]])])[1][0]),
             )
             for c in caches:
                 c.commit(1)
-        if model.batch_invariant:  # plain decode steps in one call (cpu_decode.py): two sequences, then one
+        if model.batch_invariant:  # plain decode steps in one call (ops/cpu/decode.py): two sequences, then one
             for cs in (caches, caches[:1]):
                 model.decode_many(cs, [3] * len(cs), 3, [()] * len(cs), (1,))
                 for c in cs:
                     c.commit(1)
 
-    before = cpu_amx.ON[0]
-    try:
-        with torch.no_grad():
-            run(trunk("fp32"))  # the plain layout, BLAS GEMMs
-            for amx in (True, False) if cpu_amx.HW_AMX else (before,):  # both tiles where the `amx` parameter picks one
-                cpu_amx.set_amx(amx)  # (fp32 weights take neither: once)
-                for weights in ("fp32", "shipped", "bf16") if amx == before else ("shipped", "bf16"):
-                    model = input_major_linears(
-                        trunk(weights)
-                    )  # the serving layout (fused linears and experts: cpu_block.py)
-                    model.batch_invariant = True  # the row-invariant GEMM and MoE (cpu_gemm.py), the fused blocks
-                    run(model)
-    finally:
-        cpu_amx.set_amx(before)
+    with torch.no_grad():
+        run(trunk("fp32"))  # the plain layout, BLAS GEMMs
+        for amx in (True, False) if dispatch.HW_AMX else (True,):  # both tiles where the `amx` parameter picks one
+            for weights in ("fp32", "shipped", "bf16") if amx else ("shipped", "bf16"):  # (fp32 weights: once)
+                # the serving layout (fused linears and experts: ops/cpu/block.py) with its kernel settings
+                model = input_major_linears(trunk(weights)).use_kernels(KernelSettings(amx=amx))
+                model.batch_invariant = True  # the row-invariant GEMM and MoE (ops/cpu/gemm.py), the fused blocks
+                run(model)
     return time.perf_counter() - t0
 
 

@@ -12,7 +12,7 @@ from .. import schema
 from ..engine.dflash_stage import DFlashStage
 from ..engine.mtp_stage import MTPStage
 from ..model.checkpoint import dflash_arms, load_dflash, load_trunk
-from ..model.device import placement
+from ..model.device import kernel_settings, placement
 from ..model.warm import compile_kernels
 from .metrics import STAGE_GAUGES, Gauges
 from .parameters import drafter_dirs, resolve_checkpoint, serving_config
@@ -44,7 +44,8 @@ class DrafterMTPModel(_DrafterModel):
         super().__init__(pb_utils, args)
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         dev, dt = placement(self.config)
-        self.stage = MTPStage(load_trunk(self.checkpoint, dt, device=dev), self.config.max_num_draft_tokens)
+        trunk = load_trunk(self.checkpoint, dt, device=dev, kernels=kernel_settings(self.config))
+        self.stage = MTPStage(trunk, self.config.max_num_draft_tokens)
         pb_utils.Logger.log_info(f"drafter_mtp: loaded {self.checkpoint} ({dt} on {dev})")
 
     def execute(self, requests) -> list:
@@ -62,9 +63,10 @@ class DrafterDFlashModel(_DrafterModel):
         (dev, dt), arms = placement(self.config), dflash_arms(ckpt, dirs)
         self.stage = None
         if arms:
-            trunk = load_trunk(ckpt, dt, with_mtp=False, device=dev)  # for its embedding and LM head
+            kernels = kernel_settings(self.config)
+            trunk = load_trunk(ckpt, dt, with_mtp=False, device=dev, kernels=kernels)  # its embedding and LM head
             self.stage = DFlashStage(
-                {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms},
+                {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in arms},
                 trunk.embed_tokens,
                 trunk.lm_head,
                 self.config.max_num_draft_tokens,

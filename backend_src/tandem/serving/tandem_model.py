@@ -22,10 +22,9 @@ from .. import schema
 from ..engine.stages import drafter_stages
 from ..engine.state_size import StateSize
 from ..engine.trunk_stage import TrunkStage
-from ..model import cpu_decode
 from ..model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
-from ..model.cpu_amx import gemm_tiles
-from ..model.device import placement
+from ..ops import dispatch
+from ..model.device import kernel_settings, placement
 from ..model.tokenizer import ChatTokenizer
 from ..model.warm import compile_kernels
 from . import engine_core
@@ -57,7 +56,8 @@ class TandemModel:
         ckpt = resolve_checkpoint(cfg, repo)
         dirs = drafter_dirs(cfg, repo, ckpt)
         dev, dt = placement(cfg)
-        model = load_trunk(ckpt, dt, device=dev)
+        kernels = kernel_settings(cfg)
+        model = load_trunk(ckpt, dt, device=dev, kernels=kernels)
         cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
         self.max_ctx = cfg.max_ctx
         trunk = TrunkStage(
@@ -67,13 +67,13 @@ class TandemModel:
             batch_invariant=cfg.batch_invariant,
             decode_threads=cfg.decode_threads,
         )
-        cpu_decode.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
+        dispatch.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
         log = pb.Logger.log_error
         arms = dflash_arms(ckpt, dirs)
         self.bls = watch = None
         if cfg.colocate:  # the drafters here, on the trunk's embedding and LM head: a round crosses no process
             drafters = drafter_stages(
-                model, {a: load_dflash(ckpt, a, dt, dirs[a], dev) for a in arms}, cfg.max_num_draft_tokens
+                model, {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in arms}, cfg.max_num_draft_tokens
             )
         else:  # the drafter models over BLS, each call under the stage deadline
             self.bls = engine_core.BLSTransport(pb)
@@ -105,7 +105,7 @@ class TandemModel:
         self.sends = SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)
         pb.Logger.log_info(
             f"tandem: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
-            f"{gemm_tiles()}); drafters {sorted(drafters)} "
+            f"{dispatch.gemm_tiles(cfg.amx)}); drafters {sorted(drafters)} "
             f"{'in this process' if cfg.colocate else 'in their models (colocate off)'}, DFlash "
             f"drafters {({a: str(dirs[a]) for a in arms}) or 'none'}; "
             f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)}); {cfg}"

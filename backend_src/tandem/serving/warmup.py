@@ -1,7 +1,7 @@
 """Warm-up turns run in the engine core's process at load, before the ``tandem`` model reports ready.
 
 The serving layout builds parts of itself on first use (each weight's packed kernel layout and each
-block's plan, :mod:`tandem.model.cpu_gemm`, :mod:`tandem.model.cpu_block`): without a warm-up the
+block's plan, :mod:`tandem.ops.cpu.gemm`, :mod:`tandem.ops.cpu.block`): without a warm-up the
 first client turn paid it, ~50 ms of a prime and ~60 ms of the first MTP turn on 2 cores (a turn
 that takes ~8 ms warm). Triton's own ``model_warmup`` cannot drive a sequence through the engine's
 rounds, so the engine core runs short turns of every arm its stages serve, in a scheduler of its own.

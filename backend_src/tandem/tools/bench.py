@@ -179,8 +179,8 @@ def main(
 
     from ..engine.inprocess import Engine
     from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
-    from ..model.cpu_amx import HW_AMX, gemm_tiles, set_amx
-    from ..model.cpu_tile import HW_BF16
+    from ..ops.cpu.amx import HW_AMX, gemm_tiles
+    from ..ops.cpu.tile import HW_BF16
     from .bench_limits import limits, print_limits
     from .bench_load import print_long_prompt, print_scaling, run_long_prompt, run_scaling
     from .bench_prefix import run_prefix_section
@@ -201,7 +201,6 @@ def main(
         console.print("[bold yellow]QUICK: a smoke run; its figures are too few to mean anything[/]")
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     torch.set_num_threads(threads)
-    set_amx(amx)  # (every Engine below gets amx too: an Engine sets it for the process)
     dt = parse_dtype(dtype)
     have = set(dflash_arms(checkpoint)) | {schema.MTP, schema.OFF}
     arm_list = [a for a in map(parse_arm, arms.split(",")) if a[1] in have and a[1] != schema.OFF]
@@ -219,7 +218,7 @@ def main(
         "tokenizer": plain_eng.tokenizer,
         "prefix_cache_mb": 0,
         "amx": amx,
-    }  # (amx: the process's)
+    }  # (amx: every Engine's)
     if any(a in schema.DFLASH_ARMS for _, a, _ in arm_list):
         share["dflash"] = {a: plain_eng.drafters[a].drafters[a] for a in dflash_arms(checkpoint)}
     engs = {label: Engine(**share, **({"num_draft_tokens": k} if k else {})) for label, arm, k in arm_list}
@@ -373,7 +372,7 @@ def main(
         ratios,
         profile,
         f"tandem bench - {len(prompt_ids)} prompts x {max_tokens} new tokens x {reps} reps, {dtype}, {threads} thread(s), "
-        f"{gemm_tiles()} GEMM tiles, interleaved, random row order"
+        f"{gemm_tiles(amx)} GEMM tiles, interleaved, random row order"
         + (" - QUICK SMOKE RUN: figures mean nothing" if quick else ""),
     )
     print_limits(console, lim)

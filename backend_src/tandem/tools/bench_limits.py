@@ -17,9 +17,9 @@ def weight_bytes_per_token(model) -> dict:
     parameter of the trunk layers, the routed experts' share ``top_k / n_routed_experts`` (the experts
     a token needs), the shared experts, the final norm and LM head, one embedding row; each at the
     width serving reads it (2 bytes for the weights the row-invariant GEMM streams as bfloat16 bits,
-    :func:`tandem.model.cpu_gemm.kernel_weight`, once a decode has made them). Returns
+    :func:`tandem.ops.cpu.gemm.kernel_weight`, once a decode has made them). Returns
     ``{"total": bytes, "lm_head": .., "experts": .., "other": ..}``."""
-    from ..model import cpu_gemm
+    from ..ops.cpu import gemm as cpu_gemm
 
     bf16 = {e[0].untyped_storage().data_ptr() for e in cpu_gemm._W.values() if cpu_gemm.is_bf16(e[2])}
     cfg = model.cfg
@@ -57,7 +57,7 @@ def matvec_bandwidth(
     (the shipped miniature's 19 MiB a token does, in a 32 MiB L3), unless ``cold``: then
     ``_FLUSH_BYTES`` are written before each timed call, so the weight streams from memory as a model
     larger than the cache would. Returns ``{"bytes_per_s", "seconds", "layout"}``."""
-    from ..model import cpu_gemm
+    from ..ops.cpu import gemm as cpu_gemm
 
     esz = torch.tensor([], dtype=dtype).element_size()
     n_out = max(1, int(nbytes // (in_features * esz)))
@@ -111,16 +111,19 @@ def ops_per_token(engine, ids: list[int], max_tokens: int) -> dict:
     pure-torch reference. Returns ``{"serving": n, "reference": n}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ..model import cpu_kernels
+    from ..ops.settings import REFERENCE
 
     def count() -> float:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             r = engine.generate(ids, max_tokens, spec="off")
         return sum(k.count for k in prof.key_averages() if k.key.startswith("aten::")) / max(len(r["token_ids"]), 1)
 
-    serving = count()
-    with cpu_kernels.reference():
+    serving, kernels = count(), engine.kernels
+    engine.model.use_kernels(REFERENCE)
+    try:
         reference = count()
+    finally:
+        engine.model.use_kernels(kernels)
     return {"serving": serving, "reference": reference}
 
 

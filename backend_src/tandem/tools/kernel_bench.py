@@ -1,7 +1,7 @@
 """Each Triton kernel against its torch reference: speed and agreement, side by side in one run.
 
-``python -m tandem_kernels.bench`` (or ``make kernel-bench``) on a machine with a GPU times every
-module's ``bench_cases("cuda")`` (realistic GLM-5.3-Flash shapes: 8 sessions x 8 verify rows, real
+``python -m tandem.tools.kernel_bench`` (or ``make kernel-bench``) on a machine with a GPU times every
+module's cases (:data:`tandem.tools.kernel_cases.CASES`, ``"cuda"``) (realistic GLM-5.3-Flash shapes: 8 sessions x 8 verify rows, real
 head dimensions, ~4k-token contexts, the 154,880-token vocabulary) with ``triton.testing.do_bench``
 (median of repeated runs after warm-up, milliseconds) and prints torch ms, Triton ms, the speedup and
 the largest difference between their outputs (it fails above 1e-4 in fp32 on the CPU, 5e-2 on the
@@ -13,7 +13,6 @@ tiny CPU cases in Triton's interpreter (``TRITON_INTERPRET=1``): a smoke run who
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -21,6 +20,8 @@ import sys
 import time
 
 import torch
+
+from .kernel_cases import CASES
 
 MODULES = ("sampler", "kda_verify", "dsa_indexer", "mla_attention", "block_attention")
 
@@ -76,8 +77,7 @@ def run(device: str, modules=MODULES, reps: int = 3) -> list[dict]:
 
     rows = []
     for name in modules:
-        mod = importlib.import_module(f"tandem_kernels.{name}")
-        for label, ref, ker in mod.bench_cases(device):
+        for label, ref, ker in CASES[name](device):
             out = ref()
             diff = max_diff(out, ker())
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in _flat(out))  # bf16: ~1 rounding step

@@ -4,16 +4,16 @@ Through :meth:`DecoderLayer.run <tandem.model.block.DecoderLayer.run>` an indexe
 one decode row cost ~1 ms, ~0.5 ms of it in :meth:`MLAttention.project
 <tandem.model.mla.MLAttention.project>`'s two dozen small torch ops (each ~10-25 us here) around
 three GEMMs, against ~0.2 ms of kernels. Here one compiled function runs the whole block: the mHC
-weights and block norm (:func:`~tandem.model.cpu_block._hc_in`), the fused input GEMM (``q_a``,
+weights and block norm (:func:`~tandem.ops.cpu.block._hc_in`), the fused input GEMM (``q_a``,
 ``kv_a``, the indexer's key, head weights and pool gate), the ``q_a`` and ``kv_a`` RMSNorms and the
 indexer key's LayerNorm, the fused query GEMM (``q_b`` and the indexer's queries), ``kv_b``, the
 append of every sequence's rows to its cache in place with the DSA pools they complete and the
-attention over the selected tokens (:func:`~tandem.model.cpu_attention._append_many`,
-:func:`~tandem.model.cpu_attention._attend_many`), ``o_proj``, the mHC merge, then the MoE half
-(:func:`~tandem.model.cpu_block._ffn`).
+attention over the selected tokens (:func:`~tandem.ops.cpu.attention._append_many`,
+:func:`~tandem.ops.cpu.attention._attend_many`), ``o_proj``, the mHC merge, then the MoE half
+(:func:`~tandem.ops.cpu.block._ffn`).
 
 The same kernels run in the same order as the block run op by op in the serving mode (the norms are
-:func:`~tandem.model.cpu_kernels.rms_norm` / :func:`~tandem.model.cpu_kernels.layer_norm` there too),
+:func:`~tandem.ops.cpu.kernels.rms_norm` / :func:`~tandem.ops.cpu.kernels.layer_norm` there too),
 so the streams out, the caches and the pools are bit-identical to that path (``tests/test_cpu_block.py``),
 and every step works row by row in a fixed order: a row's output is bit-identical alone (plain
 decoding), in a verify block or in a batch of sessions.
@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cpu_attention import _append_many, _attend_many, cache_args
-from . import cpu_block
-from .cpu_block import _ON, _f32, _ffn, _ffn_plan, _gemm, _hc_args, _hc_in, _plan
-from .cpu_gemm import kernel_weight
-from .cpu_kernels import _F, _hc_merge, _layer_norm, _rms, np_param, np_rows
+from .attention import _append_many, _attend_many, cache_args
+from . import block
+from .block import _f32, _ffn, _ffn_plan, _gemm, _hc_args, _hc_in, _plan
+from .gemm import kernel_weight
+from .kernels import _F, _hc_merge, _layer_norm, _rms, np_param, np_rows
 
 
 @njit(cache=True, nogil=True)
@@ -137,7 +137,7 @@ def _sources(layer) -> list[torch.Tensor]:
 
 def _mla_plan(layer):
     def make():
-        a = layer.self_attn
+        a, k = layer.self_attn, layer.kernels
         ix = a.indexer
         qr, kvr, di, Hi, dg = a._fused_x[1]
         assert dg == di == ix.d and Hi == ix.h, (
@@ -146,10 +146,10 @@ def _mla_plan(layer):
             ix.h,
         )  # the fused group's order (MLAttention.FUSED)
         mla = (
-            kernel_weight(a._fused_x[0]),
-            kernel_weight(a._fused_q[0]),
-            kernel_weight(a.kv_b_proj.weight),
-            kernel_weight(a.o_proj.weight),
+            kernel_weight(a._fused_x[0], k),
+            kernel_weight(a._fused_q[0], k),
+            kernel_weight(a.kv_b_proj.weight, k),
+            kernel_weight(a.o_proj.weight, k),
             np_param(a.q_a_layernorm.weight),
             _F(a.q_a_layernorm.variance_epsilon),
             np_param(a.kv_a_layernorm.weight),
@@ -186,7 +186,7 @@ def _mla_plan(layer):
 def fits(layer) -> bool:
     """Whether ``layer``'s attention half runs here (:func:`mla_block`): MLA / DSA attention with its
     fused input and query projections, fp32."""
-    return _ON[-1] and _mla_plan(layer).fits
+    return layer.kernels.fused and _mla_plan(layer).fits
 
 
 def mla_block(layer, streams: torch.Tensor, caches: list, lengths: list[int]) -> torch.Tensor:
@@ -194,13 +194,13 @@ def mla_block(layer, streams: torch.Tensor, caches: list, lengths: list[int]) ->
     ``[1, sum T, n, D]`` fp32, sequence ``j``'s ``lengths[j]`` rows in turn, appended to its
     :class:`~tandem.model.cache.MLACache` ``caches[j]`` (with the pools they complete) and attending
     over it, in the row-invariant mode: the whole block in one call when its FFN half is a MoE that
-    fits (:func:`~tandem.model.cpu_block.ffn_fits`), else the attention half here and the FFN half as
+    fits (:func:`~tandem.ops.cpu.block.ffn_fits`), else the attention half here and the FFN half as
     :meth:`~tandem.model.block.DecoderLayer.ffn` runs it. Returns the streams out ``[1, sum T, n, D]``."""
     hc_a, mla, like = _mla_plan(layer).args
     offs, ptrs, used, pools = cache_args(caches, lengths, like)
     s = np_rows(streams[0])
     ffn = _ffn_plan(layer)
-    cpu_block.CALLS["mla_block" if ffn.fits else "mla_attn"] += 1
+    block.CALLS["mla_block" if ffn.fits else "mla_attn"] += 1
     if ffn.fits:
         out = torch.from_numpy(_mla_block(s, hc_a, *ffn.args, mla, offs, ptrs, used, pools))[None]
     else:

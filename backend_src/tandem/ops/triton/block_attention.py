@@ -36,13 +36,12 @@ for bf16 ``tl.dot``), so interpreted bf16 runs are more exact than compiled ones
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels import dispatch
+from . import interpreted
 
 MAX_S, MAX_D = 128, 256
 
@@ -207,7 +206,7 @@ def block_attention_packed(
         BLOCK_C=64 if BLOCK_D <= 64 else 32,
         BLOCK_D=BLOCK_D,
         PREC="ieee" if q.dtype == torch.float32 else None,
-        DOT_F32=dispatch.interpreted(),
+        DOT_F32=interpreted(),
         num_warps=4,
     )
     return o
@@ -246,31 +245,3 @@ def block_attention(
 
 #: the launchers the engine's hooks call (tests count their calls)
 ENGINE_LAUNCHERS = ("block_attention",)
-
-
-def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
-    """(label, torch reference thunk, triton thunk): on ``"cuda"`` a DFlash drafter layer on a
-    GLM-5.3-Flash-sized trunk (32 heads x 128, blocks of 8, 8 sequences with ragged contexts of
-    ~4096 rows, and one at 1024), bf16; on ``"cpu"`` a tiny fp32 case for the interpreter."""
-    from tandem.model.dflash import block_attention as reference
-
-    def case(label, H, d, S, lens, dtype):
-        g = torch.Generator(device="cpu").manual_seed(0)
-        mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
-        q, k, v = (mk(1, H, len(lens) * S, d) for _ in range(3))
-        ck, cv = [mk(1, H, c, d) for c in lens], [mk(1, H, c, d) for c in lens]
-        return (label, lambda: reference(q, k, v, ck, cv), lambda: block_attention(q, k, v, ck, cv))
-
-    if device == "cuda":
-        return [
-            case(
-                "dflash block attn H=32 d=128 S=8 N=8 C~4096 bf16",
-                32,
-                128,
-                8,
-                [4096, 3900, 4200, 3500, 4096, 4500, 3000, 4096],
-                torch.bfloat16,
-            ),
-            case("dflash block attn H=32 d=128 S=8 N=1 C=1024 bf16", 32, 128, 8, [1024], torch.bfloat16),
-        ]
-    return [case("dflash block attn H=3 d=12 S=8 N=3 C=0/5/37 fp32", 3, 12, 8, [0, 5, 37], torch.float32)]

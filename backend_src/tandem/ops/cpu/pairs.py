@@ -1,8 +1,8 @@
-"""The bfloat16 dot-product GEMM of the serving path (:func:`~tandem.model.cpu_gemm._mmp` on weights
+"""The bfloat16 dot-product GEMM of the serving path (:func:`~tandem.ops.cpu.gemm._mmp` on weights
 packed by :func:`pack_pairs`): the input rows rounded to bfloat16 once (:func:`bf16_pairs`), then
 every output element one fixed chain over the input dimension in pairs, ``acc = fma(x[2k+1], w[2k+1,
 j], acc); acc = fma(x[2k], w[2k, j], acc)`` from 0, whatever the number of rows: what AVX512-BF16's
-``vdpbf16ps`` computes (the tiles of :mod:`~tandem.model.cpu_tile`, or the same chain emulated with
+``vdpbf16ps`` computes (the tiles of :mod:`~tandem.ops.cpu.tile`, or the same chain emulated with
 float32 FMAs on a CPU without it), so a row is bit-identical alone, in a verify block or in a batch of
 sessions, as with the float32 tiles. These are the numerics of a bf16 GEMM with float32 accumulation
 (what GPU serving stacks run on bf16 checkpoints); every other operation stays float32.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .cpu_tile import TILE, _f32, pair1, pair2, pair3, pair4
+from .tile import TILE, _f32, pair1, pair2, pair3, pair4
 
 
 @njit(cache=True, nogil=True)

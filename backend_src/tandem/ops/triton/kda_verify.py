@@ -37,13 +37,13 @@ tested under the interpreter against the torch reference.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem_kernels import dispatch
+from . import interpreted
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def kda_rows_ragged(
     starts = torch.cumsum(lens, 0) - lens
     # on the GPU a program per 32 state columns; in the interpreter, whose cost is per program and op,
     # one per head
-    bv = block_v or (triton.next_power_of_2(dv) if dispatch.interpreted() else min(triton.next_power_of_2(dv), 32))
+    bv = block_v or (triton.next_power_of_2(dv) if interpreted() else min(triton.next_power_of_2(dv), 32))
     if bv <= 0 or bv & (bv - 1):
         raise ValueError(f"kda_verify: block_v must be a power of two, got {bv}")
     o = torch.empty(R, H, dv, dtype=torch.float32, device=k.device)
@@ -214,18 +214,3 @@ def _case(B: int, T: int, H: int, dk: int, dv: int, device: str, seed: int = 0):
 
 #: the launchers the engine's hooks call (tests count their calls)
 ENGINE_LAUNCHERS = ("kda_rows",)
-
-
-def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
-    """(label, torch-reference thunk, triton thunk): GLM-5.3-Flash KDA shapes on CUDA (32 heads,
-    dk = dv = 128, k+1 = 8 verify rows, 1 and 8 sessions), tiny ones for the CPU interpreter."""
-    from tandem.model.kda import kda_rows as reference
-
-    shapes = [(1, 8, 32, 128, 128), (8, 8, 32, 128, 128)] if device == "cuda" else [(2, 3, 3, 12, 20)]
-    cases = []
-    for B, T, H, dk, dv in shapes:
-        args = _case(B, T, H, dk, dv, device)
-        cases.append(
-            (f"kda_verify B={B} T={T} H={H} dk={dk} dv={dv}", lambda a=args: reference(*a), lambda a=args: kda_rows(*a))
-        )
-    return cases

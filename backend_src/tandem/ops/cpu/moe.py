@@ -1,4 +1,4 @@
-"""The MoE kernels of the decode / verify hot path (see :mod:`tandem.model.cpu_kernels`, whose
+"""The MoE kernels of the decode / verify hot path (see :mod:`tandem.ops.cpu.kernels`, whose
 conventions they share): sigmoid top-k routing, clamped SwiGLU, the weighted combine, and
 :func:`moe_rows` around two MKL GEMMs per run of selected experts. Reference:
 :meth:`tandem.model.layers.MoE.forward`."""
@@ -9,9 +9,10 @@ import numpy as np
 import torch
 from numba import njit
 
-from . import cpu_gemm
-from .cpu_gemm import _mmp
-from .cpu_kernels import _F, _swiglu_row, np_param
+from ..settings import DEFAULT, KernelSettings
+from . import gemm
+from .gemm import _mmp
+from .kernels import _F, _swiglu_row, np_param
 
 
 @njit(cache=True, nogil=True)
@@ -119,6 +120,7 @@ def moe_rows(
     w_down: torch.Tensor,
     limit: float,
     invariant: bool = False,
+    kernels: KernelSettings = DEFAULT,
 ) -> torch.Tensor:
     """Sigmoid-routed MoE plus shared expert over a few fp32 rows (:meth:`tandem.model.layers.MoE.forward`
     is the reference). Only the experts some row selects are computed, each run of consecutive ones
@@ -132,14 +134,14 @@ def moe_rows(
     selected experts in expert order.
 
     ``invariant``: each expert runs on only the rows that selected it, with the row-invariant GEMM
-    of :mod:`~tandem.model.cpu_gemm` (a row's output bit-identical for any number of rows; the
-    trunk's verify under ``batch_invariant``)."""
+    of :mod:`~tandem.ops.cpu.gemm` (a row's output bit-identical for any number of rows; the
+    trunk's verify under ``batch_invariant``), on weights packed for ``kernels``."""
     N = x.shape[0]
     E1, n_inter, D = w_down.shape
     w = np.empty((N, E1), _F)
     xn = np.ascontiguousarray(x.numpy())
     logits = (
-        cpu_gemm.mm_rows(xn, cpu_gemm.kernel_weight(router_w))
+        gemm.mm_rows(xn, gemm.kernel_weight(router_w, kernels))
         if invariant
         else torch.nn.functional.linear(x, router_w).numpy()
     )
@@ -149,8 +151,8 @@ def moe_rows(
         _moe_sparse(
             xn,
             w,
-            cpu_gemm.kernel_weight(w_up, experts=E1),
-            cpu_gemm.kernel_weight(w_down, transpose=False),
+            gemm.kernel_weight(w_up, kernels, experts=E1),
+            gemm.kernel_weight(w_down, kernels, transpose=False),
             _F(limit),
             out,
         )

@@ -1,8 +1,8 @@
 """Register-tiled micro-kernels, written as LLVM IR through numba intrinsics: the tiles of the
-row-invariant GEMM (:mod:`tandem.model.cpu_gemm`) and the KDA state passes
-(:mod:`tandem.model.cpu_kda`).
+row-invariant GEMM (:mod:`tandem.ops.cpu.gemm`) and the KDA state passes
+(:mod:`tandem.ops.cpu.kda`).
 
-:func:`~tandem.model.cpu_gemm._mm_blocked`'s loops keep four rows' accumulators in memory: every
+:func:`~tandem.ops.cpu.gemm._mm_blocked`'s loops keep four rows' accumulators in memory: every
 step of four input elements loads and stores each accumulator once. Here a tile of ``R`` rows x 64
 columns keeps its ``R x 4`` accumulators (vectors of 16 float32) in registers across the whole
 input dimension: per input element it loads four weight vectors and ``R`` inputs and issues ``4R``
@@ -11,7 +11,7 @@ is still the one chain of float32 FMAs over the input dimension in order, ``fma(
 j], ... fma(x[r, 0], w[0, j], 0))`` (``llvm.fma`` is the exactly rounded fused multiply-add, as the
 contracted scalar code's), so a tile's results are bit-identical to the blocked kernels' and to
 themselves for any number of rows (``tests/test_cpu_tile.py``). Serving's weights are strip-packed
-(:func:`~tandem.model.cpu_gemm.pack_strips`): a tile's ``D x 64`` weights are one contiguous run, which
+(:func:`~tandem.ops.cpu.gemm.pack_strips`): a tile's ``D x 64`` weights are one contiguous run, which
 the hardware prefetchers stream, so every row count, one row included, takes the tiles (on the
 unpacked layout one row stays with the blocked kernel: there a tile walks the weights in short runs).
 
@@ -20,9 +20,9 @@ accumulators in registers the same way, with the loops' arithmetic in the loops'
 mHC mixing logits' 64 partial sums (:func:`hc_mix8`, hc_mult 2).
 
 Weights are float32 or the uint16 bits of bfloat16 (``bits << 16``, exact), as
-:func:`~tandem.model.cpu_gemm.kernel_weight` makes them. Indices are not checked: the callers keep
+:func:`~tandem.ops.cpu.gemm.kernel_weight` makes them. Indices are not checked: the callers keep
 them in range. numba's cache does not see edits here from the files that call these: clear
-``backend_src/tandem/model/__pycache__`` after changing them.
+``backend_src/tandem/ops/cpu/__pycache__`` after changing them.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _pair_tile(R: int, emulate: bool = not HW_BF16):
     """The intrinsic ``tile(xp, wp, r, out, o)``: ``out[r:r+R, o:o+64] = bf16(x[r:r+R]) @ w[:, :64]``
     on bfloat16 pairs: ``xp [M, D/2]`` uint32, each the bfloat16 bits of ``x[:, 2k]`` (low half) and
     ``x[:, 2k+1]`` (high half); ``wp [D/2, 64]`` uint32, each ``w[2k, j] | w[2k+1, j] << 16`` (one
-    strip of :func:`~tandem.model.cpu_gemm.pack_pairs`). Each output is the chain ``acc = fma(x[2k+1],
+    strip of :func:`~tandem.ops.cpu.gemm.pack_pairs`). Each output is the chain ``acc = fma(x[2k+1],
     w[2k+1, j], acc); acc = fma(x[2k], w[2k, j], acc)`` for k = 0, 1, ... from 0: what ``vdpbf16ps``
     computes (Intel SDM's order: the odd product first; a bfloat16 product is exact in float32, so each
     step rounds once; measured bit-equal on this fleet's AMD EPYC, ``tests/test_cpu_tile.py``). With
@@ -292,7 +292,7 @@ epair1, epair2, epair3, epair4 = (_pair_tile(R, emulate=True) for R in (1, 2, 3,
 # -- the KDA state passes ---------------------------------------------------------------------------
 def _state_pass(V: int, update: bool):
     """The intrinsic of one KDA state pass over a head's ``[dk, dk]`` state, ``dk = 16 V``, with the
-    ``dk`` accumulators in registers (:func:`~tandem.model.cpu_kda._kda_rows` runs the same
+    ``dk`` accumulators in registers (:func:`~tandem.ops.cpu.kda._kda_rows` runs the same
     arithmetic as loops over arrays).
 
     ``update=False``: ``decay(src, dst, dec, kn, mem)``: ``dst[i] = src[i] * dec[i]`` and ``mem =
@@ -380,7 +380,7 @@ def hc_mix8(typingctx, xs, r, fn_t, out):
     """The intrinsic ``hc_mix8(xs, r, fn_t, out)``: the mHC mixing logits' eight interleaved partial sums of row ``r``
     of ``xs [M, ND]`` against ``fn_t [ND, 8]`` (C-contiguous): ``out[0, 8k + o] = sum_b xs[r, 8b + k] * fn_t[8b + k, o]``
     over ``b < ND // 8`` in order from 0, a multiply then an add each (no fma), for ``k, o < 8`` (``out [1, 64]``
-    float32): :func:`~tandem.model.cpu_kernels._hc_weights`'s loop with its 64 accumulators in four registers."""
+    float32): :func:`~tandem.ops.cpu.kernels._hc_weights`'s loop with its 64 accumulators in four registers."""
     if not all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 for a in (xs, fn_t, out)):
         return None
     sig = types.void(xs, types.int64, fn_t, out)

@@ -1,7 +1,7 @@
 """Compile every Triton kernel tandem launches for a CUDA target, on a machine without a GPU.
 
-``python -m tandem_kernels.compile_check [--arch 90]`` runs each kernel module's CPU
-``bench_cases`` Triton thunks with ``JITFunction.run`` replaced by a compile-only step: the launch's
+``python -m tandem.tools.kernel_compile [--arch 90]`` runs each kernel module's CPU
+cases' Triton thunks (:data:`tandem.tools.kernel_cases.CASES`) with ``JITFunction.run`` replaced by a compile-only step: the launch's
 real arguments are bound and specialised exactly as Triton does before a launch, and the kernel is
 compiled to a ``cubin`` for ``sm_<arch>`` (the Hopper H100 / H200 by default) with Triton's bundled
 ``ptxas``. Nothing runs, so outputs are garbage; what this proves is that every launch the engine
@@ -13,10 +13,11 @@ compiled kernel and exits 1 when any launch failed to compile.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
+
+from .kernel_cases import CASES
 
 MODULES = ("sampler", "kda_verify", "dsa_indexer", "mla_attention", "block_attention")
 
@@ -54,16 +55,15 @@ def compile_only(arch: int) -> list[tuple[str, str, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100 / H200)")
-    ap.add_argument("--modules", default=",".join(MODULES), help="comma-separated tandem_kernels modules")
+    ap.add_argument("--modules", default=",".join(MODULES), help="comma-separated modules of tandem.ops.triton")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("compile_check: unset TRITON_INTERPRET (the interpreter does not compile)", file=sys.stderr)
+        print("kernel_compile: unset TRITON_INTERPRET (the interpreter does not compile)", file=sys.stderr)
         return 2
     log = compile_only(a.arch)
     failed = []
     for name in a.modules.split(","):
-        mod = importlib.import_module(f"tandem_kernels.{name}")
-        for label, _, kernel in mod.bench_cases("cpu"):
+        for label, _, kernel in CASES[name]("cpu"):
             n = len(log)
             try:
                 kernel()

@@ -2,7 +2,7 @@
 
 For query row ``r`` of sequence ``b`` and head ``h``:
 ``o[r, h] = softmax_j(q[r, h] . K_b[h, j] * scaling | mask[r, j]) @ V_b[h]``, the softmax taken over
-the tokens ``j < L_b`` the DSA visibility mask allows (:mod:`tandem_kernels.dsa_indexer`: the
+the tokens ``j < L_b`` the DSA visibility mask allows (:mod:`tandem.ops.triton.dsa_indexer`: the
 selected k-pools and the incomplete tail, causal by construction). Reference:
 :func:`tandem.model.mla.masked_attention` (the torch branch of ``MLAttention._heads_out``); :func:`attention`
 has its arguments and result.
@@ -29,13 +29,12 @@ head reads the whole selection); a row that sees no token gets zeros (torch give
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from . import dispatch
+from . import interpreted
 
 #: the launchers the engine calls (:mod:`tandem.model.mla`; tests count their calls)
 ENGINE_LAUNCHERS = ("attention", "attend_rows")
@@ -206,7 +205,7 @@ def attend_rows(
         BLOCK_N=32,
         BLOCK_DQ=max(16, triton.next_power_of_2(DQK)),
         BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-        IEEE=q.dtype == torch.float32 or dispatch.interpreted(),
+        IEEE=q.dtype == torch.float32 or interpreted(),
     )
     return out
 
@@ -241,30 +240,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scaling,
     )
     return o.view(B, T, H, -1).transpose(1, 2)
-
-
-def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
-    """(label, torch reference, triton) thunks: GLM-5.3-Flash MLA shapes (8 sessions x 8 verify rows,
-    64 heads, dqk = dv = 256, context 4096, a DSA mask of 128 pools of 16 plus the tail) on
-    ``"cuda"`` (bf16), tiny fp32 and bf16 ones otherwise."""
-    from tandem.model.mla import masked_attention, pool_scores, select_pools
-
-    cuda = device == "cuda"
-    B, T, H, D, L, kp, k_pools = (8, 8, 64, 256, 4096, 16, 128) if cuda else (2, 3, 3, 24, 40, 4, 2)
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, n, D, device=device, generator=g) for n in (T, L, L))
-    P = L // kp
-    rnd = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
-    sc = pool_scores(rnd(B, T, 4, 16), rnd(B, T, 4), rnd(B, P, 16))
-    mask = select_pools(sc, torch.arange(L - T, L, device=device), L, kp, k_pools)
-    out = []
-    for dt in (torch.bfloat16,) if cuda else (torch.float32, torch.bfloat16):
-        qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-        out.append(
-            (
-                f"mla_attention B={B} T={T} H={H} d={D} L={L} {dt}",
-                lambda qc=qc, kc=kc, vc=vc: masked_attention(qc, kc, vc, mask, D**-0.5),
-                lambda qc=qc, kc=kc, vc=vc: attention(qc, kc, vc, mask, D**-0.5),
-            )
-        )
-    return out

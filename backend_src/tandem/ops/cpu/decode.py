@@ -4,11 +4,11 @@ A plain decode step through :meth:`Trunk.verify_many <tandem.model.trunk.Trunk.v
 numba call per decoder block, but between them ~1 ms of Python (plans, cache views, buffers, the LM
 head, the targets, the scheduler's bookkeeping) against ~0.7 ms of kernels on the shipped miniature.
 Here one compiled function runs ``steps`` whole decode steps of several sequences: embed each
-sequence's anchor, every block (:func:`~tandem.model.cpu_block._kda_attn` /
-:func:`~tandem.model.cpu_mla_block._mla_attn`, then :func:`~tandem.model.cpu_block._ffn` /
-:func:`~tandem.model.cpu_block._dense_ffn`, exactly what the fused blocks run), the final mean over
-the mHC streams and norm, the LM head (:func:`~tandem.model.cpu_gemm._mmp`) and the greedy target with
-its top-2 gap (:func:`~tandem.model.cpu_kernels._top2`); the target is the next step's anchor. This is
+sequence's anchor, every block (:func:`~tandem.ops.cpu.block._kda_attn` /
+:func:`~tandem.ops.cpu.mla_block._mla_attn`, then :func:`~tandem.ops.cpu.block._ffn` /
+:func:`~tandem.ops.cpu.block._dense_ffn`, exactly what the fused blocks run), the final mean over
+the mHC streams and norm, the LM head (:func:`~tandem.ops.cpu.gemm._mmp`) and the greedy target with
+its top-2 gap (:func:`~tandem.ops.cpu.kernels._top2`); the target is the next step's anchor. This is
 multi-step decoding (vLLM's ``num_scheduler_steps``) taken to one call: the Python around the kernels
 is paid once per call, not once per token.
 
@@ -31,13 +31,13 @@ import torch
 from numba import njit
 from numba.typed import List
 
-from . import cpu_block, cpu_mla_block
-from .cache import KDARows, KDAState, MLACache, TrunkCache
-from .cpu_attention import cache_args
-from .cpu_block import _dense_ffn, _ffn, _kda_attn
-from .cpu_gemm import _mmp, cols, kernel_weight
-from .cpu_kernels import _F, _rms, _top2, np_param
-from .cpu_mla_block import _mla_attn
+from . import block, mla_block
+from ..state import KDARows, KDAState
+from .attention import cache_args
+from .block import _dense_ffn, _ffn, _kda_attn
+from .gemm import _mmp, cols, kernel_weight
+from .kernels import _F, _rms, _top2, np_param
+from .mla_block import _mla_attn
 
 _KDA, _MLA = 0, 1  # attention kinds
 _MOE, _DENSE = 0, 1  # FFN kinds
@@ -185,20 +185,20 @@ _PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDic
 
 def _layer_plans(model) -> tuple | None:
     """Per trunk layer ``(attention kind, attention args, FFN kind, FFN args, layer)`` from the fused
-    blocks' plans, or None when a layer does not run fused (:func:`~tandem.model.cpu_block.kda_fits`,
-    :func:`~tandem.model.cpu_mla_block.fits`, :func:`~tandem.model.cpu_block.ffn_fits`)."""
+    blocks' plans, or None when a layer does not run fused (:func:`~tandem.ops.cpu.block.kda_fits`,
+    :func:`~tandem.ops.cpu.mla_block.fits`, :func:`~tandem.ops.cpu.block.ffn_fits`)."""
     out = []
     for layer in list(model.layers)[: model.cfg.num_hidden_layers]:
-        if cpu_block.kda_fits(layer):
-            attn = (_KDA, cpu_block._kda_plan(layer).args)
-        elif cpu_mla_block.fits(layer):
-            attn = (_MLA, cpu_mla_block._mla_plan(layer).args)
+        if block.kda_fits(layer):
+            attn = (_KDA, block._kda_plan(layer).args)
+        elif mla_block.fits(layer):
+            attn = (_MLA, mla_block._mla_plan(layer).args)
         else:
             return None
-        f = cpu_block._ffn_plan(layer)
+        f = block._ffn_plan(layer)
         if f.fits:
             ffn = (_MOE, f.args)
-        elif (d := cpu_block._dense_plan(layer)).fits and cpu_block._ON[-1]:
+        elif (d := block._dense_plan(layer)).fits and layer.kernels.fused:
             ffn = (_DENSE, d.args)
         else:
             return None
@@ -217,9 +217,9 @@ def _plan(model) -> _Plan | None:
     """The loop's arguments for ``model`` (cached while every layer's plan stays), or None when the
     loop does not apply: a layer not fused, an empty kind (the typed lists need an element), the LM
     head not strip-packed."""
-    cpu_block.new_pass()
+    block.new_pass()
     layers = _layer_plans(model)
-    lm = kernel_weight(model.lm_head.weight)
+    lm = kernel_weight(model.lm_head.weight, model.kernels)
     if layers is None or not isinstance(lm, tuple):
         return None
     key = tuple(x[1] for x in layers) + tuple(x[3] for x in layers) + (lm,)  # the plans' own argument tuples
@@ -263,7 +263,7 @@ def _plan(model) -> _Plan | None:
 
 def decode_steps(
     model,
-    caches: list[TrunkCache],
+    caches: list,
     anchors: list[int],
     steps: int,
     stop_ids: list[tuple[int, ...]],
@@ -333,7 +333,7 @@ def set_pool_initializer(fn) -> None:
 def _group(
     model,
     p: _Plan,
-    caches: list[TrunkCache],
+    caches: list,
     anchors: list[int],
     stop_ids: list[tuple[int, ...]],
     steps: int,
@@ -425,7 +425,7 @@ def _carry(view: torch.Tensor, full_buf: np.ndarray, st_buf: np.ndarray, last: i
     _CARRY[id(view)] = (weakref.ref(view, gone), full_buf, st_buf, last)
 
 
-def _carried(caches: list[TrunkCache], kda_idx: list[int], km1: int) -> tuple | None:
+def _carried(caches: list, kda_idx: list[int], km1: int) -> tuple | None:
     """``(tails0 [La, 3C, W], S00 [La, S, H, dk, dk], col0 [S])`` for :func:`_decode` without a copy, when
     every KDA state of ``caches`` is the one the last call over them (same sequences, same order) left
     after its last step, committed (:func:`_leave`, then ``commit(1)``): the buffers it wrote; else None."""
@@ -452,7 +452,7 @@ def _carried(caches: list[TrunkCache], kda_idx: list[int], km1: int) -> tuple | 
 
 
 def _leave(
-    caches: list[TrunkCache],
+    caches: list,
     kda_idx: list[int],
     mla_idx: list[int],
     n: int,
@@ -480,6 +480,5 @@ def _leave(
             c.pending, c.pending_rows = {}, 1
         for i in mla_idx:
             layer = c.layers[i]
-            assert isinstance(layer, MLACache)
             layer.extend(n)
         c.pos += n - 1

@@ -3,12 +3,12 @@
 On this CPU a torch op costs 3-5 us of dispatch whatever its size, and a decode row of the tiny trunk is
 a few hundred such ops: the per-row glue between the matrix products (mHC weights with their Sinkhorn
 loop and the block norm, the mHC merge, the KDA conv / gates / recurrence / output norm (in
-:mod:`~tandem.model.cpu_kda`), MoE routing / SwiGLU / combine (in :mod:`~tandem.model.cpu_moe`), DSA pool
+:mod:`~tandem.ops.cpu.kda`), MoE routing / SwiGLU / combine (in :mod:`~tandem.ops.cpu.moe`), DSA pool
 selection) is fused into one call each. Every kernel has a pure-torch reference it is tested against
 (``tests/test_cpu_kernels.py``): :meth:`~tandem.model.layers.HyperConnection.forward` + RMSNorm,
 :func:`~tandem.model.layers.hc_merge`, :meth:`~tandem.model.kda.LinearAttention.forward_rows`,
-:meth:`~tandem.model.layers.MoE.forward`, :meth:`~tandem.model.mla.Indexer.select`; :func:`reference`
-runs the model on them.
+:meth:`~tandem.model.layers.MoE.forward`, :meth:`~tandem.model.mla.Indexer.select`; a model loaded with
+:data:`tandem.ops.settings.REFERENCE` runs on them.
 
 Each row is computed by the same sequence of float32 operations whatever the number of rows in the call
 (the hot loops' ``exp`` is :func:`_exp`, which vectorises; sums over a row's features run in :func:`_dot`'s
@@ -17,40 +17,16 @@ fixed order), so a row's result is bit-identical alone (plain decoding) or insid
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
-from tandem_kernels import dispatch
 
-from .cpu_tile import hc_mix8
+from .tile import hc_mix8
 
 
 _F = np.float32
-
-#: serving code takes these kernels when autograd is off; :func:`reference` turns them off
-ENABLED = True
-
-
-def active(t: torch.Tensor | None = None) -> bool:
-    """True when the serving hot path should call these kernels: enabled, autograd off, the Triton
-    kernels not forced (:func:`tandem_kernels.dispatch.numba_allowed`) and, when given, ``t`` on the CPU."""
-    return ENABLED and not torch.is_grad_enabled() and dispatch.numba_allowed() and (t is None or t.is_cpu)
-
-
-@contextlib.contextmanager
-def reference():
-    """Within this block the model runs its pure-torch reference code (tests, A/B benches)."""
-    global ENABLED
-    old, ENABLED = ENABLED, False
-    try:
-        yield
-    finally:
-        ENABLED = old
-
 
 _PARAMS: dict[
     object, tuple[int, np.ndarray, torch.Tensor]

@@ -30,7 +30,6 @@ they are cast to fp32 first when stored in another dtype). Limits: ``Hi <= 128``
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 import triton
@@ -231,23 +230,3 @@ def mask(
         k_pools,
     )
     return m.view(B, T, kv_len)
-
-
-def bench_cases(device: str) -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
-    """(label, torch reference, triton) thunks: GLM-5.3-Flash indexer shapes (8 sessions x 8 verify
-    rows, Hi=32, di=128, kp=16, index_topk=2048, context 4096) on ``"cuda"``, tiny ones otherwise."""
-    from tandem.model.mla import pool_scores, select_pools
-
-    B, T, HI, DI, kp, topk, L = (8, 8, 32, 128, 16, 2048, 4096) if device == "cuda" else (2, 3, 3, 12, 4, 8, 40)
-    g = torch.Generator(device=device).manual_seed(0)
-    iq = torch.randn(B, T, HI, DI, device=device, generator=g)
-    iw = torch.randn(B, T, HI, device=device, generator=g)
-    pk = torch.randn(B, L // kp, DI, device=device, generator=g)
-    q_pos = torch.arange(L - T, L, device=device)
-    return [
-        (
-            f"dsa_indexer B={B} T={T} Hi={HI} di={DI} L={L} topk={topk}",
-            lambda: select_pools(pool_scores(iq, iw, pk), q_pos, L, kp, topk // kp),
-            lambda: mask(iq, iw, pk, q_pos, L, kp, topk // kp),
-        )
-    ]

@@ -1,7 +1,7 @@
 """The bfloat16-pair GEMM on Intel AMX (AMX-BF16 ``tdpbf16ps``), where the CPU has it.
 
-The serving GEMM on bfloat16 weights (:func:`~tandem.model.cpu_gemm._mmp` over
-:func:`~tandem.model.cpu_pairs.pack_pairs`' strips) runs AVX512-BF16 dot products in register tiles of
+The serving GEMM on bfloat16 weights (:func:`~tandem.ops.cpu.gemm._mmp` over
+:func:`~tandem.ops.cpu.pairs.pack_pairs`' strips) runs AVX512-BF16 dot products in register tiles of
 four rows: its cost grows with the rows, so a verify block of 8 rows or a batch of 8 sessions costs
 ~2-4x one row. An AMX tile multiply takes up to 16 rows at once: ``tdpbf16ps`` adds ``A [m, 16 pairs]
 x B [16 pairs, 16 columns]`` into a float32 tile ``C [m, 16]``, 8,192 multiply-adds an instruction,
@@ -16,7 +16,7 @@ the input dimension in the same 16-pair chunks, so each row is bit-identical in 
 hardware does not round after each product as ``vdpbf16ps``' chain does (Intel SDM's pseudocode):
 its sums differ from that chain in the last bits and lie closer to the exact sum (median error half
 the chain's on random inputs). So on a CPU with AMX every bfloat16-pair GEMM takes these tiles, one
-row included; the columns past the last whole strip keep :func:`~tandem.model.cpu_pairs._pair_tail`
+row included; the columns past the last whole strip keep :func:`~tandem.ops.cpu.pairs._pair_tail`
 (the same code for every row count, so still row-invariant). Denormal inputs and outputs flush to
 zero, as in ``vdpbf16ps``.
 
@@ -26,7 +26,7 @@ request succeeded at import. Each call loads its tile configuration (``ldtilecfg
 ``A`` and ``C``, a tail chunk when ``D/2`` is not a multiple of 16) and releases the tiles at the end
 (``tilerelease``), so a thread switch between calls saves no tile state. The instructions are inline
 assembly through numba intrinsics; numba's cache does not see edits here from the files that call
-them: clear ``backend_src/tandem/model/__pycache__`` after changing this file.
+them: clear ``backend_src/tandem/ops/cpu/__pycache__`` after changing this file.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from llvmlite import binding as llvm, ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .cpu_pairs import _pair_tail, bf16_pairs
-from .cpu_tile import HW_BF16
+from .pairs import _pair_tail, bf16_pairs
+from .tile import HW_BF16
 
 _ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM, _XTILEDATA, _SYS_ARCH_PRCTL = 0x1022, 0x1023, 18, 158
 
@@ -63,29 +63,20 @@ _FEATURES = llvm.get_host_cpu_features()
 HW_AMX = bool(_FEATURES.get("amx-bf16", False) and _FEATURES.get("amx-tile", False)) and _request_tiles()
 if HW_AMX:
     llvm.initialize_native_asmparser()  # numba's code emitter needs it for inline assembly
-#: this process's setting (:func:`set_amx`): bfloat16 pairs take the AMX tiles
-ON = [HW_AMX]
 
 
-def set_amx(on: bool) -> bool:
-    """Whether this process's bfloat16-pair GEMMs run on AMX tiles (``on`` and :data:`HW_AMX`; the
-    serving parameter ``amx``) or on AVX512-BF16 tiles. Each is row-invariant; their sums differ in
-    the last bits, so a process uses one for every row count: :func:`~tandem.model.cpu_gemm.kernel_weight`
-    packs for the setting of the moment, and a change forgets the serving layout's plans. Returns the
-    previous setting."""
-    from . import cpu_block  # here: cpu_block imports the GEMM, which imports this module
-
-    prev, now = ON[0], bool(on) and HW_AMX
-    if now != prev:
-        ON[0] = now
-        cpu_block.relayout()
-    return prev
+def uses_amx(amx: bool) -> bool:
+    """Whether bfloat16-pair GEMMs take the AMX tiles for the setting ``amx`` (the serving parameter, a
+    model's :attr:`~tandem.ops.settings.KernelSettings.amx`): ``amx`` and :data:`HW_AMX`. AMX and
+    AVX512-BF16 tiles are each row-invariant but their sums differ in the last bits, so a model packs its
+    weights for one (:func:`~tandem.ops.cpu.gemm.kernel_weight`) and uses it for every row count."""
+    return bool(amx) and HW_AMX
 
 
-def gemm_tiles() -> str:
-    """Which tiles this process's bfloat16-pair GEMMs run on: ``"AMX"``, ``"AVX512-BF16"`` or ``"fp32 FMA"``
-    (``vdpbf16ps``' chain emulated on a CPU without AVX512-BF16); for logs and reports."""
-    return "AMX" if ON[0] else "AVX512-BF16" if HW_BF16 else "fp32 FMA"
+def gemm_tiles(amx: bool) -> str:
+    """Which tiles bfloat16-pair GEMMs run on for the setting ``amx``: ``"AMX"``, ``"AVX512-BF16"`` or
+    ``"fp32 FMA"`` (``vdpbf16ps``' chain emulated on a CPU without AVX512-BF16); for logs and reports."""
+    return "AMX" if uses_amx(amx) else "AVX512-BF16" if HW_BF16 else "fp32 FMA"
 
 
 #: rows of a tile (``A`` and ``C``), pairs of a chunk of the input dimension
@@ -168,7 +159,7 @@ _CFG = _configs()
 @njit(cache=True, nogil=True)
 def amx_strips(xp, strips, s0, s1, out):  # pragma: no cover - numba
     """``out[:, 64 (s - s0) + c] = bf16 pairs xp [M, K] @ strip s [K, 64]`` for strips ``s0 <= s < s1``
-    of :func:`~tandem.model.cpu_pairs.pack_pairs` (``strips [S, K, 64]`` uint32, each strip C-contiguous)
+    of :func:`~tandem.ops.cpu.pairs.pack_pairs` (``strips [S, K, 64]`` uint32, each strip C-contiguous)
     on AMX tiles: rows in sixteens, the input dimension in chunks of 16 pairs (then its tail). ``xp``
     uint32 with contiguous rows; ``out`` float32 ``[M, >= 64 (s1 - s0)]`` with contiguous rows. Requires
     :data:`HW_AMX` (else the first tile instruction faults); indices unchecked."""
@@ -201,10 +192,10 @@ def amx_strips(xp, strips, s0, s1, out):  # pragma: no cover - numba
 @njit(cache=True, nogil=True)
 def amx_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
     """``out [M, c1 - c0] = x [M, D] @ W[:, c0:c1]`` for ``W`` packed by
-    :func:`~tandem.model.cpu_pairs.pack_pairs` with its strips viewed as int32 (the type that routes
-    :func:`~tandem.model.cpu_gemm._mmp` here): ``x`` rounded to bfloat16 pairs, whole strips on the
-    tiles, the columns past them by :func:`~tandem.model.cpu_pairs._pair_tail`. ``c0 % 64 == 0``, ``c1``
-    at a strip boundary or ``O`` (as :func:`~tandem.model.cpu_gemm.mm_rows` checks)."""
+    :func:`~tandem.ops.cpu.pairs.pack_pairs` with its strips viewed as int32 (the type that routes
+    :func:`~tandem.ops.cpu.gemm._mmp` here): ``x`` rounded to bfloat16 pairs, whole strips on the
+    tiles, the columns past them by :func:`~tandem.ops.cpu.pairs._pair_tail`. ``c0 % 64 == 0``, ``c1``
+    at a strip boundary or ``O`` (as :func:`~tandem.ops.cpu.gemm.mm_rows` checks)."""
     S = strips.shape[0]
     s0, s1 = c0 // 64, min(c1 // 64, S)
     xp = bf16_pairs(x)

@@ -8,13 +8,13 @@ output element is one fixed sequence of float32 fused multiply-adds over the inp
 ``out[r, j] = fma(x[r, D-1], w[D-1, j], ... fma(x[r, 0], w[0, j], 0))``, whatever the number of
 rows, their position or their neighbours: a row is bit-identical in any batch by construction, on
 any CPU. The serving parameter ``batch_invariant`` routes the trunk's verify passes here
-(:func:`rows_mode`); the reference is ``x @ w.T`` (``tests/test_cpu_gemm.py``).
+(:attr:`~tandem.ops.settings.KernelSettings.rows`); the reference is ``x @ w.T`` (``tests/test_cpu_gemm.py``).
 
 It is also faster than MKL for these few-row shapes. Rows go in fours with the input dimension in
 steps of 4 (one accumulator load and store per 4 fmas, every operand in a register), the last three as
 four with a zero row, or the last two or one in one block with steps of 8 (a weight slice is read once
 per block). For two or more rows, whole 64-column strips take the register tiles of
-:mod:`~tandem.model.cpu_tile` instead (accumulators in registers over the whole input dimension; the
+:mod:`~tandem.ops.cpu.tile` instead (accumulators in registers over the whole input dimension; the
 same fma chain, so the same bits).
 
 Serving's weights are strip-packed (:func:`kernel_weight`, :func:`pack_strips`): each 64-column strip
@@ -23,17 +23,14 @@ unpacked, the reads come in pieces the hardware prefetchers do not follow, and a
 stay in the cache streams at a fraction of the memory bandwidth.
 
 bfloat16 weights with an even input dimension (the shipped checkpoint's) are packed as bfloat16 pairs
-by default (:func:`~tandem.model.cpu_pairs.pack_pairs`): the GEMM rounds its input rows to bfloat16 and
+by default (:func:`~tandem.ops.cpu.pairs.pack_pairs`): the GEMM rounds its input rows to bfloat16 and
 runs AVX512-BF16 dot products with float32 accumulation, about twice the float32 tiles' rate (a bf16
 GEMM's numerics, one fixed chain per element, so as row-invariant as the float32 path), or on a CPU with
-AMX its tiles (:mod:`~tandem.model.cpu_amx`, :func:`~tandem.model.cpu_amx.set_amx`: the strips
-viewed as int32). :func:`fp32_inputs` keeps the float32 inputs.
+AMX its tiles (:mod:`~tandem.ops.cpu.amx`, a model's ``amx`` setting: the strips viewed as int32). A model
+loaded with ``gemm_inputs="fp32"`` (:class:`~tandem.ops.settings.KernelSettings`) keeps the float32 inputs.
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import numpy as np
 import torch
@@ -41,15 +38,13 @@ import torch.nn.functional as F
 from numba import njit, types
 from numba.extending import overload
 
-from .cpu_amx import ON as _AMX, amx_gemm
-from .cpu_pairs import _pair_tail, _pair_tiles, bf16_pairs, pack_pairs
-from .cpu_tile import TILE, _f32, tile1, tile2, tile3, tile4
+from ..settings import DEFAULT, KernelSettings
+from .amx import amx_gemm, uses_amx
+from .pairs import _pair_tail, _pair_tiles, bf16_pairs, pack_pairs
+from .tile import TILE, _f32, tile1, tile2, tile3, tile4
 
 #: columns per block: four rows' accumulators (4 x 2 KB) and eight weight rows' slices stay in L1
 _BLOCK = 512
-_DEPTH, _DEPTH_LOCK = [0], threading.Lock()
-#: the GEMM inputs of bfloat16 weights: "bf16" (pairs, :func:`pack_pairs`) or "fp32" (:func:`fp32_inputs`); the last entry
-_INPUTS = ["bf16"]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -188,7 +183,7 @@ def _rows1(x, wt, r, wc, o0, n, out):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True)
 def _mm(x, wt, c0, c1, out):  # pragma: no cover - numba
-    # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1]: for M >= 2 the register tiles of cpu_tile over
+    # out [M, c1 - c0] = x [M, D] @ wt[:, c0:c1]: for M >= 2 the register tiles of tile.py over
     # whole 64-column strips (a strip's weights read once for all rows), the rest as _mm_blocked;
     # one row as _mm_blocked (it streams the weights in longer runs: ~1.5x faster for the LM head)
     M = x.shape[0]
@@ -288,7 +283,7 @@ def _amx_impl(x, strips, tail, c0, c1, out):  # pragma: no cover - numba (an @ov
 @overload(_strips_gemm)
 def _packed_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
     # _mmp's body for float32 / bfloat16-bit strips (pack_strips), bfloat16 pairs (pack_pairs: uint32) or
-    # the same pairs for the AMX tiles (int32: kernel_weight under set_amx)
+    # the same pairs for the AMX tiles (int32: kernel_weight with the AMX tiles)
     if strips.dtype == types.int32:
         return _amx_impl
     return _pairs_impl if strips.dtype == types.uint32 else _strips_impl
@@ -339,7 +334,9 @@ def is_bf16(pw) -> bool:
 _W: dict[tuple, tuple] = {}
 
 
-def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def kernel_weight(
+    w: torch.Tensor, kernels: KernelSettings, transpose: bool = True, experts: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """The packed array pair (:func:`pack_pairs` or :func:`pack_strips`) the kernels read for the fp32 weight ``w``:
     of ``w.t()`` (``[D, O]`` from an input-major ``[O, D]``), or with ``transpose=False`` of ``w``
     itself (e.g. experts' ``[E, I, D]``), or with ``experts=E`` of ``w.t()`` split into ``E`` column
@@ -347,10 +344,12 @@ def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> 
     value is exactly a bfloat16 (the shipped weights are bf16 upcast to fp32: half the bytes to stream
     from memory, the same products bit for bit), else float32. bfloat16 weights with an even input
     dimension come as bfloat16 pairs (:func:`pack_pairs`: the GEMM rounds its input rows to bfloat16,
-    bf16 x bf16 products accumulated in float32, ~2x the fp32 tiles' speed) unless within
-    :func:`fp32_inputs`. Made once per weight tensor, layout and input mode (again after an in-place
-    change: ``_version``); ``w`` must outlive its use (parameters and the serving layout's fused buffers)."""
-    key = (id(w), transpose, experts, _INPUTS[-1], _AMX[0])
+    bf16 x bf16 products accumulated in float32, ~2x the fp32 tiles' speed; on AMX tiles when
+    ``kernels.amx`` and the CPU has them) unless ``kernels.gemm_inputs`` is ``"fp32"``. Made once per
+    weight tensor, layout and settings (again after an in-place change: ``_version``); ``w`` must outlive
+    its use (parameters and the serving layout's fused buffers)."""
+    inputs, amx = kernels.gemm_inputs, uses_amx(kernels.amx)
+    key = (id(w), transpose, experts, inputs, amx)
     hit = _W.get(key)
     if hit is not None and hit[0] is w and hit[1] == (w.data_ptr(), w._version):
         return hit[2]
@@ -361,72 +360,22 @@ def kernel_weight(w: torch.Tensor, transpose: bool = True, experts: int = 0) -> 
     arr = b.view(torch.int16).numpy().view(np.uint16) if torch.equal(b.float(), t) else t.contiguous().numpy()
     if len(_W) > 4096:  # not a cache of temporaries
         _W.clear()
-    pairs = arr.dtype == np.uint16 and arr.shape[-2] % 2 == 0 and _INPUTS[-1] == "bf16"
+    pairs = arr.dtype == np.uint16 and arr.shape[-2] % 2 == 0 and inputs == "bf16"
     packed = (pack_pairs if pairs else pack_strips)(arr)
-    if pairs and _AMX[0]:  # the same bits as int32: _mmp takes the AMX tiles
+    if pairs and amx:  # the same bits as int32: _mmp takes the AMX tiles
         packed = (packed[0].view(np.int32), packed[1])
     _W[key] = (w, (w.data_ptr(), w._version), packed)
     return packed
 
 
-def set_inputs(mode: str) -> None:
-    """This process's GEMM inputs for bfloat16 weights: ``"bf16"`` (the default; the stage models'
-    ``dtype=auto`` on the CPU) or ``"fp32"`` (``dtype=fp32``). Forgets the serving layout's plans
-    (:func:`tandem.model.cpu_block.relayout`) when it changes. Raises ``ValueError`` for another mode."""
-    if mode not in ("bf16", "fp32"):
-        raise ValueError(f"GEMM inputs must be 'bf16' or 'fp32', got {mode!r}")
-    if _INPUTS[0] != mode:
-        _INPUTS[0] = mode
-        _relayout()
-
-
-def _relayout() -> None:
-    from . import cpu_block  # here: cpu_block imports this module
-
-    cpu_block.relayout()
-
-
-@contextlib.contextmanager
-def fp32_inputs():
-    """Within this block :func:`kernel_weight` packs bfloat16 weights for float32 inputs
-    (:func:`pack_strips`: every GEMM input element as is, as before the bfloat16 pairs); nests. The
-    serving layout's plans are forgotten on entry and exit, so every block runs in the mode of the
-    moment."""
-    _INPUTS.append("fp32")
-    _relayout()
-    try:
-        yield
-    finally:
-        _INPUTS.pop()
-        _relayout()
-
-
-@contextlib.contextmanager
-def rows_mode(on: bool = True):
-    """Within this block (when ``on``) :func:`linear` on CPU float32 rows takes the row-invariant
-    kernel instead of the BLAS (the trunk's verify passes and LM head under ``batch_invariant``). The
-    depth is the process's: threads may be inside at once (prime groups), so it counts under a lock."""
-    with _DEPTH_LOCK:
-        _DEPTH[0] += bool(on)
-    try:
-        yield
-    finally:
-        with _DEPTH_LOCK:
-            _DEPTH[0] -= bool(on)
-
-
-def invariant() -> bool:
-    """True inside :func:`rows_mode`."""
-    return _DEPTH[0] > 0
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x [..., D], w [O, D], b)``; inside :func:`rows_mode`, for CPU float32 without
-    autograd and the serving kernels on (:func:`tandem.model.cpu_kernels.active`), the row-invariant kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
-    from . import cpu_kernels  # here: cpu_kernels' users import this module
-
-    if _DEPTH[0] and x.dtype == torch.float32 == w.dtype and cpu_kernels.active(x):
-        y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w))).view(
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, kernels: KernelSettings = DEFAULT
+) -> torch.Tensor:
+    """``F.linear(x [..., D], w [O, D], b)``; in the row-invariant mode (``kernels.rows``), for CPU float32
+    rows with the numba kernels on for ``kernels`` (:meth:`~tandem.ops.settings.KernelSettings.numba_on`), the row-invariant
+    kernel on :func:`kernel_weight`'s array. Returns ``[..., O]``."""
+    if kernels.rows and x.dtype == torch.float32 == w.dtype and kernels.numba_on(x):
+        y = torch.from_numpy(mm_rows(x.reshape(-1, x.shape[-1]).numpy(), kernel_weight(w, kernels))).view(
             *x.shape[:-1], w.shape[0]
         )
         return y if b is None else y + b
@@ -436,5 +385,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 class ServingLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward is :func:`linear` (the serving layout's class; same parameters)."""
 
+    #: the model's settings (:func:`tandem.ops.dispatch.install`)
+    kernels: KernelSettings = DEFAULT
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)

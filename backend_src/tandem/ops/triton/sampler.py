@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem import schema
-from tandem.engine.sampling import ACCEPT, BONUS, GUMBEL, RESIDUAL, SamplingParams
+from ... import schema
+from ..noise import ACCEPT, BONUS, GUMBEL, RESIDUAL
 
 GREEDY_ROW, REJECTION_ROW, COUPLED_ROW, SKIP_ROW = 0, 1, 2, 3  # per-row modes of the row kernel
 FINISH_CODES = (None, "stop", "length")  # accept kernel's finish codes 0, 1, 2
@@ -226,7 +226,7 @@ def _row_params(lengths: list[int], samplers: list | None, device) -> list[torch
     for n, smp in zip(lengths, samplers):
         if smp is not None:
             p, tokens, pos0, last_only = smp
-            assert isinstance(p, SamplingParams) and not p.greedy
+            assert not p.greedy
             sl = slice(off, off + n)
             temp[sl], topk[sl], topp[sl], seed[sl] = p.temperature, p.top_k, p.top_p, p.seed
             pos[sl] = pos0 + 1 + np.arange(n)
@@ -343,49 +343,3 @@ def accept_walk(
 
 #: the launchers the engine's hooks call (tests count their calls)
 ENGINE_LAUNCHERS = ("targets_and_gaps",)
-
-
-def bench_cases(device: str) -> list:
-    """(label, torch reference, Triton kernel) thunks: 8 walks of 8 verify rows over the real
-    vocabulary (154,880) on ``"cuda"``, 3 walks over 2,000 tokens on the CPU."""
-    from tandem.engine import accept, sampling
-
-    B, n, V = (8, 8, 154_880) if device == "cuda" else (3, 4, 2000)
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(B * n, V, generator=g) * 3).to(device)
-    lengths = [n] * B
-    tokens = [[int(t) for t in torch.randint(0, V, (n,), generator=g)] for _ in range(B)]
-    cases = [
-        (
-            "sampler greedy",
-            lambda: sampling.targets_and_gaps(logits, lengths, None),
-            lambda: targets_and_gaps(logits, lengths, None),
-        )
-    ]
-    for label, p in (
-        ("sampler rejection T=0.8 top_p=0.9", SamplingParams.create(0.8, 0, 0.9, seed=1)),
-        ("sampler coupled T=1", SamplingParams.create(1.0, 0, 1.0, seed=1, mode=schema.COUPLED)),
-    ):
-        smp = [(p, tk, 100, False) for tk in tokens]
-        cases.append(
-            (
-                label,
-                lambda smp=smp: sampling.targets_and_gaps(logits, lengths, smp),
-                lambda smp=smp: targets_and_gaps(logits, lengths, smp),
-            )
-        )
-    target = logits.argmax(-1)
-    flat = target.tolist()
-    drafts = [flat[b * n : b * n + n - 1] for b in range(B)]
-    stops = [(1, 2)] * B
-
-    def walks_reference():
-        ws = [accept.accept_walk(d, flat[b * n : (b + 1) * n], (1, 2), 64) for b, d in enumerate(drafts)]
-        return (
-            torch.tensor([w.accepted for w in ws]),
-            torch.tensor([len(w.emitted) for w in ws]),
-            torch.tensor([FINISH_CODES.index(w.finish) for w in ws], dtype=torch.int32),
-        )
-
-    cases.append(("accept walk", walks_reference, lambda: accept_walk(target, lengths, drafts, stops, [64] * B)))
-    return cases

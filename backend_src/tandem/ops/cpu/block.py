@@ -1,7 +1,7 @@
 """A decoder block in one numba call on the CPU serving path (row-invariant mode, fp32).
 
-Between the kernels of :mod:`~tandem.model.cpu_kernels`, :mod:`~tandem.model.cpu_kda`,
-:mod:`~tandem.model.cpu_moe` and :mod:`~tandem.model.cpu_gemm` a block of the tiny trunk spent more
+Between the kernels of :mod:`~tandem.ops.cpu.kernels`, :mod:`~tandem.ops.cpu.kda`,
+:mod:`~tandem.ops.cpu.moe` and :mod:`~tandem.ops.cpu.gemm` a block of the tiny trunk spent more
 time in Python (torch views, numpy conversions, weight lookups, one dispatch per kernel) than in the
 kernels: a KDA + MoE block of one decode row cost ~330 us through :meth:`DecoderLayer.run
 <tandem.model.block.DecoderLayer.run>` and ~95 us in its kernels. Here the same kernels run in the
@@ -13,44 +13,31 @@ A row's output, its KDA rows and states are bit-identical to the unfused path's
 
 Blocks with MLA/DSA attention run the attention as before and their FFN half here
 (:func:`ffn_block`); a KDA block with a dense MLP in one call too (:func:`_dense_ffn`, the clamped SwiGLU
-of :func:`~tandem.model.cpu_kernels.swiglu`, as the MLP runs it op by op); MLA blocks in
-:mod:`~tandem.model.cpu_mla_block`; the MTP layer is unchanged.
+of :func:`~tandem.ops.cpu.kernels.swiglu`, as the MLP runs it op by op); MLA blocks in
+:mod:`~tandem.ops.cpu.mla_block`; the MTP layer is unchanged.
 
 numba's on-disk cache keys these functions on this file alone, but their compiled code holds the
-kernels they call: after editing a kernel in another ``cpu_*.py`` file, clear this folder's
+kernels they call: after editing a kernel in another file of this folder, clear this folder's
 ``__pycache__`` (a fresh clone has none; ``make setup`` compiles them, :mod:`tandem.model.warm`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import numpy as np
 import torch
 from numba import njit
 
-from .cpu_gemm import _mmp, cols, kernel_weight
-from .cpu_kda import _kda_many, conv_taps, kda_buffers, kda_results
-from .cpu_kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_param_t, np_rows
-from .cpu_moe import _moe_route, _moe_sparse
-
-#: whether the fused blocks apply: the last entry (tests and A/B benches turn them off with :func:`off`)
-_ON = [True]
+from ..settings import KernelSettings
+from .gemm import _mmp, cols, kernel_weight
+from .kda import _kda_many, conv_taps, kda_buffers, kda_results
+from .kernels import _F, _hc_merge, _hc_weights, _swiglu, np_param, np_param_t, np_rows
+from .moe import _moe_route, _moe_sparse
 
 #: calls so far of the whole block, a KDA attention half and a MoE FFN half; an MLA block and an MLA
-#: attention half (:mod:`~tandem.model.cpu_mla_block`) (tests, benches)
+#: attention half (:mod:`~tandem.ops.cpu.mla_block`) (tests, benches)
 CALLS = {"block": 0, "attn": 0, "ffn": 0, "mla_block": 0, "mla_attn": 0}
-
-
-@contextlib.contextmanager
-def off():
-    """Within this block every decoder block runs unfused (:meth:`DecoderLayer.run`); nests."""
-    _ON.append(False)
-    try:
-        yield
-    finally:
-        _ON.pop()
 
 
 @njit(cache=True, nogil=True)
@@ -176,7 +163,9 @@ def _plan(layer, what: str, sources, fits, make) -> _Plan:
     tensor of ``sources()`` is replaced or changed in place (its data pointer, version or dtype;
     checked once a model forward, :func:`new_pass`); the tensors themselves are looked up again when
     the layer's serving layout is redone (:func:`relayout`) or a cast changes whether it fits.
+    A plan is kept per kernel settings of the layer (``layer.kernels``: the weights are packed for them).
     Threads may ask at once (prime groups): a plan is published whole, and marked checked last."""
+    what = (what, layer.kernels)
     epoch = _EPOCH[0]
     plans = _PLANS.get(layer)
     if plans is None:
@@ -219,16 +208,16 @@ def _hc_args(hc, norm) -> tuple:
     )
 
 
-def _moe_args(mo) -> tuple:
+def _moe_args(mo, k: KernelSettings) -> tuple:
     g = mo.gate
     return (
-        kernel_weight(g.weight),
+        kernel_weight(g.weight, k),
         np_param(g.e_score_correction_bias),
         g.top_k,
         g.norm_topk_prob,
         _F(g.scale),
-        kernel_weight(mo._w_up, experts=mo._w_down.shape[0]),
-        kernel_weight(mo._w_down, transpose=False),
+        kernel_weight(mo._w_up, k, experts=mo._w_down.shape[0]),
+        kernel_weight(mo._w_down, k, transpose=False),
         _F(mo.experts.limit),
     )
 
@@ -289,7 +278,7 @@ def _dense_fits(layer) -> bool:
 
 
 def _dense_plan(layer) -> _Plan:
-    mo, hc = layer.mlp, layer.ffn_hc
+    mo, hc, k = layer.mlp, layer.ffn_hc, layer.kernels
     return _plan(
         layer,
         "dense",
@@ -306,9 +295,9 @@ def _dense_plan(layer) -> _Plan:
         lambda: (
             _hc_args(hc, layer.post_attention_layernorm),
             (
-                kernel_weight(mo.gate_proj.weight),
-                kernel_weight(mo.up_proj.weight),
-                kernel_weight(mo.down_proj.weight),
+                kernel_weight(mo.gate_proj.weight, k),
+                kernel_weight(mo.up_proj.weight, k),
+                kernel_weight(mo.down_proj.weight, k),
                 _F(mo.limit),
             ),
         ),
@@ -321,19 +310,19 @@ def _ffn_plan(layer) -> _Plan:
         "ffn",
         lambda: _ffn_sources(layer),
         lambda: _ffn_fits(layer),
-        lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp)),
+        lambda: (_hc_args(layer.ffn_hc, layer.post_attention_layernorm), _moe_args(layer.mlp, layer.kernels)),
     )
 
 
 def _kda_plan(layer) -> _Plan:
     def make():
-        a = layer.self_attn
+        a, k = layer.self_attn, layer.kernels
         g = a.forget_gate
         kda = (
-            kernel_weight(a._fused_x[0]),
-            kernel_weight(g.f_b_proj.weight),
-            kernel_weight(a.g_b_proj.weight),
-            kernel_weight(a.o_proj.weight),
+            kernel_weight(a._fused_x[0], k),
+            kernel_weight(g.f_b_proj.weight, k),
+            kernel_weight(a.g_b_proj.weight, k),
+            kernel_weight(a.o_proj.weight, k),
             conv_taps(a.conv1d.weight),
             np_param(g.A_log),
             np_param(g.dt_bias),
@@ -352,13 +341,13 @@ def _kda_plan(layer) -> _Plan:
 def ffn_fits(layer) -> bool:
     """Whether ``layer``'s FFN half runs here (:func:`ffn_block`): a MoE in the serving layout or a dense
     MLP, fp32."""
-    return _ON[-1] and (_ffn_plan(layer).fits or _dense_plan(layer).fits)
+    return layer.kernels.fused and (_ffn_plan(layer).fits or _dense_plan(layer).fits)
 
 
 def kda_fits(layer) -> bool:
     """Whether ``layer``'s attention half runs here (:func:`kda_block`): KDA attention with its fused
     input projections, fp32."""
-    return _ON[-1] and _kda_plan(layer).fits
+    return layer.kernels.fused and _kda_plan(layer).fits
 
 
 def ffn_block(layer, streams: torch.Tensor) -> torch.Tensor:
@@ -377,7 +366,7 @@ def kda_block(
 ) -> tuple[torch.Tensor, list]:
     """``layer`` (KDA attention; :func:`kda_fits` must hold) on several sequences' rows: streams ``[1,
     sum T, n, D]`` fp32, sequence ``j``'s ``lengths[j]`` rows in turn, starting from ``starts[j]`` (as
-    :func:`~tandem.model.cpu_kda.kda_rows_fused` takes them, read only), in the row-invariant mode:
+    :func:`~tandem.ops.cpu.kda.kda_rows_fused` takes them, read only), in the row-invariant mode:
     the whole block in one call when its FFN half fits too (:func:`ffn_fits`), else the attention
     half here and the FFN half as :meth:`~tandem.model.block.DecoderLayer.run` runs it. Returns the
     streams out ``[1, sum T, n, D]`` and per sequence what

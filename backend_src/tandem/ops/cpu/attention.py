@@ -5,7 +5,7 @@ complete, :func:`pool_keys`' arithmetic) and then computes, for each sequence's 
 its cache, what
 :meth:`tandem.model.mla.MLAttention._heads_out` computes with torch (its reference, and the path for
 longer blocks): the DSA indexer's pool scores, the k-pool selection
-(:func:`tandem.model.cpu_kernels._dsa_mask`), then per head softmax attention over the selected
+(:func:`tandem.ops.cpu.kernels._dsa_mask`), then per head softmax attention over the selected
 tokens only: two kernel calls a layer for all the sessions of a round, the caches' buffers addressed
 by pointer (:meth:`tandem.model.cache.MLACache.kernel_ptrs`). Each row runs the same float32
 operations whatever the number of rows or sequences in the call, so a row's output is bit-identical
@@ -21,8 +21,8 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .cpu_kernels import _dot, _dsa_mask, _exp, np_param, np_rows
-from .cpu_tile import _I64
+from .kernels import _dot, _dsa_mask, _exp, np_param, np_rows
+from .tile import _I64
 
 _F = np.float32
 _V8 = ir.VectorType(ir.FloatType(), 8)
@@ -52,7 +52,7 @@ def _carry_loop(builder, start, stop, step: int, init, name: str, body):
 
 @intrinsic
 def dot_fma(typingctx, a, b):
-    """The intrinsic ``dot_fma(a, b)``: :func:`~tandem.model.cpu_kernels._dot` as a kernel with fastmath "contract"
+    """The intrinsic ``dot_fma(a, b)``: :func:`~tandem.ops.cpu.kernels._dot` as a kernel with fastmath "contract"
     computes it (eight interleaved partial sums, each a chain of fmas ``s_k = fma(a[j+k], b[j+k], s_k)`` over ``j`` in
     steps of 8 from 0, combined ``((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7))``, then ``acc = fma(a[j], b[j], acc)`` over the
     last ``n % 8``), with the partial sums as one vector of eight: ``a``, ``b`` float32 C-contiguous 1-D of one length
@@ -105,7 +105,7 @@ def dot_fma(typingctx, a, b):
 
 
 def _dotc(a, b):  # pragma: no cover - numba only
-    """:func:`~tandem.model.cpu_kernels._dot` in a kernel with fastmath "contract" (bit for bit): contiguous
+    """:func:`~tandem.ops.cpu.kernels._dot` in a kernel with fastmath "contract" (bit for bit): contiguous
     float32 vectors take :func:`dot_fma` (its partial sums in a register: 19 -> 5 ns a
     64-long dot here), other layouts the loop itself."""
     raise NotImplementedError("numba only")

@@ -1,9 +1,9 @@
 """The KDA rows kernel of the decode / verify hot path (numba, float32; conventions of
-:mod:`tandem.model.cpu_kernels`): per sequence, row by row, the causal conv + SiLU, the L2-normalised
+:mod:`tandem.ops.cpu.kernels`): per sequence, row by row, the causal conv + SiLU, the L2-normalised
 q and k, the safe forget gate, the delta-rule recurrence (Kimi Linear, arXiv:2510.26692, eq. 1-2)
 and the gated RMSNorm of each head's output, every sequence of a pass in one call. A decode round's
 sequences start from rows of the previous pass's buffers, read in place. A head's two state passes
-keep their accumulators in registers (:mod:`~tandem.model.cpu_tile`, head sizes 16, 32, 48, 64 and
+keep their accumulators in registers (:mod:`~tandem.ops.cpu.tile`, head sizes 16, 32, 48, 64 and
 128; the same fmas in the same order as the loops other sizes run), so they do not round-trip through
 memory on every input element. Reference:
 :meth:`tandem.model.kda.LinearAttention.forward_rows` (``tests/test_cpu_kernels.py``)."""
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from .cache import KDARows, KDAState
-from .cpu_kernels import _F, _dot, _exp, np_param, np_rows
-from .cpu_tile import decay1, decay2, decay3, decay4, decay8, update1, update2, update3, update4, update8
+from ..state import KDARows, KDAState
+from .kernels import _F, _dot, _exp, np_param, np_rows
+from .tile import decay1, decay2, decay3, decay4, decay8, update1, update2, update3, update4, update8
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -30,7 +30,7 @@ def _beta_step(mem, v, beta):  # pragma: no cover - numba
 
 @njit(cache=True, nogil=True, inline="always")
 def _state_passes(src, dst, dec, kn, qn, mem, o, v, beta, dk):  # pragma: no cover - numba
-    # a head's state passes with their accumulators in registers (cpu_tile), where dk has them;
+    # a head's state passes with their accumulators in registers (tile.py), where dk has them;
     # False: the caller runs them as loops
     if dk == 64:
         decay4(src, dst, dec, kn, mem)
