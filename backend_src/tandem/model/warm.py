@@ -1,6 +1,7 @@
 """Compile the numba serving kernels (:mod:`tandem.ops.cpu`) ahead of the first request:
-``python -m tandem.model.warm`` (``make setup`` runs it), and the ``trunk`` and ``drafter_mtp``
-models at load (disk-cache hits then, ~5-7 s here)."""
+``python -m tandem.model.warm`` (``make setup`` runs it), and the ``drafter_mtp`` model at load
+(disk-cache hits then, ~5 s here). The ``tandem`` model does not call it: its warm-up turns
+(:mod:`tandem.serving.warmup`) load from the disk cache exactly the kernels its settings take."""
 
 from __future__ import annotations
 

@@ -26,7 +26,6 @@ from ..model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, 
 from ..ops import dispatch
 from ..model.device import kernel_settings, placement
 from ..model.tokenizer import ChatTokenizer
-from ..model.warm import compile_kernels
 from . import engine_core
 from .metrics import Gauges, MetricsPublisher
 from .parameters import drafter_dirs, resolve_checkpoint, serving_config
@@ -50,7 +49,6 @@ class TandemModel:
                 "session: idle expiry, max_sessions); requests still carry sequence_id and flags"
             )
         set_torch_threads(1)
-        compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         cfg = serving_config(config)
         repo = args["model_repository"]
         ckpt = resolve_checkpoint(cfg, repo)
