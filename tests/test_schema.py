@@ -26,14 +26,14 @@ def _tensors(entries) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     return {e.name: (mc.DataType.Name(e.data_type), tuple(e.dims), getattr(e, "optional", False)) for e in entries}
 
 
-def config_errors(spec: schema.ModelSpec, cfg: mc.ModelConfig) -> list[str]:
+def config_errors(wire: schema.ModelWire, cfg: mc.ModelConfig) -> list[str]:
     """Every disagreement between a model's schema and its parsed config, as readable lines."""
     errs = []
-    if cfg.name != spec.name:
-        errs.append(f"name {cfg.name!r} != {spec.name!r}")
+    if cfg.name != wire.name:
+        errs.append(f"name {cfg.name!r} != {wire.name!r}")
     for what, want_specs, got in (
-        ("input", spec.inputs, _tensors(cfg.input)),
-        ("output", spec.outputs, _tensors(cfg.output)),
+        ("input", wire.inputs, _tensors(cfg.input)),
+        ("output", wire.outputs, _tensors(cfg.output)),
     ):
         want = {t.name: (t.dtype, t.dims, t.optional if what == "input" else False) for t in want_specs}
         for n in sorted(want.keys() - got.keys()):
@@ -43,13 +43,13 @@ def config_errors(spec: schema.ModelSpec, cfg: mc.ModelConfig) -> list[str]:
         for n in sorted(want.keys() & got.keys()):
             if want[n] != got[n]:
                 errs.append(f"{what} {n}: schema (dtype, dims, optional) {want[n]} != config {got[n]}")
-    if cfg.model_transaction_policy.decoupled != spec.decoupled:
-        errs.append(f"decoupled {cfg.model_transaction_policy.decoupled} != {spec.decoupled}")
+    if cfg.model_transaction_policy.decoupled != wire.decoupled:
+        errs.append(f"decoupled {cfg.model_transaction_policy.decoupled} != {wire.decoupled}")
     if cfg.HasField("sequence_batching"):  # the worker owns sessions (tandem's model.py refuses it too)
         errs.append("sequence_batching is set; sessions belong to tandem's worker")
-    if set(cfg.parameters) != set(spec.parameters):
-        errs.append(f"parameters {sorted(cfg.parameters)} != {sorted(spec.parameters)}")
-    for k in set(cfg.parameters) & set(spec.parameters):
+    if set(cfg.parameters) != set(wire.parameters):
+        errs.append(f"parameters {sorted(cfg.parameters)} != {sorted(wire.parameters)}")
+    for k in set(cfg.parameters) & set(wire.parameters):
         default = getattr(schema.DEFAULTS, k)
         if str(default) != cfg.parameters[k].string_value:
             errs.append(f"parameter {k} = {cfg.parameters[k].string_value!r}, schema default {default!r}")

@@ -19,8 +19,8 @@ import numpy as np
 from .wire import (
     NUMPY as NUMPY,
     Arrays as Arrays,
-    ModelSpec as ModelSpec,
-    TensorSpec as TensorSpec,
+    ModelWire as ModelWire,
+    TensorWire as TensorWire,
     WireError as WireError,
     check_range as check_range,
     check_size as check_size,
@@ -261,7 +261,7 @@ SAMPLING_MODES = (REJECTION, COUPLED)
 #: the per-turn sampling inputs of ``tandem``
 #: (``SAMPLING`` there as INT32: the mode's index in :data:`SAMPLING_MODES`)
 SAMPLING_INPUTS = (
-    TensorSpec(
+    TensorWire(
         TEMPERATURE,
         "TYPE_FP32",
         (1,),
@@ -271,7 +271,7 @@ SAMPLING_INPUTS = (
         hi=10.0,
         doc="softmax temperature; 0 = greedy",
     ),
-    TensorSpec(
+    TensorWire(
         TOP_K,
         "TYPE_INT32",
         (1,),
@@ -281,7 +281,7 @@ SAMPLING_INPUTS = (
         hi=1 << 20,
         doc="keep the k most likely tokens; 0 = all",
     ),
-    TensorSpec(
+    TensorWire(
         TOP_P,
         "TYPE_FP32",
         (1,),
@@ -292,7 +292,7 @@ SAMPLING_INPUTS = (
         lo_open=True,
         doc="keep the smallest set of tokens with this probability mass; 1 = all",
     ),
-    TensorSpec(
+    TensorWire(
         SEED,
         "TYPE_INT64",
         (1,),
@@ -300,13 +300,13 @@ SAMPLING_INPUTS = (
         lo=0,
         doc="Philox key of the turn's noise (absent: a fresh random seed)",
     ),
-    TensorSpec(SAMPLING, "TYPE_STRING", (1,), optional=True, default=REJECTION, doc=" | ".join(SAMPLING_MODES)),
+    TensorWire(SAMPLING, "TYPE_STRING", (1,), optional=True, default=REJECTION, doc=" | ".join(SAMPLING_MODES)),
 )
 
-TANDEM = ModelSpec(
+TANDEM = ModelWire(
     name="tandem",
     inputs=(
-        TensorSpec(
+        TensorWire(
             INPUT_IDS,
             "TYPE_INT32",
             (-1,),
@@ -315,15 +315,15 @@ TANDEM = ModelSpec(
             max_items=DEFAULTS.max_ctx,
             doc="new tokens of this turn (at most max_ctx)",
         ),
-        TensorSpec(MAX_TOKENS, "TYPE_INT32", (1,), lo=1, hi=DEFAULTS.max_ctx, doc="tokens to generate at most"),
-        TensorSpec(
+        TensorWire(MAX_TOKENS, "TYPE_INT32", (1,), lo=1, hi=DEFAULTS.max_ctx, doc="tokens to generate at most"),
+        TensorWire(
             SPEC,
             "TYPE_STRING",
             (1,),
             optional=True,
             doc=" | ".join(SPECS) + f" (default {DEFAULTS.spec}; later turns keep the sequence's arm)",
         ),
-        TensorSpec(
+        TensorWire(
             NUM_DRAFT_TOKENS,
             "TYPE_INT32",
             (1,),
@@ -334,7 +334,7 @@ TANDEM = ModelSpec(
             doc="drafts per verify round",
         ),
         *SAMPLING_INPUTS,
-        TensorSpec(
+        TensorWire(
             STOP_TOKEN_IDS,
             "TYPE_INT32",
             (-1,),
@@ -343,7 +343,7 @@ TANDEM = ModelSpec(
             max_items=MAX_STOP_TOKEN_IDS,
             doc=f"token ids that also end this turn (emitted, nothing after them; at most {MAX_STOP_TOKEN_IDS})",
         ),
-        TensorSpec(
+        TensorWire(
             STOP,
             "TYPE_STRING",
             (-1,),
@@ -354,7 +354,7 @@ TANDEM = ModelSpec(
             doc=f"stop strings (at most {MAX_STOPS} of 1-{MAX_STOP_CHARS} characters): the ids run through the "
             "token completing one, the text ends before it",
         ),
-        TensorSpec(
+        TensorWire(
             STREAM,
             "TYPE_BOOL",
             (1,),
@@ -362,7 +362,7 @@ TANDEM = ModelSpec(
             default=True,
             doc="true: one response per burst; false: one response with the whole turn",
         ),
-        TensorSpec(
+        TensorWire(
             CANCEL,
             "TYPE_BOOL",
             (1,),
@@ -371,7 +371,7 @@ TANDEM = ModelSpec(
             doc="true: cancel the running turn of the session SESSION_ID names (the request's sequence id); "
             "answered at once with an empty final response (postprocessing sends it for a client that left)",
         ),
-        TensorSpec(
+        TensorWire(
             CANCEL_TURN,
             "TYPE_INT64",
             (1,),
@@ -380,7 +380,7 @@ TANDEM = ModelSpec(
             doc="with CANCEL: only the turn of this number (its responses' TURN) is cancelled; absent: the "
             "session's running turn",
         ),
-        TensorSpec(
+        TensorWire(
             CACHE_SALT,
             "TYPE_STRING",
             (1,),
@@ -392,41 +392,41 @@ TANDEM = ModelSpec(
         ),
     ),
     outputs=(
-        TensorSpec(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
-        TensorSpec(
+        TensorWire(OUTPUT_IDS, "TYPE_INT32", (-1,), doc="tokens of this burst"),
+        TensorWire(
             PRECEDING_IDS,
             "TYPE_INT32",
             (-1,),
             doc=f"the turn's last tokens before OUTPUT_IDS (at most {DETOKENIZE_WINDOW}: a detokenizer's context)",
         ),
-        TensorSpec(ROUNDS, "TYPE_INT32", (1,), doc="verify rounds in this burst"),
-        TensorSpec(DRAFTED, "TYPE_INT32", (1,), doc="draft tokens proposed in this burst"),
-        TensorSpec(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
-        TensorSpec(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
-        TensorSpec(
+        TensorWire(ROUNDS, "TYPE_INT32", (1,), doc="verify rounds in this burst"),
+        TensorWire(DRAFTED, "TYPE_INT32", (1,), doc="draft tokens proposed in this burst"),
+        TensorWire(ACCEPTED, "TYPE_INT32", (1,), doc="draft tokens accepted in this burst"),
+        TensorWire(FINISH_REASON, "TYPE_STRING", (1,), doc="'' while streaming; " + " | ".join(FINISH_REASONS)),
+        TensorWire(
             STOP_STRING,
             "TYPE_STRING",
             (1,),
             doc="the stop string that ended the turn ('' otherwise): its text ends where this string starts",
         ),
-        TensorSpec(
+        TensorWire(
             SESSION_ID,
             "TYPE_INT64",
             (1,),
             doc="the session's id (the sequence id, or a one-turn session's own; "
             "uint64 bits): what a CANCEL request names",
         ),
-        TensorSpec(
+        TensorWire(
             TURN,
             "TYPE_INT64",
             (1,),
             doc="the turn's number (1, 2, ... over the server's life): what a CANCEL "
             "request names in CANCEL_TURN, so a cancel never reaches a later turn of the session",
         ),
-        TensorSpec(PROMPT_TOKENS, "TYPE_INT32", (1,), doc="the turn's context: earlier turns + this prompt (usage)"),
-        TensorSpec(COMPLETION_TOKENS, "TYPE_INT32", (1,), doc="tokens this turn has generated so far (usage)"),
-        TensorSpec(TOTAL_ROUNDS, "TYPE_INT32", (1,), doc="verify rounds of this turn so far (usage)"),
-        TensorSpec(
+        TensorWire(PROMPT_TOKENS, "TYPE_INT32", (1,), doc="the turn's context: earlier turns + this prompt (usage)"),
+        TensorWire(COMPLETION_TOKENS, "TYPE_INT32", (1,), doc="tokens this turn has generated so far (usage)"),
+        TensorWire(TOTAL_ROUNDS, "TYPE_INT32", (1,), doc="verify rounds of this turn so far (usage)"),
+        TensorWire(
             MEAN_ACCEPTANCE_LENGTH,
             "TYPE_FP32",
             (1,),
@@ -472,23 +472,23 @@ TANDEM = ModelSpec(
 
 # -- stage models (called by tandem over BLS; one batched op over many sequences per call) ---------------------
 _OP, _SIDS = (
-    TensorSpec("OP", "TYPE_STRING", (1,)),
-    TensorSpec("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)"),
+    TensorWire("OP", "TYPE_STRING", (1,)),
+    TensorWire("SIDS", "TYPE_INT64", (-1,), doc="sequence ids (uint64 correlation ids, same bits)"),
 )
 #: every stage request carries the server's internal key (:mod:`tandem.internal_key`); one without it is
 #: refused before it touches state: the stage models answer only tandem's own models
-_AUTH = TensorSpec(
+_AUTH = TensorWire(
     "AUTH", "TYPE_STRING", (1,), optional=True, doc="the server's internal key (tandem's own calls only)"
 )
-_LENGTHS = TensorSpec("LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="rows per sequence")
-_PREFIX_KEYS = TensorSpec(
+_LENGTHS = TensorWire("LENGTHS", "TYPE_INT32", (-1,), optional=True, lo=1, doc="rows per sequence")
+_PREFIX_KEYS = TensorWire(
     "PREFIX_KEYS",
     "TYPE_INT64",
     (-1,),
     optional=True,
     doc="prefix-cache block keys (hash chain), concatenated over sequences",
 )
-_PREFIX_LENGTHS = TensorSpec(
+_PREFIX_LENGTHS = TensorWire(
     "PREFIX_LENGTHS",
     "TYPE_INT32",
     (-1,),
@@ -496,8 +496,8 @@ _PREFIX_LENGTHS = TensorSpec(
     lo=-1,
     doc="keys per sequence; prime: -1 = no prefix cache for that sequence",
 )
-_NBYTES = TensorSpec("NBYTES", "TYPE_INT64", (-1,), doc="publish: bytes newly stored per sequence")
-_NUM_DRAFTS = TensorSpec(
+_NBYTES = TensorWire("NBYTES", "TYPE_INT64", (-1,), doc="publish: bytes newly stored per sequence")
+_NUM_DRAFTS = TensorWire(
     NUM_DRAFT_TOKENS,
     "TYPE_INT32",
     (-1,),
@@ -507,17 +507,17 @@ _NUM_DRAFTS = TensorSpec(
     doc="drafts per sequence",
 )
 _DRAFTS, _DRAFT_LENGTHS = (
-    TensorSpec("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated"),
-    TensorSpec("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence"),
+    TensorWire("DRAFTS", "TYPE_INT64", (-1,), doc="drafted tokens of every sequence, concatenated"),
+    TensorWire("DRAFT_LENGTHS", "TYPE_INT32", (-1,), doc="drafts per sequence"),
 )
-DRAFTER_MTP = ModelSpec(
+DRAFTER_MTP = ModelWire(
     name="drafter_mtp",
     inputs=(
         _OP,
         _SIDS,
         _AUTH,
-        TensorSpec("HIDDEN", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, hidden_size] trunk hidden to ingest"),
-        TensorSpec("NEXT_TOKENS", "TYPE_INT64", (-1,), optional=True, doc="token after each ingested row"),
+        TensorWire("HIDDEN", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, hidden_size] trunk hidden to ingest"),
+        TensorWire("NEXT_TOKENS", "TYPE_INT64", (-1,), optional=True, doc="token after each ingested row"),
         _LENGTHS,
         _NUM_DRAFTS,
     ),
@@ -526,17 +526,17 @@ DRAFTER_MTP = ModelSpec(
     ops=("open", "close", "draft"),
 )
 
-DRAFTER_DFLASH = ModelSpec(
+DRAFTER_DFLASH = ModelWire(
     name="drafter_dflash",
     inputs=(
         _OP,
         _SIDS,
         _AUTH,
-        TensorSpec("FEATURES", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, n_target * hidden_size] to ingest"),
+        TensorWire("FEATURES", "TYPE_FP32", (-1, -1), optional=True, doc="[rows, n_target * hidden_size] to ingest"),
         _LENGTHS,
-        TensorSpec("ANCHORS", "TYPE_INT64", (-1,), optional=True, doc="the anchor token per sequence"),
+        TensorWire("ANCHORS", "TYPE_INT64", (-1,), optional=True, doc="the anchor token per sequence"),
         dataclasses.replace(_NUM_DRAFTS, doc="drafts per sequence (block size - 1 at most)"),
-        TensorSpec(SPEC, "TYPE_STRING", (-1,), optional=True, doc="arm per sequence: " + " | ".join(DFLASH_ARMS)),
+        TensorWire(SPEC, "TYPE_STRING", (-1,), optional=True, doc="arm per sequence: " + " | ".join(DFLASH_ARMS)),
         _PREFIX_KEYS,
         _PREFIX_LENGTHS,
     ),
@@ -594,11 +594,11 @@ def prefixes_from_wire(arrays: Arrays, n_sids: int) -> list[list[int] | None]:
     return [None if n < 0 else keys[offs[i] : offs[i + 1]].tolist() for i, n in enumerate(lens)]
 
 
-def get_op(arrays: Arrays, spec: ModelSpec) -> str:
-    """The ``OP`` of a stage request, checked against ``spec.ops``. Raises :class:`WireError`."""
+def get_op(arrays: Arrays, wire: ModelWire) -> str:
+    """The ``OP`` of a stage request, checked against ``wire.ops``. Raises :class:`WireError`."""
     op = get_string(arrays, _OP)
-    if op not in spec.ops:
-        raise WireError(f"OP must be one of {spec.ops}, got {op!r}")
+    if op not in wire.ops:
+        raise WireError(f"OP must be one of {wire.ops}, got {op!r}")
     return op
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import schema
-from .schema import ModelSpec, TensorSpec
+from .schema import ModelWire, TensorWire
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
 MAX_TOKENS_IN, STREAM_IN = "max_tokens", "stream"
@@ -50,7 +50,7 @@ PASSED_THROUGH = (
 #: bytes of ``text_input`` at most, whatever the context; ``preprocessing`` refuses any text longer than
 #: ``max_ctx`` tokens could cover before it tokenizes (:class:`tandem.serving.text.Preprocessor`)
 MAX_TEXT_BYTES = 1 << 20
-_TEXT_IN = TensorSpec(
+_TEXT_IN = TensorWire(
     TEXT_INPUT,
     "TYPE_STRING",
     (1,),
@@ -60,7 +60,7 @@ _TEXT_IN = TensorSpec(
 )
 #: genai-perf's tensorrtllm requests send it; tandem never echoes the prompt, so only true is accepted
 EXCLUDE_INPUT = "exclude_input_in_output"
-_EXCLUDE = TensorSpec(
+_EXCLUDE = TensorWire(
     EXCLUDE_INPUT,
     "TYPE_BOOL",
     (1,),
@@ -68,7 +68,7 @@ _EXCLUDE = TensorSpec(
     default=True,
     doc="true (default): the output holds only generated text (false is refused)",
 )
-_MAX_TOKENS = TensorSpec(
+_MAX_TOKENS = TensorWire(
     MAX_TOKENS_IN,
     "TYPE_INT32",
     (1,),
@@ -76,7 +76,7 @@ _MAX_TOKENS = TensorSpec(
     default=DEFAULT_MAX_TOKENS,
     doc=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})",
 )
-_STREAM = TensorSpec(
+_STREAM = TensorWire(
     STREAM_IN,
     "TYPE_BOOL",
     (1,),
@@ -85,7 +85,7 @@ _STREAM = TensorSpec(
     doc="true: a response per burst (generate_stream); false (default): one response",
 )
 
-PREPROCESSING = ModelSpec(
+PREPROCESSING = ModelWire(
     name="preprocessing",
     inputs=(_TEXT_IN, _MAX_TOKENS, _STREAM, _EXCLUDE),
     outputs=tuple(
@@ -95,13 +95,13 @@ PREPROCESSING = ModelSpec(
     parameters=("checkpoint",),
 )
 
-_TEXT_OUT = TensorSpec(TEXT_OUTPUT, "TYPE_STRING", (1,), doc="this response's text (UTF-8, whole characters)")
+_TEXT_OUT = TensorWire(TEXT_OUTPUT, "TYPE_STRING", (1,), doc="this response's text (UTF-8, whole characters)")
 _PASSED = tuple(
     dataclasses.replace(schema.TANDEM.outputs[schema.TANDEM.output_names.index(n)], name=n.lower())
     for n in PASSED_THROUGH
 )
 
-POSTPROCESSING = ModelSpec(
+POSTPROCESSING = ModelWire(
     name="postprocessing",
     inputs=tuple(
         schema.TANDEM.outputs[schema.TANDEM.output_names.index(n)]
@@ -111,7 +111,7 @@ POSTPROCESSING = ModelSpec(
     parameters=("checkpoint",),
 )
 
-ENSEMBLE = ModelSpec(
+ENSEMBLE = ModelWire(
     name="ensemble",
     inputs=(
         _TEXT_IN,

@@ -31,7 +31,7 @@ class WireError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorSpec:
+class TensorWire:
     """One input or output: ``name``, Triton ``dtype`` (``"TYPE_INT32"`` ...), ``dims`` (``-1`` =
     variable), ``optional``, ``default`` (value used when an optional input is absent) and a value
     range ``lo..hi`` (None = unbounded; inclusive, but for ``lo`` itself when ``lo_open``). Size limits,
@@ -53,19 +53,19 @@ class TensorSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class ModelWire:
     """A Triton model's interface: ``inputs``, ``outputs``, ``parameters`` (config.pbtxt
     ``parameters`` keys), ``ops`` (values of its ``OP`` input; empty for ``tandem``),
     and ``decoupled``."""
 
     name: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
+    inputs: tuple[TensorWire, ...]
+    outputs: tuple[TensorWire, ...]
     parameters: tuple[str, ...]
     ops: tuple[str, ...] = ()
     decoupled: bool = False
 
-    def input(self, name: str) -> TensorSpec:
+    def input(self, name: str) -> TensorWire:
         """The input spec called ``name``. Raises ``KeyError``."""
         return {t.name: t for t in self.inputs}[name]
 
@@ -84,19 +84,19 @@ MAX_STRING_BYTES = 256
 
 
 # -- array helpers (generic) -------------------------------------------------------------------------------------------
-def check_size(a: np.ndarray, spec: TensorSpec, max_items: int | None = None) -> None:
-    """Refuse input ``a`` of ``spec`` before any work on its content: more than ``max_items`` elements
-    (default ``spec.max_items``; None: any number), or a ``TYPE_STRING`` element over ``spec.max_bytes``
+def check_size(a: np.ndarray, tensor: TensorWire, max_items: int | None = None) -> None:
+    """Refuse input ``a`` of ``tensor`` before any work on its content: more than ``max_items`` elements
+    (default ``tensor.max_items``; None: any number), or a ``TYPE_STRING`` element over ``tensor.max_bytes``
     (:data:`MAX_STRING_BYTES` when None). Raises :class:`WireError` naming the field and the limit."""
-    limit = spec.max_items if max_items is None else max_items
+    limit = tensor.max_items if max_items is None else max_items
     if limit is not None and a.size > limit:
-        raise WireError(f"{spec.name} has {a.size} elements, over the limit of {limit}")
-    if spec.dtype == "TYPE_STRING":
-        cap = MAX_STRING_BYTES if spec.max_bytes is None else spec.max_bytes
+        raise WireError(f"{tensor.name} has {a.size} elements, over the limit of {limit}")
+    if tensor.dtype == "TYPE_STRING":
+        cap = MAX_STRING_BYTES if tensor.max_bytes is None else tensor.max_bytes
         for v in a.reshape(-1)[: limit if limit is not None else None]:
             n = len(v) if isinstance(v, (bytes, np.bytes_, str)) else 0
             if n > cap:
-                raise WireError(f"{spec.name}: a string of {n} bytes is over the limit of {cap} bytes")
+                raise WireError(f"{tensor.name}: a string of {n} bytes is over the limit of {cap} bytes")
 
 
 def string_array(s: str) -> np.ndarray:
@@ -104,88 +104,90 @@ def string_array(s: str) -> np.ndarray:
     return np.array([s.encode()], dtype=np.object_)
 
 
-def _single(arrays: Arrays, spec: TensorSpec, what: str):
-    """The one element of input ``spec``, or None when it is absent and optional (Raises
+def _single(arrays: Arrays, tensor: TensorWire, what: str):
+    """The one element of input ``tensor``, or None when it is absent and optional (Raises
     :class:`WireError` when it is required and absent, or not exactly one element)."""
-    a = arrays.get(spec.name)
+    a = arrays.get(tensor.name)
     if a is None:
-        if spec.optional:
+        if tensor.optional:
             return None
-        raise WireError(f"{spec.name} is required" + ("" if what == "string" else " (an INT32 tensor of shape [1])"))
+        raise WireError(f"{tensor.name} is required" + ("" if what == "string" else " (an INT32 tensor of shape [1])"))
     a = np.asarray(a).reshape(-1)
     if a.size != 1:
-        raise WireError(f"{spec.name} must hold exactly 1 {what}, got {a.size}")
-    check_size(a, spec)
+        raise WireError(f"{tensor.name} must hold exactly 1 {what}, got {a.size}")
+    check_size(a, tensor)
     return a[0]
 
 
-def get_string(arrays: Arrays, spec: TensorSpec) -> str:
-    """The single string of input ``spec`` (its default when absent and optional).
+def get_string(arrays: Arrays, tensor: TensorWire) -> str:
+    """The single string of input ``tensor`` (its default when absent and optional).
 
     Raises :class:`WireError` naming the field when it is missing, not exactly one element or over its
     size limit (:func:`check_size`)."""
-    v = _single(arrays, spec, "string")
+    v = _single(arrays, tensor, "string")
     if v is None:
-        return spec.default
+        return tensor.default
     return v.decode("utf-8", errors="replace") if isinstance(v, (bytes, np.bytes_)) else str(v)
 
 
-def get_scalar(arrays: Arrays, spec: TensorSpec) -> int | float | None:
-    """The single number of input ``spec``: an int, or a float for ``TYPE_FP32`` (its default when
+def get_scalar(arrays: Arrays, tensor: TensorWire) -> int | float | None:
+    """The single number of input ``tensor``: an int, or a float for ``TYPE_FP32`` (its default when
     absent and optional; range checks are the caller's, see :func:`check_range`). Raises
     :class:`WireError` naming the field (also for a NaN)."""
-    v = _single(arrays, spec, "value")
+    v = _single(arrays, tensor, "value")
     if v is None:
-        return spec.default
-    if spec.dtype == "TYPE_FP32":
+        return tensor.default
+    if tensor.dtype == "TYPE_FP32":
         if not np.isfinite(v):
-            raise WireError(f"{spec.name} must be a finite number, got {v}")
+            raise WireError(f"{tensor.name} must be a finite number, got {v}")
         return float(v)
-    if spec.dtype == "TYPE_BOOL":
+    if tensor.dtype == "TYPE_BOOL":
         return bool(v)
     return int(v)
 
 
-def get_strings(arrays: Arrays, spec: TensorSpec) -> tuple[str, ...]:
-    """The strings of the 1-D ``TYPE_STRING`` input ``spec`` (UTF-8; its default when absent).
+def get_strings(arrays: Arrays, tensor: TensorWire) -> tuple[str, ...]:
+    """The strings of the 1-D ``TYPE_STRING`` input ``tensor`` (UTF-8; its default when absent).
     Raises :class:`WireError` naming the field for another rank, invalid UTF-8 or a size over its limits
     (:func:`check_size`)."""
-    a = arrays.get(spec.name)
+    a = arrays.get(tensor.name)
     if a is None:
-        return tuple(spec.default or ())
+        return tuple(tensor.default or ())
     a = np.asarray(a)
     if a.ndim != 1:
-        raise WireError(f"{spec.name} must be 1-D, got shape {list(a.shape)}")
-    check_size(a, spec)
+        raise WireError(f"{tensor.name} must be 1-D, got shape {list(a.shape)}")
+    check_size(a, tensor)
     try:
         return tuple(v.decode("utf-8") if isinstance(v, (bytes, np.bytes_)) else str(v) for v in a.tolist())
     except UnicodeDecodeError as e:
-        raise WireError(f"{spec.name} must be UTF-8 text: {e}") from None
+        raise WireError(f"{tensor.name} must be UTF-8 text: {e}") from None
 
 
-def check_range(spec: TensorSpec, v: int | float, hi: int | float | None = None) -> None:
+def check_range(tensor: TensorWire, v: int | float, hi: int | float | None = None) -> None:
     """Raise :class:`WireError` ``"NAME must be in [lo, hi], got v"`` when ``v`` is outside the
-    spec's range (``hi`` overrides ``spec.hi``, e.g. a server configured below the default)."""
-    lo, hi = spec.lo, spec.hi if hi is None else hi
-    below = lo is not None and (v <= lo if spec.lo_open else v < lo)
+    tensor's range (``hi`` overrides ``tensor.hi``, e.g. a server configured below the default)."""
+    lo, hi = tensor.lo, tensor.hi if hi is None else hi
+    below = lo is not None and (v <= lo if tensor.lo_open else v < lo)
     if below or (hi is not None and v > hi):
         rng = (
-            f"{'(' if spec.lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if spec.lo_open else '>='} {lo}"
+            f"{'(' if tensor.lo_open else '['}{lo}, {hi}]"
+            if hi is not None
+            else f"{'>' if tensor.lo_open else '>='} {lo}"
         )
-        raise WireError(f"{spec.name} must be {'in ' if hi is not None else ''}{rng}, got {v}")
+        raise WireError(f"{tensor.name} must be {'in ' if hi is not None else ''}{rng}, got {v}")
 
 
-def get_vector(arrays: Arrays, spec: TensorSpec, ndim: int = 1) -> np.ndarray:
-    """Input ``spec`` as an array of its numpy dtype with ``ndim`` dimensions.
+def get_vector(arrays: Arrays, tensor: TensorWire, ndim: int = 1) -> np.ndarray:
+    """Input ``tensor`` as an array of its numpy dtype with ``ndim`` dimensions.
 
     Raises :class:`WireError` naming the field when it is missing or has another rank."""
-    a = arrays.get(spec.name)
+    a = arrays.get(tensor.name)
     if a is None:
-        raise WireError(f"{spec.name} is required for this op")
+        raise WireError(f"{tensor.name} is required for this op")
     a = np.asarray(a)
     if a.ndim != ndim:
-        raise WireError(f"{spec.name} must be {ndim}-D, got shape {list(a.shape)}")
-    return a.astype(NUMPY[spec.dtype], copy=False)
+        raise WireError(f"{tensor.name} must be {ndim}-D, got shape {list(a.shape)}")
+    return a.astype(NUMPY[tensor.dtype], copy=False)
 
 
 def sids_to_wire(sids: list[int]) -> np.ndarray:
@@ -212,17 +214,17 @@ def check_tokens(name: str, toks: np.ndarray, vocab: int) -> None:
         raise WireError(f"{name}: token ids must be in [0, {vocab}), got {bad}")
 
 
-def describe(spec: ModelSpec) -> str:
+def describe(wire: ModelWire) -> str:
     """A Markdown table of a model's tensors: name, direction, dtype, dims, optional, default, range, meaning."""
     rows = [
-        f"`{spec.name}`"
-        + (" (decoupled; a request is a turn of the sequence its sequence id names)" if spec.decoupled else "")
-        + (f"; OP: {' | '.join(spec.ops)}" if spec.ops else ""),
+        f"`{wire.name}`"
+        + (" (decoupled; a request is a turn of the sequence its sequence id names)" if wire.decoupled else "")
+        + (f"; OP: {' | '.join(wire.ops)}" if wire.ops else ""),
         "",
         "| tensor | in/out | dtype | dims | optional | default | range | meaning |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for io, ts in (("in", spec.inputs), ("out", spec.outputs)):
+    for io, ts in (("in", wire.inputs), ("out", wire.outputs)):
         for t in ts:
             rng = (
                 ""

@@ -42,7 +42,7 @@ class DFlashStage(DrafterStage):
     ``max_num_draft_tokens``. Raises ``ValueError`` on drafters that disagree in shape.
     """
 
-    spec = schema.DRAFTER_DFLASH
+    wire = schema.DRAFTER_DFLASH
 
     def __init__(
         self,
@@ -195,7 +195,7 @@ class DFlashStage(DrafterStage):
         ``open`` with optional ``SPEC`` + ``PREFIX_KEYS`` / ``PREFIX_LENGTHS`` (warm start), ``publish``
         (``NBYTES`` per sequence), ``evict`` (keys in one ``PREFIX_LENGTHS`` entry). Raises
         :class:`~tandem.schema.WireError` naming the field."""
-        op = schema.get_op(arrays, self.spec)
+        op = schema.get_op(arrays, self.wire)
         nbytes = np.zeros(0, np.int64)
         if op in ("open", "publish", "evict"):
             sids = schema.get_sids(arrays)
@@ -235,11 +235,11 @@ class DFlashStage(DrafterStage):
     def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
         """The draft items of a packed request: ``FEATURES [N, F]``, ``LENGTHS [S]``, ``ANCHORS [S]``,
         ``SPEC [S]`` (``FEATURES`` copied to the drafters' device)."""
-        feats = schema.get_vector(arrays, self.spec.input("FEATURES"), ndim=2)
+        feats = schema.get_vector(arrays, self.wire.input("FEATURES"), ndim=2)
         if feats.shape[1] != self.feature_size:
             raise WireError(f"FEATURES must be [N, {self.feature_size}], got {list(feats.shape)}")
         lengths = schema.lengths_of(arrays, len(sids), feats.shape[0], "FEATURES")
-        anchors = schema.get_vector(arrays, self.spec.input("ANCHORS"))
+        anchors = schema.get_vector(arrays, self.wire.input("ANCHORS"))
         if anchors.size != len(sids):
             raise WireError(f"ANCHORS has {anchors.size} entries for {len(sids)} SIDS")
         arms = self._arms(arrays, len(sids))

@@ -35,7 +35,7 @@ class MTPStage(DrafterStage):
     Raises ``ValueError`` when the checkpoint has no MTP layer.
     """
 
-    spec = schema.DRAFTER_MTP
+    wire = schema.DRAFTER_MTP
 
     def __init__(self, model: Trunk, max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens) -> None:
         if model.mtp is None:
@@ -71,8 +71,8 @@ class MTPStage(DrafterStage):
     def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
         """The draft items of a packed request: ``HIDDEN [N, D]`` (copied to the model's device),
         ``NEXT_TOKENS [N]``, ``LENGTHS [S]``."""
-        hidden = schema.get_vector(arrays, self.spec.input("HIDDEN"), ndim=2)
-        nxt = schema.get_vector(arrays, self.spec.input("NEXT_TOKENS"))
+        hidden = schema.get_vector(arrays, self.wire.input("HIDDEN"), ndim=2)
+        nxt = schema.get_vector(arrays, self.wire.input("NEXT_TOKENS"))
         D = self.model.cfg.hidden_size
         if hidden.shape[1] != D:
             raise WireError(f"HIDDEN must be [N, {D}], got {list(hidden.shape)}")

@@ -40,11 +40,11 @@ class StageSet:
 
     def name(self, stage) -> str:
         """A stage's name: the model a proxy calls (:data:`tandem.schema.MODELS`), else ``"trunk"`` for the
-        trunk stage and the stage's ``spec`` name (a drafter in this process)."""
+        trunk stage and the name in the stage's ``wire`` (a drafter in this process)."""
         if (name := getattr(stage, "model_name", None)) is not None:
             return name
-        spec = getattr(stage, "spec", None)
-        return "trunk" if stage is self.trunk else (spec.name if spec is not None else type(stage).__name__)
+        wire = getattr(stage, "wire", None)
+        return "trunk" if stage is self.trunk else (wire.name if wire is not None else type(stage).__name__)
 
     def usable(self, stage) -> bool:
         """Whether ``stage`` may be called (it is not named in :attr:`unavailable`)."""

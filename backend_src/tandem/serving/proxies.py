@@ -45,7 +45,7 @@ class WatchedTransport:
         #: [model, op, monotonic start, fired]
         self._calls: dict[int, list] = {}
 
-    def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
+    def __call__(self, model: schema.ModelWire, op: str, arrays: Arrays) -> Arrays:
         key = threading.get_ident()
         self._calls[key] = call = [model.name, op, time.monotonic(), False]
         try:
@@ -78,7 +78,7 @@ class WatchedTransport:
 class Transport(Protocol):
     """``transport(model, op, arrays) -> outputs``: one call of a stage model. Raises :class:`StageError`."""
 
-    def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays: ...
+    def __call__(self, model: schema.ModelWire, op: str, arrays: Arrays) -> Arrays: ...
 
 
 class LocalTransport:
@@ -90,11 +90,11 @@ class LocalTransport:
         self.stats = CallStats()
         self._lock = threading.Lock()  # one call at a time
 
-    def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
+    def __call__(self, model: schema.ModelWire, op: str, arrays: Arrays) -> Arrays:
         with self._lock:
             return self._call(model, op, arrays)
 
-    def _call(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
+    def _call(self, model: schema.ModelWire, op: str, arrays: Arrays) -> Arrays:
         t0 = time.perf_counter()
         try:
             out = self.stages[model.name].handle(
@@ -117,7 +117,7 @@ class BLSTransport:
         self.auth = internal_key.key_array(internal_key.server_key())  # every stage call carries the server's key
         self.stats = CallStats()
 
-    def __call__(self, model: schema.ModelSpec, op: str, arrays: Arrays) -> Arrays:
+    def __call__(self, model: schema.ModelWire, op: str, arrays: Arrays) -> Arrays:
         t0 = time.perf_counter()
         resp = self._request(model, op, arrays).exec()
         self.stats.add(f"{model.name}.{op}", time.perf_counter() - t0)
@@ -130,7 +130,7 @@ class BLSTransport:
             raise StageError(model.name, op, f"response lacks output {missing}")
         return {k: np.array(v, copy=True) for k, v in got.items()}  # own the bytes: the response's buffer dies with it
 
-    def _request(self, model: schema.ModelSpec, op: str, arrays: Arrays):
+    def _request(self, model: schema.ModelWire, op: str, arrays: Arrays):
         pb = self.pb
         tensors = [pb.Tensor("OP", schema.string_array(op)), pb.Tensor(internal_key.AUTH, self.auth)]
         tensors += [pb.Tensor(k, np.ascontiguousarray(v)) for k, v in arrays.items()]
@@ -150,10 +150,10 @@ def _rows_of(items: list[DraftRequest], field: str) -> np.ndarray:
 
 
 class _Proxy:
-    def __init__(self, transport: Transport, spec: schema.ModelSpec, on_error: Callable[[str], None] | None) -> None:
-        self.t, self.spec, self.on_error = transport, spec, on_error
+    def __init__(self, transport: Transport, wire: schema.ModelWire, on_error: Callable[[str], None] | None) -> None:
+        self.t, self.wire, self.on_error = transport, wire, on_error
         #: the model this proxy's calls reach
-        self.model_name = getattr(transport, "model_name", None) or spec.name
+        self.model_name = getattr(transport, "model_name", None) or wire.name
 
     def _drafts(self, items: list[DraftRequest], arrays) -> list[list[int]]:
         """One ``draft`` call: ``arrays(items)`` packs the model-specific inputs; SIDS and
@@ -161,7 +161,7 @@ class _Proxy:
         if not items:
             return []
         out = self.t(
-            self.spec,
+            self.wire,
             "draft",
             {
                 "SIDS": schema.sids_to_wire([it.sid for it in items]),
@@ -173,20 +173,20 @@ class _Proxy:
 
     def open(self, sids: list[int]) -> None:
         """Create empty state for ``sids`` (replacing any). Raises :class:`StageError`."""
-        self.t(self.spec, "open", {"SIDS": schema.sids_to_wire(sids)})
+        self.t(self.wire, "open", {"SIDS": schema.sids_to_wire(sids)})
 
     def probe(self) -> None:
         """A no-op call (``close`` of no sequence) that raises :class:`StageError` when the stage's
         process is dead or does not answer (health checks)."""
-        self.t(self.spec, "close", {"SIDS": np.zeros(0, np.int64)})
+        self.t(self.wire, "close", {"SIDS": np.zeros(0, np.int64)})
 
     def close(self, sids: list[int]) -> None:
         """Drop state (best effort: a failure goes to ``on_error``, never raised)."""
         try:
-            self.t(self.spec, "close", {"SIDS": schema.sids_to_wire(sids)})
+            self.t(self.wire, "close", {"SIDS": schema.sids_to_wire(sids)})
         except Exception as e:  # noqa: BLE001 - cleanup must not take the worker down
             if self.on_error is not None:
-                self.on_error(f"{self.spec.name} close {sids}: {e}")
+                self.on_error(f"{self.wire.name} close {sids}: {e}")
 
 
 class _PrefixStoreProxy(_Proxy):
@@ -197,7 +197,7 @@ class _PrefixStoreProxy(_Proxy):
         if not items:
             return []
         out = self.t(
-            self.spec,
+            self.wire,
             "publish",
             {"SIDS": schema.sids_to_wire([s for s, _ in items]), **schema.prefixes_to_wire([k for _, k in items])},
         )
@@ -206,7 +206,7 @@ class _PrefixStoreProxy(_Proxy):
     def evict(self, keys: list[int]) -> None:
         """One ``evict`` call (keys in one PREFIX_LENGTHS entry, no SIDS)."""
         if keys:
-            self.t(self.spec, "evict", {"SIDS": np.zeros(0, np.int64), **schema.prefixes_to_wire([list(keys)])})
+            self.t(self.wire, "evict", {"SIDS": np.zeros(0, np.int64), **schema.prefixes_to_wire([list(keys)])})
 
 
 class DrafterProxy(_Proxy):
@@ -250,7 +250,7 @@ class DFlashProxy(_PrefixStoreProxy):
         if not prefixes or not any(prefixes):
             return super().open(sids)
         self.t(
-            self.spec,
+            self.wire,
             "open",
             {
                 "SIDS": schema.sids_to_wire(sids),

@@ -22,7 +22,7 @@ def tensors_by_name(tensors, names) -> dict:
 
 def stage_execute(
     pb_utils,
-    spec: schema.ModelSpec,
+    wire: schema.ModelWire,
     stage,
     requests,
     gauges: Gauges | None = None,
@@ -34,7 +34,7 @@ def stage_execute(
     """The ``execute`` of a stage model: one :func:`stage_response` per request, in order. Afterwards
     the ``stage_sequences`` gauge is set to ``len(stage.states)``."""
     responses = [
-        stage_response(pb_utils, spec, stage, r, unavailable, with_sequence, on_cancelled, stats) for r in requests
+        stage_response(pb_utils, wire, stage, r, unavailable, with_sequence, on_cancelled, stats) for r in requests
     ]
     if gauges is not None and stage is not None:
         gauges.set({"stage_sequences": len(stage.states)})
@@ -43,7 +43,7 @@ def stage_execute(
 
 def stage_response(
     pb_utils,
-    spec: schema.ModelSpec,
+    wire: schema.ModelWire,
     stage,
     r,
     unavailable: str | None = None,
@@ -68,16 +68,16 @@ def stage_response(
     try:
         if unavailable is not None:
             raise schema.WireError(unavailable)
-        arrays = tensors_by_name(r.inputs(), spec.input_names)
-        if internal_key.AUTH in spec.input_names:  # an internal model: tandem's own calls only, checked first
-            internal_key.check(arrays, spec.name, internal_key.server_key())
+        arrays = tensors_by_name(r.inputs(), wire.input_names)
+        if internal_key.AUTH in wire.input_names:  # an internal model: tandem's own calls only, checked first
+            internal_key.check(arrays, wire.name, internal_key.server_key())
             del arrays[internal_key.AUTH]
         if on_cancelled is not None and r.is_cancelled():
             on_cancelled(arrays)
         t0 = time.perf_counter()
         out = stage.handle(arrays, r.correlation_id(), r.flags()) if with_sequence else stage.handle(arrays)
         if stats is not None:
-            stats.add(f"{spec.name}.{schema.get_op(arrays, spec)}", time.perf_counter() - t0)
+            stats.add(f"{wire.name}.{schema.get_op(arrays, wire)}", time.perf_counter() - t0)
         if only_requested:
             out = requested_only(out, r.requested_output_names())
         return pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()])

@@ -29,18 +29,18 @@ def postprocess(decode: Callable[[list[int]], str], arrays: Arrays) -> Arrays:
     :data:`tandem.schema_text.POSTPROCESSING`): ``text_output [1]`` (TYPE_STRING, see
     :func:`response_text`), and every other tandem output passed through under its lowercase name.
     Raises :class:`~tandem.schema.WireError` naming a missing or malformed input."""
-    spec = schema_text.POSTPROCESSING
-    for t in spec.inputs:
+    wire = schema_text.POSTPROCESSING
+    for t in wire.inputs:
         if t.name not in arrays:
             raise WireError(f"{t.name} is required (a {schema.TANDEM.name} output)")
-    ids = schema.get_vector(arrays, spec.input(schema.OUTPUT_IDS)).astype(np.int64).tolist()
-    prev = schema.get_vector(arrays, spec.input(schema.PRECEDING_IDS)).astype(np.int64).tolist()
-    finish = schema.get_string(arrays, spec.input(schema.FINISH_REASON))
-    stop = schema.get_string(arrays, spec.input(schema.STOP_STRING))
+    ids = schema.get_vector(arrays, wire.input(schema.OUTPUT_IDS)).astype(np.int64).tolist()
+    prev = schema.get_vector(arrays, wire.input(schema.PRECEDING_IDS)).astype(np.int64).tolist()
+    finish = schema.get_string(arrays, wire.input(schema.FINISH_REASON))
+    stop = schema.get_string(arrays, wire.input(schema.STOP_STRING))
     out = {schema_text.TEXT_OUTPUT: schema.string_array(response_text(decode, ids, prev, bool(finish), stop))}
     for name in schema_text.PASSED_THROUGH:
         out[name.lower()] = np.asarray(arrays[name])
-    assert tuple(out) == spec.output_names
+    assert tuple(out) == wire.output_names
     return out
 
 
@@ -56,7 +56,7 @@ def preprocess(
     more than ``max_ctx`` tokens after it (None: no check). Raises :class:`~tandem.schema.WireError`
     naming the field and the limit (also for a missing ``text_input`` and for ``exclude_input_in_output``
     false)."""
-    spec = schema_text.PREPROCESSING
+    wire = schema_text.PREPROCESSING
     if schema_text.TEXT_INPUT not in arrays:
         raise WireError(f"{schema_text.TEXT_INPUT} is required (the user message, a string)")
     raw = np.asarray(arrays[schema_text.TEXT_INPUT]).reshape(-1)
@@ -70,9 +70,9 @@ def preprocess(
             f"{schema_text.TEXT_INPUT}: {len(raw[0])} bytes is over the limit of {max_text_bytes} bytes "
             f"(a longer text cannot fit the context of {max_ctx} tokens)"
         )
-    if not schema.get_scalar(arrays, spec.input(schema_text.EXCLUDE_INPUT)):
+    if not schema.get_scalar(arrays, wire.input(schema_text.EXCLUDE_INPUT)):
         raise WireError(f"{schema_text.EXCLUDE_INPUT} must be true: tandem's output never repeats the prompt")
-    text = schema.get_string(arrays, spec.input(schema_text.TEXT_INPUT))
+    text = schema.get_string(arrays, wire.input(schema_text.TEXT_INPUT))
     ids = render(text)
     if max_ctx is not None and len(ids) > max_ctx:
         raise WireError(
@@ -81,10 +81,10 @@ def preprocess(
         )
     out = {
         schema.INPUT_IDS: np.asarray(ids, dtype=np.int32),
-        schema.MAX_TOKENS: np.array([schema.get_scalar(arrays, spec.input(schema_text.MAX_TOKENS_IN))], np.int32),
-        schema.STREAM: np.array([schema.get_scalar(arrays, spec.input(schema_text.STREAM_IN))], np.bool_),
+        schema.MAX_TOKENS: np.array([schema.get_scalar(arrays, wire.input(schema_text.MAX_TOKENS_IN))], np.int32),
+        schema.STREAM: np.array([schema.get_scalar(arrays, wire.input(schema_text.STREAM_IN))], np.bool_),
     }
-    assert tuple(out) == spec.output_names
+    assert tuple(out) == wire.output_names
     return out
 
 

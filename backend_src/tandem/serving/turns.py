@@ -68,7 +68,7 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema
     anything, when an input is over its size limit (``INPUT_IDS``: ``max_ctx`` tokens; strings and lists:
     :func:`tandem.schema.check_size`).
     """
-    spec = schema.TANDEM
+    wire = schema.TANDEM
     if isinstance(correlation_id, str):
         raise WireError(f"{schema.SEQUENCE_ID}: sequence ids are unsigned integers, got the string {correlation_id!r}")
     sid = int(correlation_id or 0)
@@ -82,29 +82,29 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema
     if ids is not None and np.asarray(ids).ndim != 1:
         raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
     if ids is not None:
-        schema.check_size(np.asarray(ids), spec.input(schema.INPUT_IDS), max_items=max_ctx)
+        schema.check_size(np.asarray(ids), wire.input(schema.INPUT_IDS), max_items=max_ctx)
     for name in (schema.STOP_TOKEN_IDS, schema.STOP):  # sizes first: nothing below decodes an oversize input
         if name in arrays:
-            schema.check_size(np.asarray(arrays[name]), spec.input(name))
+            schema.check_size(np.asarray(arrays[name]), wire.input(name))
     tokens = [] if ids is None else np.asarray(ids).astype(np.int64).tolist()
     stops = arrays.get(schema.STOP_TOKEN_IDS)
     if stops is not None and np.asarray(stops).ndim != 1:
         raise WireError(f"{schema.STOP_TOKEN_IDS} must be 1-D, got shape {list(np.asarray(stops).shape)}")
-    arm = None if schema.SPEC not in arrays else schema.get_string(arrays, spec.input(schema.SPEC)).strip().lower()
+    arm = None if schema.SPEC not in arrays else schema.get_string(arrays, wire.input(schema.SPEC)).strip().lower()
     return TurnRequest(
         sid,
         tokens,
-        schema.get_scalar(arrays, spec.input(schema.MAX_TOKENS)),
+        schema.get_scalar(arrays, wire.input(schema.MAX_TOKENS)),
         arm or None,
         start=bool(flags & schema.FLAG_START),
         end=bool(flags & schema.FLAG_END),
         num_draft_tokens=None
         if schema.NUM_DRAFT_TOKENS not in arrays
-        else schema.get_scalar(arrays, spec.input(schema.NUM_DRAFT_TOKENS)),
+        else schema.get_scalar(arrays, wire.input(schema.NUM_DRAFT_TOKENS)),
         sampling=parse_sampling(arrays),
         stop_token_ids=() if stops is None else tuple(np.asarray(stops).astype(np.int64).tolist()),
-        stop=schema.get_strings(arrays, spec.input(schema.STOP)),
-        stream=schema.get_scalar(arrays, spec.input(schema.STREAM)),
+        stop=schema.get_strings(arrays, wire.input(schema.STOP)),
+        stream=schema.get_scalar(arrays, wire.input(schema.STREAM)),
         cache_salt=parse_cache_salt(arrays),
     )
 
