@@ -60,19 +60,19 @@ def split_host(url: str, allow_remote: bool = False) -> str:
     return u
 
 
-def spec_arms(spec: str) -> list[str]:
-    """The arms of a ``--spec`` value: one arm or a comma list (each new session picks one at random).
+def parse_specs(spec: str) -> list[str]:
+    """The specs of a ``--spec`` value: one spec or a comma list (each new session picks one at random).
 
-    >>> spec_arms("mtp,dflash2")
+    >>> parse_specs("mtp,dflash2")
     ['mtp', 'dflash2']
 
-    Raises ``ValueError`` naming an unknown arm.
+    Raises ``ValueError`` naming an unknown spec.
     """
-    arms = [a.strip() for a in spec.split(",") if a.strip()]
-    bad = [a for a in arms if a not in schema.SPECS]
-    if bad or not arms:
-        raise ValueError(f"--spec takes arms from {schema.SPECS} (comma list), got {spec!r}")
-    return arms
+    specs = [a.strip() for a in spec.split(",") if a.strip()]
+    bad = [a for a in specs if a not in schema.SPECS]
+    if bad or not specs:
+        raise ValueError(f"--spec takes specs from {schema.SPECS} (comma list), got {spec!r}")
+    return specs
 
 
 def sampling_input(metadata: dict) -> dict | None:

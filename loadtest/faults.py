@@ -30,7 +30,7 @@ def _i32(v: int) -> np.ndarray:
 
 def bad_request(rng: random.Random, vocab: int = 8192, max_ctx: int = schema.DEFAULTS.max_ctx) -> BadRequest:
     """A bad request drawn from a fixed set (out-of-vocabulary id, MAX_TOKENS 0 or above the context,
-    an unknown arm, a draft count beyond the limit, a later turn of an unknown sequence, an oversize
+    an unknown spec, a draft count beyond the limit, a later turn of an unknown sequence, an oversize
     prompt); each is sent on a fresh sequence id."""
     ids = np.array([rng.randrange(3, vocab) for _ in range(8)], np.int32)
     spec = lambda s: np.array([s.encode()], np.object_)  # noqa: E731
@@ -51,7 +51,7 @@ def bad_request(rng: random.Random, vocab: int = 8192, max_ctx: int = schema.DEF
             schema.MAX_TOKENS,
         ),
         BadRequest(
-            "unknown arm",
+            "unknown spec",
             {schema.INPUT_IDS: ids, schema.MAX_TOKENS: _i32(4), schema.SPEC: spec("beam")},
             True,
             True,

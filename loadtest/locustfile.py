@@ -44,9 +44,9 @@ from locust import LoadTestShape, User, constant, events, task  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loadtest.common import EXIT_GRACE_S, exit_after, ramp_levels, sampling_input, spec_arms, split_host  # noqa: E402
+from loadtest.common import EXIT_GRACE_S, exit_after, ramp_levels, sampling_input, parse_specs, split_host  # noqa: E402
 from loadtest.faults import bad_request, judge_bad  # noqa: E402
-from loadtest.workload import SessionSpec, build_sessions, load_workload  # noqa: E402
+from loadtest.workload import PlannedSession, build_sessions, load_workload  # noqa: E402
 from tandem import schema  # noqa: E402
 
 log = logging.getLogger("tandem.loadtest")
@@ -67,7 +67,7 @@ class Cancelled(Exception):
 class _Shared:
     """State shared by all users of this Locust process (set up by the ``init`` listener)."""
 
-    sessions: list[SessionSpec] = []
+    sessions: list[PlannedSession] = []
     raw = None  # the JSONL file, line-buffered
     sampling: dict | None = None  # TEMPERATURE input's metadata when the model has one
     user_ids = itertools.count()
@@ -103,7 +103,7 @@ def _add_arguments(parser) -> None:
     g.add_argument(
         "--spec",
         default=schema.DEFAULTS.spec,
-        help="speculation arm, or a comma list of arms each new session picks from at random: "
+        help="speculation method, or a comma list of specs each new session picks from at random: "
         + ", ".join(schema.SPECS),
     )
     g.add_argument("--num-draft-tokens", type=int, default=0, help="drafts per round (0: server default)")
@@ -219,8 +219,8 @@ class TandemUser(User):
         self.rng = random.Random(o.seed * 1_000_003 + self.uid)
         self.url = split_host(self.host, allow_remote=o.allow_remote)
         self.client = grpcclient.InferenceServerClient(self.url)
-        self.session: SessionSpec | None = None
-        self.arm = schema.DEFAULTS.spec
+        self.session: PlannedSession | None = None
+        self.spec = schema.DEFAULTS.spec
         self.turn_index = 0
         self.sid = 0
         self.sequence_open = False
@@ -232,7 +232,7 @@ class TandemUser(User):
             self.client.close()
 
     # --- one turn -------------------------------------------------------------------------------
-    def _inputs(self, ids: list[int], max_tokens: int, sampled: bool, arm: str) -> list:
+    def _inputs(self, ids: list[int], max_tokens: int, sampled: bool, spec: str) -> list:
         inputs = []
 
         def add(name, arr, dtype):
@@ -243,7 +243,7 @@ class TandemUser(User):
         if ids:
             add(schema.INPUT_IDS, np.asarray(ids, dtype=np.int32), "INT32")
         add(schema.MAX_TOKENS, np.array([max_tokens], dtype=np.int32), "INT32")
-        add(schema.SPEC, np.array([arm.encode()], dtype=np.object_), "BYTES")
+        add(schema.SPEC, np.array([spec.encode()], dtype=np.object_), "BYTES")
         if self.opts.num_draft_tokens > 0:
             add(schema.NUM_DRAFT_TOKENS, np.array([self.opts.num_draft_tokens], dtype=np.int32), "INT32")
         if sampled and _Shared.sampling is not None:
@@ -352,11 +352,11 @@ class TandemUser(User):
             return self._bad()
         if self.session is None:
             self.session = self.rng.choice(_Shared.sessions)
-            self.arm = self.rng.choice(spec_arms(self.opts.spec))
+            self.spec = self.rng.choice(parse_specs(self.opts.spec))
             self.turn_index = 0
             self.sid = self.rng.getrandbits(62) + 1
         s, k = self.session, self.turn_index
-        spec = s.turns[k]
+        planned = s.turns[k]
         start, end = k == 0, k == len(s.turns) - 1
         rec = {
             "kind": "turn",
@@ -365,9 +365,9 @@ class TandemUser(User):
             "turn": k,
             "turns": len(s.turns),
             "sampled": s.sampled,
-            "spec": self.arm,
-            "prompt_tokens": len(spec.input_ids),
-            "max_tokens": spec.max_tokens,
+            "spec": self.spec,
+            "prompt_tokens": len(planned.input_ids),
+            "max_tokens": planned.max_tokens,
             "users": self.environment.runner.user_count if self.environment.runner else 0,
         }
         state = {"last": None, "first": None}
@@ -380,7 +380,7 @@ class TandemUser(User):
             # response carries the prime's token alone; should it carry more, only TTFT is reported.
             if state["first"] is None:
                 state["first"] = t - sent
-                self._fire("TTFT", (t - sent) * 1000.0, len(spec.input_ids))
+                self._fire("TTFT", (t - sent) * 1000.0, len(planned.input_ids))
             else:
                 per_tok = (t - state["last"]) * 1000.0 / b[1]
                 for _ in range(b[1]):
@@ -391,7 +391,7 @@ class TandemUser(User):
         t_start = time.perf_counter()
         try:
             res = self._stream(
-                self._inputs(spec.input_ids, spec.max_tokens, s.sampled, self.arm),
+                self._inputs(planned.input_ids, planned.max_tokens, s.sampled, self.spec),
                 start,
                 end,
                 self.opts.response_timeout,
@@ -446,7 +446,7 @@ class TandemUser(User):
         self.sequence_open = False
         self.session = None
         try:
-            self._stream(self._inputs([], 1, False, self.arm), False, True, min(15.0, self.opts.response_timeout))
+            self._stream(self._inputs([], 1, False, self.spec), False, True, min(15.0, self.opts.response_timeout))
             log.info(f"user {self.uid}: ended open sequence {self.sid}")
         except (TurnFailed, InferenceServerException) as e:
             # expected after a failed or cancelled turn: the server has already dropped the sequence

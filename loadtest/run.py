@@ -32,7 +32,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from loadtest import report  # noqa: E402
-from loadtest.common import TEMPERATURE_INPUT, model_max_ctx, ramp_levels, sampling_input, spec_arms, split_host  # noqa: E402
+from loadtest.common import TEMPERATURE_INPUT, model_max_ctx, ramp_levels, sampling_input, parse_specs, split_host  # noqa: E402
 from loadtest.workload import build_sessions, describe, save_workload  # noqa: E402
 from tandem import schema  # noqa: E402
 
@@ -203,7 +203,8 @@ def main(
     spec: str = typer.Option(
         schema.DEFAULTS.spec,
         "--spec",
-        help="speculation arm, or a comma list of arms that sessions pick from at random: " + ", ".join(schema.SPECS),
+        help="speculation method, or a comma list of specs that sessions pick from at random: "
+        + ", ".join(schema.SPECS),
     ),
     num_draft_tokens: int = typer.Option(0, "--num-draft-tokens", min=0, help="drafts per round (0: server default)"),
     response_timeout: float = typer.Option(
@@ -221,7 +222,7 @@ def main(
     # SIGTERM unwinds like Ctrl-C, so the server started here and Locust are always stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        spec_arms(spec)
+        parse_specs(spec)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)

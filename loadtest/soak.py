@@ -289,7 +289,7 @@ def main(
     cancel_share: float = typer.Option(0.1, "--cancel-share", min=0.0, max=1.0, help="share of turns cancelled"),
     bad_share: float = typer.Option(0.05, "--bad-share", min=0.0, max=1.0, help="share of bad requests"),
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="cap on each turn's output tokens"),
-    spec: str = typer.Option("mtp,dflash2,off", "--spec", help="arms sessions pick from"),
+    spec: str = typer.Option("mtp,dflash2,off", "--spec", help="specs sessions pick from"),
     sample_s: float = typer.Option(5.0, "--sample-s", min=0.5, help="seconds between memory samples"),
     warmup_s: float = typer.Option(60.0, "--warmup-s", min=0.0, help="seconds of samples left out of the memory check"),
     rss_tolerance: float = typer.Option(0.05, "--rss-tolerance", help="allowed RSS growth, last third vs first"),
@@ -334,7 +334,7 @@ def main(
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"soak: {users} users for {seconds:g} s, {cancel_share:.0%} of turns cancelled, {bad_share:.0%} bad "
-        f"requests, arms {spec}; report in {out}",
+        f"requests, specs {spec}; report in {out}",
         flush=True,
     )
     samples: list[dict] = []

@@ -32,7 +32,7 @@ CONTEXT_MARGIN = 8
 
 
 @dataclass
-class TurnSpec:
+class PlannedTurn:
     """One request of a session: the turn's new token ids and its output cap (tokens)."""
 
     input_ids: list[int]
@@ -40,11 +40,11 @@ class TurnSpec:
 
 
 @dataclass
-class SessionSpec:
+class PlannedSession:
     """One Triton sequence: ``turns`` in order; ``sampled`` marks every turn as a sampled request;
     ``conversation`` is the ShareGPT record index it came from."""
 
-    turns: list[TurnSpec]
+    turns: list[PlannedTurn]
     sampled: bool = False
     conversation: int = -1
     prompt_tokens: list[int] = field(default_factory=list)
@@ -83,7 +83,7 @@ def build_sessions(
     seed: int = 0,
     scan: int = 4000,
     conversations: list[list[dict]] | None = None,
-) -> list[SessionSpec]:
+) -> list[PlannedSession]:
     """Draw ``n_sessions`` sessions (with replacement) from the first ``scan`` ShareGPT
     conversations, seeded by ``seed``. Lengths are in tokens of ``tokenizer`` (a
     :class:`tandem.model.tokenizer.ChatTokenizer`). ``conversations`` replaces the dataset (tests).
@@ -121,15 +121,15 @@ def build_sessions(
             if used + len(ids) + mt + CONTEXT_MARGIN > max_context_tokens:
                 break
             used += len(ids) + mt
-            turns.append(TurnSpec(ids, mt))
+            turns.append(PlannedTurn(ids, mt))
             prompt_lens.append(len(ids))
         sessions.append(
-            SessionSpec(turns, sampled=rng.random() < sampled_share, conversation=ci, prompt_tokens=prompt_lens)
+            PlannedSession(turns, sampled=rng.random() < sampled_share, conversation=ci, prompt_tokens=prompt_lens)
         )
     return sessions
 
 
-def describe(sessions: list[SessionSpec]) -> dict:
+def describe(sessions: list[PlannedSession]) -> dict:
     """Shape of a workload: session count, multi-turn share, turns, sampled share, and mean /
     p50 / p90 of prompt and output-cap lengths (tokens)."""
     turns = [t for s in sessions for t in s.turns]
@@ -150,7 +150,7 @@ def describe(sessions: list[SessionSpec]) -> dict:
     }
 
 
-def save_workload(path: str | Path, sessions: list[SessionSpec], meta: dict | None = None) -> Path:
+def save_workload(path: str | Path, sessions: list[PlannedSession], meta: dict | None = None) -> Path:
     """Write sessions (and ``meta``, e.g. the flags that built them) as JSON; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,12 +158,12 @@ def save_workload(path: str | Path, sessions: list[SessionSpec], meta: dict | No
     return path
 
 
-def load_workload(path: str | Path) -> list[SessionSpec]:
+def load_workload(path: str | Path) -> list[PlannedSession]:
     """Sessions written by :func:`save_workload`."""
     obj = json.loads(Path(path).read_text())
     return [
-        SessionSpec(
-            [TurnSpec(**t) for t in s["turns"]],
+        PlannedSession(
+            [PlannedTurn(**t) for t in s["turns"]],
             s.get("sampled", False),
             s.get("conversation", -1),
             s.get("prompt_tokens", []),

@@ -141,14 +141,37 @@ def server(tmp_path_factory):
     assert srv.front.proc.poll() is not None and not srv.front.workdir.exists()
 
 
+#: the served limits of the fault tests: an idle session closes after 3 s, a full server refuses after 1 s
+LIMITS = {
+    "TANDEM_IDLE_TIMEOUT_S": "3",
+    "TANDEM_MAX_SESSIONS": "16",
+    "TANDEM_ADMISSION_WAIT_S": "1",
+}
+#: ``drafter_server``'s stage deadline: above the 1-2 s the Python backend takes to answer "not healthy" for a
+#: dead or stopped drafter process (it waits a second for the stub's heartbeat), so such a drafter is seen
+#: dead (its sessions go on plain) rather than late (its turns fail)
+STAGE_TIMEOUT_S = 3.0
+#: ``drafter_server``: the drafter models loaded and called over BLS under ``STAGE_TIMEOUT_S``; demotion off,
+#: so an MTP session drafts (calls ``drafter_mtp``) every round of its turn
+DRAFTER_ENV = {
+    **LIMITS,
+    "TANDEM_COLOCATE": "false",
+    "TANDEM_STAGE_TIMEOUT_S": f"{STAGE_TIMEOUT_S:g}",
+    "TANDEM_DEMOTE_BELOW": "0",
+}
+
+
 @pytest.fixture(scope="session")
 def drafter_server():
-    """A real tritonserver with ``colocate`` off: the drafters in the drafter_mtp / drafter_dflash models
-    (one for the whole run: the tests of that configuration share it)."""
-    from tandem.launch.serve import running_server
+    """A real tritonserver with ``colocate`` off (:data:`DRAFTER_ENV`): the drafters in the drafter_mtp /
+    drafter_dflash models, called over BLS (one for the whole run: the tests of that configuration share it,
+    the drafter fault tests too, which leave every drafter model running again). ``drafter_models`` names
+    them."""
+    from tandem.launch.serve import DRAFTER_MODELS, models_to_load, running_server
 
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors: train it (`make model`) or set TANDEM_TEST_CHECKPOINT")
-    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), "TANDEM_COLOCATE": "false"}
+    env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **DRAFTER_ENV}
     with running_server(env=env, ready_timeout_s=240) as srv:
+        srv.drafter_models = tuple(m for m in models_to_load(env) if m in DRAFTER_MODELS)
         yield srv

@@ -39,7 +39,7 @@ def _cache_bytes(cache) -> int:
 
 @pytest.mark.parametrize("tokens", [40, 300])
 def test_the_estimate_is_the_trunk_cache_bytes(trunk_fp32, tokens):
-    """After a prime of ``tokens`` rows the plain arm's estimate equals the cache's buffers, byte for byte."""
+    """After a prime of ``tokens`` rows the plain spec's estimate equals the cache's buffers, byte for byte."""
     stage = TrunkStage(trunk_fp32, 1024)
     stage.open([1])
     stage.prime([Rows(1, list(range(3, 3 + tokens)))])

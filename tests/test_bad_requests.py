@@ -96,7 +96,7 @@ CASES = [  # (id, inputs replacing / added to OK (None: removed), sequence flags
         f"INPUT_IDS has {MAX_CTX + 1} elements, over the limit of {MAX_CTX}",
     ),
     ("huge batch dimension", {schema.INPUT_IDS: np.ones(1 << 19, np.int32)}, {}, "INPUT_IDS"),
-    ("unknown arm", {schema.SPEC: _s("medusa")}, {}, "SPEC must be one of"),
+    ("unknown spec", {schema.SPEC: _s("medusa")}, {}, "SPEC must be one of"),
     ("SPEC of shape [2]", {schema.SPEC: _s("mtp", "off")}, {}, "SPEC"),
     (
         "0 drafts",
@@ -110,7 +110,7 @@ CASES = [  # (id, inputs replacing / added to OK (None: removed), sequence flags
         {},
         "NUM_DRAFT_TOKENS must be in [1, 7], got 8",
     ),
-    ("drafts with the default arm (plain)", {schema.NUM_DRAFT_TOKENS: _i32(2)}, {}, "decodes plain (SPEC 'off')"),
+    ("drafts with the default spec (plain)", {schema.NUM_DRAFT_TOKENS: _i32(2)}, {}, "decodes plain (SPEC 'off')"),
     (
         "99 MTP drafts",
         {schema.NUM_DRAFT_TOKENS: _i32(99), schema.SPEC: _s("mtp")},

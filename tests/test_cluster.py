@@ -450,14 +450,12 @@ def test_full_server_refuses_at_capacity_and_the_retry_goes_elsewhere(cluster, t
     refusals."""
     direct = f"127.0.0.1:{cluster.ports[0][1]}"
 
-    def slots() -> int:  # an earlier test's turns may still be ending (their sessions closing)
-        return int(tandem_metrics(cluster.ports[0][2])["tandem"].get("session_slots_free", MAX_SESSIONS))
+    def gauges() -> dict:
+        return tandem_metrics(cluster.ports[0][2])["tandem"]
 
-    deadline = time.monotonic() + 15.0
-    while slots() < MAX_SESSIONS and time.monotonic() < deadline:
-        time.sleep(0.25)
+    wait_for(lambda: gauges().get("turns_running", 0) == 0, 15.0)  # an earlier test's turns may still be ending
     time.sleep(1.2)  # (the gauges are published once a second)
-    free = slots()
+    free = int(gauges().get("session_slots_free", MAX_SESSIONS))
     held = [new_sequence_id() for _ in range(free)]  # every slot left (an earlier test's idle session may hold one)
     for sid in held:
         generate([5, 6, 7], 1, url=direct, sequence_id=sid, sequence_end=False, spec="off")

@@ -13,21 +13,22 @@ import pytest
 from tandem import schema
 from tandem.engine.inprocess import Engine
 
+from conftest import settled
 from test_prefix import _run
 
 PKG = Path(__file__).resolve().parents[1] / "backend_src" / "tandem"
 
 
-@pytest.mark.parametrize("arm", [schema.OFF, schema.DFLASH2])
-def test_a_burst_ends_after_burst_ms(shipped, tokenizer, sharegpt_prompts, arm):
+@pytest.mark.parametrize("spec", [schema.OFF, schema.DFLASH2])
+def test_a_burst_ends_after_burst_ms(shipped, tokenizer, sharegpt_prompts, spec):
     """``burst_ms``: a burst ends at the first round boundary after it: with ~0 ms every burst is one round,
     with a long one a burst holds several; the tokens never change."""
     ids = tokenizer.chat_prompt(sharegpt_prompts[3])
     plain = shipped.generate(ids, 40, spec="off")["token_ids"]
-    dflash = {a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_ARMS}
+    dflash = {a: shipped.drafters[a].drafters[a] for a in schema.DFLASH_SPECS}
     for ms, one_round in ((1e-3, True), (1e4, False)):
         eng = Engine(model=shipped.model, tokenizer=tokenizer, dflash=dflash, burst_ms=ms, burst_rounds=8)
-        out, receipts = _run(eng.sched, 1, ids, 40, arm)
+        out, receipts = _run(eng.sched, 1, ids, 40, spec)
         assert out == plain and (max(r.rounds for r in receipts) == 1) == one_round
     with pytest.raises(ValueError, match="burst_ms must be >= 0"):
         schema.ServingConfig(burst_ms=-1.0)
@@ -79,26 +80,28 @@ def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, t
     assert walks == got["rounds"], (walks, got["rounds"])
 
 
-def test_served_with_colocate_off_takes_the_drafter_models(server, shipped, checkpoint, tokenizer, tmp_path):
+def test_served_with_colocate_off_takes_the_drafter_models(server, drafter_server, shipped, tokenizer):
     """A real tritonserver with ``colocate=false`` (``$TANDEM_COLOCATE``): the drafter models are loaded and
-    draft (the engine core's BLS statistics, logged at unload, say which), and every arm's greedy tokens equal
-    the default server's and the engine's."""
-    from tandem.launch.serve import model_states, running_server
+    draft (Triton counts the engine core's BLS calls to each), and every spec's greedy tokens equal the
+    default server's and the engine's."""
+    from tandem.launch.observe import scrape
+    from tandem.launch.serve import model_states
     from tandem_client.client import generate
 
+    def drafter_calls() -> dict[str, float]:
+        got = scrape(drafter_server.metrics_port, prefix="nv_inference_request_success")
+        return {m: v for (_, labels), v in got.items() if "drafter" in (m := dict(labels)["model"])}
+
     prompts = [tokenizer.chat_prompt(t) for t in ("Write a short poem about the sea.", "Explain a hash map.")]
-    env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_COLOCATE": "false"}
-    log = tmp_path / "server.log"
-    with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
-        states = model_states(srv.internal_http_port)
-        assert states.get(schema.DRAFTER_MTP.name) == states.get(schema.DRAFTER_DFLASH.name) == "READY", states
-        for ids in prompts:
-            for arm in (schema.DFLASH2, schema.MTP, schema.DFLASH):
-                got = generate(ids, 24, url=srv.grpc_url, spec=arm)
-                default = generate(ids, 24, url=server.grpc_url, spec=arm)
-                assert got["token_ids"] == default["token_ids"] == shipped.generate(ids, 24, spec=arm)["token_ids"]
-                assert got["accepted"] > 0, arm
-    text = log.read_text(errors="replace")
-    assert "in their models (colocate off)" in text
-    calls = text[text.index("BLS calls") :]
-    assert "'drafter_dflash.draft'" in calls and "'drafter_mtp.draft'" in calls
+    srv = drafter_server
+    states = model_states(srv.internal_http_port)
+    assert states.get(schema.DRAFTER_MTP.name) == states.get(schema.DRAFTER_DFLASH.name) == "READY", states
+    before = drafter_calls()
+    for ids in prompts:
+        for spec in (schema.DFLASH2, schema.MTP, schema.DFLASH):
+            got = generate(ids, 24, url=srv.grpc_url, spec=spec)
+            default = generate(ids, 24, url=server.grpc_url, spec=spec)
+            assert got["token_ids"] == default["token_ids"] == shipped.generate(ids, 24, spec=spec)["token_ids"]
+            assert got["accepted"] > 0, spec
+    after = settled(drafter_calls)
+    assert all(after[m] > before.get(m, 0) for m in (schema.DRAFTER_MTP.name, schema.DRAFTER_DFLASH.name)), after

@@ -42,14 +42,14 @@ def _engine(base, **config) -> tuple[Engine, Flaky]:
     eng = Engine(
         model=base.model,
         tokenizer=base.tokenizer,
-        dflash={a: base.drafters[a].drafters[a] for a in schema.DFLASH_ARMS},
+        dflash={a: base.drafters[a].drafters[a] for a in schema.DFLASH_SPECS},
         prefix_cache_mb=0,
         demote_probe_rounds=8,
         **config,
     )
     flaky = Flaky(eng.drafters[schema.DFLASH2])
-    for arm in schema.DFLASH_ARMS:
-        eng.drafters[arm] = eng.sched.drafters[arm] = flaky
+    for spec in schema.DFLASH_SPECS:
+        eng.drafters[spec] = eng.sched.drafters[spec] = flaky
     return eng, flaky
 
 
@@ -158,7 +158,7 @@ def test_steady_predicts_what_speculates_answers_round_by_round():
 
     def session(**st):
         return SimpleNamespace(
-            arm=schema.DFLASH2, degraded=False, demotion=DemotionState(**st), demote_eligible=lambda: True
+            spec=schema.DFLASH2, degraded=False, demotion=DemotionState(**st), demote_eligible=lambda: True
         )
 
     pol = Demotion(cfg, {})

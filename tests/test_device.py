@@ -16,7 +16,14 @@ from tandem.engine.sampling import SamplingParams
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.ops.cpu import gemm as cpu_gemm
 from tandem.ops.settings import DEFAULT, REFERENCE, KernelSettings
-from tandem.model.checkpoint import check_fits, dflash_arms, dflash_feature_layers, load_dflash, load_trunk, param_bytes
+from tandem.model.checkpoint import (
+    check_fits,
+    dflash_specs,
+    dflash_feature_layers,
+    load_dflash,
+    load_trunk,
+    param_bytes,
+)
 from tandem.model.config import TrunkConfig
 from tandem.model.device import kernel_settings, parse_dtype, placement, resolve_device
 from tandem.launch.settings import parameter_overrides
@@ -125,14 +132,14 @@ def test_loads_are_refused_before_touching_the_gpu(fake_gpu, checkpoint):
     fake_gpu[0] = 1 * 2**20
     with pytest.raises(MemoryError, match=rf"checkpoint {checkpoint} needs about .* but cuda:0 has only 1.0 MiB free"):
         load_trunk(checkpoint, torch.bfloat16, device="cuda:0")
-    for arm in dflash_arms(checkpoint):
+    for spec in dflash_specs(checkpoint):
         fake_gpu[0] = 1000
         with pytest.raises(
             MemoryError,
-            match=rf"the {arm} drafter .* needs about \d+\.\d MiB for its weights "
+            match=rf"the {spec} drafter .* needs about \d+\.\d MiB for its weights "
             r"\(0\.\d\dB parameters in bfloat16\), but cuda:0 has only 0\.0 MiB free",
         ):
-            load_dflash(checkpoint, arm, torch.bfloat16, device="cuda:0")
+            load_dflash(checkpoint, spec, torch.bfloat16, device="cuda:0")
 
 
 def test_host_memory_check_names_the_cpu(monkeypatch, checkpoint):
@@ -169,11 +176,11 @@ class _OnMeta:
 
 
 def _turns(checkpoint, trunk, meta: bool, kernels: KernelSettings = DEFAULT) -> list[list[int]]:
-    """Greedy turns on every arm and one sampled turn (prefix cache on): the trunk stage in this process, the
+    """Greedy turns on every spec and one sampled turn (prefix cache on): the trunk stage in this process, the
     drafters (loaded with ``kernels``) through their models' wire form (``colocate`` off); ``meta``: every
     stage call on meta."""
     feats = dflash_feature_layers(checkpoint)
-    drafters = {a: load_dflash(checkpoint, a, torch.float32, kernels=kernels) for a in dflash_arms(checkpoint)}
+    drafters = {a: load_dflash(checkpoint, a, torch.float32, kernels=kernels) for a in dflash_specs(checkpoint)}
     tr = (_MetaDefault if meta else fr.LocalTransport)(
         {
             "drafter_mtp": MTPStage(trunk),

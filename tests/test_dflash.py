@@ -1,4 +1,4 @@
-"""The DFlash arms on a tiny random trunk and drafter: exactness of greedy speculation, deferred
+"""The DFlash specs on a tiny random trunk and drafter: exactness of greedy speculation, deferred
 ingest of the prompt, the wire form, and the drafter's building blocks."""
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ def tiny():
         selector_top_k=3,
     )
     drafters = {}
-    for arm in schema.DFLASH_ARMS:
-        d = DFlashDrafter(dcfg, dflash2=arm == schema.DFLASH2)
+    for spec in schema.DFLASH_SPECS:
+        d = DFlashDrafter(dcfg, dflash2=spec == schema.DFLASH2)
         with torch.no_grad():
             d.mask_embedding.normal_(0, 1)
             if d.selector is not None:
                 for conv in (m for m in d.modules() if isinstance(m, TwoTapConv)):
                     conv.weight[1].normal_(0, 0.1)
-        drafters[arm] = d.eval().requires_grad_(False)
+        drafters[spec] = d.eval().requires_grad_(False)
     return trunk, drafters
 
 
@@ -54,12 +54,12 @@ def _engine(tiny, **kw):
     return Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, demote_probe_rounds=0, **kw)
 
 
-@pytest.mark.parametrize("arm", schema.DFLASH_ARMS)
-def test_greedy_dflash_equals_plain_fp32(tiny, arm):
+@pytest.mark.parametrize("spec", schema.DFLASH_SPECS)
+def test_greedy_dflash_equals_plain_fp32(tiny, spec):
     eng = _engine(tiny, burst_rounds=2)
     for seed in range(3):
         ids = torch.randint(4, 512, (20 + 7 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        a = eng.generate(ids, 40, spec=arm)
+        a = eng.generate(ids, 40, spec=spec)
         b = eng.generate(ids, 40, spec="off")
         assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 40
         assert a["drafted"] == 4 * a["rounds"] and b["drafted"] == 0  # block 5: 4 drafts a round
@@ -80,7 +80,7 @@ def test_dflash_ingest_is_deferred_to_round_one(tiny):
     assert stage.covered_rows(1) == len(ids) + len(first_round.tokens) == len(s.committed) - len(got[2][0].tokens)
     while 1 in eng.sched.turns:
         eng.sched.burst()
-    assert stage.states[1].arm == "dflash2"
+    assert stage.states[1].spec == "dflash2"
     eng.sched.close(1)
     eng.sched.burst()
     assert 1 not in stage.states
@@ -108,7 +108,7 @@ def test_dflash_proxy_equals_stage(tiny):
         proxy.draft([DraftRequest(1, torch.zeros(0), [5], 9, feats[:1], "dflash")])
 
 
-def test_arms_without_a_drafter_are_refused(tiny):
+def test_specs_without_a_drafter_are_refused(tiny):
     trunk, _ = tiny
     eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256)
     errs = []
@@ -227,19 +227,19 @@ def test_selector_walk_equals_its_reference(tiny):
     assert True in paths  # the pair scores change the path (not just the per-position argmax)
 
 
-def test_default_arm_falls_back_without_its_drafter(tiny):
+def test_default_spec_falls_back_without_its_drafter(tiny):
     trunk, _ = tiny
     assert schema.DEFAULTS.spec == schema.OFF  # the fastest measured on the CPU (README, Serving)
-    assert _engine(tiny).sched.default_arm() == schema.OFF
-    assert _engine(tiny, spec=schema.DFLASH2).sched.default_arm() == schema.DFLASH2
+    assert _engine(tiny).sched.default_spec() == schema.OFF
+    assert _engine(tiny, spec=schema.DFLASH2).sched.default_spec() == schema.DFLASH2
     eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256, spec=schema.DFLASH2)
-    assert eng.sched.default_arm() == schema.MTP
-    out = eng.generate(list(range(5, 25)), 8)  # no SPEC: the fallback arm, not an error
+    assert eng.sched.default_spec() == schema.MTP
+    out = eng.generate(list(range(5, 25)), 8)  # no SPEC: the fallback spec, not an error
     assert len(out["token_ids"]) == 8 and out["drafted"] > 0
 
 
 def test_sessions_draft_together_as_alone(tiny):
-    """One block forward over several sequences (same arm and block size; another block size beside
+    """One block forward over several sequences (same spec and block size; another block size beside
     them) gives each the drafts it gets alone, bit for bit, over two rounds."""
     trunk, drafters = tiny
     g = torch.Generator().manual_seed(5)
@@ -256,9 +256,9 @@ def test_sessions_draft_together_as_alone(tiny):
                 [int(t) for t in torch.randint(4, 512, (n,), generator=g)],
                 k,
                 torch.randn(n, 128, generator=g),
-                arm,
+                spec,
             )
-            for s, n, k, arm in (
+            for s, n, k, spec in (
                 (1, 9 - rnd, 4, "dflash2"),
                 (2, 3, 4, "dflash2"),
                 (3, 5, 2, "dflash2"),

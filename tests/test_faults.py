@@ -101,7 +101,7 @@ def _front(
     **cfg,
 ):
     """A front with the trunk in its process and the ``mtp`` drafter over ``tr``, warmed up by one turn
-    of each arm (a first call compiles kernels) before its stage deadline is lowered to ``stage_timeout_s``.
+    of each spec (a first call compiles kernels) before its stage deadline is lowered to ``stage_timeout_s``.
     With ``restarts``, a restart of a model is recorded there and takes 0.3 s (or, with ``back``, until it
     is set), after which the model answers again."""
     w = fr.WatchedTransport(tr, 30.0)

@@ -31,26 +31,9 @@ from tandem import schema  # noqa: E402
 from tandem.launch.observe import process_rss, scrape, stub_pid, tandem_metrics  # noqa: E402
 from tandem_client.client import TandemClientError, generate, new_sequence_id, stage_health  # noqa: E402
 
-from conftest import CHECKPOINT, long_turn_prompt  # noqa: E402
+from conftest import CHECKPOINT, LIMITS, STAGE_TIMEOUT_S, long_turn_prompt  # noqa: E402
 
 pytestmark = pytest.mark.integration
-LIMITS = {
-    "TANDEM_IDLE_TIMEOUT_S": "3",
-    "TANDEM_MAX_SESSIONS": "16",
-    "TANDEM_ADMISSION_WAIT_S": "1",
-}
-#: ``srv_off``'s stage deadline: above the 1-2 s the Python backend takes to answer "not healthy" for a dead
-#: or stopped drafter process (it waits a second for the stub's heartbeat), so such a drafter is seen dead
-#: (its sessions go on plain) rather than late (its turns fail)
-STAGE_TIMEOUT_S = 3.0
-#: ``srv_off``: the drafter models loaded and called over BLS; demotion off, so an MTP session drafts
-#: (calls ``drafter_mtp``) every round of its turn
-OFF = {
-    **LIMITS,
-    "TANDEM_COLOCATE": "false",
-    "TANDEM_STAGE_TIMEOUT_S": f"{STAGE_TIMEOUT_S:g}",
-    "TANDEM_DEMOTE_BELOW": "0",
-}
 DRAFTER_MODELS = (schema.DRAFTER_MTP.name, schema.DRAFTER_DFLASH.name)
 PROMPT = [9, 120, 431, 77, 1500, 32, 8, 640, 91, 12]
 
@@ -72,10 +55,11 @@ def srv():
     yield from _server(LIMITS)
 
 
-@pytest.fixture(scope="module")
-def srv_off():
-    """``colocate`` off: the drafter models loaded, called over BLS under ``STAGE_TIMEOUT_S``."""
-    yield from _server(OFF)
+@pytest.fixture
+def srv_off(drafter_server):
+    """``colocate`` off: the shared ``drafter_server``, the drafter models called over BLS under
+    ``STAGE_TIMEOUT_S``."""
+    return drafter_server
 
 
 def state(srv) -> dict[str, float]:
@@ -171,7 +155,7 @@ class Stream:
 
 def test_the_default_shape_serves_no_drafter_model(srv):
     """With ``colocate`` on (the default) the drafters run in the ``tandem`` model's process: ``tandem health``
-    lists only the models loaded, all ready; no drafter model exports gauges; every arm drafts."""
+    lists only the models loaded, all ready; no drafter model exports gauges; every spec drafts."""
     assert stage_health(srv.grpc_url) == dict.fromkeys(
         ("tandem", "preprocessing", "postprocessing", "ensemble"), "READY"
     )
@@ -321,7 +305,7 @@ def test_idle_clock_counts_from_the_end_of_the_turn(srv):
     turn of the same session; after idling past it, the session is gone."""
     sid = new_sequence_id()  # the long turn is sized by this machine's rate (a fixed 1,000 tokens took 2.8 s in CI)
     prompt = list(long_turn_prompt(3000))  # its greedy continuation does not stop within 3,000 tokens
-    # MTP, the slowest arm here (plain decoding runs ~1,000 tokens/s: 2,800 tokens would not last 3 s), gives
+    # MTP, the slowest spec here (plain decoding runs ~1,000 tokens/s: 2,800 tokens would not last 3 s), gives
     # plain decoding's tokens
     rate = generate(prompt, max_tokens=200, url=srv.grpc_url, sequence_id=sid, spec="mtp", sequence_end=False)
     n = min(2800, int(6.0 * rate["tokens_per_s"]))
@@ -370,7 +354,7 @@ def test_a_full_server_says_no_free_session(srv):
 
 
 def _session(url, i: int, rng: random.Random) -> str:
-    """One short session of the leak mix: mixed arms, 1-2 turns, every 5th cancelled mid-turn, every 7th refused."""
+    """One short session of the leak mix: mixed specs, 1-2 turns, every 5th cancelled mid-turn, every 7th refused."""
     spec = ("mtp", "dflash2", "dflash", "off")[i % 4]
     sid = new_sequence_id()
     if i % 7 == 3:  # refused: out-of-vocabulary token
@@ -396,7 +380,7 @@ def _session(url, i: int, rng: random.Random) -> str:
 
 
 def test_a_thousand_sessions_leak_nothing(srv):
-    """1,000 short sessions (mixed arms, some cancelled, some refused) from 8 clients leave every
+    """1,000 short sessions (mixed specs, some cancelled, some refused) from 8 clients leave every
     state gauge at baseline and each process's RSS within 5% of its value after a warm-up of 200."""
 
     def run(lo, hi):
@@ -510,7 +494,7 @@ SHORT_PROMPTS = [
 
 
 def _short_cycle(url, i: int, rng: random.Random) -> None:
-    """One cycle of the short-turn mix: every arm with max_tokens 1, a turn ended by a stop string, a turn
+    """One cycle of the short-turn mix: every spec with max_tokens 1, a turn ended by a stop string, a turn
     cancelled during its prefill, and a sequence whose later turn sends no tokens."""
     for spec in schema.SPECS:
         generate(rng.choice(SHORT_PROMPTS), max_tokens=1, url=url, spec=spec)
@@ -526,7 +510,7 @@ def _short_cycle(url, i: int, rng: random.Random) -> None:
 
 
 def test_short_turns_of_every_kind_leak_nothing(srv):
-    """200 cycles of short turns (every arm at max_tokens 1, stop strings, cancels during prefill, empty
+    """200 cycles of short turns (every spec at max_tokens 1, stop strings, cancels during prefill, empty
     later turns; 4 clients) leave every state gauge at baseline and each process's RSS within 5% of its
     value after a warm-up of 40 cycles."""
 

@@ -63,8 +63,8 @@ def calls(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("arm,sampled,n", [("dflash2", False, 16), ("mtp", True, 10)])
-def test_speculative_decoding_on_kernels_equals_torch(trunk_fp32, tokenizer, sharegpt_prompts, calls, arm, sampled, n):
+@pytest.mark.parametrize("spec,sampled,n", [("dflash2", False, 16), ("mtp", True, 10)])
+def test_speculative_decoding_on_kernels_equals_torch(trunk_fp32, tokenizer, sharegpt_prompts, calls, spec, sampled, n):
     """Greedy DFlash2 and sampled (rejection, seeded) MTP; the interpreter costs seconds a round."""
     if not dispatch.interpreted():
         pytest.skip("the in-process engine holds CPU tensors: forcing the kernels on them needs TRITON_INTERPRET=1")
@@ -73,16 +73,16 @@ def test_speculative_decoding_on_kernels_equals_torch(trunk_fp32, tokenizer, sha
     ids = tokenizer.chat_prompt(sharegpt_prompts[14])
     assert 64 < len(ids) <= 96, len(ids)
     kw = dict(temperature=0.8, seed=11) if sampled else {}
-    ref = _engine(trunk_fp32, tokenizer, REFERENCE).generate(ids, n, spec=arm, **kw)
+    ref = _engine(trunk_fp32, tokenizer, REFERENCE).generate(ids, n, spec=spec, **kw)
     assert not calls
-    got = _engine(trunk_fp32, tokenizer, KernelSettings(backend="triton")).generate(ids, n, spec=arm, **kw)
+    got = _engine(trunk_fp32, tokenizer, KernelSettings(backend="triton")).generate(ids, n, spec=spec, **kw)
     _engine(trunk_fp32, tokenizer)  # the shared trunk back on the default settings
     assert got["error"] is None and ref["error"] is None
     assert got["token_ids"] == ref["token_ids"] and len(got["token_ids"]) == n
     assert got["accepted"] == ref["accepted"] and got["accepted"] > 0 and got["rounds"] == ref["rounds"] >= 3
     hooked = {k.split(".")[0] for k, n in calls.items() if n > 0}
     want = {"sampler", "kda_verify", "dsa_indexer", "mla_attention"} | (
-        {"block_attention"} if arm == "dflash2" else set()
+        {"block_attention"} if spec == "dflash2" else set()
     )
     assert hooked >= want, calls
 

@@ -396,7 +396,7 @@ def test_security_defaults():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 assert "pickle" not in names, path
-    for t in schema.TANDEM.inputs:  # the public model: numbers, token ids, an arm and a sampling mode
+    for t in schema.TANDEM.inputs:  # the public model: numbers, token ids, a spec and a sampling mode
         assert not any(w in t.name for w in ("PATH", "FILE", "DIR", "CHECKPOINT")), t.name
     assert schema.TANDEM.input(schema.MAX_TOKENS).hi == schema.DEFAULTS.max_ctx
 

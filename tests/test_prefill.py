@@ -1,5 +1,5 @@
 """Chunked prefill under ``prefill_budget``: a long prompt primed in pieces gives the same greedy
-output as one prime on every arm (with and without the prefix cache); a session already streaming gets
+output as one prime on every spec (with and without the prefix cache); a session already streaming gets
 bursts while long prompts are primed; a burst primes at most the budget however many prompts wait, and a
 short prompt is not held behind long ones."""
 

@@ -107,27 +107,27 @@ def test_a_collision_is_a_counted_miss_and_never_published():
     assert idx.stats["collisions"] == 3 and idx.reserve(salted, "off").chain == []
 
 
-@pytest.mark.parametrize("arm", ["dflash", "off"])
-def test_forced_collision_is_served_cold(tiny, arm):  # noqa: F811
+@pytest.mark.parametrize("spec", ["dflash", "off"])
+def test_forced_collision_is_served_cold(tiny, spec):  # noqa: F811
     """Every key equal (a degenerate hasher): prompts whose keys collide are told apart by their tokens,
     each is served what a cold prime computes, and the published state of the first stays in place."""
     eng = _engine(tiny, burst_rounds=2)
     eng.sched.prefix = PrefixIndex(eng.sched.prefix.capacity, hasher=_Constant())
     p, q, r = _ids(2 * C + 30, 51), _ids(2 * C + 30, 52), _ids(2 * C + 30, 53)
     plain = _engine(tiny, burst_rounds=2, prefix_cache_mb=0).sched
-    ref = {sid: _run(plain, sid, ids, 30, arm)[0] for sid, ids in ((1, p), (2, q), (3, r))}
-    assert _run(eng.sched, 1, p, 30, arm)[0] == ref[1]
+    ref = {sid: _run(plain, sid, ids, 30, spec)[0] for sid, ids in ((1, p), (2, q), (3, r))}
+    assert _run(eng.sched, 1, p, 30, spec)[0] == ref[1]
     st = eng.sched.prefix.stats
     assert st["blocks"] == 1 and len(eng.trunk.blocks) == 1  # block 1 shares block 0's key: not published
     ((key, held),) = eng.trunk.blocks.items()
     before = {i: {n: t.clone() for n, t in d.items()} for i, d in held.mla.items()}
-    assert _run(eng.sched, 2, q, 30, arm)[0] == ref[2]  # a colliding prompt: a counted miss, served cold
+    assert _run(eng.sched, 2, q, 30, spec)[0] == ref[2]  # a colliding prompt: a counted miss, served cold
     assert st["collisions"] == 1 and st["hits"] == 0 and st["misses"] == 2 and st["rows_skipped"] == 0
-    got = _run_many(eng.sched, [(4, q, 30, arm), (5, r, 30, arm)])  # two colliders published in one burst
+    got = _run_many(eng.sched, [(4, q, 30, spec), (5, r, 30, spec)])  # two colliders published in one burst
     assert got == {4: ref[2], 5: ref[3]} and st["collisions"] == 3
     assert list(eng.trunk.blocks) == [key] and eng.trunk.blocks[key] is held  # p's block was never overwritten
     assert all(torch.equal(t, before[i][n]) for i, d in held.mla.items() for n, t in d.items())
-    assert _run(eng.sched, 6, p, 30, arm)[0] == ref[1]  # p still hits its own block
+    assert _run(eng.sched, 6, p, 30, spec)[0] == ref[1]  # p still hits its own block
     assert st["hits"] == 1 and st["rows_skipped"] == C
 
 
@@ -159,17 +159,17 @@ def test_a_later_turn_keeps_the_salt_of_the_prime(tiny):  # noqa: F811
     assert eng.generate(ids, 4, spec="off", cache_salt="a")["finish_reason"] and sched.prefix.stats["hits"] == 1
 
 
-@pytest.mark.parametrize("arm", ["dflash", "dflash2", "off"])
-def test_same_prompt_twice_warm_equals_cold(tiny, arm):  # noqa: F811
+@pytest.mark.parametrize("spec", ["dflash", "dflash2", "off"])
+def test_same_prompt_twice_warm_equals_cold(tiny, spec):  # noqa: F811
     eng = _engine(tiny, burst_rounds=2)
     ids = _ids(2 * C + 30, 5)
-    cold, _ = _run(eng.sched, 1, ids, 40, arm)
+    cold, _ = _run(eng.sched, 1, ids, 40, spec)
     st = eng.sched.prefix.stats
     assert st["misses"] == 1 and st["hits"] == 0 and st["blocks"] == 2
-    warm, _ = _run(eng.sched, 2, ids, 40, arm)
+    warm, _ = _run(eng.sched, 2, ids, 40, spec)
     assert warm == cold and len(cold) == 40
     assert st["hits"] == 1 and st["rows_skipped"] == 2 * C
-    fresh, _ = _run(_engine(tiny, burst_rounds=2).sched, 3, ids, 40, arm)
+    fresh, _ = _run(_engine(tiny, burst_rounds=2).sched, 3, ids, 40, spec)
     assert fresh == cold
 
 
@@ -200,7 +200,7 @@ def test_prefix_members_follow_the_contract(tiny):  # noqa: F811
     assert s.export_draft_tail(len(s.committed) + 1) is None  # more rows than the drafter covers
     cap = s.take_prefix_capture()
     assert cap.keys == sched.prefix.keys(ids, 1) and s.take_prefix_capture() is None and not s.prefix_capture_ready()
-    # the native MTP arm keeps no capture and exports no tail
+    # the native MTP spec keeps no capture and exports no tail
     sched.admit([Turn(2, ids, 12, lambda r, e, f: got.append(e), spec="mtp", end=False)])
     m = sched.sessions[2]
     sched.burst()
@@ -260,7 +260,7 @@ def test_lru_eviction_keeps_the_stores_in_step(tiny):  # noqa: F811
     assert st["hits"] == 0 and st["misses"] == 5
 
 
-def test_index_lookup_needs_the_arms_tail():
+def test_index_lookup_needs_the_specs_tail():
     idx = PrefixIndex(1 << 20)
     cap = idx.capture(_ids(3 * C + 1, 1))
     two = idx.capture(_ids(3 * C + 1, 1)[: 2 * C + 1])
@@ -287,7 +287,7 @@ def test_warm_start_with_the_drafter_over_the_wire_equals_cold(tiny):  # noqa: F
     ref = _engine(tiny, burst_rounds=2)
     tr = fr.LocalTransport({"drafter_dflash": ref.drafters["dflash"]})
     stage = ref.drafters["dflash"]
-    sched = Scheduler(ref.trunk, {a: fr.DFlashProxy(tr) for a in schema.DFLASH_ARMS}, ref.config, stop_ids=())
+    sched = Scheduler(ref.trunk, {a: fr.DFlashProxy(tr) for a in schema.DFLASH_SPECS}, ref.config, stop_ids=())
     ids = _ids(C + 50, 31)
     cold, _ = _run(sched, 1, ids, 30, "dflash")
     warm, _ = _run(sched, 2, ids, 30, "dflash")

@@ -1,6 +1,6 @@
 """The README's examples, run as written against a real server with the default configuration: each
 command and Python block must print what the README shows (the ready check, `tandem generate` with
-the default arm and with `--spec dflash`, curl to the ensemble's generate endpoint, the Python client
+the default spec and with `--spec dflash`, curl to the ensemble's generate endpoint, the Python client
 and the stock-tritonclient example). Ports are the test server's; tokens/s is the one figure masked."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _cli_examples() -> list[str]:
     return [b for b in _blocks("bash") if b.startswith(".venv/bin/tandem generate") and len(b.splitlines()) == 3]
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["default-arm", "dflash"])
+@pytest.mark.parametrize("which", [0, 1], ids=["default-spec", "dflash"])
 def test_cli_generate(server, which):
     """`tandem generate`: the text and the stats line the README shows (tokens/s aside)."""
     examples = _cli_examples()
@@ -105,7 +105,7 @@ def test_curl_generate(server):
     """curl to the ensemble's generate endpoint answers the README's JSON, field for field."""
     cmd, out = _shell_example("/v2/models/ensemble/generate")
     want = json.loads(out[0])
-    assert want["accepted"] == 0 and want["drafted"] == 0 and want["finish_reason"] == "length"  # the default arm: off
+    assert want["accepted"] == 0 and want["drafted"] == 0 and want["finish_reason"] == "length"  # the default spec: off
     url_re = re.compile(r"127\.0\.0\.1:8000(/\S*)")
     path = url_re.search(cmd).group(1)
     if shutil.which("curl"):

@@ -74,7 +74,7 @@ def test_stub_stacks_dump_to_the_log_and_the_models_stay_ready(server):
 
 @pytest.mark.parametrize("spec", ["mtp", "off", "dflash", "dflash2"])
 def test_stream_equals_engine(server, engine, spec):
-    if spec in schema.DFLASH_ARMS and spec not in engine.drafters:
+    if spec in schema.DFLASH_SPECS and spec not in engine.drafters:
         pytest.fail(f"the checkpoint {CKPT} has no {spec} drafter (`make drafter`)")
     prompt = engine.tokenizer.chat_prompt("Write a short poem about the sea.")
     ref = engine.generate(prompt, max_tokens=40, spec=spec)
@@ -94,7 +94,7 @@ def test_stream_equals_engine(server, engine, spec):
 
 @pytest.mark.parametrize("spec", ["dflash", "dflash2"])
 def test_served_dflash_equals_plain_decoding(server, engine, spec):
-    """In fp32 (the serving default on the CPU) the DFlash arms stream exactly plain greedy decoding."""
+    """In fp32 (the serving default on the CPU) the DFlash specs stream exactly plain greedy decoding."""
     assert parse_dtype(schema.DEFAULTS.dtype, resolve_device(schema.DEFAULTS.device)) == torch.float32
     for text in ("Explain what a hash table is.", "def fibonacci(n):"):
         prompt = engine.tokenizer.chat_prompt(text)
@@ -112,14 +112,14 @@ def test_served_prefix_cache_warm_equals_cold(server, engine):
     a = engine.tokenizer.chat_prompt("What is a binary search tree?", system=SYSTEM)
     b = engine.tokenizer.chat_prompt("How do I reverse a list in Python?", system=SYSTEM)
     assert len(a) > 2 * schema.PREFIX_BLOCK
-    arm = next(x for x in schema.DFLASH_ARMS if x in engine.drafters)
+    spec = next(x for x in schema.DFLASH_SPECS if x in engine.drafters)
     cold = {}
     for k, p in (("a", a), ("b", b)):
         engine.reset_prefix_cache()
-        cold[k] = engine.generate(p, max_tokens=24, spec=arm)["token_ids"]
-    first = generate(a, max_tokens=24, url=server.grpc_url, spec=arm)
-    again = generate(a, max_tokens=24, url=server.grpc_url, spec=arm)
-    shared = generate(b, max_tokens=24, url=server.grpc_url, spec=arm)
+        cold[k] = engine.generate(p, max_tokens=24, spec=spec)["token_ids"]
+    first = generate(a, max_tokens=24, url=server.grpc_url, spec=spec)
+    again = generate(a, max_tokens=24, url=server.grpc_url, spec=spec)
+    shared = generate(b, max_tokens=24, url=server.grpc_url, spec=spec)
     assert first["token_ids"] == again["token_ids"] == cold["a"]
     assert shared["token_ids"] == cold["b"]
 
@@ -216,7 +216,7 @@ def test_cli_generate_json(server, engine):
     p = _cli("generate", "Hello", "--max-tokens", "12", "--url", server.grpc_url, "--json", "--checkpoint", str(CKPT))
     assert p.returncode == 0, p.stderr
     obj = json.loads(p.stdout)
-    assert engine.sched.default_arm() == schema.DEFAULTS.spec  # the CLI sends no SPEC: the server's default
+    assert engine.sched.default_spec() == schema.DEFAULTS.spec  # the CLI sends no SPEC: the server's default
     ref = engine.generate(engine.tokenizer.chat_prompt("Hello"), max_tokens=12)
     assert obj["token_ids"] == ref["token_ids"]
     assert obj["text"] == engine.tokenizer.decode(ref["token_ids"])
@@ -329,7 +329,7 @@ def test_seeded_sampling_is_reproducible_served(server, engine):
     one_round = Engine(
         model=engine.model,
         tokenizer=engine.tokenizer,
-        dflash={a: engine.drafters[a].drafters[a] for a in schema.DFLASH_ARMS if a in engine.drafters},
+        dflash={a: engine.drafters[a].drafters[a] for a in schema.DFLASH_SPECS if a in engine.drafters},
         burst_rounds=1,
     )
     assert one_round.generate(prompt, 32, temperature=0.8, seed=7)["token_ids"] == alone
@@ -359,7 +359,7 @@ def test_mixed_greedy_and_sampled_batch(server, engine):
 
 
 def test_coupled_speculation_equals_plain_sampling_served(server, engine):
-    """`--sampling coupled` with speculation (the default arm, and MTP) equals `--spec off` with the
+    """`--sampling coupled` with speculation (the default spec, and MTP) equals `--spec off` with the
     same seed, token for token, for 20 prompts at temperature 0.8."""
     from tandem.tools.data import sharegpt_prompts
 

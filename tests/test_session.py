@@ -12,7 +12,7 @@ from tandem.engine.scheduler import Turn
 
 @pytest.fixture(scope="module")
 def engine(trunk_fp32, tokenizer):
-    """MTP with 3 drafts, 2 rounds a burst, demotion off (these tests measure the arm itself;
+    """MTP with 3 drafts, 2 rounds a burst, demotion off (these tests measure the spec itself;
     tests/test_demotion.py covers demotion)."""
     return Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=2, demote_probe_rounds=0)
 
@@ -184,7 +184,7 @@ def test_forced_context_finish(trunk_fp32, tokenizer):
 
 @pytest.mark.parametrize("spec", ["mtp", "off"])
 def test_session_contract_members(engine, tokenizer, spec):
-    """Each session-contract member's documented behaviour on the arms that exist."""
+    """Each session-contract member's documented behaviour on the specs that exist."""
     sched = engine.sched
     sid = 9300
     sched.admit(
@@ -200,7 +200,7 @@ def test_session_contract_members(engine, tokenizer, spec):
     assert s.rounds > 0 and s.mean_acceptance_length() == pytest.approx(1 + s.accepted / s.rounds)
     assert (s.accepted > 0) == (spec == "mtp")
     assert s.finish_reason == "length" and not s.finished()
-    # no arm that exists keeps a prefix capture or a block drafter's KV tail
+    # no spec that exists keeps a prefix capture or a block drafter's KV tail
     assert s.take_prefix_capture() is None and not s.prefix_capture_ready()
     assert s.export_draft_tail(s.pos()) is None and s.export_draft_tail(1) is None
     assert s.demote_eligible()
@@ -323,7 +323,7 @@ def test_context_capacity_holds_when_every_draft_is_accepted(engine, tokenizer, 
 
 
 def test_later_turn_changes_num_draft_tokens(engine, tokenizer):
-    """NUM_DRAFT_TOKENS on a later turn applies to that turn (the arm stays)."""
+    """NUM_DRAFT_TOKENS on a later turn applies to that turn (the spec stays)."""
     sched = engine.sched
     got = []
     emit = lambda r, e, f: got.append((r, e, f))  # noqa: E731

@@ -57,7 +57,7 @@ def _stream_inputs(text: str, max_tokens: int) -> list:
 
 @pytest.fixture(scope="module")
 def cli_reply(server):
-    """`tandem generate --json` for PROMPT (the server's default arm, greedy)."""
+    """`tandem generate --json` for PROMPT (the server's default spec, greedy)."""
     from typer.testing import CliRunner
 
     from tandem_client.cli import app

@@ -1,4 +1,4 @@
-"""The engine core's warm-up turns (tandem.serving.warmup): every arm, greedy and sampled, on the stages the
+"""The engine core's warm-up turns (tandem.serving.warmup): every spec, greedy and sampled, on the stages the
 ``tandem`` model serves with; nothing left behind; stages that cannot serve fail the load."""
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ class _Spy:
 
 
 def _stages(eng, max_ctx: int | None = None):
-    dflash = {a: st.drafters[a] for a, st in eng.drafters.items() if a in schema.DFLASH_ARMS}
+    dflash = {a: st.drafters[a] for a, st in eng.drafters.items() if a in schema.DFLASH_SPECS}
     trunk = TrunkStage(eng.model, max_ctx or eng.config.max_ctx, eng.trunk.feature_layers, eng.config.batch_invariant)
     return trunk, drafter_stages(eng.model, dflash, eng.config.max_num_draft_tokens)
 
 
-def test_every_arm_warms_and_leaves_nothing(shipped, tokenizer, sharegpt_prompts):
-    """A greedy and a sampled turn per arm, each a prime, rounds and a close; afterwards no sequence, cache
+def test_every_spec_warms_and_leaves_nothing(shipped, tokenizer, sharegpt_prompts):
+    """A greedy and a sampled turn per spec, each a prime, rounds and a close; afterwards no sequence, cache
     or drafter state is left, nothing is published, and a client's turn on the same stages equals the
     in-process engine's."""
     from tandem.engine.scheduler import Scheduler
@@ -47,8 +47,8 @@ def test_every_arm_warms_and_leaves_nothing(shipped, tokenizer, sharegpt_prompts
     trunk, drafters = _stages(shipped)
     spy = _Spy(trunk)
     took = warm_stages(spy, drafters, shipped.config)
-    arms = (schema.OFF, schema.DFLASH, schema.DFLASH2, schema.MTP)
-    assert list(took) == [a + s for a in arms for s in ("", "+sampled")] and all(t > 0 for t in took.values())
+    specs = (schema.OFF, schema.DFLASH, schema.DFLASH2, schema.MTP)
+    assert list(took) == [a + s for a in specs for s in ("", "+sampled")] and all(t > 0 for t in took.values())
     assert spy.calls.count("prime") == 8 and {"verify", "close"} <= set(spy.calls)
     assert not trunk.states and not trunk.blocks
     assert all(not st.states for st in {id(d): d for d in drafters.values()}.values())
@@ -82,7 +82,7 @@ def test_warm_up_keeps_within_the_stages_context(shipped, max_ctx):
 
 
 def test_stages_that_cannot_serve_fail_the_warm_up(shipped):
-    """A trunk whose prime, or whose verify, fails: the warm-up raises, naming the arm and the error (the
+    """A trunk whose prime, or whose verify, fails: the warm-up raises, naming the spec and the error (the
     model then fails to load with that message instead of failing clients' turns)."""
     trunk, drafters = _stages(shipped)
     with pytest.raises(RuntimeError, match=r"warm-up turn \(off\) failed: .*prime refused for the test"):

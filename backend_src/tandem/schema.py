@@ -46,7 +46,7 @@ PREFIX_BLOCK = 64
 class ServingConfig:
     """Serving defaults and limits (each written once; config.pbtxt ``parameters`` carry the same values, checked by a
     test). ``num_draft_tokens``: drafts per verify round (MTP) when a request does not say; ``max_num_draft_tokens``:
-    the most a request may ask for; ``block_size``: the DFlash block (anchor + drafts; the DFlash arms draft
+    the most a request may ask for; ``block_size``: the DFlash block (anchor + drafts; the DFlash specs draft
     ``block_size - 1`` tokens unless a request asks for fewer); ``burst_rounds``: verify rounds per streamed response
     at most; ``burst_ms``: a burst also ends at the first round boundary after this many ms of rounds (0: by rounds
     only); ``max_ctx``: tokens per session (prompt + generated, all turns), also the ``MAX_TOKENS`` limit;
@@ -57,7 +57,7 @@ class ServingConfig:
     waiting, shortest first (vLLM's ``max_num_batched_tokens`` for prefill; :mod:`tandem.engine.prefill`), so streams
     keep getting bursts and short prompts are not held behind long ones; a prompt beyond it is primed in pieces (cut
     anywhere under CPU ``batch_invariant``, where rows are bit-identical for any pieces; otherwise, with the prefix
-    cache on, at multiples of ``PREFIX_BLOCK``); 0: every prompt whole at its admission; ``spec``: the default arm (the fastest measured; without its drafter:
+    cache on, at multiples of ``PREFIX_BLOCK``); 0: every prompt whole at its admission; ``spec``: the default spec (the fastest measured; without its drafter:
     ``mtp``, then ``off``); ``checkpoint``: weights folder relative to the model repository; ``dtype``: compute dtype
     of the stage models (:data:`DTYPES`; ``auto``: fp32 on the CPU with bf16 GEMM inputs, both measured faster, bf16
     on CUDA; ``fp32``: fp32 GEMM inputs too); ``device``: where the stage models hold their weights and run (``auto``:
@@ -185,9 +185,9 @@ class ServingConfig:
         return cls(**kw)
 
 
-MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"  # arms: native MTP, DFlash, DFlash2, plain
+MTP, DFLASH, DFLASH2, OFF = "mtp", "dflash", "dflash2", "off"  # specs: native MTP, DFlash, DFlash2, plain
 SPECS = (MTP, DFLASH, DFLASH2, OFF)
-DFLASH_ARMS = (DFLASH, DFLASH2)  # the arms served by the ``drafter_dflash`` model
+DFLASH_SPECS = (DFLASH, DFLASH2)  # the specs served by the ``drafter_dflash`` model
 DTYPES = ("auto", "bf16", "fp32")  # auto: fp32 on the CPU, bf16 on CUDA
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DEVICE
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
@@ -321,7 +321,7 @@ TANDEM = ModelWire(
             "TYPE_STRING",
             (1,),
             optional=True,
-            doc=" | ".join(SPECS) + f" (default {DEFAULTS.spec}; later turns keep the sequence's arm)",
+            doc=" | ".join(SPECS) + f" (default {DEFAULTS.spec}; later turns keep the sequence's spec)",
         ),
         TensorWire(
             NUM_DRAFT_TOKENS,
@@ -536,7 +536,7 @@ DRAFTER_DFLASH = ModelWire(
         _LENGTHS,
         TensorWire("ANCHORS", "TYPE_INT64", (-1,), optional=True, doc="the anchor token per sequence"),
         dataclasses.replace(_NUM_DRAFTS, doc="drafts per sequence (block size - 1 at most)"),
-        TensorWire(SPEC, "TYPE_STRING", (-1,), optional=True, doc="arm per sequence: " + " | ".join(DFLASH_ARMS)),
+        TensorWire(SPEC, "TYPE_STRING", (-1,), optional=True, doc="spec per sequence: " + " | ".join(DFLASH_SPECS)),
         _PREFIX_KEYS,
         _PREFIX_LENGTHS,
     ),

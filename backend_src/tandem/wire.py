@@ -79,7 +79,7 @@ class ModelWire:
         return tuple(t.name for t in self.outputs)
 
 
-#: bytes per element of a ``TYPE_STRING`` input whose spec names no ``max_bytes`` (an arm, a mode, a key)
+#: bytes per element of a ``TYPE_STRING`` input whose spec names no ``max_bytes`` (a spec, a mode, a key)
 MAX_STRING_BYTES = 256
 
 

@@ -48,7 +48,7 @@ def spec_flag(spec: str | None) -> str | None:
 
 def check_flags(max_tokens: int, spec: str | None, num_draft_tokens: int | None, sampling: dict) -> None:
     """Raise ``ValueError`` naming the flag for values the server would refuse: ranges from :data:`tandem.schema.TANDEM`, ``-k`` with ``--spec off``,
-    an unknown arm or sampling mode (``spec`` as :func:`spec_flag` gives it)."""
+    an unknown spec or sampling mode (``spec`` as :func:`spec_flag` gives it)."""
     if spec is not None and spec not in schema.SPECS:
         raise ValueError(f"--spec must be one of {schema.SPECS}, got {spec!r}")
     if num_draft_tokens is not None and spec == schema.OFF:
@@ -65,7 +65,7 @@ def check_flags(max_tokens: int, spec: str | None, num_draft_tokens: int | None,
         if v is None:
             continue
         spec_t = schema.TANDEM.input(name)
-        hi = schema.DEFAULTS.block_size - 1 if name == schema.NUM_DRAFT_TOKENS and spec in schema.DFLASH_ARMS else None
+        hi = schema.DEFAULTS.block_size - 1 if name == schema.NUM_DRAFT_TOKENS and spec in schema.DFLASH_SPECS else None
         try:
             schema.check_range(spec_t, v, hi=hi)
         except schema.WireError as e:

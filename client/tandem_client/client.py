@@ -201,7 +201,7 @@ def generate(
 
     Args: ``prompt_ids`` — token ids (e.g. ``ChatTokenizer.chat_prompt``); ``max_tokens`` ≥ 1;
     ``url`` — ``host:port`` of Triton's gRPC endpoint; ``spec`` — one of :data:`tandem.schema.SPECS`
-    (None: not sent, so the server's default arm for a new sequence, the sequence's arm for a later turn);
+    (None: not sent, so the server's default spec for a new sequence, the sequence's spec for a later turn);
     ``num_draft_tokens`` — drafts per round (server default when None); ``on_tokens(ids)`` — called
     on the stream's thread for each burst's new ids; ``timeout_s`` — limit between responses;
     ``sampling`` — the turn's sampling inputs by wire name (``{"TEMPERATURE": 0.8, "SEED": 7, ...}``,

@@ -25,7 +25,7 @@ class Admission:
     """Validation, the waiting turns, admission by count and by bytes, and a turn's session and prime.
 
     Args: ``config`` — limits and defaults; ``table`` — the sessions and running turns; ``stages`` —
-    the trunk (its vocabulary, its availability) and the drafters by arm; ``publisher`` — a new
+    the trunk (its vocabulary, its availability) and the drafters by spec; ``publisher`` — a new
     prompt's prefix lookup; ``stats`` — the engine core's counters (this class counts
     ``sessions_refused_full`` and ``sessions_refused_memory``); ``stop_ids`` — tokens that end every
     turn; ``decode`` — ``list[int] -> str`` for stop strings (None: refused); ``state_size`` — the
@@ -75,15 +75,15 @@ class Admission:
             return f"{self.stages.name(trunk)} is restarting (its process stopped); retry in a few seconds"
         if t.spec is not None and t.spec not in schema.SPECS:
             return f"{schema.SPEC} must be one of {schema.SPECS}, got {t.spec!r}"
-        arm = self.arm(t)
-        if arm != schema.OFF and arm not in self.stages.drafters:
-            model = schema.DRAFTER_MTP.name if arm == schema.MTP else schema.DRAFTER_DFLASH.name
-            return f"{schema.SPEC} {arm!r} needs the {model} model with a {arm} drafter, which is not loaded" + (
-                " (the checkpoint has none: `make drafter` trains it)" if arm in schema.DFLASH_ARMS else ""
+        spec = self.spec(t)
+        if spec != schema.OFF and spec not in self.stages.drafters:
+            model = schema.DRAFTER_MTP.name if spec == schema.MTP else schema.DRAFTER_DFLASH.name
+            return f"{schema.SPEC} {spec!r} needs the {model} model with a {spec} drafter, which is not loaded" + (
+                " (the checkpoint has none: `make drafter` trains it)" if spec in schema.DFLASH_SPECS else ""
             )
-        if s is not None and not t.start and t.spec is not None and t.spec != s.arm:
-            return f"{schema.SPEC}: sequence {t.sid} runs {s.arm!r}; a later turn cannot switch to {t.spec!r}"
-        if t.num_draft_tokens is not None and arm == schema.OFF:  # never silently ignored
+        if s is not None and not t.start and t.spec is not None and t.spec != s.spec:
+            return f"{schema.SPEC}: sequence {t.sid} runs {s.spec!r}; a later turn cannot switch to {t.spec!r}"
+        if t.num_draft_tokens is not None and spec == schema.OFF:  # never silently ignored
             return (
                 f"{schema.NUM_DRAFT_TOKENS}: {schema.sequence_name(t.sid)} decodes plain ({schema.SPEC} 'off'), "
                 f"which takes no drafts"
@@ -97,10 +97,10 @@ class Admission:
                 schema.check_range(
                     schema.TANDEM.input(schema.NUM_DRAFT_TOKENS),
                     t.num_draft_tokens,
-                    hi=cfg.block_size - 1 if arm in schema.DFLASH_ARMS else cfg.max_num_draft_tokens,
+                    hi=cfg.block_size - 1 if spec in schema.DFLASH_SPECS else cfg.max_num_draft_tokens,
                 )
         except schema.WireError as e:
-            return str(e) + (f" (the {arm} block is {cfg.block_size} rows)" if arm in schema.DFLASH_ARMS else "")
+            return str(e) + (f" (the {spec} block is {cfg.block_size} rows)" if spec in schema.DFLASH_SPECS else "")
         vocab = getattr(trunk, "vocab_size", None)
         bad = next((x for x in t.tokens if vocab is not None and not 0 <= x < vocab), None)
         if bad is not None:
@@ -133,25 +133,25 @@ class Admission:
             return f"{schema.INPUT_IDS}: the first turn of a sequence needs at least 1 token"
         return None
 
-    def arm(self, t: Turn) -> str:
-        """The arm turn ``t`` decodes with: its ``spec``, else its sequence's, else :meth:`default_arm`."""
+    def spec(self, t: Turn) -> str:
+        """The spec turn ``t`` decodes with: its ``spec``, else its sequence's, else :meth:`default_spec`."""
         s = self.table.sessions.get(t.sid)
-        return t.spec if t.spec is not None else (s.arm if s is not None and not t.start else self.default_arm())
+        return t.spec if t.spec is not None else (s.spec if s is not None and not t.start else self.default_spec())
 
-    def default_arm(self) -> str:
-        """The arm of a new sequence that names none: ``config.spec`` when its drafter is loaded, else
+    def default_spec(self) -> str:
+        """The spec of a new sequence that names none: ``config.spec`` when its drafter is loaded, else
         ``mtp`` when that is, else ``off``."""
         drafters = self.stages.drafters
         return next(a for a in (self.config.spec, schema.MTP, schema.OFF) if a == schema.OFF or a in drafters)
 
     def num_draft_tokens(self, t: Turn) -> int:
         """Drafts per round: 0 for plain decoding; the request's value (checked by :meth:`validate`) or
-        the server default (the whole block, ``block_size - 1``, on the DFlash arms)."""
-        arm = self.arm(t)
-        if arm == schema.OFF:
+        the server default (the whole block, ``block_size - 1``, on the DFlash specs)."""
+        spec = self.spec(t)
+        if spec == schema.OFF:
             return 0
         return t.num_draft_tokens or (
-            self.config.block_size - 1 if arm in schema.DFLASH_ARMS else self.config.num_draft_tokens
+            self.config.block_size - 1 if spec in schema.DFLASH_SPECS else self.config.num_draft_tokens
         )
 
     def drops_anchor(self, s: SpecSession, t: Turn) -> bool:
@@ -264,14 +264,14 @@ class Admission:
             self.table.close(t.sid)
         s = self.table.sessions.get(t.sid)
         if s is None:
-            arm = self.arm(t)
+            spec = self.spec(t)
             s = SpecSession(
                 t.sid,
                 self.num_draft_tokens(t),
                 self.config.max_ctx,
                 trunk=self.stages.trunk,
-                arm=arm,
-                drafter=self.stages.drafters.get(arm),
+                spec=spec,
+                drafter=self.stages.drafters.get(spec),
             )
         elif t.num_draft_tokens is not None:  # a later turn may change the draft count
             s.num_draft_tokens = self.num_draft_tokens(t)
@@ -293,13 +293,13 @@ class Admission:
         :meth:`sort` reserved); else its state at its context now."""
         if s.sid in self.table.turns and s.sid in self._reserved:
             return self._reserved[s.sid]
-        return self.state_size.session(s.arm, len(s.committed) + 1)
+        return self.state_size.session(s.spec, len(s.committed) + 1)
 
     def state_bytes(self) -> int:
         """Estimated bytes of state the open sessions hold at their contexts now (0 without ``state_size``)."""
         if self.state_size is None:
             return 0
-        return sum(self.state_size.session(s.arm, len(s.committed) + 1) for s in list(self.table.sessions.values()))
+        return sum(self.state_size.session(s.spec, len(s.committed) + 1) for s in list(self.table.sessions.values()))
 
     def _state_budget(self) -> int:
         """Bytes the sessions may hold: ``max_state_mb`` less the prefix cache's bound ``prefix_cache_mb``."""
@@ -321,7 +321,7 @@ class Admission:
         s, cfg = self.table.sessions.get(t.sid), self.config
         base = 0 if t.start or s is None else len(s.committed) + 1
         end = min(cfg.max_ctx, base + len(t.tokens) + t.max_tokens)
-        total = self.state_size.session(self.arm(t), end, unread=len(t.tokens) + 1)
+        total = self.state_size.session(self.spec(t), end, unread=len(t.tokens) + 1)
         if total > self._state_budget():
             budget = self._state_budget() / 2**20
             return (

@@ -3,7 +3,7 @@ for it, and promotes it back when a probe shows it would pay again.
 
 A session's estimated speedup over plain decoding is ``tau_ema / cost``: ``tau_ema`` the moving
 average of its acceptance length (accepted drafts + 1 per speculative round, weight
-:data:`EMA_WEIGHT` on the newest), ``cost`` its arm's verify round in plain decode steps
+:data:`EMA_WEIGHT` on the newest), ``cost`` its spec's verify round in plain decode steps
 (``ServingConfig.round_cost_mtp`` at one draft + ``round_cost_mtp_draft`` per further one, each MTP
 draft being a sequential forward; ``round_cost_dflash``, one block forward; measured by `make bench`) times
 ``1 + demote_load_slope * (active sessions - 1)`` (with load, batched plain rows get cheaper relative
@@ -46,11 +46,13 @@ class Demotion:
         stats.setdefault("demotions", 0)
         stats.setdefault("promotions", 0)
 
-    def cost(self, arm: str, drafts: int, load: int) -> float:
-        """A verify round of ``arm`` with ``drafts`` drafts in plain decode steps, ``load`` sessions active."""
+    def cost(self, spec: str, drafts: int, load: int) -> float:
+        """A verify round of ``spec`` with ``drafts`` drafts in plain decode steps, ``load`` sessions active."""
         c = self.config
         base = (
-            c.round_cost_mtp + c.round_cost_mtp_draft * max(0, drafts - 1) if arm == schema.MTP else c.round_cost_dflash
+            c.round_cost_mtp + c.round_cost_mtp_draft * max(0, drafts - 1)
+            if spec == schema.MTP
+            else c.round_cost_dflash
         )
         return base * (1.0 + c.demote_load_slope * max(0, load - 1))
 
@@ -59,7 +61,7 @@ class Demotion:
         round is due. A demoted session that is no longer eligible (a later turn samples in
         ``rejection`` mode) is promoted at once."""
         st = s.demotion
-        if s.arm == schema.OFF or s.degraded:
+        if s.spec == schema.OFF or s.degraded:
             return False
         if st.demoted and not s.demote_eligible():
             self._promote(st)
@@ -77,7 +79,7 @@ class Demotion:
         a demoted one decodes plain until its next probe round, which is a call of its own (its
         :meth:`observe` may promote it)."""
         st, c = s.demotion, self.config
-        if s.arm == schema.OFF or s.degraded:
+        if s.spec == schema.OFF or s.degraded:
             return False, rounds
         if not st.demoted or not s.demote_eligible():  # (an ineligible demoted session is promoted at once)
             n = 1
@@ -96,7 +98,7 @@ class Demotion:
         keep = (1 - EMA_WEIGHT) ** n
         worst = 1.0 if st.tau_ema is None else keep * st.tau_ema + (1 - keep) * 1.0
         # a hair above the bar: the closed form may round a few ulps away from observe()'s steps
-        return worst / self.cost(s.arm, max(drafts, 1), load) < c.demote_below * (1 + 1e-6)
+        return worst / self.cost(s.spec, max(drafts, 1), load) < c.demote_below * (1 + 1e-6)
 
     def observe(self, s, accepted: int, drafts: int, load: int) -> None:
         """After a speculative round of ``s`` that accepted ``accepted`` of ``drafts`` drafts with
@@ -105,7 +107,7 @@ class Demotion:
         tau = accepted + 1.0
         st.tau_ema = tau if st.tau_ema is None else EMA_WEIGHT * tau + (1 - EMA_WEIGHT) * st.tau_ema
         st.spec_rounds += 1
-        speedup = st.tau_ema / self.cost(s.arm, max(drafts, 1), load)
+        speedup = st.tau_ema / self.cost(s.spec, max(drafts, 1), load)
         if st.demoted:
             if speedup >= c.promote_above:
                 self._promote(st)

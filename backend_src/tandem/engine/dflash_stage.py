@@ -1,4 +1,4 @@
-"""The DFlash drafter stage (arms ``dflash`` and ``dflash2``): per-sequence drafter KV of committed
+"""The DFlash drafter stage (specs ``dflash`` and ``dflash2``): per-sequence drafter KV of committed
 context, ingest of each round's committed rows (the prompt's at round 1: deferred), and one block
 forward per sequence and round. Its wire form (``handle``, :data:`tandem.schema.DRAFTER_DFLASH`)
 runs inside the ``drafter_dflash`` Triton model.
@@ -25,19 +25,19 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: keys, values 
 
 @dataclasses.dataclass
 class DFlashState:
-    """One sequence's drafter state: ``arm`` (fixed at its first draft), the per-layer context keys
+    """One sequence's drafter state: ``spec`` (fixed at its first draft), the per-layer context keys
     and values ``[1, H, rows, d]`` of committed positions ``0 .. rows - 1``. Only committed rows are
     ever ingested, so a rejected draft needs no rollback."""
 
-    arm: str | None = None
+    spec: str | None = None
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     rows: int = 0
 
 
 class DFlashStage(DrafterStage):
-    """Implements :class:`~tandem.engine.protocols.DrafterAPI` for the DFlash arms.
+    """Implements :class:`~tandem.engine.protocols.DrafterAPI` for the DFlash specs.
 
-    Args: ``drafters`` — arm -> :class:`~tandem.model.dflash.DFlashDrafter` (``dflash``, ``dflash2``);
+    Args: ``drafters`` — spec -> :class:`~tandem.model.dflash.DFlashDrafter` (``dflash``, ``dflash2``);
     ``embed`` / ``head`` — the trunk's embedding and LM head (the drafter has none of its own);
     ``max_num_draft_tokens``. Raises ``ValueError`` on drafters that disagree in shape.
     """
@@ -63,15 +63,15 @@ class DFlashStage(DrafterStage):
         self.feature_size = sizes.pop()
         #: where the drafters' weights are: every tensor made for them is created there
         self.device = embed.weight.device
-        #: published drafter tails: (arm, chain key) -> the context K/V of that block's rows
+        #: published drafter tails: (spec, chain key) -> the context K/V of that block's rows
         self.tails: dict[tuple[str, int], KV] = {}
 
     def new_state(self) -> DFlashState:
         return DFlashState()
 
     def open(self, sids: list[int], prefixes: list[tuple[str, list[int]] | None] | None = None) -> None:
-        """Fresh state for ``sids``; a sequence with a prefix ``(arm, keys)`` starts from those published
-        tails (``len(keys) * PREFIX_BLOCK`` rows covered, arm fixed). Raises ``KeyError`` (nothing
+        """Fresh state for ``sids``; a sequence with a prefix ``(spec, keys)`` starts from those published
+        tails (``len(keys) * PREFIX_BLOCK`` rows covered, spec fixed). Raises ``KeyError`` (nothing
         opened) when a tail is not published."""
         prefixes = prefixes or [None] * len(sids)
         for p in prefixes:
@@ -82,7 +82,7 @@ class DFlashStage(DrafterStage):
         for sid, p in zip(sids, prefixes):
             if p and p[1]:
                 st, blocks = self.states[sid], [self.tails[(p[0], k)] for k in p[1]]
-                st.arm, st.rows = p[0], len(p[1]) * schema.PREFIX_BLOCK
+                st.spec, st.rows = p[0], len(p[1]) * schema.PREFIX_BLOCK
                 st.kv = [
                     (torch.cat([b[i][0] for b in blocks], 2), torch.cat([b[i][1] for b in blocks], 2))
                     for i in range(len(blocks[0]))
@@ -97,7 +97,7 @@ class DFlashStage(DrafterStage):
 
     def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
         """Store each sequence's tail blocks ``keys`` (block ``i`` = rows ``[i*C, (i+1)*C)``; blocks already
-        stored for its arm are skipped). Returns bytes newly stored per item. Raises ``ValueError``
+        stored for its spec are skipped). Returns bytes newly stored per item. Raises ``ValueError``
         (nothing stored) when a sequence covers fewer rows than its keys."""
         C = schema.PREFIX_BLOCK
         for sid, keys in items:
@@ -110,19 +110,19 @@ class DFlashStage(DrafterStage):
         for sid, keys in items:
             st, n = self.state(sid), 0
             for j, key in enumerate(keys):
-                if (st.arm, key) in self.tails:
+                if (st.spec, key) in self.tails:
                     continue
                 blk = [(k[:, :, j * C : (j + 1) * C].clone(), v[:, :, j * C : (j + 1) * C].clone()) for k, v in st.kv]
-                self.tails[(st.arm, key)] = blk
+                self.tails[(st.spec, key)] = blk
                 n += sum(t.numel() * t.element_size() for kv in blk for t in kv)
             out.append(n)
         return out
 
     def evict(self, keys: list[int]) -> None:
-        """Drop the tails of ``keys`` for every arm (unknown ones ignored)."""
+        """Drop the tails of ``keys`` for every spec (unknown ones ignored)."""
         for k in keys:
-            for arm in self.drafters:
-                self.tails.pop((arm, k), None)
+            for spec in self.drafters:
+                self.tails.pop((spec, k), None)
 
     def covered_rows(self, sid: int) -> int:
         """Committed positions the drafter KV of ``sid`` covers. Raises :class:`~tandem.engine.protocols.UnknownSequence`."""
@@ -133,17 +133,17 @@ class DFlashStage(DrafterStage):
         """For each item: ingest its committed rows' ``features`` at the next positions, then draft the
         block ``[anchor, MASK x k]`` (``anchor = next_tokens[-1]``, ``k = num_draft_tokens``, at most
         ``block_size - 1``) and return ``k`` tokens: the argmax per position (``dflash``) or the
-        selector's path (``dflash2``). Raises :class:`~tandem.engine.protocols.UnknownSequence`, ``ValueError`` on an arm change."""
+        selector's path (``dflash2``). Raises :class:`~tandem.engine.protocols.UnknownSequence`, ``ValueError`` on a spec change."""
         # the drafter runs row-invariant (:meth:`~tandem.model.dflash.DFlashDrafter.use_kernels`)
         res: list[list[int]] = []
-        blocks: dict[tuple[str, int], list[int]] = {}  # (arm, k) -> item indices drafting a block of k
+        blocks: dict[tuple[str, int], list[int]] = {}  # (spec, k) -> item indices drafting a block of k
         for it in items:
             st = self.state(it.sid)
-            if st.arm is None:
-                st.arm = it.arm
-            elif st.arm != it.arm:
-                raise ValueError(f"sequence {it.sid} drafts with {st.arm}, not {it.arm}")
-            model = self.drafters[it.arm]
+            if st.spec is None:
+                st.spec = it.spec
+            elif st.spec != it.spec:
+                raise ValueError(f"sequence {it.sid} drafts with {st.spec}, not {it.spec}")
+            model = self.drafters[it.spec]
             n = len(it.next_tokens)
             feats = it.features.to(self.device).reshape(1, n, -1)
             pts = split_points(st.rows, st.rows + n)  # pieces end at multiples of PREFIX_BLOCK: warm == cold
@@ -163,9 +163,9 @@ class DFlashStage(DrafterStage):
             k = min(it.num_draft_tokens, model.cfg.block_size - 1)
             res.append([])
             if k > 0:
-                blocks.setdefault((it.arm, k), []).append(len(res) - 1)
-        for (arm, k), idx in blocks.items():  # one block forward per arm and block size, all sequences
-            model, sts = self.drafters[arm], [self.state(items[i].sid) for i in idx]
+                blocks.setdefault((it.spec, k), []).append(len(res) - 1)
+        for (spec, k), idx in blocks.items():  # one block forward per spec and block size, all sequences
+            model, sts = self.drafters[spec], [self.state(items[i].sid) for i in idx]
             anchors = [int(items[i].next_tokens[-1]) for i in idx]
             x = model.block_input(torch.tensor(anchors, device=self.device), self.embed, k + 1).reshape(
                 1, -1, model.cfg.hidden_size
@@ -204,8 +204,8 @@ class DFlashStage(DrafterStage):
                     self.evict(schema.prefixes_from_wire(arrays, 1)[0] or [])
                 elif op == "open":
                     pre = schema.prefixes_from_wire(arrays, len(sids))
-                    arms = self._arms(arrays, len(sids)) if any(pre) else [None] * len(sids)
-                    self.open(sids, [(a, p) if p else None for a, p in zip(arms, pre)])
+                    specs = self._specs(arrays, len(sids)) if any(pre) else [None] * len(sids)
+                    self.open(sids, [(a, p) if p else None for a, p in zip(specs, pre)])
                 else:
                     for s in sids:
                         if s not in self.states:
@@ -221,16 +221,16 @@ class DFlashStage(DrafterStage):
             return {"DRAFTS": np.zeros(0, np.int64), "DRAFT_LENGTHS": np.zeros(len(sids), np.int32), "NBYTES": nbytes}
         return {**super().handle(arrays), "NBYTES": nbytes}
 
-    def _arms(self, arrays: schema.Arrays, n: int) -> list[str]:
-        arms = [
+    def _specs(self, arrays: schema.Arrays, n: int) -> list[str]:
+        specs = [
             a.decode() if isinstance(a, bytes) else str(a) for a in np.asarray(arrays.get(schema.SPEC, [])).reshape(-1)
         ]
-        if len(arms) != n:
-            raise WireError(f"{schema.SPEC} has {len(arms)} entries for {n} SIDS")
-        for a in arms:
+        if len(specs) != n:
+            raise WireError(f"{schema.SPEC} has {len(specs)} entries for {n} SIDS")
+        for a in specs:
             if a not in self.drafters:
                 raise WireError(f"{schema.SPEC}: {a!r} is not served here (loaded: {sorted(self.drafters)})")
-        return arms
+        return specs
 
     def requests(self, arrays: schema.Arrays, sids: list[int], ks: list[int]) -> list[DraftRequest]:
         """The draft items of a packed request: ``FEATURES [N, F]``, ``LENGTHS [S]``, ``ANCHORS [S]``,
@@ -242,14 +242,14 @@ class DFlashStage(DrafterStage):
         anchors = schema.get_vector(arrays, self.wire.input("ANCHORS"))
         if anchors.size != len(sids):
             raise WireError(f"ANCHORS has {anchors.size} entries for {len(sids)} SIDS")
-        arms = self._arms(arrays, len(sids))
-        for s, a in zip(sids, arms):
-            if self.states[s].arm not in (None, a):
-                raise WireError(f"{schema.SPEC}: sequence {s} drafts with {self.states[s].arm}, not {a}")
+        specs = self._specs(arrays, len(sids))
+        for s, a in zip(sids, specs):
+            if self.states[s].spec not in (None, a):
+                raise WireError(f"{schema.SPEC}: sequence {s} drafts with {self.states[s].spec}, not {a}")
         schema.check_tokens("ANCHORS", anchors, self.embed.num_embeddings)
         fs = schema.split_rows(torch.from_numpy(np.ascontiguousarray(feats)).to(self.device), lengths)
         # the stage reads only each sequence's anchor (the last next token); the others are not sent
         return [
-            DraftRequest(s, torch.zeros(0), [0] * (n - 1) + [int(a)], k, f, arm)
-            for s, n, a, k, f, arm in zip(sids, lengths, anchors.tolist(), ks, fs, arms)
+            DraftRequest(s, torch.zeros(0), [0] * (n - 1) + [int(a)], k, f, spec)
+            for s, n, a, k, f, spec in zip(sids, lengths, anchors.tolist(), ks, fs, specs)
         ]

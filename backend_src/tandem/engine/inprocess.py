@@ -16,7 +16,7 @@ import torch
 from .. import schema
 from ..model.checkpoint import (
     DEFAULT_CHECKPOINT,
-    dflash_arms,
+    dflash_specs,
     dflash_feature_layers,
     load_dflash,
     load_trunk,
@@ -39,7 +39,7 @@ class Engine:
 
     Args: ``checkpoint`` folder (config.json, model.safetensors, tokenizer.json, optional
     ``dflash/`` and ``dflash2/`` drafters); ``dtype`` (``"auto"``: fp32 here on the CPU with bf16 GEMM inputs, ``"bf16"``, ``"fp32"``: fp32 GEMM inputs too, or a torch dtype);
-    ``model``/``tokenizer`` to share loaded ones; ``dflash`` — arm -> drafter to use instead of the
+    ``model``/``tokenizer`` to share loaded ones; ``dflash`` — spec -> drafter to use instead of the
     checkpoint's (e.g. a freshly trained one);
     ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.
     ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``; ``amx``, ``kernels`` and ``dtype`` make the kernel
@@ -69,8 +69,8 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
         if dflash is None:
             dflash = {
-                arm: load_dflash(checkpoint, arm, self.model.dtype, kernels=self.kernels)
-                for arm in dflash_arms(checkpoint)
+                spec: load_dflash(checkpoint, spec, self.model.dtype, kernels=self.kernels)
+                for spec in dflash_specs(checkpoint)
             }
         else:
             for d in dflash.values():

@@ -1,5 +1,5 @@
 """The engine core's plain decode rounds in one trunk call: when every active session decodes plain
-greedy rows (arm ``off``, no sampling, no stop strings), the rounds of a burst go to the trunk as
+greedy rows (spec ``off``, no sampling, no stop strings), the rounds of a burst go to the trunk as
 one :meth:`~tandem.engine.trunk_stage.TrunkStage.decode` call (compiled on the CPU,
 :mod:`tandem.ops.cpu.decode`) instead of one verify call each, and are then applied round by round
 with the same accept walk: the same tokens, receipts and caches as the rounds one at a time."""
@@ -28,12 +28,12 @@ class PlainRounds:
         self.round_s = 0.0
 
     def applicable(self, act: list[SpecSession]) -> bool:
-        """Whether the sessions ``act`` (some) all decode plain greedy rows (arm ``off``, no sampling, no
+        """Whether the sessions ``act`` (some) all decode plain greedy rows (spec ``off``, no sampling, no
         stop strings) on a trunk that decodes them in one call."""
         return (
             bool(act)
             and getattr(self.trunk, "decode_rows", None) is not None
-            and all(s.arm == schema.OFF and s.sampling is None and s.stop_text is None for s in act)
+            and all(s.spec == schema.OFF and s.sampling is None and s.stop_text is None for s in act)
         )
 
     def run(
@@ -72,7 +72,7 @@ class PlainRounds:
 
 
 def _apply(s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOut, r: Receipt) -> int:
-    """``len(targets)`` plain greedy rounds of ``s`` (arm ``off``) applied at once: round ``t`` emitted
+    """``len(targets)`` plain greedy rounds of ``s`` (spec ``off``) applied at once: round ``t`` emitted
     its target ``targets[t]`` (top-2 gap ``gaps[t]``), ``last`` is the last round's one-row output.
     The session, the receipt ``r`` and the finish are what the speculative round
     (:class:`~tandem.engine.spec_round.SpecRound`) leaves after those rounds one at a time (a round
@@ -80,9 +80,9 @@ def _apply(s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOu
     without a walk a round. Returns the rows the next call commits (1). Raises ``AssertionError``
     (nothing changed) when the turn ended before the last round."""
     n, n0, budget = len(targets), len(s.committed), s.turn_remaining
-    assert s.arm == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (
+    assert s.spec == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (
         s.sid,
-        s.arm,
+        s.spec,
         s.turn_done,
         n,
     )

@@ -104,7 +104,7 @@ class _Entry:
     tokens: bytes  # the block's tokens (int64 bytes)
     salt: str | None  # a root block's namespace (None below the root)
     trunk_bytes: int
-    tails: dict[str, int] = dataclasses.field(default_factory=dict)  # arm -> drafter-tail bytes
+    tails: dict[str, int] = dataclasses.field(default_factory=dict)  # spec -> drafter-tail bytes
 
     @property
     def nbytes(self) -> int:
@@ -118,10 +118,10 @@ class _Entry:
 @dataclasses.dataclass
 class Reservation:
     """What one capture publishes (:meth:`PrefixIndex.reserve`): ``trunk`` keys new to the index, ``tails``
-    keys lacking the arm's drafter tail, and ``chain``: the capture's keys up to the first one held by a
+    keys lacking the spec's drafter tail, and ``chain``: the capture's keys up to the first one held by a
     different prefix (the keys the stores are asked to publish)."""
 
-    arm: str
+    spec: str
     trunk: list[int]
     tails: list[int]
     chain: list[int]
@@ -172,10 +172,10 @@ class PrefixIndex:
         blocks = _blocks(tokens, reusable_blocks(len(tokens)))
         return PrefixCapture(self._chain(blocks, salt), blocks, salt)
 
-    def lookup(self, cap: PrefixCapture, arm: str) -> int:
+    def lookup(self, cap: PrefixCapture, spec: str) -> int:
         """How many leading blocks of ``cap`` are published, verified (each entry's tokens, parent entry
-        and root salt equal the prompt's), with what ``arm`` needs (the trunk part; plus a drafter tail of
-        ``arm`` for the DFlash arms). Counts a hit or a miss (and a collision) and marks the blocks used
+        and root salt equal the prompt's), with what ``spec`` needs (the trunk part; plus a drafter tail of
+        ``spec`` for the DFlash specs). Counts a hit or a miss (and a collision) and marks the blocks used
         (the chain's root most recently, so leaves are evicted first)."""
         n, parent = 0, 0
         for k, blk in zip(cap.keys, cap.blocks):
@@ -185,7 +185,7 @@ class PrefixIndex:
             if not e.holds(blk, parent, cap.salt):
                 self.stats["collisions"] += 1
                 break
-            if arm in schema.DFLASH_ARMS and arm not in e.tails:
+            if spec in schema.DFLASH_SPECS and spec not in e.tails:
                 break
             n, parent = n + 1, e.uid
         if cap.keys:
@@ -195,7 +195,7 @@ class PrefixIndex:
             self.entries.move_to_end(k)
         return n
 
-    def reserve(self, cap: PrefixCapture, arm: str) -> Reservation:
+    def reserve(self, cap: PrefixCapture, spec: str) -> Reservation:
         """Enter the blocks of ``cap`` the index lacks (no bytes yet: :meth:`fill` sets them, :meth:`release`
         takes them back) and say what to publish. The chain stops before the first key held by a different
         prefix: that key's stored state stays, and nothing after it is published (its blocks would hang
@@ -208,11 +208,11 @@ class PrefixIndex:
                 trunk.append(k)
             elif not e.holds(blk, parent, cap.salt):
                 break
-            if arm in schema.DFLASH_ARMS and arm not in e.tails:
+            if spec in schema.DFLASH_SPECS and spec not in e.tails:
                 tails.append(k)
             chain.append(k)
             parent = e.uid
-        return Reservation(arm, trunk, tails, chain)
+        return Reservation(spec, trunk, tails, chain)
 
     def release(self, r: Reservation) -> None:
         """Take back the entries :meth:`reserve` made for ``r`` (its publication failed)."""
@@ -222,7 +222,7 @@ class PrefixIndex:
 
     def fill(self, r: Reservation, trunk_bytes: int, tail_keys: list[int], tail_bytes: int) -> None:
         """Record a publication: ``r.trunk`` newly stored in the trunk (``trunk_bytes`` in all) and
-        ``tail_keys`` stored in the drafter for ``r.arm`` (``tail_bytes``); the whole ``r.chain`` is marked
+        ``tail_keys`` stored in the drafter for ``r.spec`` (``tail_bytes``); the whole ``r.chain`` is marked
         used, root last."""
         per_t = trunk_bytes // max(1, len(r.trunk))
         per_d = tail_bytes // max(1, len(tail_keys))
@@ -231,15 +231,15 @@ class PrefixIndex:
                 self.entries[k].trunk_bytes = per_t
         for k in tail_keys:
             if k in self.entries:
-                self.entries[k].tails[r.arm] = per_d
+                self.entries[k].tails[r.spec] = per_d
         for k in reversed(r.chain):
             if k in self.entries:
                 self.entries.move_to_end(k)
 
     def shrink(self) -> list[tuple[int, list[str]]]:
         """Evict least recently used blocks until the total fits ``capacity_bytes``. Returns them as
-        ``(key, [arms with a tail])``, least recently used first; a key in the list must be dropped from
-        the trunk store and from those arms' drafter stores."""
+        ``(key, [specs with a tail])``, least recently used first; a key in the list must be dropped from
+        the trunk store and from those specs' drafter stores."""
         gone = []
         total = sum(e.nbytes for e in self.entries.values())
         while self.entries and total > self.capacity:
@@ -254,7 +254,7 @@ class PrefixIndex:
 def publish_ready(index: PrefixIndex, sessions, trunk, drafters: dict) -> int:
     """Publish the capture of every session in ``sessions`` that is :meth:`prefix_capture_ready`:
     one trunk ``publish`` call, one per DFlash drafter stage, then (when the index is over its bound)
-    one ``evict`` per stage. ``drafters``: arm -> stage. Each session's chain stops before a key held by
+    one ``evict`` per stage. ``drafters``: spec -> stage. Each session's chain stops before a key held by
     a different prefix (:meth:`PrefixIndex.reserve`), so a store never overwrites another prefix's
     state. Returns the sessions published. A stage error propagates after the blocks this call may have
     stored are evicted again and the index's reservations released (the captures are drained: a failed
@@ -265,15 +265,15 @@ def publish_ready(index: PrefixIndex, sessions, trunk, drafters: dict) -> int:
     claimed_d: set[tuple[str, int]] = set()
     plans = []
     for s in ready:
-        r = index.reserve(s.take_prefix_capture(), s.arm)
-        md = [k for k in r.tails if (s.arm, k) not in claimed_d]
-        claimed_d.update((s.arm, k) for k in md)
+        r = index.reserve(s.take_prefix_capture(), s.spec)
+        md = [k for k in r.tails if (s.spec, k) not in claimed_d]
+        claimed_d.update((s.spec, k) for k in md)
         plans.append((s, r, md))
     d_bytes: dict[int, int] = {}
     by_stage: dict[int, tuple] = {}
     for s, r, _ in plans:
-        if s.arm in schema.DFLASH_ARMS:
-            by_stage.setdefault(id(drafters[s.arm]), (drafters[s.arm], []))[1].append((s.sid, r.chain))
+        if s.spec in schema.DFLASH_SPECS:
+            by_stage.setdefault(id(drafters[s.spec]), (drafters[s.spec], []))[1].append((s.sid, r.chain))
     try:
         t_bytes = trunk.publish([(s.sid, r.chain) for s, r, _ in plans])
         for stage, items in by_stage.values():
@@ -295,6 +295,6 @@ def publish_ready(index: PrefixIndex, sessions, trunk, drafters: dict) -> int:
     gone = [k for k, _ in index.shrink()]
     if gone:
         trunk.evict(gone)
-        for stage in {id(d): d for a, d in drafters.items() if a in schema.DFLASH_ARMS}.values():
+        for stage in {id(d): d for a, d in drafters.items() if a in schema.DFLASH_SPECS}.values():
             stage.evict(gone)
     return len(plans)

@@ -41,17 +41,17 @@ class Commit:
 @dataclasses.dataclass
 class DraftRequest:
     """One sequence's drafter call: ingest ``n`` committed rows, then propose ``num_draft_tokens``
-    tokens. A row is its trunk ``hidden [n, D]`` (fp32, read by the MTP arm) and target-layer
-    ``features [n, F]`` (fp32, read by the DFlash arms; ``F = 0`` when the trunk exports none), and
-    ``next_tokens [n]`` the token after each row (the last one is the anchor). ``arm`` is the
-    session's speculation arm (one of :data:`tandem.schema.SPECS` but ``off``)."""
+    tokens. A row is its trunk ``hidden [n, D]`` (fp32, read by the MTP spec) and target-layer
+    ``features [n, F]`` (fp32, read by the DFlash specs; ``F = 0`` when the trunk exports none), and
+    ``next_tokens [n]`` the token after each row (the last one is the anchor). ``spec`` is the
+    session's speculation method (one of :data:`tandem.schema.SPECS` but ``off``)."""
 
     sid: int
     hidden: torch.Tensor
     next_tokens: list[int]
     num_draft_tokens: int
     features: torch.Tensor | None = None
-    arm: str = "mtp"
+    spec: str = "mtp"
 
 
 @dataclasses.dataclass

@@ -26,14 +26,14 @@ class PrefixPublisher:
 
     def prime_item(self, s: SpecSession, rows: list[int], salt: str = "") -> Rows:
         """The prime item of a turn's ``rows``: with the prefix cache on, a new session's prompt (plain or
-        DFlash arm) is looked up block by block in the namespace of its turn's cache ``salt`` and
+        DFlash spec) is looked up block by block in the namespace of its turn's cache ``salt`` and
         captured; its published leading blocks are skipped (``s.warm_rows``)."""
-        if self.index is None or s.committed or s.arm == schema.MTP or reusable_blocks(len(rows)) == 0:
+        if self.index is None or s.committed or s.spec == schema.MTP or reusable_blocks(len(rows)) == 0:
             return Rows(s.sid, rows)
         cap = self.index.capture(rows, salt)
-        hit = self.index.lookup(cap, s.arm)
+        hit = self.index.lookup(cap, s.spec)
         s.prefix_capture, s.warm_rows = cap, hit * schema.PREFIX_BLOCK
-        s.drafter_rows = s.warm_rows if s.arm in schema.DFLASH_ARMS else 0
+        s.drafter_rows = s.warm_rows if s.spec in schema.DFLASH_SPECS else 0
         return Rows(s.sid, rows[s.warm_rows :], cap.keys[:hit])
 
     def publish(self, sessions: list[SpecSession]) -> None:
@@ -49,7 +49,7 @@ class PrefixPublisher:
     def drop_captures(self) -> None:
         """Publish or drop the prompt-boundary captures of open sessions whose turn has ended, so an idle
         session holds its cache and nothing more: a ready capture is published (a turn that ended at its
-        first token on the plain arm), the others (a DFlash turn that ended at its first token: its drafter
+        first token on the plain spec), the others (a DFlash turn that ended at its first token: its drafter
         had not read the prompt) are dropped with one trunk ``publish`` of no blocks, which drops the
         trunk's capture (KDA states at each block end)."""
         turns, trunk = self.table.turns, self.stages.trunk

@@ -39,9 +39,9 @@ from .state_size import StateSize
 class Scheduler:
     """Sessions by sequence id, and the admission and burst loop over them.
 
-    Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
-    :class:`~tandem.engine.protocols.DrafterAPI` (arms not listed are refused; one stage may serve
-    several arms, and gets one call per round for all of them); ``config`` — defaults and limits;
+    Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — spec ->
+    :class:`~tandem.engine.protocols.DrafterAPI` (specs not listed are refused; one stage may serve
+    several specs, and gets one call per round for all of them); ``config`` — defaults and limits;
     ``stop_ids`` — tokens that end a turn; ``decode`` — ``list[int] -> str`` for stop strings (None: refused);
     ``state_size`` — the session state estimate admission by bytes uses (``max_state_mb``; None: none).
     :meth:`request_cancel` and :meth:`refuse_overdue` may be called from any thread; everything else
@@ -83,7 +83,7 @@ class Scheduler:
         #: moves sessions to plain decoding and back (counts ``demotions`` / ``promotions`` in stats)
         self.demotion = Demotion(config, self.stats)
         self.plain = PlainRounds(self.trunk, self.stats, self.timing)
-        self.spec = SpecRound(self.stages, self.demotion, self.stats, self.timing)
+        self.speculative = SpecRound(self.stages, self.demotion, self.stats, self.timing)
         #: the turns whose admission calls are running (read by a watchdog thread)
         self.admitting: list[Turn] = []
         #: ``failure_text(exception)``: the message for turns a failed stage call ends (None: the default)
@@ -140,9 +140,9 @@ class Scheduler:
         """The one validation of a turn (:meth:`Admission.validate`): error text, or None."""
         return self.admission.validate(t)
 
-    def default_arm(self) -> str:
-        """The arm of a new sequence that names none (:meth:`Admission.default_arm`)."""
-        return self.admission.default_arm()
+    def default_spec(self) -> str:
+        """The spec of a new sequence that names none (:meth:`Admission.default_spec`)."""
+        return self.admission.default_spec()
 
     def waiting(self) -> int:
         """Turns waiting for a free session slot (or room, or their sequence's running turn to end)."""
@@ -185,7 +185,7 @@ class Scheduler:
         try:
             if new:
                 self.trunk.open([s.sid for s in new])
-                warm = {s.sid: (s.arm, r.prefix) for _, s, r in ok if r.prefix and s.arm in schema.DFLASH_ARMS}
+                warm = {s.sid: (s.spec, r.prefix) for _, s, r in ok if r.prefix and s.spec in schema.DFLASH_SPECS}
                 self.stages.open_drafters(new, warm)
             outs = self.trunk.prime([rows for _, _, rows in ok])
         except Exception as e:  # noqa: BLE001 - the turns being admitted fail; running sessions go on
@@ -257,7 +257,7 @@ class Scheduler:
         ``receipts`` (made when missing) gets it."""
         act = self.table.active()
         if act:
-            self.spec.run(act, receipts)
+            self.speculative.run(act, receipts)
 
     def settle(self) -> None:
         """Apply every session's deferred commit now, in one trunk call: afterwards each trunk cache
@@ -311,7 +311,7 @@ class Scheduler:
                 break
             k, paced = self.plain.run(act, receipts, most - n, deadline) if plain else (0, False)
             if not k:
-                self.spec.run(act, receipts)
+                self.speculative.run(act, receipts)
             n += k or 1
             if paced:
                 break

@@ -57,13 +57,13 @@ class Receipt:
 class SpecSession:
     """One sequence: committed tokens, the anchor, counters and the current turn.
 
-    ``arm`` is the speculation arm (:data:`tandem.schema.SPECS`); ``num_draft_tokens`` is 0 for
+    ``spec`` is the speculation method (:data:`tandem.schema.SPECS`); ``num_draft_tokens`` is 0 for
     plain decoding; ``trunk`` is the trunk stage (or its proxy), read only by :meth:`cache_ref`;
     ``drafter`` the session's drafter stage (or proxy), read only by :meth:`export_draft_tail`;
     ``ingest`` holds the committed rows the drafter has not seen yet (their trunk pass
     :class:`~tandem.engine.protocols.VerifyOut` and next tokens ``[n]``); ``drafter_rows`` counts the
     committed rows the drafter has ingested; ``prefix_capture`` is the prompt-boundary
-    :class:`~tandem.engine.prefix.PrefixCapture` (None when the prefix cache is off, the arm is MTP, or
+    :class:`~tandem.engine.prefix.PrefixCapture` (None when the prefix cache is off, the spec is MTP, or
     the prompt has no whole reusable block); ``warm_rows`` the prompt rows taken from the prefix cache;
     ``trunk_commit`` the rows of the last verify the trunk still has to keep (the commit rides on the
     session's next prime / verify call, or :meth:`~tandem.engine.scheduler.Scheduler.settle`).
@@ -73,7 +73,7 @@ class SpecSession:
     num_draft_tokens: int
     max_ctx: int
     trunk: Any = None
-    arm: str = "mtp"
+    spec: str = "mtp"
     committed: list[int] = dataclasses.field(default_factory=list)
     anchor: int | None = None
     rounds: int = 0
@@ -122,23 +122,23 @@ class SpecSession:
 
     def take_prefix_capture(self):
         """Drain the prompt-boundary capture (a :class:`~tandem.engine.prefix.PrefixCapture`, or None:
-        the MTP arm keeps none, nor does a prompt shorter than one block + 1 or a server without a
+        the MTP spec keeps none, nor does a prompt shorter than one block + 1 or a server without a
         prefix cache). The scheduler publishes it once :meth:`prefix_capture_ready`."""
         cap, self.prefix_capture = self.prefix_capture, None
         return cap
 
     def prefix_capture_ready(self) -> bool:
         """A capture exists AND the drafter KV covers its boundary: at once for plain decoding (no
-        drafter), after round 1 on the DFlash arms (the prompt's features are ingested then)."""
+        drafter), after round 1 on the DFlash specs (the prompt's features are ingested then)."""
         cap = self.prefix_capture
-        return cap is not None and (self.arm == schema.OFF or self.drafter_rows >= cap.boundary)
+        return cap is not None and (self.spec == schema.OFF or self.drafter_rows >= cap.boundary)
 
     def export_draft_tail(self, upto: int):
         """The DFlash drafter's context K/V of rows ``[0, upto)`` (per layer ``(k, v) [1, H, upto, d]``),
-        from an in-process drafter stage. None on the native MTP arm (its KV is not a block
+        from an in-process drafter stage. None on the native MTP spec (its KV is not a block
         drafter's window), for plain decoding, behind BLS (the drafter lives in its own process: the
         scheduler publishes through its ``publish`` op) and when the drafter covers fewer than ``upto`` rows."""
-        if self.arm not in schema.DFLASH_ARMS or not hasattr(self.drafter, "export_tail"):
+        if self.spec not in schema.DFLASH_SPECS or not hasattr(self.drafter, "export_tail"):
             return None
         return self.drafter.export_tail(self.sid, upto)
 
@@ -185,7 +185,7 @@ Emit = Callable[[Receipt | None, str | None, bool], None]
 class Turn:
     """One request in a sequence: append ``tokens`` and generate up to ``max_tokens``.
 
-    ``spec``: one of :data:`tandem.schema.SPECS` (None: the session's arm, or the server default for
+    ``spec``: one of :data:`tandem.schema.SPECS` (None: the session's spec, or the server default for
     a new session); ``start``/``end``: Triton sequence flags;
     ``num_draft_tokens``: None for the server default; ``sampling``: the turn's
     :class:`~tandem.engine.sampling.SamplingParams` (None: greedy); ``stop_token_ids``: tokens that

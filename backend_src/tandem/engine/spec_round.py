@@ -16,7 +16,7 @@ from .stage_set import StageSet
 
 
 class SpecRound:
-    """One verify round over the active sessions (:meth:`run`); a session without drafts (arm ``off``,
+    """One verify round over the active sessions (:meth:`run`); a session without drafts (spec ``off``,
     demoted, degraded) verifies its anchor alone, a plain round.
 
     Args: ``stages`` — the trunk and the drafters (a failed drafter call degrades its group there);
@@ -39,7 +39,7 @@ class SpecRound:
         spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
         for stage, group in self.stages.by_drafter(spec):
             reqs = [
-                DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.arm)
+                DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.spec)
                 for s in group
             ]
             for s, d in zip(group, self.stages.draft(stage, group, reqs)):
@@ -84,7 +84,7 @@ class SpecRound:
         r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
         if load is not None:
             self.demotion.observe(s, w.accepted, len(drafts), load)
-        if s.arm == schema.OFF or s.degraded or s.ingest is None:
+        if s.spec == schema.OFF or s.degraded or s.ingest is None:
             s.ingest = (out.rows(m), w.emitted)
         else:  # a demoted session: its rows wait for the drafter's next (probe) round
             s.ingest = (s.ingest[0].then(out.rows(m)), s.ingest[1] + w.emitted)

@@ -1,4 +1,4 @@
-"""The stages one engine core calls (the trunk and the drafters by arm), and what a failing one does.
+"""The stages one engine core calls (the trunk and the drafters by spec), and what a failing one does.
 
 A drafter stage that fails (an error, an unloaded ``drafter_*`` model) degrades its sessions to plain
 decoding, which gives the same greedy output: they are counted (``stats["degraded_sessions"]``),
@@ -20,10 +20,10 @@ from .session import SpecSession
 
 
 class StageSet:
-    """The trunk and the drafter stages by arm (one stage may serve several arms, and gets one call per
+    """The trunk and the drafter stages by spec (one stage may serve several specs, and gets one call per
     round for all of them), their availability and the failure handling of drafter calls.
 
-    Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — arm ->
+    Args: ``trunk`` — a :class:`~tandem.engine.protocols.TrunkAPI`; ``drafters`` — spec ->
     :class:`~tandem.engine.protocols.DrafterAPI`; ``stats`` — the engine core's counters (this class adds
     ``degraded_sessions``).
     """
@@ -51,16 +51,16 @@ class StageSet:
         return self.name(stage) not in self.unavailable
 
     def by_drafter(self, sessions: list[SpecSession]) -> list[tuple[DrafterAPI, list[SpecSession]]]:
-        """Sessions that draft (arm other than ``off``), grouped by drafter stage (one call per stage)."""
+        """Sessions that draft (spec other than ``off``), grouped by drafter stage (one call per stage)."""
         groups: dict[int, tuple[DrafterAPI, list[SpecSession]]] = {}
         for s in sessions:
-            if s.arm != schema.OFF:
-                stage = self.drafters[s.arm]
+            if s.spec != schema.OFF:
+                stage = self.drafters[s.spec]
                 groups.setdefault(id(stage), (stage, []))[1].append(s)
         return list(groups.values())
 
     def open_drafters(self, new: list[SpecSession], warm: dict) -> None:
-        """Open the new sessions' drafter state, one call per stage (``warm``: sid -> ``(arm, prefix keys)``
+        """Open the new sessions' drafter state, one call per stage (``warm``: sid -> ``(spec, prefix keys)``
         of a DFlash session starting from published tails); a stage that fails degrades its group."""
         for stage, group in self.by_drafter(new):
             if not self.usable(stage):
@@ -104,14 +104,14 @@ class StageSet:
     def _degrade(self, group: list[SpecSession], e: Exception) -> None:
         """Sessions ``group`` decode plain from now on; their drafter state is dropped (best effort)."""
         self.stats["degraded_sessions"] = self.stats.get("degraded_sessions", 0) + len(group)
-        sids, arm = [s.sid for s in group], group[0].arm
+        sids, spec = [s.sid for s in group], group[0].spec
         for s in group:
             s.degraded = True
         if getattr(e, "dead", False):
-            self.on_stage_dead(self.name(self.drafters[arm]), str(e))
-        self.on_event(f"drafter {arm} failed ({type(e).__name__}: {e}); sequences {sids} continue by plain decoding")
+            self.on_stage_dead(self.name(self.drafters[spec]), str(e))
+        self.on_event(f"drafter {spec} failed ({type(e).__name__}: {e}); sequences {sids} continue by plain decoding")
         try:
-            if self.usable(self.drafters[arm]):
-                self.drafters[arm].close(sids)
+            if self.usable(self.drafters[spec]):
+                self.drafters[spec].close(sids)
         except Exception:  # noqa: BLE001 - the stage is failing already
             pass

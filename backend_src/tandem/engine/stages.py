@@ -12,8 +12,8 @@ from .mtp_stage import MTPStage
 def drafter_stages(
     model, dflash: dict | None = None, max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens
 ) -> dict[str, DrafterStage]:
-    """Arm -> drafter stage over the trunk ``model``: its MTP layer (when the checkpoint has one) and one
-    :class:`~tandem.engine.dflash_stage.DFlashStage` for ``dflash`` (arm ->
+    """Spec -> drafter stage over the trunk ``model``: its MTP layer (when the checkpoint has one) and one
+    :class:`~tandem.engine.dflash_stage.DFlashStage` for ``dflash`` (spec ->
     :class:`~tandem.model.dflash.DFlashDrafter`) on the trunk's embedding and LM head. The in-process
     :class:`~tandem.engine.inprocess.Engine` and the served engine core (:mod:`tandem.serving.tandem_model`)
     build their drafters with it."""
@@ -22,5 +22,5 @@ def drafter_stages(
         drafters[schema.MTP] = MTPStage(model, max_num_draft_tokens)
     if dflash:
         stage = DFlashStage(dict(dflash), model.embed_tokens, model.lm_head, max_num_draft_tokens)
-        drafters.update({arm: stage for arm in dflash})
+        drafters.update({spec: stage for spec in dflash})
     return drafters

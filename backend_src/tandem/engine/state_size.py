@@ -9,10 +9,10 @@ A session at a context of ``n`` tokens holds, in the trunk's process:
   each buffer starts with :data:`~tandem.model.cache.MIN_ENTRIES` entries (rows; pools);
 - per ``linear_attention`` layer (KDA), whatever the context: the recurrent state ``H * dk * dk``
   and the conv tail ``3 * H * dk * (K - 1)``;
-- its drafter: the MTP layer's own MLA rows (arm ``mtp``), or the DFlash drafter's context keys and
-  values (``layers * 2 * H * head_dim`` a token, arms ``dflash`` / ``dflash2``);
+- its drafter: the MTP layer's own MLA rows (spec ``mtp``), or the DFlash drafter's context keys and
+  values (``layers * 2 * H * head_dim`` a token, specs ``dflash`` / ``dflash2``);
 - until its drafter ingests them (its first round), its prompt rows' trunk outputs: the hidden row,
-  and on the DFlash arms the target-layer features.
+  and on the DFlash specs the target-layer features.
 
 Every buffer is counted at 4 bytes an element (the CPU caches are float32; bf16 on CUDA holds less,
 so the estimate errs high there).
@@ -33,12 +33,12 @@ ELEMENT = 4
 
 @dataclasses.dataclass(frozen=True)
 class StateSize:
-    """Bytes of one session's state as a function of its arm and context (see the module).
+    """Bytes of one session's state as a function of its spec and context (see the module).
 
     ``mla_row``: bytes a token over every trunk MLA layer; ``mla_pool``: bytes a compressed pool key
     over those layers, one per ``kpool`` tokens; ``kda``: bytes over every KDA layer (fixed);
     ``hidden``: bytes of one trunk output row (``hidden_size``); ``features``: bytes of one row's DFlash
-    target-layer features; ``drafter_row``: arm -> bytes a token of that arm's drafter state."""
+    target-layer features; ``drafter_row``: spec -> bytes a token of that spec's drafter state."""
 
     mla_row: int
     mla_pool: int
@@ -50,7 +50,7 @@ class StateSize:
 
     @classmethod
     def from_configs(cls, trunk: dict, dflash: dict[str, dict] | None = None) -> "StateSize":
-        """From a trunk ``config.json`` dict (transformers field names) and the DFlash drafters' by arm.
+        """From a trunk ``config.json`` dict (transformers field names) and the DFlash drafters' by spec.
         Raises ``KeyError`` naming a missing field."""
         t = trunk
         H = t["num_attention_heads"]
@@ -66,8 +66,8 @@ class StateSize:
         kda = lh * ld * ld + 3 * lh * ld * (K - 1)
         drafters = {schema.MTP: row * ELEMENT * t.get("num_nextn_predict_layers", 1)}
         feats = 0
-        for arm, d in (dflash or {}).items():
-            drafters[arm] = d["num_hidden_layers"] * 2 * d["num_attention_heads"] * d["head_dim"] * ELEMENT
+        for spec, d in (dflash or {}).items():
+            drafters[spec] = d["num_hidden_layers"] * 2 * d["num_attention_heads"] * d["head_dim"] * ELEMENT
             feats = max(feats, len(d["target_layer_ids"]) * d["hidden_size"] * ELEMENT)
         return cls(
             mla_row=n_mla * row * ELEMENT,
@@ -81,18 +81,18 @@ class StateSize:
 
     @classmethod
     def from_folders(cls, checkpoint: str | Path, dflash: dict[str, str | Path] | None = None) -> "StateSize":
-        """From a checkpoint folder's ``config.json`` and the DFlash drafter folders by arm (each with a
+        """From a checkpoint folder's ``config.json`` and the DFlash drafter folders by spec (each with a
         ``config.json``; missing ones are skipped). Raises ``OSError`` / ``KeyError``."""
         read = lambda p: json.loads(Path(p, "config.json").read_text())  # noqa: E731
         return cls.from_configs(
             read(checkpoint), {a: read(p) for a, p in (dflash or {}).items() if Path(p, "config.json").exists()}
         )
 
-    def session(self, arm: str, tokens: int, unread: int = 0) -> int:
-        """Bytes of a session of arm ``arm`` holding ``tokens`` tokens of context, ``unread`` of them
+    def session(self, spec: str, tokens: int, unread: int = 0) -> int:
+        """Bytes of a session of spec ``spec`` holding ``tokens`` tokens of context, ``unread`` of them
         primed but not yet ingested by its drafter (their trunk output rows are kept until then)."""
         n = self.mla_row * max(MIN_ENTRIES, tokens) + self.mla_pool * max(MIN_ENTRIES, tokens // self.kpool) + self.kda
-        if arm != schema.OFF:
-            n += self.drafter_row.get(arm, 0) * tokens
-            n += unread * (self.hidden + (self.features if arm in schema.DFLASH_ARMS else 0))
+        if spec != schema.OFF:
+            n += self.drafter_row.get(spec, 0) * tokens
+            n += unread * (self.hidden + (self.features if spec in schema.DFLASH_SPECS else 0))
         return n

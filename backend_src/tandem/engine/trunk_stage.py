@@ -1,5 +1,5 @@
 """The trunk stage: one :class:`~tandem.model.cache.TrunkCache` per open sequence, batched prime /
-verify / commit, each pass exporting the rows' argmax, hidden and (for the DFlash arms)
+verify / commit, each pass exporting the rows' argmax, hidden and (for the DFlash specs)
 target-layer features. It runs in the engine core's process (the ``tandem`` model's, or in-process).
 """
 

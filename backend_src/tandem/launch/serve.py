@@ -407,7 +407,7 @@ def serve(
     dflash2_checkpoint: str = typer.Option(
         "", help="a DFlash2 drafter folder of its own (config.json + model.safetensors); default: CHECKPOINT/dflash2"
     ),
-    spec: Optional[str] = typer.Option(None, help=f"default arm of a new sequence [{schema.DEFAULTS.spec}]"),
+    spec: Optional[str] = typer.Option(None, help=f"default spec of a new sequence [{schema.DEFAULTS.spec}]"),
     num_draft_tokens: Optional[int] = typer.Option(
         None, help=f"MTP drafts per round when a request says none [{schema.DEFAULTS.num_draft_tokens}]"
     ),

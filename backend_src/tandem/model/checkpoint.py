@@ -229,17 +229,17 @@ def init_weights(model: Trunk, seed: int = 0, std: float = 0.02) -> Trunk:
     return model
 
 
-# -- DFlash drafters: <checkpoint>/<arm>/{config.json, model.safetensors}, arm in tandem.schema.DFLASH_ARMS --------
-#: ``arm -> drafter folder`` (each holding ``config.json`` and ``model.safetensors``)
+# -- DFlash drafters: <checkpoint>/<spec>/{config.json, model.safetensors}, spec in tandem.schema.DFLASH_SPECS --------
+#: ``spec -> drafter folder`` (each holding ``config.json`` and ``model.safetensors``)
 DrafterDirs = dict
 
 
 def drafter_dirs(folder: str | Path, given: dict[str, str | Path] | None = None) -> DrafterDirs:
-    """The DFlash drafter folders of a checkpoint, by arm: ``given[arm]`` (a drafter checkpoint of
-    its own, in the layout ``make model`` writes) where set, else ``<folder>/<arm>`` when it exists.
+    """The DFlash drafter folders of a checkpoint, by spec: ``given[spec]`` (a drafter checkpoint of
+    its own, in the layout ``make model`` writes) where set, else ``<folder>/<spec>`` when it exists.
     Raises ``FileNotFoundError`` naming a given folder that holds no drafter."""
     out = {}
-    for a in schema.DFLASH_ARMS:
+    for a in schema.DFLASH_SPECS:
         d = Path(given[a]) if given and given.get(a) else Path(folder) / a
         if (d / "model.safetensors").exists():
             out[a] = d
@@ -248,8 +248,8 @@ def drafter_dirs(folder: str | Path, given: dict[str, str | Path] | None = None)
     return out
 
 
-def dflash_arms(folder: str | Path, dirs: DrafterDirs | None = None) -> list[str]:
-    """The DFlash arms with a drafter (``dirs`` from :func:`drafter_dirs`; default: under ``folder``)."""
+def dflash_specs(folder: str | Path, dirs: DrafterDirs | None = None) -> list[str]:
+    """The DFlash specs with a drafter (``dirs`` from :func:`drafter_dirs`; default: under ``folder``)."""
     return list(dirs if dirs is not None else drafter_dirs(folder))
 
 
@@ -269,13 +269,13 @@ def dflash_feature_layers(folder: str | Path, dirs: DrafterDirs | None = None) -
 
 def load_dflash(
     folder: str | Path,
-    arm: str,
+    spec: str,
     dtype: torch.dtype = torch.bfloat16,
     path: str | Path | None = None,
     device: str | torch.device = "cpu",
     kernels: KernelSettings = DEFAULT,
 ):
-    """The ``arm`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder (or
+    """The ``spec`` drafter (:class:`~tandem.model.dflash.DFlashDrafter`) of a checkpoint folder (or
     from its own folder ``path``), in eval mode, in ``dtype`` on ``device`` (read on the host, moved
     once), run with the kernel settings ``kernels``. Raises ``FileNotFoundError`` when it is missing, ``KeyError`` on missing or unexpected keys,
     ``ValueError`` on a config field it cannot honour, ``MemoryError`` (before reading the weights)
@@ -284,35 +284,35 @@ def load_dflash(
 
     from .dflash import DFlashConfig, DFlashDrafter
 
-    sub = Path(path) if path is not None else Path(folder) / arm
+    sub = Path(path) if path is not None else Path(folder) / spec
     if not (sub / "model.safetensors").exists():
         raise FileNotFoundError(
-            f"no {arm} drafter in {sub.parent} (expected {sub}/model.safetensors; `make model` trains it)"
+            f"no {spec} drafter in {sub.parent} (expected {sub}/model.safetensors; `make model` trains it)"
         )
     cfg = DFlashConfig.load(sub)
     with torch.device("meta"):
-        shapes = DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2).state_dict()
+        shapes = DFlashDrafter(cfg, dflash2=spec == schema.DFLASH2).state_dict()
     need = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in shapes.values())
     check_bytes(
         need,
         free_bytes(device),
-        f"the {arm} drafter {sub}",
+        f"the {spec} drafter {sub}",
         device,
         f" ({sum(t.numel() for t in shapes.values()) / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})",
     )
-    model = DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2)
+    model = DFlashDrafter(cfg, dflash2=spec == schema.DFLASH2)
     missing, unexpected = model.load_state_dict(load_file(str(sub / "model.safetensors")), strict=False)
     if missing or unexpected:
-        raise KeyError(f"{arm} drafter checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+        raise KeyError(f"{spec} drafter checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
     model = input_major_linears(model.eval().requires_grad_(False).to(device=device, dtype=dtype))
     return model.use_kernels(kernels)
 
 
-def save_dflash(model, folder: str | Path, arm: str, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write ``<folder>/<arm>/config.json`` and ``model.safetensors``."""
+def save_dflash(model, folder: str | Path, spec: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write ``<folder>/<spec>/config.json`` and ``model.safetensors``."""
     from safetensors.torch import save_file
 
-    sub = Path(folder) / arm
+    sub = Path(folder) / spec
     model.cfg.save(sub)
     save_file(
         {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()},

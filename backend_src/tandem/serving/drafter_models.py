@@ -11,7 +11,7 @@ import json
 from .. import schema
 from ..engine.dflash_stage import DFlashStage
 from ..engine.mtp_stage import MTPStage
-from ..model.checkpoint import dflash_arms, load_dflash, load_trunk
+from ..model.checkpoint import dflash_specs, load_dflash, load_trunk
 from ..model.device import kernel_settings, placement
 from ..model.warm import compile_kernels
 from .metrics import STAGE_GAUGES, Gauges
@@ -60,13 +60,13 @@ class DrafterDFlashModel(_DrafterModel):
         super().__init__(pb_utils, args)
         ckpt = self.checkpoint
         dirs = drafter_dirs(self.config, self.repository, ckpt)
-        (dev, dt), arms = placement(self.config), dflash_arms(ckpt, dirs)
+        (dev, dt), specs = placement(self.config), dflash_specs(ckpt, dirs)
         self.stage = None
-        if arms:
+        if specs:
             kernels = kernel_settings(self.config)
             trunk = load_trunk(ckpt, dt, with_mtp=False, device=dev, kernels=kernels)  # its embedding and LM head
             self.stage = DFlashStage(
-                {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in arms},
+                {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs},
                 trunk.embed_tokens,
                 trunk.lm_head,
                 self.config.max_num_draft_tokens,

@@ -77,7 +77,7 @@ class EngineCore:
     """Sessions of the ``tandem`` model: a :class:`Scheduler` on a daemon worker thread, and a
     watchdog thread.
 
-    Args: ``trunk`` — the trunk stage or proxy; ``drafters`` — arm -> drafter stage or proxy (arms
+    Args: ``trunk`` — the trunk stage or proxy; ``drafters`` — spec -> drafter stage or proxy (specs
     not listed are refused); ``stop_ids``; ``decode`` (``list[int] -> str``, for stop strings); ``config``; ``log(message)`` for errors that have no
     request; ``info(message)`` for notable events (a client cancelled a turn); ``watch`` — the
     :class:`~tandem.serving.proxies.WatchedTransport` under the proxies (None: no stage deadline);

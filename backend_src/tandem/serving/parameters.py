@@ -49,15 +49,15 @@ def resolve_checkpoint(config: schema.ServingConfig, model_dir: str | Path, requ
 
 
 def drafter_dirs(config: schema.ServingConfig, model_dir: str | Path, checkpoint: Path) -> dict:
-    """The DFlash drafter folders by arm (:func:`tandem.model.checkpoint.drafter_dirs`): the
+    """The DFlash drafter folders by spec (:func:`tandem.model.checkpoint.drafter_dirs`): the
     ``dflash_checkpoint`` / ``dflash2_checkpoint`` parameters (relative to the model repository, like
-    ``checkpoint``) where set, else ``<checkpoint>/<arm>``. Raises ``FileNotFoundError``."""
+    ``checkpoint``) where set, else ``<checkpoint>/<spec>``. Raises ``FileNotFoundError``."""
     from ..model.checkpoint import drafter_dirs as dirs
 
     repo = Path(model_dir).resolve().parent
     given = {
         a: (p if Path(p).is_absolute() else repo / p)
-        for a in schema.DFLASH_ARMS
+        for a in schema.DFLASH_SPECS
         if (p := getattr(config, f"{a}_checkpoint"))
     }
     return dirs(checkpoint, given)

@@ -227,7 +227,7 @@ class DrafterProxy(_Proxy):
 
 
 class DFlashProxy(_PrefixStoreProxy):
-    """:class:`~tandem.engine.protocols.DrafterAPI` for the DFlash arms over a transport (model
+    """:class:`~tandem.engine.protocols.DrafterAPI` for the DFlash specs over a transport (model
     ``drafter_dflash``): each row's target-layer features and each sequence's anchor go out, the
     drafts come back. Raises :class:`StageError`."""
 
@@ -241,12 +241,12 @@ class DFlashProxy(_PrefixStoreProxy):
                 "FEATURES": _rows_of(its, "features"),
                 "LENGTHS": np.array([len(it.next_tokens) for it in its], np.int32),
                 "ANCHORS": np.array([it.next_tokens[-1] for it in its], np.int64),
-                schema.SPEC: np.array([it.arm.encode() for it in its], dtype=np.object_),
+                schema.SPEC: np.array([it.spec.encode() for it in its], dtype=np.object_),
             },
         )
 
     def open(self, sids: list[int], prefixes: list[tuple[str, list[int]] | None] | None = None) -> None:
-        """Fresh drafter state; sequences with a prefix ``(arm, keys)`` start from its published tails."""
+        """Fresh drafter state; sequences with a prefix ``(spec, keys)`` start from its published tails."""
         if not prefixes or not any(prefixes):
             return super().open(sids)
         self.t(

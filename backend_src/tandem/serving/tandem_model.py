@@ -22,7 +22,7 @@ from .. import schema
 from ..engine.stages import drafter_stages
 from ..engine.state_size import StateSize
 from ..engine.trunk_stage import TrunkStage
-from ..model.checkpoint import dflash_arms, dflash_feature_layers, load_dflash, load_trunk
+from ..model.checkpoint import dflash_specs, dflash_feature_layers, load_dflash, load_trunk
 from ..ops import dispatch
 from ..model.device import kernel_settings, placement
 from ..model.tokenizer import ChatTokenizer
@@ -67,18 +67,18 @@ class TandemModel:
         )
         dispatch.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
         log = pb.Logger.log_error
-        arms = dflash_arms(ckpt, dirs)
+        specs = dflash_specs(ckpt, dirs)
         self.bls = watch = None
         if cfg.colocate:  # the drafters here, on the trunk's embedding and LM head: a round crosses no process
             drafters = drafter_stages(
-                model, {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in arms}, cfg.max_num_draft_tokens
+                model, {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs}, cfg.max_num_draft_tokens
             )
         else:  # the drafter models over BLS, each call under the stage deadline
             self.bls = engine_core.BLSTransport(pb)
             watch = engine_core.WatchedTransport(self.bls, cfg.stage_timeout_s)
             drafters = {schema.MTP: engine_core.DrafterProxy(watch, on_error=log)}
             dflash = engine_core.DFlashProxy(watch, on_error=log)
-            drafters.update({arm: dflash for arm in arms})
+            drafters.update({spec: dflash for spec in specs})
         # the first client turn finds the kernels' layouts built (BLS calls work only inside execute: with the
         # drafter models, the trunk alone)
         warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg)
@@ -105,7 +105,7 @@ class TandemModel:
             f"tandem: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
             f"{dispatch.gemm_tiles(cfg.amx)}); drafters {sorted(drafters)} "
             f"{'in this process' if cfg.colocate else 'in their models (colocate off)'}, DFlash "
-            f"drafters {({a: str(dirs[a]) for a in arms}) or 'none'}; "
+            f"drafters {({a: str(dirs[a]) for a in specs}) or 'none'}; "
             f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)}); {cfg}"
         )
 

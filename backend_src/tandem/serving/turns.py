@@ -90,12 +90,12 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema
     stops = arrays.get(schema.STOP_TOKEN_IDS)
     if stops is not None and np.asarray(stops).ndim != 1:
         raise WireError(f"{schema.STOP_TOKEN_IDS} must be 1-D, got shape {list(np.asarray(stops).shape)}")
-    arm = None if schema.SPEC not in arrays else schema.get_string(arrays, wire.input(schema.SPEC)).strip().lower()
+    spec = None if schema.SPEC not in arrays else schema.get_string(arrays, wire.input(schema.SPEC)).strip().lower()
     return TurnRequest(
         sid,
         tokens,
         schema.get_scalar(arrays, wire.input(schema.MAX_TOKENS)),
-        arm or None,
+        spec or None,
         start=bool(flags & schema.FLAG_START),
         end=bool(flags & schema.FLAG_END),
         num_draft_tokens=None

@@ -2,13 +2,13 @@
 order) so machine drift cancels, on real prompts the drafters never saw in training (seeded ShareGPT
 first turns from beyond the distillation range, + HumanEval).
 
-Rows: plain greedy in-process; each speculative arm in-process (``--arms``: MTP with d drafts per
-round, DFlash, DFlash2); plain and the ``--served-arms`` through a running tritonserver (gRPC
+Rows: plain greedy in-process; each speculative method in-process (``--specs``: MTP with d drafts per
+round, DFlash, DFlash2); plain and the ``--served-specs`` through a running tritonserver (gRPC
 stream); transformers' ``generate`` (greedy) on the same checkpoint. Per row: median tokens/s and
 its interquartile spread, mean acceptance length (tau) and per-position acceptance, median time to
 first token, peak RSS, greedy exact-match rate vs plain (divergences at near-ties counted), the
-analytical ceiling (:mod:`tandem.tools.bench_report`). Ratios: best arm / plain, served /
-in-process per arm, tandem plain / transformers. Then the prefix-cache section
+analytical ceiling (:mod:`tandem.tools.bench_report`). Ratios: best spec / plain, served /
+in-process per spec, tandem plain / transformers. Then the prefix-cache section
 (:mod:`tandem.tools.bench_prefix`): TTFT warm / cold, prime rows skipped, tau warm / cold.
 The main rows run with the prefix cache off (so a row never reuses another row's prompt).
 """
@@ -117,18 +117,18 @@ class TransformersRow:
         }
 
 
-def parse_arm(spec: str) -> tuple[str, str, int | None]:
+def parse_spec(given: str) -> tuple[str, str, int | None]:
     """``"mtp:3"`` -> ``("mtp d=3", "mtp", 3)``; ``"dflash"`` -> ``("dflash", "dflash", None)`` (the whole
     block); ``"dflash2:4"`` -> ``("dflash2 d=4", "dflash2", 4)``; ``"off"`` -> ``("plain", "off", None)``.
     Raises ``typer.BadParameter``."""
 
-    arm, _, d = spec.strip().partition(":")
-    if arm not in schema.SPECS:
-        raise typer.BadParameter(f"arm must be one of {schema.SPECS} (optionally :drafts), got {spec!r}")
-    if arm == schema.OFF:
-        return "plain", arm, None
-    k = int(d) if d else (schema.DEFAULTS.num_draft_tokens if arm == schema.MTP else None)
-    return (f"{arm} d={k}" if k is not None else arm), arm, k
+    spec, _, d = given.strip().partition(":")
+    if spec not in schema.SPECS:
+        raise typer.BadParameter(f"spec must be one of {schema.SPECS} (optionally :drafts), got {given!r}")
+    if spec == schema.OFF:
+        return "plain", spec, None
+    k = int(d) if d else (schema.DEFAULTS.num_draft_tokens if spec == schema.MTP else None)
+    return (f"{spec} d={k}" if k is not None else spec), spec, k
 
 
 @app.command()
@@ -139,14 +139,14 @@ def main(
     reps: int = typer.Option(
         2, help="runs of each prompt on each row (transformers': one), each rep in a fresh row order"
     ),
-    arms: str = typer.Option(
+    specs: str = typer.Option(
         "mtp:1,mtp:3,dflash,dflash2",
-        help="in-process speculative arms (arm[:drafts], comma list; DFlash arms the checkpoint lacks are skipped)",
+        help="in-process speculative methods (spec[:drafts], comma list; DFlash specs the checkpoint lacks are skipped)",
     ),
-    served_arms: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
+    served_specs: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
     prefix_pairs: int = typer.Option(4, help="question pairs of the prefix-cache section (0: skip it)"),
     concurrency: int = typer.Option(
-        8, help="sessions of the concurrency section (plain and the best arm, in-process; 0: skip)"
+        8, help="sessions of the concurrency section (plain and the best spec, in-process; 0: skip)"
     ),
     dtype: str = typer.Option(
         schema.DEFAULTS.dtype, help="auto | bf16 | fp32 (default: the serving default; auto is fp32 on the CPU)"
@@ -178,7 +178,7 @@ def main(
     from rich.progress import Progress
 
     from ..engine.inprocess import Engine
-    from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms, parse_dtype
+    from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_specs, parse_dtype
     from ..ops.cpu.amx import HW_AMX, gemm_tiles
     from ..ops.cpu.tile import HW_BF16
     from .bench_limits import limits, print_limits
@@ -192,8 +192,8 @@ def main(
     if quick:
         prompts, humaneval, max_tokens, prefix_pairs, concurrency, reps = (
             2,
-            1,
-            32,
+            0,
+            16,
             min(prefix_pairs, 1),
             min(concurrency, 2),
             1,
@@ -202,10 +202,10 @@ def main(
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     torch.set_num_threads(threads)
     dt = parse_dtype(dtype)
-    have = set(dflash_arms(checkpoint)) | {schema.MTP, schema.OFF}
-    arm_list = [a for a in map(parse_arm, arms.split(",")) if a[1] in have and a[1] != schema.OFF]
-    served_list = [a for a in map(parse_arm, served_arms.split(",")) if a[1] in have] if served else []
-    skipped = sorted({parse_arm(x)[1] for x in (arms + "," + served_arms).split(",")} - have)
+    have = set(dflash_specs(checkpoint)) | {schema.MTP, schema.OFF}
+    spec_list = [a for a in map(parse_spec, specs.split(",")) if a[1] in have and a[1] != schema.OFF]
+    served_list = [a for a in map(parse_spec, served_specs.split(",")) if a[1] in have] if served else []
+    skipped = sorted({parse_spec(x)[1] for x in (specs + "," + served_specs).split(",")} - have)
     if skipped:
         console.print(f"[yellow]skipping {skipped}: the checkpoint has no such drafter (`make drafter`)[/]")
     seen = used_sharegpt_turns(checkpoint)  # the drafters' distillation prompts: never benchmarked
@@ -219,16 +219,16 @@ def main(
         "prefix_cache_mb": 0,
         "amx": amx,
     }  # (amx: every Engine's)
-    if any(a in schema.DFLASH_ARMS for _, a, _ in arm_list):
-        share["dflash"] = {a: plain_eng.drafters[a].drafters[a] for a in dflash_arms(checkpoint)}
-    engs = {label: Engine(**share, **({"num_draft_tokens": k} if k else {})) for label, arm, k in arm_list}
+    if any(a in schema.DFLASH_SPECS for _, a, _ in spec_list):
+        share["dflash"] = {a: plain_eng.drafters[a].drafters[a] for a in dflash_specs(checkpoint)}
+    engs = {label: Engine(**share, **({"num_draft_tokens": k} if k else {})) for label, spec, k in spec_list}
     tok = plain_eng.tokenizer
     prompt_ids = [tok.chat_prompt(t) if i < prompts else tok.encode(t) for i, t in enumerate(texts)]
     rss_inproc = _rss_mb([os.getpid()])
 
     runners = {"plain (in-process)": lambda ids, n=max_tokens: plain_eng.generate(ids, n, spec="off")}
-    for label, arm, k in arm_list:
-        runners[f"{label} (in-process)"] = lambda ids, n=max_tokens, e=engs[label], a=arm, k=k: e.generate(
+    for label, spec, k in spec_list:
+        runners[f"{label} (in-process)"] = lambda ids, n=max_tokens, e=engs[label], a=spec, k=k: e.generate(
             ids, n, spec=a, num_draft_tokens=k
         )
     server_ctx = server_log = server = None
@@ -254,8 +254,8 @@ def main(
             served_url = server.grpc_url
         else:
             console.print(f"served rows: the running server at {served_url}")
-        for label, arm, k in served_list:
-            runners[f"{label} (served)"] = lambda ids, n=max_tokens, a=arm, k=k: served_generate(
+        for label, spec, k in served_list:
+            runners[f"{label} (served)"] = lambda ids, n=max_tokens, a=spec, k=k: served_generate(
                 ids, n, url=served_url, spec=a, num_draft_tokens=k
             )
     if hf:
@@ -300,13 +300,13 @@ def main(
                         )
                         prog.advance(task)
         rss_server = _rss_mb(_tree_pids(server.proc.pid)) if server is not None else None
-        pre_arm = next((a for _, a, _ in arm_list if a in schema.DFLASH_ARMS), None)
-        if prefix_pairs and pre_arm:
+        pre_spec = next((a for _, a, _ in spec_list if a in schema.DFLASH_SPECS), None)
+        if prefix_pairs and pre_spec:
             peng = Engine(model=plain_eng.model, tokenizer=tok, dflash=share.get("dflash"), amx=amx)
             qs = sharegpt_prompts(2 * prefix_pairs, seed=seed + 1, exclude=seen, max_chars=400)
             with Progress(console=console) as prog:
-                task = prog.add_task(f"prefix cache warm vs cold ({pre_arm})", total=4 * prefix_pairs)
-                prefix = run_prefix_section(peng, tok, qs, max_tokens, pre_arm, on_step=lambda: prog.advance(task))
+                task = prog.add_task(f"prefix cache warm vs cold ({pre_spec})", total=4 * prefix_pairs)
+                prefix = run_prefix_section(peng, tok, qs, max_tokens, pre_spec, on_step=lambda: prog.advance(task))
     finally:
         if server_ctx is not None:
             server_ctx.__exit__(None, None, None)
@@ -314,7 +314,7 @@ def main(
     plain_ref = {r["prompt"]: r for r in raw["plain (in-process)"] if not r["rep"]}
     n_pos = {
         f"{label} ({w})": (k or schema.DEFAULTS.block_size - 1)
-        for label, a, k in arm_list + served_list
+        for label, a, k in spec_list + served_list
         if a != schema.OFF
         for w in ("in-process", "served")
     }
@@ -329,9 +329,9 @@ def main(
         for n in names
     ]
     by = {r["name"]: r for r in out_rows}
-    ratios = speedup_ratios(by, raw, [label for label, _, _ in arm_list], [label for label, _, _ in served_list], hf)
+    ratios = speedup_ratios(by, raw, [label for label, _, _ in spec_list], [label for label, _, _ in served_list], hf)
     profile = {
-        "ceilings": ceilings(by, {label: engs[label].sched.timing for label, _, _ in arm_list}, plain_eng.sched.timing)
+        "ceilings": ceilings(by, {label: engs[label].sched.timing for label, _, _ in spec_list}, plain_eng.sched.timing)
     }
     if server_log is not None and server_log.exists():
         server_log.unlink()
@@ -343,11 +343,11 @@ def main(
     scaling = []
     if concurrency > 1:
         conc_ids = [tok.chat_prompt(t) for t in sharegpt_prompts(concurrency, seed=seed + 2, exclude=seen)]
-        best = next((a for a in arm_list if a[0] == ratios.get("best_arm")), None)
-        for label, arm, k in [("plain", schema.OFF, None)] + ([best] if best else []):
+        best = next((a for a in spec_list if a[0] == ratios.get("best_spec")), None)
+        for label, spec, k in [("plain", schema.OFF, None)] + ([best] if best else []):
             console.print(f"concurrency: {concurrency} sessions vs one at a time ({label}) ...")
-            eng = plain_eng if arm == schema.OFF else engs[label]
-            scaling.append({**run_scaling(eng, conc_ids, max_tokens, arm), "label": label})
+            eng = plain_eng if spec == schema.OFF else engs[label]
+            scaling.append({**run_scaling(eng, conc_ids, max_tokens, spec), "label": label})
     if concurrency > 1:  # 8 long prompts waiting while 4 sessions stream, and a 2-token prompt arriving behind them
         import inspect
         import json as json_mod
@@ -396,8 +396,8 @@ def main(
             "quick": quick,
             "max_tokens": max_tokens,
             "reps": reps,
-            "arms": arms,
-            "served_arms": served_arms,
+            "specs": specs,
+            "served_specs": served_specs,
             "url": url,
             "dtype": dtype,
             "amx": amx,

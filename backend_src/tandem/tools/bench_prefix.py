@@ -1,4 +1,4 @@
-"""`make bench`'s prefix-cache section: warm vs cold starts, in-process, on one DFlash arm.
+"""`make bench`'s prefix-cache section: warm vs cold starts, in-process, on one DFlash spec.
 
 Per pair of questions ``(q1, q2)`` under one long shared system prompt ``S``:
 
@@ -29,7 +29,7 @@ SYSTEM = (
 )
 
 
-def run_prefix_section(engine, tokenizer, questions: list[str], max_tokens: int, arm: str, on_step=None) -> dict:
+def run_prefix_section(engine, tokenizer, questions: list[str], max_tokens: int, spec: str, on_step=None) -> dict:
     """Run the warm / cold protocol over consecutive pairs of ``questions`` on ``engine`` (an
     :class:`~tandem.engine.inprocess.Engine` with the prefix cache on). Returns medians and counts:
     ``ttft_ratio_same``, ``ttft_ratio_shared`` (warm / cold), ``rows_skipped_same`` / ``_shared``,
@@ -39,7 +39,7 @@ def run_prefix_section(engine, tokenizer, questions: list[str], max_tokens: int,
 
     def gen(ids):
         before = sched.prefix.stats["rows_skipped"]
-        r = engine.generate(ids, max_tokens, spec=arm)
+        r = engine.generate(ids, max_tokens, spec=spec)
         r["rows_skipped"] = sched.prefix.stats["rows_skipped"] - before
         if on_step is not None:
             on_step()
@@ -75,7 +75,7 @@ def run_prefix_section(engine, tokenizer, questions: list[str], max_tokens: int,
         for x in runs
     ]
     return {
-        "arm": arm,
+        "spec": spec,
         "pairs": 2 * len(runs),
         "identical": sum(x["warm_a"]["token_ids"] == x["cold_a"]["token_ids"] for x in runs)
         + sum(x["warm_b"]["token_ids"] == x["cold_b"]["token_ids"] for x in runs),

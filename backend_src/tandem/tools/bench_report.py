@@ -1,7 +1,7 @@
 """`make bench`'s figures from its raw runs: per-row medians and spreads, acceptance, exact match,
-ratios, the analytical ceiling per arm, the served round breakdown, and the printed table.
+ratios, the analytical ceiling per spec, the served round breakdown, and the printed table.
 
-The ceiling of an in-process arm is ``n * T_plain / T_round`` with ``n`` the tokens its rounds
+The ceiling of an in-process spec is ``n * T_plain / T_round`` with ``n`` the tokens its rounds
 emit on average, ``T_round`` the measured draft + verify (commit folded in) + accept time of its
 rounds and ``T_plain`` plain decoding's round (Leviathan et al. 2023, §3.4, expected walltime
 improvement, with measured rather than modelled costs). ``n`` equals tau when every round drafts;
@@ -83,7 +83,7 @@ def _median_prompt_ratio(raw: dict, row: str, ref: str) -> float | None:
 
 
 def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf: bool) -> dict:
-    """The ratios: best in-process arm / plain (all tokens over all seconds, and the median of the
+    """The ratios: best in-process spec / plain (all tokens over all seconds, and the median of the
     per-prompt ratios), served / in-process per served row (the same two: the per-prompt pairs ran
     back to back, so their median is the steadier figure on a noisy machine), tandem plain / transformers."""
     agg = {n: r["tokens_per_s_aggregate"] for n, r in by.items()}
@@ -92,9 +92,9 @@ def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf
     if labels:
         best = max(labels, key=lambda x: agg[f"{x} (in-process)"])
         out.update(
-            best_arm=best,
-            best_arm_vs_plain=agg[f"{best} (in-process)"] / plain,
-            best_arm_vs_plain_median_prompt=_median_prompt_ratio(raw, f"{best} (in-process)", "plain (in-process)"),
+            best_spec=best,
+            best_spec_vs_plain=agg[f"{best} (in-process)"] / plain,
+            best_spec_vs_plain_median_prompt=_median_prompt_ratio(raw, f"{best} (in-process)", "plain (in-process)"),
         )
     for label in served:
         ip = agg.get(f"{label} (in-process)")
@@ -109,18 +109,18 @@ def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf
 
 
 def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
-    """Per in-process arm (``label -> scheduler timing``): measured round costs, tau, ceiling and
-    measured speed-up over plain (all tokens over all seconds). Adds ``ceiling_speedup`` to each arm's row in ``by``."""
+    """Per in-process spec (``label -> scheduler timing``): measured round costs, tau, ceiling and
+    measured speed-up over plain (all tokens over all seconds). Adds ``ceiling_speedup`` to each spec's row in ``by``."""
     t_plain = sum(plain_timing[x] for x in STAGES) / max(plain_timing["rounds"], 1)
     plain_tps = by["plain (in-process)"]["tokens_per_s_aggregate"]
-    out = {"plain_round_s": t_plain, "arms": {}}
+    out = {"plain_round_s": t_plain, "specs": {}}
     for label, ts in timings.items():
         t_round = {x: ts[x] / max(ts["rounds"], 1) for x in STAGES}
         row = by[f"{label} (in-process)"]
         tau, per_round = row["mean_acceptance_length"], row.get("tokens_per_round")  # equal unless demoted rounds
         ceiling = per_round * t_plain / sum(t_round.values()) if sum(t_round.values()) and per_round else None
         row["ceiling_speedup"] = ceiling
-        out["arms"][label] = {
+        out["specs"][label] = {
             "round_s": t_round,
             "rounds": ts["rounds"],
             "tau": tau,
@@ -134,7 +134,7 @@ def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
 
 
 def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: str) -> None:
-    """The rich table, the ratios, one ceiling line per arm and the served calls."""
+    """The rich table, the ratios, one ceiling line per spec and the served calls."""
     from rich.table import Table
 
     table = Table(title=title)
@@ -169,7 +169,7 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
     for key, v in ratios.items():
         console.print(f"{key:>30}: " + (f"{v:.2f}x" if isinstance(v, float) else str(v)))
     t_plain = profile["ceilings"]["plain_round_s"]
-    for name, a in profile["ceilings"]["arms"].items():
+    for name, a in profile["ceilings"]["specs"].items():
         if a["ceiling_speedup"] is None:
             continue
         console.print(
@@ -182,7 +182,7 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
     pre = profile.get("prefix")
     if pre:
         console.print(
-            f"{'prefix cache (' + pre['arm'] + ')':>30}: TTFT warm/cold {pre['ttft_ratio_same']:.2f}x (same prompt), "
+            f"{'prefix cache (' + pre['spec'] + ')':>30}: TTFT warm/cold {pre['ttft_ratio_same']:.2f}x (same prompt), "
             f"{pre['ttft_ratio_shared']:.2f}x (shared system prompt); prime rows skipped "
             f"{pre['rows_skipped_same']:.0f} / {pre['rows_skipped_shared']:.0f} per prompt of "
             f"{pre['prompt_rows']:.0f}; tau warm/cold {pre['tau_ratio']:.3f}; identical outputs "

@@ -181,7 +181,7 @@ def main(
     checkpoint: Path = typer.Option(DEFAULT_CHECKPOINT, help="trunk checkpoint; drafters are written beside it"),
     minutes: float = typer.Option(12.0, help="training budget per drafter (minutes)"),
     gen_minutes: float = typer.Option(15.0, help="data generation budget (minutes)"),
-    arms: str = typer.Option(",".join(schema.DFLASH_ARMS), help="drafters to train (comma list)"),
+    specs: str = typer.Option(",".join(schema.DFLASH_SPECS), help="drafters to train (comma list)"),
     prompt_len: int = typer.Option(48, help="prompt tokens per generated sequence"),
     new_tokens: int = typer.Option(96, help="trunk greedy tokens per sequence"),
     gen_batch: int = typer.Option(32, help="sequences generated together"),
@@ -243,8 +243,8 @@ def main(
         "drafters": {},
     }
     log_f = open(checkpoint / "distill_log.jsonl", "w")
-    for step_i, arm in enumerate(a for a in arms.split(",") if a):
-        print(f"[{2 + step_i}/3] train {arm} ({minutes:.0f} min)")
+    for step_i, spec in enumerate(a for a in specs.split(",") if a):
+        print(f"[{2 + step_i}/3] train {spec} ({minutes:.0f} min)")
         cfg = DFlashConfig(
             hidden_size=trunk32.cfg.hidden_size,
             vocab_size=trunk32.cfg.vocab_size,
@@ -254,8 +254,8 @@ def main(
             intermediate_size=trunk32.cfg.intermediate_size,
             swiglu_limit=trunk32.cfg.swiglu_limit,
         )
-        report["drafters"][arm] = train_drafter(
-            DFlashDrafter(cfg, dflash2=arm == schema.DFLASH2),
+        report["drafters"][spec] = train_drafter(
+            DFlashDrafter(cfg, dflash2=spec == schema.DFLASH2),
             trunk32,
             seqs_t,
             feats_t,
@@ -267,10 +267,10 @@ def main(
             lr,
             gamma,
             seed,
-            arm,
+            spec,
             log_f,
         )
-        save_dflash(report["drafters"][arm].pop("model"), checkpoint, arm)
+        save_dflash(report["drafters"][spec].pop("model"), checkpoint, spec)
     log_f.close()
     plot_curves(checkpoint / "distill_log.jsonl", checkpoint / "distill_curve.png")
     (checkpoint / "distill_report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -290,7 +290,7 @@ def train_drafter(
     lr,
     gamma,
     seed,
-    arm,
+    spec,
     log_f,
 ) -> dict:
     """Train one drafter for ``minutes``; returns its figures and the model (key ``model``)."""
@@ -304,7 +304,7 @@ def train_drafter(
     bs, t = model.cfg.block_size, seqs.shape[1]
     train_idx = torch.arange(n_val, len(seqs))
     budget, t0, step, tokens = minutes * 60, time.time(), 0, 0
-    bar = tqdm(total=int(budget), desc=arm, unit="s")
+    bar = tqdm(total=int(budget), desc=spec, unit="s")
     while time.time() - t0 < budget:
         frac = (time.time() - t0) / budget
         for grp in opt.param_groups:
@@ -321,7 +321,7 @@ def train_drafter(
         tokens += batch * n_anchor * (bs - 1)
         if step % 10 == 0:
             rec = {
-                "arm": arm,
+                "spec": spec,
                 "step": step,
                 "seconds": round(time.time() - t0, 1),
                 "ce": ls["ce"].item(),
@@ -356,8 +356,11 @@ def plot_curves(log: Path, path: Path) -> None:
     """Block CE per drafter over training steps."""
     recs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     series = {
-        f"{arm} block CE": ([r["step"] for r in recs if r["arm"] == arm], [r["ce"] for r in recs if r["arm"] == arm])
-        for arm in sorted({r["arm"] for r in recs})
+        f"{spec} block CE": (
+            [r["step"] for r in recs if r["spec"] == spec],
+            [r["ce"] for r in recs if r["spec"] == spec],
+        )
+        for spec in sorted({r["spec"] for r in recs})
     }
     save_curves(
         series, "step", "weighted block cross-entropy (nats/token)", "DFlash drafters distilled from the trunk", path

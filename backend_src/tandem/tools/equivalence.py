@@ -1,4 +1,4 @@
-"""Record every arm's output on the bench prompts, in-process and served, and compare two records.
+"""Record every spec's output on the bench prompts, in-process and served, and compare two records.
 
 A change that must not change behaviour (a refactor of the engine, the kernels or the serving path) is
 checked by recording before and after it and comparing::
@@ -7,11 +7,11 @@ checked by recording before and after it and comparing::
     python -m tandem.tools.equivalence record after.json       # on the change
     python -m tandem.tools.equivalence compare before.json after.json
 
-A record holds, per prompt, the greedy token ids of every arm (``off``, ``mtp``, ``dflash``,
-``dflash2``; the DFlash arms the checkpoint holds) in-process and served, and seeded sampled outputs
-(``rejection`` and ``coupled``) of every arm, in-process and served. ``compare`` exits 1 on the first
-difference, naming the prompt, arm, path and the first token that differs. Within one record, every
-greedy arm must equal plain greedy decoding (exits 1 otherwise): speculation is lossless.
+A record holds, per prompt, the greedy token ids of every spec (``off``, ``mtp``, ``dflash``,
+``dflash2``; the DFlash specs the checkpoint holds) in-process and served, and seeded sampled outputs
+(``rejection`` and ``coupled``) of every spec, in-process and served. ``compare`` exits 1 on the first
+difference, naming the prompt, spec, path and the first token that differs. Within one record, every
+greedy spec must equal plain greedy decoding (exits 1 otherwise): speculation is lossless.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .. import schema
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
-#: the seeded sampled turns recorded per prompt (every arm, both sampling modes)
+#: the seeded sampled turns recorded per prompt (every spec, both sampling modes)
 SAMPLED = {"TEMPERATURE": 0.8, "TOP_P": 0.95, "SEED": 11}
 
 
@@ -49,35 +49,35 @@ def record(
     served: bool = typer.Option(True, help="also record the served outputs (starts a tritonserver)"),
     checkpoint: Path = typer.Option(None, help="checkpoint folder (default: the shipped one)"),
 ) -> None:
-    """Run every arm on the bench prompts, in-process and served, and write the token ids to OUT."""
+    """Run every spec on the bench prompts, in-process and served, and write the token ids to OUT."""
     from rich.console import Console
 
     from ..engine.inprocess import Engine
-    from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_arms
+    from ..model.checkpoint import DEFAULT_CHECKPOINT, dflash_specs
 
     console = Console(stderr=True)
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
-    arms = [schema.OFF, schema.MTP] + [a for a in (schema.DFLASH, schema.DFLASH2) if a in dflash_arms(checkpoint)]
+    specs = [schema.OFF, schema.MTP] + [a for a in (schema.DFLASH, schema.DFLASH2) if a in dflash_specs(checkpoint)]
     eng = Engine(checkpoint, prefix_cache_mb=0)
     ids = _prompts(checkpoint, prompts, humaneval, eng.tokenizer)
     modes = (schema.REJECTION, schema.COUPLED)
-    rec: dict = {"max_tokens": max_tokens, "arms": arms, "prompts": ids, "paths": {}}
+    rec: dict = {"max_tokens": max_tokens, "specs": specs, "prompts": ids, "paths": {}}
 
     def run(path: str, greedy, sampled) -> None:
         got = rec["paths"][path] = {"greedy": {}, "sampled": {}}
-        for arm in arms:
-            console.print(f"{path}: {arm} ...")
-            got["greedy"][arm] = [greedy(p, arm) for p in ids]
+        for spec in specs:
+            console.print(f"{path}: {spec} ...")
+            got["greedy"][spec] = [greedy(p, spec) for p in ids]
             for mode in modes:
-                got["sampled"][f"{arm}/{mode}"] = [sampled(p, arm, mode) for p in ids[:sampled_prompts]]
+                got["sampled"][f"{spec}/{mode}"] = [sampled(p, spec, mode) for p in ids[:sampled_prompts]]
 
     run(
         "in-process",
-        lambda p, arm: eng.generate(p, max_tokens, spec=arm)["token_ids"],
-        lambda p, arm, mode: eng.generate(
+        lambda p, spec: eng.generate(p, max_tokens, spec=spec)["token_ids"],
+        lambda p, spec, mode: eng.generate(
             p,
             max_tokens,
-            spec=arm,
+            spec=spec,
             temperature=SAMPLED["TEMPERATURE"],
             top_p=SAMPLED["TOP_P"],
             seed=SAMPLED["SEED"],
@@ -94,9 +94,9 @@ def record(
         with running_server(env=env, ready_timeout_s=240) as srv:
             run(
                 "served",
-                lambda p, arm: generate(p, max_tokens, url=srv.grpc_url, spec=arm)["token_ids"],
-                lambda p, arm, mode: generate(
-                    p, max_tokens, url=srv.grpc_url, spec=arm, sampling={**SAMPLED, "SAMPLING": mode}
+                lambda p, spec: generate(p, max_tokens, url=srv.grpc_url, spec=spec)["token_ids"],
+                lambda p, spec, mode: generate(
+                    p, max_tokens, url=srv.grpc_url, spec=spec, sampling={**SAMPLED, "SAMPLING": mode}
                 )["token_ids"],
             )
     out.write_text(json.dumps(rec) + "\n")
@@ -104,8 +104,8 @@ def record(
     for line in bad:
         console.print(f"[red]{line}[/]")
     console.print(
-        f"wrote {out}: {len(ids)} prompts x {len(arms)} arms x {len(rec['paths'])} paths"
-        + ("" if bad else "; every greedy arm equals plain greedy decoding")
+        f"wrote {out}: {len(ids)} prompts x {len(specs)} specs x {len(rec['paths'])} paths"
+        + ("" if bad else "; every greedy spec equals plain greedy decoding")
     )
     raise typer.Exit(1 if bad else 0)
 
@@ -116,19 +116,19 @@ def _first_diff(a: list[int], b: list[int]) -> str:
 
 
 def lossless_errors(rec: dict) -> list[str]:
-    """Within one record: each greedy arm's output that differs from plain greedy decoding on the same path."""
+    """Within one record: each greedy spec's output that differs from plain greedy decoding on the same path."""
     out = []
     for path, got in rec["paths"].items():
         plain = got["greedy"][schema.OFF]
-        for arm, outs in got["greedy"].items():
+        for spec, outs in got["greedy"].items():
             for j, (a, b) in enumerate(zip(plain, outs)):
                 if a != b:
-                    out.append(f"{path} {arm} prompt {j} differs from plain greedy: {_first_diff(a, b)}")
+                    out.append(f"{path} {spec} prompt {j} differs from plain greedy: {_first_diff(a, b)}")
     return out
 
 
 def differences(before: dict, after: dict) -> list[str]:
-    """Every (path, kind, arm, prompt) whose token ids differ between two records, or that one lacks."""
+    """Every (path, kind, spec, prompt) whose token ids differ between two records, or that one lacks."""
     if before["prompts"] != after["prompts"] or before["max_tokens"] != after["max_tokens"]:
         return ["the records ran different prompts or max_tokens: record both with the same options"]
     out = []
@@ -138,13 +138,13 @@ def differences(before: dict, after: dict) -> list[str]:
             out.append(f"{path}: only in {'after' if a is None else 'before'}")
             continue
         for kind in ("greedy", "sampled"):
-            for arm in sorted(set(a[kind]) | set(b[kind])):
-                xs, ys = a[kind].get(arm), b[kind].get(arm)
+            for spec in sorted(set(a[kind]) | set(b[kind])):
+                xs, ys = a[kind].get(spec), b[kind].get(spec)
                 if xs is None or ys is None:
-                    out.append(f"{path} {kind} {arm}: only in {'after' if xs is None else 'before'}")
+                    out.append(f"{path} {kind} {spec}: only in {'after' if xs is None else 'before'}")
                     continue
                 out += [
-                    f"{path} {kind} {arm} prompt {j}: {_first_diff(x, y)}"
+                    f"{path} {kind} {spec} prompt {j}: {_first_diff(x, y)}"
                     for j, (x, y) in enumerate(zip(xs, ys))
                     if x != y
                 ]
@@ -162,7 +162,7 @@ def compare(before: Path = typer.Argument(...), after: Path = typer.Argument(...
         sys.exit(1)
     n = sum(len(v) for p in b["paths"].values() for kind in p.values() for v in kind.values())
     print(
-        f"identical: {n} outputs ({len(b['prompts'])} prompts x {len(b['arms'])} arms, "
+        f"identical: {n} outputs ({len(b['prompts'])} prompts x {len(b['specs'])} specs, "
         f"{', '.join(b['paths'])}; greedy and seeded sampled)"
     )
 

@@ -1,4 +1,4 @@
-"""Drafter block attention of the DFlash arms: every sequence's block of ``S`` queries attends,
+"""Drafter block attention of the DFlash specs: every sequence's block of ``S`` queries attends,
 non-causally, to that sequence's injected context K/V and then to the block's own ``S`` keys, for
 all sequences in one launch.
 
