@@ -18,13 +18,14 @@ from .trunk import Trunk
 
 
 def compile_kernels() -> float:
-    """Compile every kernel for the argument types serving passes (numba caches them on disk beside
-    the files of ``tandem/ops/cpu``, so only the first call on a
-    machine pays: ~100 s on 2 cores) by running tiny random trunks through primes and two-sequence
-    verifies (and, row-invariant, decode steps in one call): the plain layout, and the serving layout in the row-invariant mode with fp32 weights,
-    with bf16-exact weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each
-    a set of argument types of the fused blocks), on a CPU with AMX for both GEMM tiles (:mod:`~tandem.ops.cpu.amx`:
-    the ``amx`` parameter picks one; a model each, :class:`~tandem.ops.settings.KernelSettings`). Returns the seconds it took."""
+    """Compile every kernel for the argument types serving passes (numba caches them on disk beside the
+    files of ``tandem/ops/cpu``, so only the first call on a machine pays: ~140 s on 2 cores) by running tiny
+    random trunks through primes and two-sequence verifies (and, row-invariant, decode steps in one call):
+    the plain layout; the serving layout in the row-invariant mode with fp32 weights, with bf16-exact
+    weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each a set of argument
+    types of the fused blocks), on a CPU with AMX for both GEMM tiles (the ``amx`` parameter picks one);
+    and the shipped weights with float32 GEMM inputs (``dtype=fp32``). A model each,
+    :class:`~tandem.ops.settings.KernelSettings`. Returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = TrunkConfig(
         vocab_size=64,
@@ -84,6 +85,10 @@ def compile_kernels() -> float:
                 model = input_major_linears(trunk(weights)).use_kernels(KernelSettings(amx=amx))
                 model.batch_invariant = True  # the row-invariant GEMM and MoE (ops/cpu/gemm.py), the fused blocks
                 run(model)
+        # ``dtype=fp32``: float32 GEMM inputs on the shipped weights (the tiles play no part)
+        model = input_major_linears(trunk("shipped")).use_kernels(KernelSettings(gemm_inputs="fp32"))
+        model.batch_invariant = True
+        run(model)
     return time.perf_counter() - t0
 
 
