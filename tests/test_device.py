@@ -28,7 +28,7 @@ from tandem.model.config import TrunkConfig
 from tandem.model.device import kernel_settings, parse_dtype, placement, resolve_device
 from tandem.launch.settings import parameter_overrides
 from tandem.serving.parameters import serving_config
-from tandem.serving import engine_core as fr
+from tandem.serving import proxies
 
 GiB = 2**30
 
@@ -148,7 +148,7 @@ def test_host_memory_check_names_the_cpu(monkeypatch, checkpoint):
         load_trunk(checkpoint, torch.float32, device="cpu")
 
 
-class _MetaDefault(fr.LocalTransport):
+class _MetaDefault(proxies.LocalTransport):
     """Every stage call runs with ``meta`` as torch's default device: a tensor a stage makes for the
     model without ``device=`` is then a meta tensor, which fails the call or changes its outputs."""
 
@@ -181,17 +181,17 @@ def _turns(checkpoint, trunk, meta: bool, kernels: KernelSettings = DEFAULT) -> 
     stage call on meta."""
     feats = dflash_feature_layers(checkpoint)
     drafters = {a: load_dflash(checkpoint, a, torch.float32, kernels=kernels) for a in dflash_specs(checkpoint)}
-    tr = (_MetaDefault if meta else fr.LocalTransport)(
+    tr = (_MetaDefault if meta else proxies.LocalTransport)(
         {
             "drafter_mtp": MTPStage(trunk),
             "drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head),
         }
     )
-    dfl = fr.DFlashProxy(tr)
+    dfl = proxies.DFlashProxy(tr)
     stage = TrunkStage(trunk, 512, feats)
     sched = Scheduler(
         _OnMeta(stage) if meta else stage,
-        {schema.MTP: fr.DrafterProxy(tr), **{a: dfl for a in drafters}},
+        {schema.MTP: proxies.DrafterProxy(tr), **{a: dfl for a in drafters}},
         schema.DEFAULTS,
     )
     prompt = list(range(10, 10 + schema.PREFIX_BLOCK + 9))

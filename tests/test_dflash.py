@@ -12,7 +12,7 @@ from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import DraftRequest
 from tandem.engine.scheduler import Turn
 from tandem.model.dflash import DFlashConfig, DFlashDrafter, TwoTapConv, rope
-from tandem.serving import engine_core as fr
+from tandem.serving import proxies
 
 from conftest import make_tiny_trunk
 
@@ -89,8 +89,8 @@ def test_dflash_ingest_is_deferred_to_round_one(tiny):
 def test_dflash_proxy_equals_stage(tiny):
     trunk, drafters = tiny
     ref = DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)
-    tr = fr.LocalTransport({"drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)})
-    proxy = fr.DFlashProxy(tr)
+    tr = proxies.LocalTransport({"drafter_dflash": DFlashStage(drafters, trunk.embed_tokens, trunk.lm_head)})
+    proxy = proxies.DFlashProxy(tr)
     feats = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
     items = [
         DraftRequest(1, torch.zeros(0), [5, 6, 7, 9], 4, feats[:4], "dflash"),
@@ -100,11 +100,11 @@ def test_dflash_proxy_equals_stage(tiny):
         st.open([1, 2**64 - 1])
     got, want = proxy.draft(items), ref.draft(items)
     assert got == want and [len(d) for d in got] == [4, 2]
-    with pytest.raises(fr.StageError, match=r"SPEC: sequence 1 drafts with dflash, not dflash2"):
+    with pytest.raises(proxies.StageError, match=r"SPEC: sequence 1 drafts with dflash, not dflash2"):
         proxy.draft([DraftRequest(1, torch.zeros(0), [5], 4, feats[:1], "dflash2")])
-    with pytest.raises(fr.StageError, match=r"FEATURES must be \[N, 128\]"):
+    with pytest.raises(proxies.StageError, match=r"FEATURES must be \[N, 128\]"):
         proxy.draft([DraftRequest(1, torch.zeros(0), [5], 4, feats[:1, :64], "dflash")])
-    with pytest.raises(fr.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
+    with pytest.raises(proxies.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
         proxy.draft([DraftRequest(1, torch.zeros(0), [5], 9, feats[:1], "dflash")])
 
 

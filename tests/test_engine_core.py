@@ -15,6 +15,8 @@ from tandem.engine.protocols import Commit, DraftRequest, Rows
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.serving import engine_core as fr
+from tandem.serving import proxies
+from tandem.serving import turns
 from tandem_client.client import IncrementalDecoder
 
 from conftest import make_tiny_trunk
@@ -26,7 +28,7 @@ def model():
 
 
 def local(model):
-    return fr.LocalTransport({"drafter_mtp": MTPStage(model)})
+    return proxies.LocalTransport({"drafter_mtp": MTPStage(model)})
 
 
 def test_sid_wire_roundtrip():
@@ -42,7 +44,7 @@ def test_proxy_equals_stage(model):
     """draft through the drafter model's wire form gives the in-process stage's drafts; the trunk stage
     folds a round's commit into the next verify or prime."""
     tr = local(model)
-    drafter, trunk = fr.DrafterProxy(tr), TrunkStage(model)
+    drafter, trunk = proxies.DrafterProxy(tr), TrunkStage(model)
     ref_d = MTPStage(model)
     items = [Rows(1, [5, 6, 7, 8, 9]), Rows(2**63 + 7, [10, 11])]
     for st in (trunk, drafter, ref_d):
@@ -71,14 +73,14 @@ def test_service_errors_name_the_field(model):
         stage.handle({"OP": schema.string_array("train"), "SIDS": np.array([9])})
     with pytest.raises(schema.WireError, match="SIDS: a sequence id appears twice"):
         stage.handle({"OP": schema.string_array("close"), "SIDS": np.array([9, 9])})
-    drafter = fr.DrafterProxy(tr)
+    drafter = proxies.DrafterProxy(tr)
     drafter.close([12345])  # closing an unknown sequence is a no-op
-    with pytest.raises(fr.StageError, match="SIDS: unknown sequence id 4"):
+    with pytest.raises(proxies.StageError, match="SIDS: unknown sequence id 4"):
         drafter.draft([DraftRequest(4, torch.zeros(1, model.cfg.hidden_size), [1], 2)])
     drafter.open([4])
-    with pytest.raises(fr.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
+    with pytest.raises(proxies.StageError, match=r"NUM_DRAFT_TOKENS must be in \[0, 8\], got 9"):
         drafter.draft([DraftRequest(4, torch.zeros(1, model.cfg.hidden_size), [1], 9)])
-    with pytest.raises(fr.StageError, match="LENGTHS sum to 3 but NEXT_TOKENS has 1 rows"):
+    with pytest.raises(proxies.StageError, match="LENGTHS sum to 3 but NEXT_TOKENS has 1 rows"):
         tr(
             schema.DRAFTER_MTP,
             "draft",
@@ -93,7 +95,7 @@ def test_service_errors_name_the_field(model):
 
 
 def test_parse_turn():
-    t = fr.parse_turn(
+    t = turns.parse_turn(
         {
             "INPUT_IDS": np.array([1, 2], np.int32),
             "MAX_TOKENS": np.array([5], np.int32),
@@ -113,20 +115,20 @@ def test_parse_turn():
         True,
         (),
     )
-    t = fr.parse_turn(
+    t = turns.parse_turn(
         {"MAX_TOKENS": np.array([1]), "NUM_DRAFT_TOKENS": np.array([2]), "STOP_TOKEN_IDS": np.array([7, 9], np.int32)},
         7,
         schema.FLAG_START | schema.FLAG_END,
     )
     assert (t.tokens, t.spec, t.num_draft_tokens, t.start, t.end, t.stop_token_ids) == ([], None, 2, True, True, (7, 9))
     assert (
-        fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start,
-        fr.parse_turn({"MAX_TOKENS": np.array([1])}, 7, schema.FLAG_END).end,
+        turns.parse_turn({"MAX_TOKENS": np.array([1])}, 7, 0).start,
+        turns.parse_turn({"MAX_TOKENS": np.array([1])}, 7, schema.FLAG_END).end,
     ) == (False, True)
     # no sequence id (HTTP generate): a one-turn session of its own, ids from 2**63 up with 63 random bits (a
     # CANCEL names the id, so one turn's id must not tell another's)
     a, b = (
-        fr.parse_turn(
+        turns.parse_turn(
             {
                 "MAX_TOKENS": np.array([1]),
                 "STREAM": np.array([False]),
@@ -140,7 +142,7 @@ def test_parse_turn():
     assert (
         a.sid >= 2**63 and b.sid >= 2**63 and (a.start, a.end, a.stream, a.stop) == (True, True, False, ("\n\n", "é"))
     )
-    ids = [fr.parse_turn({"MAX_TOKENS": np.array([1])}, 0, 0).sid - 2**63 for _ in range(200)]
+    ids = [turns.parse_turn({"MAX_TOKENS": np.array([1])}, 0, 0).sid - 2**63 for _ in range(200)]
     assert len(set(ids)) == 200 and max(abs(x - y) for x, y in zip(ids, ids[1:])) > 2**40
     assert 0.4 < np.mean([bin(x).count("1") / 63 for x in ids]) < 0.6  # the low 63 bits are random
     for inputs, corr, msg in [
@@ -188,11 +190,11 @@ def test_parse_turn():
         ),
     ]:
         with pytest.raises(schema.WireError, match=msg):
-            fr.parse_turn(inputs, corr, schema.FLAG_START | schema.FLAG_END)
+            turns.parse_turn(inputs, corr, schema.FLAG_START | schema.FLAG_END)
     with pytest.raises(
         schema.WireError, match="INPUT_IDS has 65 elements, over the limit of 64"
     ):  # the server's max_ctx
-        fr.parse_turn({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros(65, np.int32)}, 1, 0, max_ctx=64)
+        turns.parse_turn({"MAX_TOKENS": np.array([1]), "INPUT_IDS": np.zeros(65, np.int32)}, 1, 0, max_ctx=64)
 
 
 def _run(front, req):
@@ -220,7 +222,7 @@ def test_front_over_proxies_equals_in_process(model):
     tr = local(model)
     cfg = schema.ServingConfig(max_ctx=64)
     core_trunk = TrunkStage(model)
-    front = fr.EngineCore(core_trunk, {"mtp": fr.DrafterProxy(tr)}, stop_ids=(), config=cfg)
+    front = fr.EngineCore(core_trunk, {"mtp": proxies.DrafterProxy(tr)}, stop_ids=(), config=cfg)
     try:
         ref_s = Scheduler(TrunkStage(model), {"mtp": MTPStage(model)}, cfg)
         for spec in ("mtp", "off"):
@@ -234,12 +236,12 @@ def test_front_over_proxies_equals_in_process(model):
             ref_s.admit([Turn(5, [1, 2, 3, 4], 12, emit, spec=spec)])
             while 5 in ref_s.turns:
                 ref_s.burst()
-            got = _run(front, fr.TurnRequest(2**64 - 5, [1, 2, 3, 4], 12, spec))
+            got = _run(front, turns.TurnRequest(2**64 - 5, [1, 2, 3, 4], 12, spec))
             assert got["err"] is None and got["ids"] == ref["ids"] and got["rounds"] == ref["rounds"]
             assert got["finish"] == "length" and got["bursts"] >= 2
-        bad = _run(front, fr.TurnRequest(6, [1] * 70, 4))
+        bad = _run(front, turns.TurnRequest(6, [1] * 70, 4))
         assert bad["err"].startswith("INPUT_IDS: 0 context + 70 new tokens") and "64" in bad["err"]
-        lost = _run(front, fr.TurnRequest(7, [1], 4, start=False))["err"]
+        lost = _run(front, turns.TurnRequest(7, [1], 4, start=False))["err"]
         assert lost.startswith(
             "sequence_id: unknown sequence id 7: this server holds no such session (set "
             "sequence_start on the first turn; behind a proxy, send the x-tandem-session header"
@@ -254,7 +256,7 @@ def test_front_survives_a_broken_client(model):
     tr = local(model)
     front = fr.EngineCore(
         TrunkStage(model),
-        {"mtp": fr.DrafterProxy(tr)},
+        {"mtp": proxies.DrafterProxy(tr)},
         stop_ids=(),
         config=schema.ServingConfig(max_ctx=64, burst_rounds=1),
     )
@@ -265,8 +267,8 @@ def test_front_survives_a_broken_client(model):
         def broken(arrays, err, final):
             raise ConnectionError("client gone")
 
-        front.submit(fr.TurnRequest(1, [1, 2], 30), broken)
-        ok = _run(front, fr.TurnRequest(2, [1, 2], 6))
+        front.submit(turns.TurnRequest(1, [1, 2], 30), broken)
+        ok = _run(front, turns.TurnRequest(2, [1, 2], 6))
         assert ok["err"] is None and len(ok["ids"]) == 6
         for _ in range(200):
             if 1 not in front.sched.sessions:
@@ -303,7 +305,7 @@ class _Exiting:
 
     def __call__(self, model, op, arrays):
         if self.exiting and op in self.ops:
-            raise fr.StageError(model.name, op, "Server not ready")
+            raise proxies.StageError(model.name, op, "Server not ready")
         return self.inner(model, op, arrays)
 
 
@@ -314,7 +316,7 @@ def test_shutdown_ends_turns_with_one_clear_error(model):
     tr = _Exiting(local(model), {"draft"})
     front = fr.EngineCore(
         TrunkStage(model, 256),
-        {"mtp": fr.DrafterProxy(tr)},
+        {"mtp": proxies.DrafterProxy(tr)},
         stop_ids=(),
         config=schema.ServingConfig(max_ctx=256, burst_rounds=1),
     )
@@ -326,7 +328,7 @@ def test_shutdown_ends_turns_with_one_clear_error(model):
         started.set()
 
     try:
-        front.submit(fr.TurnRequest(1, [1, 2], 200, "mtp"), send)
+        front.submit(turns.TurnRequest(1, [1, 2], 200, "mtp"), send)
         assert started.wait(30)
         tr.exiting = True
         front.stop()

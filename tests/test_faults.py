@@ -16,6 +16,8 @@ from tandem.engine.mtp_stage import MTPStage
 from tandem.engine.scheduler import Scheduler, Turn
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.serving import engine_core as fr
+from tandem.serving import proxies
+from tandem.serving import turns
 
 from conftest import make_tiny_trunk
 
@@ -46,7 +48,7 @@ class Faulty:
     def __init__(self, model) -> None:
         self.model = model
         self.stages = {DRAFTER: MTPStage(model)}
-        self.inner = fr.LocalTransport(self.stages)
+        self.inner = proxies.LocalTransport(self.stages)
         self.hang: set[tuple[str, str]] = set()
         self.dead: set[str] = set()
         self.dying: set[str] = set()  # dead once a hung call is released
@@ -57,12 +59,12 @@ class Faulty:
         self.calls.append((model.name, op, len(arrays.get("SIDS", ()))))
         if model.name in self.dead:
             time.sleep(0.05)
-            raise fr.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
+            raise proxies.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
         if (model.name, op) in self.hang:
             self.release.wait(30)
             if model.name in self.dying:  # died while the call hung: the backend says so at last
                 self.dead.add(model.name)
-                raise fr.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
+                raise proxies.StageError(model.name, op, f"Stub process '{model.name}_0_0' is not healthy.")
         return self.inner(model, op, arrays)
 
     def drafts_since(self, n: int) -> int:
@@ -104,7 +106,7 @@ def _front(
     of each spec (a first call compiles kernels) before its stage deadline is lowered to ``stage_timeout_s``.
     With ``restarts``, a restart of a model is recorded there and takes 0.3 s (or, with ``back``, until it
     is set), after which the model answers again."""
-    w = fr.WatchedTransport(tr, 30.0)
+    w = proxies.WatchedTransport(tr, 30.0)
 
     def restart(name: str) -> None:
         restarts.append(name)
@@ -116,7 +118,7 @@ def _front(
 
     front = fr.EngineCore(
         TrunkStage(tr.model),
-        {"mtp": fr.DrafterProxy(w)},
+        {"mtp": proxies.DrafterProxy(w)},
         stop_ids=(),
         watch=w,
         restart=None if restarts is None else restart,
@@ -130,7 +132,7 @@ def _front(
 
 def _turn(front, sid, max_tokens=100, **kw) -> Client:
     c = Client()
-    front.submit(fr.TurnRequest(sid, [1, 2, 3], max_tokens, **kw), c.send)
+    front.submit(turns.TurnRequest(sid, [1, 2, 3], max_tokens, **kw), c.send)
     return c
 
 

@@ -14,7 +14,7 @@ from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import Rows
 from tandem.engine.prefix import KeyedHasher, PrefixIndex, reusable_blocks, split_points
 from tandem.engine.scheduler import Scheduler, Turn
-from tandem.serving import engine_core as fr
+from tandem.serving import proxies
 
 from test_dflash import _Tok, tiny  # noqa: F401 - the tiny trunk + drafters fixture
 
@@ -285,9 +285,9 @@ def test_warm_start_with_the_drafter_over_the_wire_equals_cold(tiny):  # noqa: F
     refused by each store."""
     trunk, drafters = tiny
     ref = _engine(tiny, burst_rounds=2)
-    tr = fr.LocalTransport({"drafter_dflash": ref.drafters["dflash"]})
+    tr = proxies.LocalTransport({"drafter_dflash": ref.drafters["dflash"]})
     stage = ref.drafters["dflash"]
-    sched = Scheduler(ref.trunk, {a: fr.DFlashProxy(tr) for a in schema.DFLASH_SPECS}, ref.config, stop_ids=())
+    sched = Scheduler(ref.trunk, {a: proxies.DFlashProxy(tr) for a in schema.DFLASH_SPECS}, ref.config, stop_ids=())
     ids = _ids(C + 50, 31)
     cold, _ = _run(sched, 1, ids, 30, "dflash")
     warm, _ = _run(sched, 2, ids, 30, "dflash")
@@ -296,7 +296,7 @@ def test_warm_start_with_the_drafter_over_the_wire_equals_cold(tiny):  # noqa: F
     sched.trunk.open([99])
     with pytest.raises(KeyError):
         sched.trunk.prime([Rows(99, [1, 2], [5])])
-    with pytest.raises(fr.StageError, match="PREFIX_KEYS: no dflash drafter tail for prefix block 5"):
+    with pytest.raises(proxies.StageError, match="PREFIX_KEYS: no dflash drafter tail for prefix block 5"):
         sched.drafters["dflash"].open([99], [("dflash", [5])])
     sched.trunk.close([99])
 

@@ -1,7 +1,7 @@
 """The engine core's threads in the ``tandem`` model's process: the worker thread that owns every session
 by running a :class:`~tandem.engine.scheduler.Scheduler`, the admission clock, the watchdog of drafter
 models, stage restarts, the exit probe and gauges. Request parsing and response packing live in :mod:`tandem.serving.turns`, the stage proxies
-in :mod:`tandem.serving.proxies` (both re-exported here).
+in :mod:`tandem.serving.proxies`.
 
 Triton-free: ``model_repository/tandem/1/model.py`` converts ``pb_utils`` tensors to numpy and back;
 :class:`BLSTransport` gets ``pb_utils`` passed in. The trunk stage runs in this process; the drafters too
@@ -25,23 +25,8 @@ from ..schema import Arrays, ServingConfig
 from .process import set_thread_nice
 from .memory import Trimmer
 from .telemetry import Telemetry
-from .turns import (  # re-exported
-    TurnRequest as TurnRequest,
-    Usage as Usage,
-    parse_sampling as parse_sampling,
-    parse_turn as parse_turn,
-    receipt_outputs as receipt_outputs,
-)
-from .proxies import (  # re-exported
-    BLSTransport as BLSTransport,
-    CallStats as CallStats,
-    DFlashProxy as DFlashProxy,
-    DrafterProxy as DrafterProxy,
-    LocalTransport as LocalTransport,
-    StageError as StageError,
-    Transport as Transport,
-    WatchedTransport as WatchedTransport,
-)
+from .proxies import StageError, WatchedTransport
+from .turns import Usage, receipt_outputs
 
 #: ``send(outputs, error, final)``: one streamed response (``outputs`` None when ``error`` is set).
 Send = Callable[[Arrays | None, str | None, bool], None]

@@ -26,7 +26,7 @@ from ..model.checkpoint import dflash_specs, dflash_feature_layers, load_dflash,
 from ..ops import dispatch
 from ..model.device import kernel_settings, placement
 from ..model.tokenizer import ChatTokenizer
-from . import engine_core
+from . import engine_core, proxies, turns
 from .metrics import Gauges, MetricsPublisher
 from .parameters import drafter_dirs, resolve_checkpoint, serving_config
 from .process import dump_stacks_on_signal, reload_model, require_one_instance, set_thread_nice, set_torch_threads
@@ -74,10 +74,10 @@ class TandemModel:
                 model, {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs}, cfg.max_num_draft_tokens
             )
         else:  # the drafter models over BLS, each call under the stage deadline
-            self.bls = engine_core.BLSTransport(pb)
-            watch = engine_core.WatchedTransport(self.bls, cfg.stage_timeout_s)
-            drafters = {schema.MTP: engine_core.DrafterProxy(watch, on_error=log)}
-            dflash = engine_core.DFlashProxy(watch, on_error=log)
+            self.bls = proxies.BLSTransport(pb)
+            watch = proxies.WatchedTransport(self.bls, cfg.stage_timeout_s)
+            drafters = {schema.MTP: proxies.DrafterProxy(watch, on_error=log)}
+            dflash = proxies.DFlashProxy(watch, on_error=log)
             drafters.update({spec: dflash for spec in specs})
         # the first client turn finds the kernels' layouts built (BLS calls work only inside execute: with the
         # drafter models, the trunk alone)
@@ -153,7 +153,7 @@ class TandemModel:
                 )
                 continue
             try:
-                turn = engine_core.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)
+                turn = turns.parse_turn(arrays, request.correlation_id(), request.flags(), self.max_ctx)
             except schema.WireError as e:
                 self.core.reject(send, str(e))
                 continue
