@@ -27,6 +27,14 @@ $(WARM): $(STAMP) $(wildcard backend_src/tandem/ops/cpu/*.py)
 	$(VPY) -m tandem.model.warm
 	@touch $(WARM)
 
+# the ShareGPT turns the shipped drafters were distilled from, which the bench leaves out of its prompts, drawn
+# once into ~/.cache/tandem (tandem.tools.distill.used_sharegpt_turns; ~15 s)
+TURNS := $(VENV)/.stamp-turns
+$(TURNS): $(STAMP) model_repository/weights/tandem-tiny/distill_report.json
+	$(VPY) -c "from tandem.model.checkpoint import DEFAULT_CHECKPOINT as c; \
+		from tandem.tools.distill import used_sharegpt_turns as u; print(f'tandem: {len(u(c))} distilled turns known')"
+	@touch $(TURNS)
+
 # HAProxy for the bounded HTTP front of every server (`make serve`, the test servers) and for `make serve-cluster`:
 # Debian 12's haproxy 2.6 + the libraries it lacks here, fetched with apt-get download and unpacked under
 # triton_backends/haproxy (no root install; once)
@@ -34,7 +42,7 @@ HAPROXY := triton_backends/haproxy/.stamp
 $(HAPROXY): $(STAMP)
 	$(VPY) -m tandem.launch.cluster install-haproxy
 
-setup: $(STAMP) $(BACKEND) $(WARM) $(HAPROXY)
+setup: $(STAMP) $(BACKEND) $(WARM) $(TURNS) $(HAPROXY)
 
 # Triton on 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics), HTTP and metrics through the bounded HAProxy
 # front (tandem.launch.http_front), so even one server needs HAProxy: setup installs it; CHECKPOINT=dir overrides
@@ -50,11 +58,13 @@ REPLICAS ?= 2
 serve-cluster: setup
 	$(VPY) -m tandem.launch.cluster serve --replicas $(REPLICAS) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
-# style by tools (ruff: pyproject.toml's [tool.ruff]), then the suite with its 15 slowest tests listed
+# style by tools (ruff: pyproject.toml's [tool.ruff]), then the suite on two pytest-xdist workers with its 15 slowest
+# tests listed: the tests that serve (tests/conftest.py, group "served") run one after another on one worker, the
+# in-process tests on both
 test: setup
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/ruff check --quiet .
-	$(VPY) -m pytest -q --durations=15 tests
+	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 # trunk + MTP layer (ARGS go to tandem.tools.train), then the DFlash drafters distilled from it
 model: setup

@@ -114,6 +114,7 @@ def served_folder(tmp_path_factory):
     return _folder(folder, OTHER_TEMPLATE)
 
 
+@pytest.mark.integration
 def test_serving_a_sharded_checkpoint_with_its_own_template(served_folder):
     """tritonserver serves the sharded random-weight folder (TANDEM_CHECKPOINT, what `make
     serve CHECKPOINT=...` sets) and `tandem generate --checkpoint` streams from it with the folder's

@@ -268,3 +268,39 @@ def test_sessions_draft_together_as_alone(tiny):
         got = together.draft(items)
         want = [alone[it.sid].draft([it])[0] for it in items]
         assert got == want and [len(d) for d in got] == [4, 4, 2, 4]
+
+
+def test_distilled_turns_are_drawn_once_and_kept(tmp_path, monkeypatch, checkpoint):
+    """The ShareGPT turns a checkpoint's drafters were distilled from are what the distillation's prompt
+    draw took (by digest); the draw is kept under the cache folder and read back there, and a changed
+    report is a new draw."""
+    import json
+    import shutil
+
+    from tandem.model.tokenizer import ChatTokenizer
+    from tandem.tools import distill
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    shutil.copy(checkpoint / "tokenizer.json", ck / "tokenizer.json")
+    (ck / "distill_report.json").write_text(
+        json.dumps({"prompts_listed": 40, "prompt_len": 24, "seed": 3, "sequences": 30})
+    )
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert len(distill.used_sharegpt_turns(tmp_path)) == 0  # no report: nothing was distilled
+    pairs = distill.training_prompts(ChatTokenizer(ck / "tokenizer.json"), 40, 24, 3, with_sources=True)
+    want = {s for _, s in pairs[:30] if s is not None}
+    got = distill.used_sharegpt_turns(ck)
+    assert len(got) == len(want) > 0 and all(s in got for s in want)
+    assert (
+        not any(s in got for _, s in pairs[30:] if s is not None and s not in want) and "a text never seen" not in got
+    )
+    kept = list(distill.turns_cache_dir().glob("distill-turns-*.json"))
+    assert len(kept) == 1 and len(json.loads(kept[0].read_text())) == len(want)
+    monkeypatch.setattr(distill, "training_prompts", lambda *a, **k: pytest.fail("drawn again"))
+    assert distill.used_sharegpt_turns(ck).digests == got.digests  # read back from the cache
+    (ck / "distill_report.json").write_text(
+        json.dumps({"prompts_listed": 40, "prompt_len": 24, "seed": 3, "sequences": 5})
+    )
+    with pytest.raises(pytest.fail.Exception, match="drawn again"):
+        distill.used_sharegpt_turns(ck)

@@ -44,14 +44,16 @@ def _server(env: dict[str, str]):
     if not (CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"{CHECKPOINT} has no model.safetensors")
     env = {"TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()), **env}
-    with running_server(env=env, ready_timeout_s=240) as s:
+    with running_server(env=env, ready_timeout_s=240, exit_timeout_s=3) as s:
         s.drafter_models = tuple(m for m in models_to_load(env) if m in DRAFTER_MODELS)  # what state() reads
         yield s
 
 
 @pytest.fixture(scope="module")
 def srv():
-    """The default shape: the drafters in the ``tandem`` model's process, no drafter model loaded."""
+    """The default shape: the drafters in the ``tandem`` model's process, no drafter model loaded. Its exit
+    timeout is 3 s: after the streams these tests cancel, Triton 2.51 may hold the ``tandem`` model's unload
+    the whole timeout (docs/known-issues.md); ``test_lifecycle`` checks a clean stop."""
     yield from _server(LIMITS)
 
 
@@ -456,9 +458,10 @@ def _sse(port: int, body: dict, out: list, i: int) -> None:
 
 
 def test_a_flood_is_refused_within_the_admission_wait(srv):
-    """40 concurrent HTTP generate_stream turns against 16 sessions (admission_wait_s 1): each turn beyond
-    the open sessions gets its "no free session" refusal within admission_wait_s + 1 s of its request,
-    however busy the worker is priming the others; the state frees once the streams are dropped."""
+    """40 concurrent HTTP generate_stream turns against 16 sessions (admission_wait_s 1; 1,000 tokens each, not
+    streamed: an admitted turn's one response comes at its end, seconds later): each turn beyond the open
+    sessions gets its "no free session" refusal within admission_wait_s + 1 s of its request, however busy
+    the worker is priming the others; the state frees once the streams are dropped."""
     from conftest import LONG_TURN_TEXTS
     from tandem.model.tokenizer import ChatTokenizer
 
@@ -467,7 +470,8 @@ def test_a_flood_is_refused_within_the_admission_wait(srv):
     out: list = [None] * 40
     ts = [
         threading.Thread(
-            target=_sse, args=(srv.http_port, {"text_input": text, "max_tokens": 3000, "spec": "off"}, out, i)
+            target=_sse,
+            args=(srv.http_port, {"text_input": text, "max_tokens": 1000, "spec": "off"}, out, i),
         )
         for i in range(40)
     ]
@@ -510,7 +514,7 @@ def _short_cycle(url, i: int, rng: random.Random) -> None:
 
 
 def test_short_turns_of_every_kind_leak_nothing(srv):
-    """200 cycles of short turns (every spec at max_tokens 1, stop strings, cancels during prefill, empty
+    """160 cycles of short turns (every spec at max_tokens 1, stop strings, cancels during prefill, empty
     later turns; 4 clients) leave every state gauge at baseline and each process's RSS within 5% of its
     value after a warm-up of 40 cycles."""
 
@@ -542,7 +546,7 @@ def test_short_turns_of_every_kind_leak_nothing(srv):
     before = process_rss(srv.proc.pid)
     blocks = tandem_metrics(srv.metrics_port)["tandem"]["prefix_cache_blocks"]
     t0 = time.monotonic()
-    errors = run(40, 240)
+    errors = run(40, 200)
     elapsed = time.monotonic() - t0
     assert not errors, errors[:5]
     wait_for(settled, 5.0)
@@ -551,7 +555,7 @@ def test_short_turns_of_every_kind_leak_nothing(srv):
     assert tandem_metrics(srv.metrics_port)["tandem"]["prefix_cache_blocks"] == blocks  # (published in the warm-up)
     growth = {k: after[k] / before[k] - 1 for k in before if k in after}
     print(
-        f"\n200 cycles in {elapsed:.0f} s; RSS before -> after: "
+        f"\n160 cycles in {elapsed:.0f} s; RSS before -> after: "
         + ", ".join(
             f"{k} {before[k] / 2**20:.0f} -> {after[k] / 2**20:.0f} MB ({100 * g:+.1f}%)" for k, g in growth.items()
         )

@@ -326,21 +326,21 @@ def test_soak_judges_every_state_gauge_at_baseline():
 
 @pytest.mark.integration
 def test_short_soak_passes(tmp_path):
-    """`make soak` in miniature: 4 users for 15 s with cancellations and bad requests; no unexpected
-    failure, gauges back at baseline, and the report with its plot (memory tolerance loose: 15 s
+    """`make soak` in miniature: 4 users for 9 s with cancellations and bad requests; no unexpected
+    failure, gauges back at baseline, and the report with its plot (memory tolerance loose: 9 s
     does not get past the warm-up)."""
     argv = [
         sys.executable,
         "-m",
         "loadtest.soak",
         "--minutes",
-        "0.25",
+        "0.15",
         "--users",
         "4",
         "--sample-s",
         "1",
         "--warmup-s",
-        "3",
+        "2",
         "--rss-tolerance",
         "0.5",
         "--cancel-share",

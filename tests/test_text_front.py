@@ -233,6 +233,7 @@ def test_grpc_ensemble_multi_turn_on_one_sequence(server, cli_reply):
     assert ctx2 > ctx1 + 64 and t2
 
 
+@pytest.mark.integration
 def test_clients_that_leave_the_ensemble_are_cancelled_and_leave_nothing_in_flight(tmp_path):
     """A curl stream killed mid-turn, then a gRPC ensemble stream cancelled mid-turn: Triton marks only
     the ensemble's later step requests cancelled (not the running tandem step), so postprocessing

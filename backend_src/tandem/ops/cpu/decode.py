@@ -206,11 +206,26 @@ def _layer_plans(model) -> tuple | None:
     return tuple(out)
 
 
+@njit(cache=True)
+def _list_with(x):  # pragma: no cover - numba
+    out = List()
+    out.append(x)
+    return out
+
+
+@njit(cache=True)
+def _append(out, x):  # pragma: no cover - numba
+    out.append(x)
+
+
 def _typed(items: list) -> List:
-    lst = List()
-    for x in items:
-        lst.append(x)
-    return lst
+    """A numba typed list of ``items`` (one numba type, at least one), filled by cached compiled functions
+    whose signatures depend on the element type only: a typed list filled from Python compiles its methods
+    at run time, uncached (seconds at every process start)."""
+    out = _list_with(items[0])
+    for x in items[1:]:
+        _append(out, x)
+    return out
 
 
 def _plan(model) -> _Plan | None:
