@@ -18,7 +18,7 @@ class Flaky:
     collapses), counting the rounds it drafted."""
 
     def __init__(self, stage) -> None:
-        self.stage, self.broken, self.calls = stage, False, 0
+        self.stage, self.broken, self.calls, self.drafts = stage, False, 0, []
 
     def open(self, sids, *a):
         return self.stage.open(sids, *a)
@@ -29,6 +29,7 @@ class Flaky:
     def draft(self, items):
         self.calls += 1
         out = self.stage.draft(items)
+        self.drafts.append({it.sid: d for it, d in zip(items, out)})
         return [[(t + 1) % 8192 for t in d] for d in out] if self.broken else out
 
 
@@ -54,7 +55,8 @@ def _engine(base, **config) -> tuple[Engine, Flaky]:
 
 
 def _run(eng, prompts, spec, max_tokens=64, **sampling):
-    """Generate ``prompts`` as concurrent sessions; returns their outputs and sessions' final states."""
+    """Generate ``prompts`` as concurrent sessions (``spec``: theirs, or one each); returns their outputs and
+    sessions' final states."""
     from tandem.engine.sampling import SamplingParams
 
     out, states = {}, {}
@@ -65,7 +67,7 @@ def _run(eng, prompts, spec, max_tokens=64, **sampling):
             p,
             max_tokens,
             lambda r, e, f, i=i: out.setdefault(i, []).extend(r.tokens if r else [e]),
-            spec=spec,
+            spec=spec[i] if isinstance(spec, list) else spec,
             end=False,
             sampling=smp,
         )
@@ -181,3 +183,32 @@ def test_steady_predicts_what_speculates_answers_round_by_round():
     pol.speculates(s)
     pol.observe(s, 0, 7, 1)  # near the bar: one round of nothing accepted demotes it
     assert s.demotion.demoted and pol.speculates(s) is False
+
+
+def test_demoted_and_plain_sessions_decode_together_in_one_compiled_call(base, monkeypatch):
+    """Plain and demoted sessions between probe rounds go to the trunk's decode call together (the
+    compiled rounds: a demoted session costs what a plain one does), with the tokens, the probe rounds
+    and the drafts of every probe (the drafter took in the same rows) of the rounds one verify at a
+    time."""
+    prompts = _prompts(base, 3)
+    specs = [schema.OFF, schema.DFLASH2, schema.DFLASH2]
+
+    def run(compiled: bool):
+        eng, flaky = _engine(base)
+        flaky.broken = True
+        calls: list[int] = []
+        real = eng.trunk.decode_rows
+        if compiled:
+            monkeypatch.setattr(eng.trunk, "decode_rows", lambda items, *a: calls.append(len(items)) or real(items, *a))
+        else:
+            monkeypatch.setattr(eng.trunk, "decode_rows", None)
+        out, st = _run(eng, prompts, specs, 96)
+        assert st[1].demoted and st[2].demoted and eng.sched.stats["demotions"] == 2
+        return out, flaky.drafts, calls, eng.sched.stats["rounds"]
+
+    got, drafts, calls, rounds = run(True)
+    want, want_drafts, _, want_rounds = run(False)
+    plain, _ = _run(_engine(base)[0], prompts, schema.OFF, 96)
+    assert got == want == plain and rounds == want_rounds
+    assert drafts == want_drafts and len(drafts) < rounds / 6  # the same probes, drafting from the same rows
+    assert calls.count(3) >= 2  # the plain session beside both demoted ones

@@ -73,7 +73,7 @@ class Demotion:
     def steady(self, s, rounds: int, load: int, drafts: int) -> tuple[bool, int]:
         """What :meth:`speculates` will answer for session ``s`` over its next rounds, without changing
         anything: ``(drafts?, n)`` with ``1 <= n <= rounds`` rounds over which the answer stays the same
-        whatever those rounds accept (a call of the co-located trunk runs them with one plan). An
+        whatever those rounds accept (plain rounds in one trunk call, :mod:`tandem.engine.plain_rounds`). An
         undemoted session keeps drafting while even rounds accepting nothing (tau 1) could not
         demote it at ``load`` active sessions (fewer later) and ``drafts`` drafts a round (at most);
         a demoted one decodes plain until its next probe round, which is a call of its own (its
@@ -89,6 +89,13 @@ class Demotion:
         every = max(1, c.demote_probe_rounds)
         probe = every - st.since % every  # rounds until the probe round (1: the next one)
         return (True, 1) if probe == 1 else (False, min(rounds, probe - 1))
+
+    def ran_plain(self, s, rounds: int) -> None:
+        """Session ``s`` decoded ``rounds`` plain rounds in one call (the steady rounds :meth:`steady` gave)
+        without asking :meth:`speculates` a round: a demoted one's probe clock moves as those answers would
+        have moved it."""
+        if s.demotion.demoted and s.spec != schema.OFF and not s.degraded:
+            s.demotion.since += rounds
 
     def _may_demote(self, s, n: int, load: int, drafts: int) -> bool:
         """Whether :meth:`observe` could demote ``s`` after its next ``n`` speculative rounds."""

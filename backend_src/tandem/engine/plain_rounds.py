@@ -1,8 +1,10 @@
-"""The engine core's plain decode rounds in one trunk call: when every active session decodes plain
-greedy rows (spec ``off``, no sampling, no stop strings), the rounds of a burst go to the trunk as
-one :meth:`~tandem.engine.trunk_stage.TrunkStage.decode` call (compiled on the CPU,
-:mod:`tandem.ops.cpu.decode`) instead of one verify call each, and are then applied round by round
-with the same accept walk: the same tokens, receipts and caches as the rounds one at a time."""
+"""The engine core's plain decode rounds in one trunk call: while every active session decodes plain
+greedy rows (greedy, no stop strings, and no drafts: spec ``off``, a degraded session, or a demoted one
+between its probe rounds), the rounds of a burst go to the trunk as one
+:meth:`~tandem.engine.trunk_stage.TrunkStage.decode` call (compiled on the CPU,
+:mod:`tandem.ops.cpu.decode`) instead of one verify call each, and are then applied as the
+speculative round (:class:`~tandem.engine.spec_round.SpecRound`) applies rounds without drafts: the
+same tokens, receipts, caches, drafter rows and demotion clock as the rounds one at a time."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 import time
 
 from .. import schema
+from .demotion import Demotion
 from .protocols import Rows, TrunkAPI, VerifyOut
 from .session import Receipt, SpecSession, finish
 
@@ -17,39 +20,49 @@ from .session import Receipt, SpecSession, finish
 class PlainRounds:
     """A burst's plain greedy rounds in one trunk ``decode`` call (:meth:`run`).
 
-    Args: ``trunk`` — the trunk stage (rounds in one call need its ``decode_rows``); ``stats`` and
-    ``timing`` — the engine core's counters (``rounds``) and stage clocks (``verify_s``, ``accept_s``,
-    ``rounds``), added to in place.
+    Args: ``trunk`` — the trunk stage (rounds in one call need its ``decode_rows``); ``demotion`` — which
+    sessions draft in the coming rounds (a demoted session decodes plain until its probe round);
+    ``stats`` and ``timing`` — the engine core's counters (``rounds``) and stage clocks (``verify_s``,
+    ``accept_s``, ``rounds``), added to in place.
     """
 
-    def __init__(self, trunk: TrunkAPI, stats: dict, timing: dict) -> None:
-        self.trunk, self.stats, self.timing = trunk, stats, timing
+    def __init__(self, trunk: TrunkAPI, demotion: Demotion, stats: dict, timing: dict) -> None:
+        self.trunk, self.demotion, self.stats, self.timing = trunk, demotion, stats, timing
         #: seconds a round of the last decode call took (0: none yet), to end a burst near ``burst_ms``
         self.round_s = 0.0
 
-    def applicable(self, act: list[SpecSession]) -> bool:
-        """Whether the sessions ``act`` (some) all decode plain greedy rows (spec ``off``, no sampling, no
-        stop strings) on a trunk that decodes them in one call."""
-        return (
-            bool(act)
-            and getattr(self.trunk, "decode_rows", None) is not None
-            and all(s.spec == schema.OFF and s.sampling is None and s.stop_text is None for s in act)
-        )
+    def plain_rounds(self, act: list[SpecSession], most: int) -> int:
+        """How many of the next ``most`` rounds every session of ``act`` decodes plain greedy rows (greedy, no
+        stop strings, no drafts: :meth:`~tandem.engine.demotion.Demotion.steady`) on a trunk that decodes them
+        in one call; 0 when one of them drafts (or samples, or has stop strings) in the next round."""
+        if not act or getattr(self.trunk, "decode_rows", None) is None:
+            return 0
+        n = most
+        for s in act:
+            if s.sampling is not None or s.stop_text is not None:
+                return 0
+            if not (s.spec == schema.OFF or s.degraded or s.demotion.demoted):
+                return 0  # (it speculates: the cheap answer before steady's)
+            drafts, n = self.demotion.steady(s, n, len(act), 0)
+            if drafts:
+                return 0
+        return n
 
     def run(
         self, act: list[SpecSession], receipts: dict[int, Receipt], most: int, deadline: float | None = None
     ) -> tuple[int, bool]:
         """Run up to ``most`` rounds of the active sessions ``act`` in one trunk ``decode`` call when they
-        all decode plain greedy rows (:meth:`applicable`) and each can run two rounds at least (its budget
-        and context room); with a ``deadline`` (``time.perf_counter()`` seconds), only the rounds that end
+        all decode plain greedy rows for two rounds at least (:meth:`plain_rounds`, each session's budget and
+        context room); with a ``deadline`` (``time.perf_counter()`` seconds), only the rounds that end
         at the first round boundary after it at the last call's pace (:func:`rounds_until`). Each
         session's receipt in ``receipts`` (made when missing) gets its rounds. Returns the rounds run
         (0: not applicable, nothing ran) and whether they were every round the deadline gave (the
         burst then ends: a second call for the time left would be mostly its fixed cost)."""
-        if not self.applicable(act):
+        plain = self.plain_rounds(act, most)
+        if plain < 2:
             return 0, False
         paced = rounds_until(deadline, self.round_s)
-        steps = min(most, paced, *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
+        steps = min(plain, paced, *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
         if steps < 2:
             return 0, False
         t0 = time.perf_counter()
@@ -61,8 +74,8 @@ class PlainRounds:
         self.round_s = (t1 - t0) / n
         for s, o in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
-            k = o.argmax.shape[0]
-            s.trunk_commit = _apply(s, o.argmax.tolist(), o.top2_gap.tolist(), o.rows_at(k - 1), r)
+            s.trunk_commit = _apply(s, o, r)
+            self.demotion.ran_plain(s, o.argmax.shape[0])
         self.stats["rounds"] += sum(o.argmax.shape[0] for o in outs)
         tm = self.timing
         tm["verify_s"] += t1 - t0
@@ -71,21 +84,17 @@ class PlainRounds:
         return n, n == steps == paced
 
 
-def _apply(s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOut, r: Receipt) -> int:
-    """``len(targets)`` plain greedy rounds of ``s`` (spec ``off``) applied at once: round ``t`` emitted
-    its target ``targets[t]`` (top-2 gap ``gaps[t]``), ``last`` is the last round's one-row output.
-    The session, the receipt ``r`` and the finish are what the speculative round
-    (:class:`~tandem.engine.spec_round.SpecRound`) leaves after those rounds one at a time (a round
-    without drafts emits its target; the turn ends at a stop id, at its budget or at the context end),
-    without a walk a round. Returns the rows the next call commits (1). Raises ``AssertionError``
-    (nothing changed) when the turn ended before the last round."""
+def _apply(s: SpecSession, out: VerifyOut, r: Receipt) -> int:
+    """``n`` plain greedy rounds of ``s`` (no drafts) applied at once: ``out`` holds one row a round (round
+    ``t`` verified its anchor as row ``t`` and emitted its target ``out.argmax[t]``). The session, the
+    receipt ``r``, the rows the drafter has yet to take in (a demoted session's, kept until its probe round)
+    and the finish are what the speculative round (:class:`~tandem.engine.spec_round.SpecRound`) leaves
+    after those rounds one at a time (a round without drafts emits its target; the turn ends at a stop id,
+    at its budget or at the context end), without a walk a round. Returns the rows the next call commits
+    (1). Raises ``AssertionError`` (nothing changed) when the turn ended before the last round."""
+    targets, gaps = out.argmax.tolist(), out.top2_gap.tolist()
     n, n0, budget = len(targets), len(s.committed), s.turn_remaining
-    assert s.spec == schema.OFF and s.stop_text is None and not s.turn_done and n >= 1, (
-        s.sid,
-        s.spec,
-        s.turn_done,
-        n,
-    )
+    assert s.stop_text is None and not s.turn_done and n >= 1, (s.sid, s.spec, s.turn_done, n)
     end = min(
         budget,
         max(1, s.max_ctx - 1 - n0),  # the first round that ends the turn (1-based)
@@ -99,7 +108,10 @@ def _apply(s: SpecSession, targets: list[int], gaps: list[float], last: VerifyOu
     s.anchor, s.turn_remaining = targets[-1], budget - n
     r.tokens.extend(targets)
     r.top2_gaps.extend(gaps)
-    s.ingest = (last, targets[-1:])
+    if s.spec == schema.OFF or s.degraded or s.ingest is None:
+        s.ingest = (out.rows_at(n - 1), targets[-1:])
+    else:  # a demoted session: its rows wait for the drafter's next (probe) round
+        s.ingest = (s.ingest[0].then(out), s.ingest[1] + targets)
     s.last_active = time.monotonic()
     finish(s, r, "stop" if targets[-1] in s.stop_ids else ("length" if n == budget else None))
     return 1

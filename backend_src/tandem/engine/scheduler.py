@@ -82,7 +82,7 @@ class Scheduler:
         self.prefill = PrefillPlanner(config, self.table, self.trunk)
         #: moves sessions to plain decoding and back (counts ``demotions`` / ``promotions`` in stats)
         self.demotion = Demotion(config, self.stats)
-        self.plain = PlainRounds(self.trunk, self.stats, self.timing)
+        self.plain = PlainRounds(self.trunk, self.demotion, self.stats, self.timing)
         self.speculative = SpecRound(self.stages, self.demotion, self.stats, self.timing)
         #: the turns whose admission calls are running (read by a watchdog thread)
         self.admitting: list[Turn] = []
@@ -305,11 +305,10 @@ class Scheduler:
         rounds the deadline gave it at the last call's pace (a call's fixed cost is in that pace: a
         second call for the rounds left would be a short one, mostly that cost)."""
         n, most = 0, self.config.burst_rounds
-        plain = self.plain.applicable(self.table.active())  # once a burst: a speculative burst never asks again
         while n < most and (act := self.table.active()):
             if deadline is not None and receipts and time.perf_counter() >= deadline:
                 break
-            k, paced = self.plain.run(act, receipts, most - n, deadline) if plain else (0, False)
+            k, paced = self.plain.run(act, receipts, most - n, deadline)
             if not k:
                 self.speculative.run(act, receipts)
             n += k or 1
