@@ -59,12 +59,12 @@ serve-cluster: setup
 	$(VPY) -m tandem.launch.cluster serve --replicas $(REPLICAS) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) $(ARGS)
 
 # style by tools (ruff: pyproject.toml's [tool.ruff]), then the suite on two pytest-xdist workers with its 15 slowest
-# tests listed: the tests that serve (tests/conftest.py, group "served") run one after another on one worker, the
-# in-process tests on both
+# tests listed: the files of tests that serve (tests/conftest.py, SERVED_FILES) run one after another on one
+# worker, the other tests on both
 test: setup
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/ruff check --quiet .
-	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(VPY) -m pytest -q -n 2 --durations=15 tests
 
 # trunk + MTP layer (ARGS go to tandem.tools.train), then the DFlash drafters distilled from it
 model: setup

@@ -23,15 +23,52 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if os.enviro
 
 #: the fixtures that are a running tritonserver
 SERVER_FIXTURES = {"server", "drafter_server", "srv", "srv_off", "cluster"}
+#: the test files with tests that serve (marked ``integration`` or taking a server fixture): under pytest-xdist
+#: (``make test``) each file's tests run in order on one worker, all these files one after another there
+#: (:func:`pytest_xdist_make_scheduler`)
+SERVED_FILES = {
+    "test_bad_requests.py",
+    "test_bench_quick.py",
+    "test_chat_template.py",
+    "test_cluster.py",
+    "test_colocated.py",
+    "test_faults_served.py",
+    "test_http_front.py",
+    "test_lifecycle.py",
+    "test_loadtest.py",
+    "test_prefix_privacy.py",
+    "test_readme_examples.py",
+    "test_security.py",
+    "test_serving.py",
+    "test_text_front.py",
+}
+
+
+def _serves(item) -> bool:
+    return item.get_closest_marker("integration") is not None or bool(
+        SERVER_FIXTURES & set(getattr(item, "fixturenames", ()))
+    )
 
 
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist with ``--dist loadgroup`` (``make test``), the tests that serve (marked ``integration``,
-    or taking a server fixture) run one after another on one worker, as without xdist: one shared server a
-    configuration, and their timing checks beside one busy core, not two; the in-process tests spread over both."""
-    for item in items:
-        if item.get_closest_marker("integration") or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("served"))
+    """Refuse a test that serves outside :data:`SERVED_FILES`: it would run beside the others under xdist."""
+    missing = sorted({i.path.name for i in items if _serves(i) and i.path.name not in SERVED_FILES})
+    if missing:
+        raise pytest.UsageError(f"tests that serve in files not in SERVED_FILES (tests/conftest.py): {missing}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for ``make test`` (``-n 2``): the tests of :data:`SERVED_FILES` are one unit of work,
+    run in order on one worker (one shared server a configuration, as without xdist, and their timing checks
+    beside one busy core, not two); every other test is a unit of its own, spread over both workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ServedInOrder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "served" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in SERVED_FILES else nodeid
+
+    return ServedInOrder(config, log)
 
 
 CHECKPOINT = Path(os.environ.get("TANDEM_TEST_CHECKPOINT", DEFAULT_CHECKPOINT))
