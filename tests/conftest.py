@@ -24,7 +24,7 @@ torch.set_num_threads(int(os.environ.get("TANDEM_TEST_THREADS", "1" if os.enviro
 #: the fixtures that are a running tritonserver
 SERVER_FIXTURES = {"server", "drafter_server", "srv", "srv_off", "cluster"}
 #: the test files with tests that serve (marked ``integration`` or taking a server fixture): under pytest-xdist
-#: (``make test``) each file's tests run in order on one worker, all these files one after another there
+#: (``make test``) these files run one after another on one worker
 #: (:func:`pytest_xdist_make_scheduler`)
 SERVED_FILES = {
     "test_bad_requests.py",
@@ -61,12 +61,14 @@ def pytest_collection_modifyitems(items):
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduler for ``make test`` (``-n 2``): the tests of :data:`SERVED_FILES` are one unit of work,
     run in order on one worker (one shared server a configuration, as without xdist, and their timing checks
-    beside one busy core, not two); every other test is a unit of its own, spread over both workers."""
+    beside one busy core, not two); every other file is a unit of its own (its tests in order: some read what
+    an earlier test of their module-scoped engine left), spread over both workers."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ServedInOrder(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "served" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in SERVED_FILES else nodeid
+            path = nodeid.split("::", 1)[0]
+            return "served" if path.rsplit("/", 1)[-1] in SERVED_FILES else path
 
     return ServedInOrder(config, log)
 
