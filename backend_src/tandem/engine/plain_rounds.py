@@ -108,10 +108,10 @@ def _apply(s: SpecSession, out: VerifyOut, r: Receipt) -> int:
     s.anchor, s.turn_remaining = targets[-1], budget - n
     r.tokens.extend(targets)
     r.top2_gaps.extend(gaps)
-    if s.spec == schema.OFF or s.degraded or s.ingest is None:
+    if s.drafts_later:  # a demoted session: its rows wait for the drafter's next (probe) round
+        s.queue_for_drafter(out, targets)
+    else:
         s.ingest = (out.rows_at(n - 1), targets[-1:])
-    else:  # a demoted session: its rows wait for the drafter's next (probe) round
-        s.ingest = (s.ingest[0].then(out), s.ingest[1] + targets)
     s.last_active = time.monotonic()
     finish(s, r, "stop" if targets[-1] in s.stop_ids else ("length" if n == budget else None))
     return 1

@@ -226,10 +226,7 @@ class Scheduler:
         s.committed.extend(rows)
         tok = int(out.argmax[-1])
         s.anchor, s.turn_remaining, s.finish_reason, s.turn_done = tok, max_tokens - 1, None, False
-        ingest = (out, rows[1:] + [tok])
-        if s.ingest is not None:  # the previous turn's last committed rows have not reached the drafter yet
-            ingest = (s.ingest[0].then(out), s.ingest[1] + ingest[1])
-        s.ingest = ingest
+        s.queue_for_drafter(out, rows[1:] + [tok])  # (after the previous turn's rows the drafter has not taken in)
         s.last_active = time.monotonic()
         r = Receipt(tokens=[tok], top2_gaps=[float(out.top2_gap[-1])], accepted_at=[0] * len(s.accepted_at))
         hit = s.stop_text is not None and s.stop_text.scan([tok]) is not None  # always pushed: hold_back needs it

@@ -148,6 +148,19 @@ class SpecSession:
         caches = getattr(self.trunk, "caches", None)
         return None if caches is None else caches.get(self.sid)
 
+    def queue_for_drafter(self, rows: Any, emitted: list[int]) -> None:
+        """Put committed ``rows`` (their trunk pass, a :class:`~tandem.engine.protocols.VerifyOut` of one row
+        an emitted token) and their next tokens ``emitted`` after those :attr:`ingest` holds already."""
+        self.ingest = (
+            (rows, list(emitted)) if self.ingest is None else (self.ingest[0].then(rows), self.ingest[1] + emitted)
+        )
+
+    @property
+    def drafts_later(self) -> bool:
+        """Whether the rows of a round without drafts wait for this session's drafter: a demoted session's, until
+        its probe round; a session that does not draft (spec ``off``, degraded) keeps its newest round's only."""
+        return self.spec != schema.OFF and not self.degraded and self.ingest is not None
+
     def demote_eligible(self) -> bool:
         """Whether plain decoding would give this session the same stream: greedy and ``coupled``
         sessions (every token a function of the trunk distribution and the session's noise at its

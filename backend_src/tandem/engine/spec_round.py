@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-from .. import schema
 from .accept import Walk, accept_walk
 from .demotion import Demotion
 from .protocols import DraftRequest, Rows, VerifyOut
@@ -84,10 +83,10 @@ class SpecRound:
         r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
         if load is not None:
             self.demotion.observe(s, w.accepted, len(drafts), load)
-        if s.spec == schema.OFF or s.degraded or s.ingest is None:
+        if s.drafts_later:  # a demoted session: its rows wait for the drafter's next (probe) round
+            s.queue_for_drafter(out.rows(m), w.emitted)
+        else:
             s.ingest = (out.rows(m), w.emitted)
-        else:  # a demoted session: its rows wait for the drafter's next (probe) round
-            s.ingest = (s.ingest[0].then(out.rows(m)), s.ingest[1] + w.emitted)
         s.last_active = time.monotonic()
         finish(s, r, w.finish)
         return m
