@@ -11,6 +11,7 @@ from tandem.engine.inprocess import Engine
 from tandem.engine.protocols import Rows
 from tandem.engine.trunk_stage import TrunkStage
 from tandem.ops.cpu import decode as cpu_decode
+from tandem.ops.cpu import groups, trunk_pass
 from test_cpu_block import _odd_model
 
 
@@ -44,7 +45,7 @@ def test_compiled_steps_equal_one_row_verifies(steps, threads):
     with torch.no_grad():
         a, b = _primed(model, prompts), _primed(model, prompts)
         ra = model.decode_many(a, [1, 2, 3], steps, [(), (), ()], (0, 2), threads=threads)
-        assert cpu_decode._PLANS.get(model) is not None  # the compiled loop ran (not the fallback)
+        assert trunk_pass._PLANS.get(model) is not None  # the compiled loop ran (not the fallback)
         rb = model._decode_reference(b, [1, 2, 3], steps, [(), (), ()], (0, 2))
         assert len(ra) == len(rb) == 3 and all(q["tokens"].shape == (steps,) for q in ra + rb)
         assert _equal(ra, rb)
@@ -89,6 +90,51 @@ def test_a_call_after_a_call_reads_the_states_it_left(threads, monkeypatch):
     del a, ra, ra2, ra3
     gc.collect()
     assert len(cpu_decode._CARRY) == kept
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_compiled_verify_equals_the_verify_pass_row_by_row(threads):
+    """Sequences of 8, 1, 3 and 5 rows in one compiled verify (one group, or two side by side): every row's
+    target, gap, hidden row and features equal the verify pass's; each commit of a prefix (the accept walk's)
+    leaves the caches of the reference, and a compiled verify and decode after it go on from them."""
+    model = _odd_model()
+    prompts = [[5, 9, 11, 2, 40, 41, 42, 7, 8, 9, 10], [60, 61, 62], list(range(20, 45)), [3]]
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8], [9], [10, 11, 12], [13, 14, 15, 16, 17]]
+    keep = [3, 1, 3, 5]
+    with torch.no_grad():
+        a, b = _primed(model, prompts), _primed(model, prompts)
+        ra = model.verify_targets(a, rows, (0, 2), threads=threads)
+        assert trunk_pass._PLANS.get(model) is not None
+        rb = model._verify_reference(b, rows, (0, 2))
+        assert [q["tokens"].shape[0] for q in ra] == [len(r) for r in rows]
+        assert _equal(ra, rb)
+        assert [c.pending_rows for c in a] == [len(r) for r in rows]
+        for c, d, n in zip(a, b, keep):
+            c.commit(n), d.commit(n)
+        nxt = [[7, 8], [2], [5, 5, 5, 5, 5, 5], [1]]
+        ra2 = model.verify_targets(a, nxt, (1,), threads=threads)
+        rb2 = model._verify_reference(b, nxt, (1,))
+        assert _equal(ra2, rb2)
+        for c in a + b:
+            c.commit(1)
+        ra3 = model.decode_many(a, [4, 4, 4, 4], 3, [()] * 4, (), threads=threads)
+        rb3 = model._decode_reference(b, [4, 4, 4, 4], 3, [()] * 4, ())
+        assert _equal(ra3, rb3) and _same_caches(model, a, b)
+
+
+def test_the_shipped_trunk_verifies_compiled_as_its_verify_pass(trunk_fp32):
+    """The shipped checkpoint's greedy verify of a DFlash block (8 rows) beside a plain row: the compiled call
+    and the verify pass give the same rows and caches."""
+    prompts = [list(range(100, 160)), list(range(300, 340))]
+    rows = [[11, 12, 13, 14, 15, 16, 17, 18], [19]]
+    trunk_fp32.batch_invariant = True  # (the serving default)
+    with torch.no_grad():
+        a, b = _primed(trunk_fp32, prompts), _primed(trunk_fp32, prompts)
+        ra = trunk_fp32.verify_targets(a, rows, (1, 3), threads=1)
+        assert trunk_pass._PLANS.get(trunk_fp32) is not None
+        rb = trunk_fp32._verify_reference(b, rows, (1, 3))
+        assert _equal(ra, rb)
+        assert _same_caches(trunk_fp32, a, b)
 
 
 def test_a_stop_token_ends_its_group_after_its_step():
@@ -251,12 +297,12 @@ def test_the_pool_threads_run_the_initializer_first():
     (the served trunk sets its decode threads' nice value so); the threads made before it are replaced."""
     import threading
 
-    cpu_decode.thread_pool(1)
+    groups.thread_pool(1)
     ran = []
     try:
-        cpu_decode.set_pool_initializer(lambda: ran.append(threading.get_ident()))
-        got = cpu_decode.run_groups(lambda g: [(g, threading.get_ident())], [0, 1, 2])
+        groups.set_pool_initializer(lambda: ran.append(threading.get_ident()))
+        got = groups.run_groups(lambda g: [(g, threading.get_ident())], [0, 1, 2])
         assert [g for g, _ in got] == [0, 1, 2]
         assert {t for _, t in got[1:]} <= set(ran) and ran and threading.get_ident() not in ran
     finally:
-        cpu_decode.set_pool_initializer(None)
+        groups.set_pool_initializer(None)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from .. import schema
 from ..ops import dispatch
 from ..model.dflash import DFlashDrafter
+from ..ops.state import ContextKV
 from ..schema import WireError
 from .drafter_stage import DrafterStage
 from .prefix import split_points
@@ -30,7 +31,7 @@ class DFlashState:
     ever ingested, so a rejected draft needs no rollback."""
 
     spec: str | None = None
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    kv: ContextKV | None = None
     rows: int = 0
 
 
@@ -83,17 +84,19 @@ class DFlashStage(DrafterStage):
             if p and p[1]:
                 st, blocks = self.states[sid], [self.tails[(p[0], k)] for k in p[1]]
                 st.spec, st.rows = p[0], len(p[1]) * schema.PREFIX_BLOCK
-                st.kv = [
-                    (torch.cat([b[i][0] for b in blocks], 2), torch.cat([b[i][1] for b in blocks], 2))
-                    for i in range(len(blocks[0]))
-                ]
+                st.kv = ContextKV.of(
+                    [
+                        (torch.cat([b[i][0] for b in blocks], 2), torch.cat([b[i][1] for b in blocks], 2))
+                        for i in range(len(blocks[0]))
+                    ]
+                )
 
     def export_tail(self, sid: int, upto: int) -> KV | None:
         """The context K/V of rows ``[0, upto)`` (views), or None when the drafter covers fewer rows."""
         st = self.state(sid)
         if st.kv is None or st.rows < upto or upto < 1:
             return None
-        return [(k[:, :, :upto], v[:, :, :upto]) for k, v in st.kv]
+        return [(k[:, :, :upto], v[:, :, :upto]) for k, v in st.kv.views()]
 
     def publish(self, items: list[tuple[int, list[int]]]) -> list[int]:
         """Store each sequence's tail blocks ``keys`` (block ``i`` = rows ``[i*C, (i+1)*C)``; blocks already
@@ -112,7 +115,10 @@ class DFlashStage(DrafterStage):
             for j, key in enumerate(keys):
                 if (st.spec, key) in self.tails:
                     continue
-                blk = [(k[:, :, j * C : (j + 1) * C].clone(), v[:, :, j * C : (j + 1) * C].clone()) for k, v in st.kv]
+                blk = [
+                    (k[:, :, j * C : (j + 1) * C].clone(), v[:, :, j * C : (j + 1) * C].clone())
+                    for k, v in st.kv.views()
+                ]
                 self.tails[(st.spec, key)] = blk
                 n += sum(t.numel() * t.element_size() for kv in blk for t in kv)
             out.append(n)
@@ -145,23 +151,20 @@ class DFlashStage(DrafterStage):
                 raise ValueError(f"sequence {it.sid} drafts with {st.spec}, not {it.spec}")
             model = self.drafters[it.spec]
             n = len(it.next_tokens)
-            feats = it.features.to(self.device).reshape(1, n, -1)
-            pts = split_points(st.rows, st.rows + n)  # pieces end at multiples of PREFIX_BLOCK: warm == cold
-            pieces = [
-                model.context_kv(
-                    model.context(feats[:, a - pts[0] : b - pts[0]]), torch.arange(a, b, device=self.device)
-                )
-                for a, b in zip(pts, pts[1:])
-            ]
-            if st.kv is not None:
-                pieces.insert(0, st.kv)
-            st.kv = [
-                (torch.cat([p[i][0] for p in pieces], 2), torch.cat([p[i][1] for p in pieces], 2))
-                for i in range(len(pieces[0]))
-            ]
-            st.rows += n
+            feats = it.features.to(self.device).reshape(n, -1)
+            if st.kv is None:
+                a = model.layers[0].self_attn
+                st.kv = ContextKV(len(model.layers), a.h, a.d, model.fc.weight)
             k = min(it.num_draft_tokens, model.cfg.block_size - 1)
             res.append([])
+            if k > 0:  # ingest and draft in one compiled call where the CPU kernels serve the drafter
+                got = dispatch.dflash_round(
+                    model, self.embed.weight, self.head, st.kv, feats, int(it.next_tokens[-1]), k
+                )
+                if got is not None:
+                    res[-1], st.rows = got, st.rows + n
+                    continue
+            self._ingest(model, st, feats)
             if k > 0:
                 blocks.setdefault((it.spec, k), []).append(len(res) - 1)
         for (spec, k), idx in blocks.items():  # one block forward per spec and block size, all sequences
@@ -171,7 +174,8 @@ class DFlashStage(DrafterStage):
                 1, -1, model.cfg.hidden_size
             )
             pos = torch.cat([torch.arange(st.rows, st.rows + k + 1, device=self.device) for st in sts])
-            kv = [([st.kv[i][0] for st in sts], [st.kv[i][1] for st in sts]) for i in range(len(model.layers))]
+            views = [st.kv.views() for st in sts]
+            kv = [([v[i][0] for v in views], [v[i][1] for v in views]) for i in range(len(model.layers))]
             h = model(x, pos, kv, block=k + 1)[0].view(len(idx), k + 1, -1)[:, 1:]
             logits = self._head(h).float()
             for j, (i, a) in enumerate(zip(idx, anchors)):
@@ -181,6 +185,20 @@ class DFlashStage(DrafterStage):
                     else logits[j].argmax(-1).tolist()
                 )
         return res
+
+    def _ingest(self, model: DFlashDrafter, st: DFlashState, feats: torch.Tensor) -> None:
+        """The torch path's ingest of committed rows' ``feats [n, F]`` at the next positions into ``st``'s context
+        K/V, in pieces ending at multiples of ``PREFIX_BLOCK`` (warm prefix starts equal cold ones)."""
+        n = feats.shape[0]
+        pts = split_points(st.rows, st.rows + n)
+        st.kv.room(n)
+        for a, b in zip(pts, pts[1:]):
+            kv = model.context_kv(
+                model.context(feats[None, a - pts[0] : b - pts[0]]), torch.arange(a, b, device=self.device)
+            )
+            for i, (k, v) in enumerate(kv):
+                st.kv.k[i][:, :, a:b], st.kv.v[i][:, :, a:b] = k, v
+        st.kv.rows = st.rows = st.rows + n
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """The trunk's LM head on drafted rows ``h [..., D] -> [..., V]``, row-invariant as the drafter is (the

@@ -253,12 +253,17 @@ class TrunkStage(KeyedStates):
             if it.commit:
                 self.cache(it.sid).commit(it.commit)
 
+    @torch.no_grad()  # (the compiled pass applies with autograd off)
     def verify(self, items: list[Rows]) -> list[VerifyOut]:
         f = self.feature_layers
         self._commit_first(items)
         if not items:
             return []
         caches = [self.cache(it.sid) for it in items]
+        if self.model._invariant_rows() and not any(it.sid in self.sampling for it in items):
+            # greedy on the CPU: the LM head and the targets in the compiled pass
+            r = self.model.verify_targets(caches, [list(it.tokens) for it in items], f)
+            return [VerifyOut(q["tokens"], q["hidden"], q["gaps"], q["features"]) for q in r]
         outs = self.model.verify_many(caches, [torch.tensor([it.tokens], device=self.model.device) for it in items], f)
         return _outs(self.model, outs, f, [self._sampler(it, c.pos, False) for it, c in zip(items, caches)])
 

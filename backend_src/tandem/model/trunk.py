@@ -125,7 +125,7 @@ class Trunk(nn.Module):
 
     def _mean(self, streams: torch.Tensor) -> torch.Tensor:
         """The mean of streams ``[B, T, N, D]`` over ``N``; in the row-invariant mode the kernel the compiled
-        decode steps take (:func:`~tandem.ops.cpu.decode.stream_mean`), so their rows match."""
+        decode steps take (:func:`~tandem.ops.cpu.trunk_pass.stream_mean`), so their rows match."""
         m = dispatch.stream_mean(self.kernels, streams)
         return streams.mean(2) if m is None else m
 
@@ -390,29 +390,57 @@ class Trunk(nn.Module):
                 return out
         return self._decode_reference(caches, anchors, steps, stop_ids, features)
 
+    @torch.no_grad()
+    def verify_targets(
+        self, caches: list[TrunkCache], ids: list[list[int]], features: tuple[int, ...] = (), threads: int | None = None
+    ) -> list[dict]:
+        """A greedy :meth:`verify_many` of sequence ``j``'s rows ``ids[j]`` (its anchor, then its drafts) with the LM
+        head and every row's greedy target: under :attr:`batch_invariant` on the CPU one compiled call per group of
+        sequences (:func:`~tandem.ops.cpu.trunk_pass.verify_rows`, up to ``threads`` groups of about equal rows,
+        default :attr:`decode_threads`), bit-identical to the passes; else (or when a layer does not run fused)
+        :meth:`verify_many` itself. Every sequence's rows stay pending, as after :meth:`verify_many`.
+
+        Returns per sequence ``{"tokens": [R], "gaps": [R], "hidden": [R, D], "features": [R, F]}``. Raises
+        ``ValueError`` (before any cache changes) when a sequence's rows do not fit or it has a verify pending."""
+        for c, x in zip(caches, ids):
+            _check_rows(c, torch.empty(1, len(x)), "verify")
+        if self._invariant_rows():
+            groups = row_groups([len(x) for x in ids], threads or self.decode_threads)
+            out = dispatch.verify_rows(self, caches, ids, features, groups)
+            if out is not None:
+                return out
+        return self._verify_reference(caches, ids, features)
+
+    def _verify_reference(self, caches: list[TrunkCache], ids: list[list[int]], features: tuple[int, ...]) -> list:
+        """:meth:`verify_targets` as :meth:`verify_many`, the LM head and the greedy top-2 (its reference)."""
+        outs = self.verify_many(caches, [torch.tensor([x], device=self.device) for x in ids], features)
+        h = torch.cat([o[0] if features else o for o in outs], 1)[0]
+        logits = self.logits(h)
+        got = dispatch.top2(self.kernels, logits)
+        if got is not None:
+            tgt, gap = got
+        else:
+            top = logits.topk(2, dim=-1)
+            tgt, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
+        f = torch.cat([o[1] for o in outs], 1)[0].float() if features else h.new_zeros(h.shape[0], 0)
+        lengths = [len(r) for r in ids]
+        cols = [x.split(lengths) for x in (tgt, gap.float(), h.float(), f)]
+        return [dict(zip(("tokens", "gaps", "hidden", "features"), parts)) for parts in zip(*cols)]
+
     def _decode_reference(self, caches, anchors, steps, stop_ids, features=()) -> list[dict]:
         """:meth:`decode_many` as verify passes, one a step, every sequence stopping together (its reference)."""
-        toks, gaps, hs, fs = [], [], [], []
+        steps_out = []
         anchor = list(anchors)
         for t in range(steps):
             if t:
                 for c in caches:
                     c.commit(1)
-            outs = self.verify_many(caches, [torch.tensor([[a]], device=self.device) for a in anchor], features)
-            h = torch.cat([o[0] if features else o for o in outs], 1)[0]
-            logits = self.logits(h)
-            got = dispatch.top2(self.kernels, logits)
-            if got is not None:
-                tgt, gap = got
-            else:
-                top = logits.topk(2, dim=-1)
-                tgt, gap = top.indices[:, 0], top.values[:, 0] - top.values[:, 1]
-            anchor = tgt.tolist()
-            toks.append(tgt), gaps.append(gap.float()), hs.append(h.float())
-            fs.append(torch.cat([o[1] for o in outs], 1)[0].float() if features else h.new_zeros(len(caches), 0))
+            out = self._verify_reference(caches, [[a] for a in anchor], features)
+            anchor = [int(q["tokens"][0]) for q in out]
+            steps_out.append(out)
             if any(a in ids for a, ids in zip(anchor, stop_ids)):
                 break
-        cols = [torch.stack(x) for x in (toks, gaps, hs, fs)]
         return [
-            dict(zip(("tokens", "gaps", "hidden", "features"), (x[:, j] for x in cols))) for j in range(len(caches))
+            {k: torch.cat([out[j][k] for out in steps_out]) for k in ("tokens", "gaps", "hidden", "features")}
+            for j in range(len(caches))
         ]

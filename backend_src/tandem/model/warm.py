@@ -11,10 +11,17 @@ import torch
 
 from ..ops import dispatch
 from ..ops.settings import KernelSettings
+from ..ops.state import ContextKV
 from .checkpoint import cast_trunk, init_weights, is_fp32_param
 from .config import TrunkConfig
+from .dflash import DFlashConfig, DFlashDrafter
 from .layers import input_major_linears
 from .trunk import Trunk
+
+
+def is_bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of ``w`` is a bfloat16 (the GEMM then takes it as bfloat16 pairs)."""
+    return torch.equal(w.to(torch.bfloat16).float(), w)
 
 
 def compile_kernels() -> float:
@@ -50,6 +57,18 @@ def compile_kernels() -> float:
         max_position_embeddings=64,
     )
 
+    dcfg = DFlashConfig(
+        hidden_size=32,
+        vocab_size=64,
+        block_size=3,
+        num_attention_heads=2,
+        head_dim=16,
+        target_layer_ids=[0, 1],
+        intermediate_size=32,
+        selector_rank=4,
+        selector_top_k=2,
+    )
+
     def trunk(weights: str) -> Trunk:  # random fp32 weights; "shipped": bf16-exact but the fp32-kept ones; "bf16": all
         m = cast_trunk(init_weights(Trunk(cfg).eval().requires_grad_(False), seed=0), torch.float32)
         with torch.no_grad():
@@ -76,6 +95,18 @@ def compile_kernels() -> float:
                 model.decode_many(cs, [3] * len(cs), 3, [()] * len(cs), (1,))
                 for c in cs:
                     c.commit(1)
+            model.verify_targets(caches, [[3], [4, 5, 6]], (1,))  # a verify round's pass (ops/cpu/trunk_pass.py)
+            for c in caches:
+                c.commit(1)
+            for dflash2 in (False, True):  # a DFlash / DFlash2 drafter round (ops/cpu/dflash.py)
+                d = DFlashDrafter(dcfg, dflash2).use_kernels(model.kernels)
+                if model.lm_head.weight.dtype == torch.float32 and is_bf16_exact(model.lm_head.weight):
+                    with torch.no_grad():
+                        for p in d.parameters():
+                            p.copy_(p.to(torch.bfloat16).float())
+                a = d.layers[0].self_attn
+                ctx = ContextKV(1, a.h, a.d, d.fc.weight)
+                dispatch.dflash_round(d, model.embed_tokens.weight, model.lm_head, ctx, torch.zeros(3, 64), 3, 2)
 
     with torch.no_grad():
         run(trunk("fp32"))  # the plain layout, BLAS GEMMs

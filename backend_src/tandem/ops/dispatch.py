@@ -17,11 +17,14 @@ from .cpu import (
     attention as _attention,
     block as _block,
     decode as _decode,
+    dflash as _dflash,
+    groups as _groups,
     gemm as _gemm,
     kda as _kda,
     kernels as _k,
     mla_block as _mla_block,
     moe as _moe,
+    trunk_pass as _trunk_pass,
 )
 from .cpu.amx import HW_AMX, gemm_tiles
 from .settings import AUTO, DEFAULT, REFERENCE, TORCH, TRITON, KernelSettings
@@ -308,13 +311,27 @@ def stream_mean(k: KernelSettings, streams: torch.Tensor) -> torch.Tensor | None
     """The mean of streams ``[1, T, N, D]`` over ``N`` as the compiled decode steps compute it (row-invariant
     mode, fp32), or None."""
     if k.rows and streams.shape[0] == 1 and streams.dtype == _F32 and k.numba_on(streams):
-        return _decode.stream_mean(streams)
+        return _trunk_pass.stream_mean(streams)
     return None
 
 
 #: plain decode steps of several sequences compiled (:func:`tandem.ops.cpu.decode.decode_steps`)
 decode_steps = _decode.decode_steps
-#: a function over groups of sequences on the decode threads (:func:`tandem.ops.cpu.decode.run_groups`)
-run_groups = _decode.run_groups
-#: the decode threads' start-up (:func:`tandem.ops.cpu.decode.set_pool_initializer`)
-set_pool_initializer = _decode.set_pool_initializer
+#: a greedy verify pass of several sequences compiled (:func:`tandem.ops.cpu.trunk_pass.verify_rows`)
+verify_rows = _trunk_pass.verify_rows
+#: a function over groups of sequences on the decode threads (:func:`tandem.ops.cpu.groups.run_groups`)
+run_groups = _groups.run_groups
+#: the decode threads' start-up (:func:`tandem.ops.cpu.groups.set_pool_initializer`)
+set_pool_initializer = _groups.set_pool_initializer
+
+
+def dflash_round(
+    model: nn.Module, embed: torch.Tensor, head: nn.Module, ctx, features: torch.Tensor, anchor: int, k: int
+) -> list[int] | None:
+    """A DFlash drafter's round of one sequence (ingest ``features [n, F]`` into its
+    :class:`~tandem.ops.state.ContextKV` ``ctx``, draft ``k`` tokens after ``anchor``) in one compiled call
+    (:func:`tandem.ops.cpu.dflash.draft_round`) with the trunk's ``embed`` weight and LM ``head`` (a
+    :class:`ServingLinear`, row-invariant), or None when the CPU kernels do not serve ``model`` (nothing changed)."""
+    if not _dflash.fits(model, features) or not isinstance(head, ServingLinear):
+        return None
+    return _dflash.draft_round(model, embed, head.weight, head.kernels.replace(rows=True), ctx, features, anchor, k)[0]

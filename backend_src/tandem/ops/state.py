@@ -3,7 +3,8 @@
 :class:`KDARows` holds a verify pass's rows (views of its buffers, shared by its sequences);
 :class:`KDAState` the state after some of them, or a tail and state of its own. Plain torch data, no
 kernel code: :mod:`tandem.model.cache` keeps them per layer, :mod:`tandem.ops.cpu.kda` and
-:mod:`tandem.ops.cpu.decode` make them.
+:mod:`tandem.ops.cpu.decode` make them. :class:`ContextKV` is a DFlash drafter's context keys and values
+(:mod:`tandem.engine.dflash_stage` keeps one per sequence, :mod:`tandem.ops.cpu.dflash` appends to it in place).
 """
 
 from __future__ import annotations
@@ -66,3 +67,40 @@ class KDAState:
 
     def clone(self) -> "KDAState":
         return KDAState(self.tail.clone(), self.S.clone())
+
+
+class ContextKV:
+    """One sequence's DFlash drafter context keys and values: per layer a buffer ``[1, H, capacity, d]`` (dtype and
+    device of ``like``) whose first ``rows`` positions are filled, grown by doubling, so a round's new rows are
+    written in place, not the whole context copied; :meth:`views` gives ``[1, H, rows, d]`` views."""
+
+    def __init__(self, layers: int, heads: int, d: int, like: torch.Tensor, capacity: int = 256) -> None:
+        self.k = [like.new_empty(1, heads, capacity, d) for _ in range(layers)]
+        self.v = [like.new_empty(1, heads, capacity, d) for _ in range(layers)]
+        self.rows = 0
+
+    @classmethod
+    def of(cls, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> "ContextKV":
+        """A buffer holding the per-layer ``(k, v) [1, H, rows, d]`` given."""
+        _, H, rows, d = kv[0][0].shape
+        out = cls(len(kv), H, d, kv[0][0], max(256, 2 * rows))
+        for i, (k, v) in enumerate(kv):
+            out.k[i][:, :, :rows], out.v[i][:, :, :rows] = k, v
+        out.rows = rows
+        return out
+
+    def room(self, n: int) -> None:
+        """Make room for ``n`` more rows (a new buffer, double the size, when full)."""
+        cap = self.k[0].shape[2]
+        if self.rows + n <= cap:
+            return
+        new = max(2 * cap, self.rows + n)
+        for bufs in (self.k, self.v):
+            for i, b in enumerate(bufs):
+                g = b.new_empty(1, b.shape[1], new, b.shape[3])
+                g[:, :, : self.rows] = b[:, :, : self.rows]
+                bufs[i] = g
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the filled keys and values ``[1, H, rows, d]`` (views: a later :meth:`room` may move the rows)."""
+        return [(k[:, :, : self.rows], v[:, :, : self.rows]) for k, v in zip(self.k, self.v)]

@@ -3,12 +3,9 @@
 A plain decode step through :meth:`Trunk.verify_many <tandem.model.trunk.Trunk.verify_many>` runs one
 numba call per decoder block, but between them ~1 ms of Python (plans, cache views, buffers, the LM
 head, the targets, the scheduler's bookkeeping) against ~0.7 ms of kernels on the shipped miniature.
-Here one compiled function runs ``steps`` whole decode steps of several sequences: embed each
-sequence's anchor, every block (:func:`~tandem.ops.cpu.block._kda_attn` /
-:func:`~tandem.ops.cpu.mla_block._mla_attn`, then :func:`~tandem.ops.cpu.block._ffn` /
-:func:`~tandem.ops.cpu.block._dense_ffn`, exactly what the fused blocks run), the final mean over
-the mHC streams and norm, the LM head (:func:`~tandem.ops.cpu.gemm._mmp`) and the greedy target with
-its top-2 gap (:func:`~tandem.ops.cpu.kernels._top2`); the target is the next step's anchor. This is
+Here one compiled function runs ``steps`` whole decode steps of several sequences, each a one-row
+trunk pass (:func:`~tandem.ops.cpu.trunk_pass._forward`: every block, the final norm, the LM head and
+the greedy target with its top-2 gap); the target is the next step's anchor. This is
 multi-step decoding (vLLM's ``num_scheduler_steps``) taken to one call: the Python around the kernels
 is paid once per call, not once per token.
 
@@ -24,143 +21,35 @@ the caller limits ``steps`` to every sequence's budget and context room.
 from __future__ import annotations
 
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from numba import njit
-from numba.typed import List
 
-from . import block, mla_block
 from ..state import KDARows, KDAState
-from .attention import cache_args
-from .block import _dense_ffn, _ffn, _kda_attn
-from .gemm import _mmp, cols, kernel_weight
-from .kernels import _F, _rms, _top2, np_param
-from .mla_block import _mla_attn
-
-_KDA, _MLA = 0, 1  # attention kinds
-_MOE, _DENSE = 0, 1  # FFN kinds
+from .groups import run_groups
+from .kernels import _F
+from .trunk_pass import _forward, _mla_args, _Plan, _plan, _shapes, _slots, _starts
 
 
 @njit(cache=True, nogil=True)
-def _stream_mean(s, out):  # pragma: no cover - numba
-    # out [N, D] = the mean of streams s [N, n, D] over n: summed in stream order, then divided by n
-    N, n, D = s.shape
-    for r in range(N):
-        for d in range(D):
-            a = s[r, 0, d]
-            for c in range(1, n):
-                a += s[r, c, d]
-            out[r, d] = a / _F(n)
-
-
-def stream_mean(s: torch.Tensor) -> torch.Tensor:
-    """The mean of fp32 streams ``[1, T, n, D]`` over the streams: ``[1, T, D]``, each element summed in
-    stream order and divided by ``n`` (what the trunk's final norm and the DFlash features take in the
-    row-invariant mode, and what :func:`decode_steps` computes)."""
-    x = s[0].contiguous().numpy()
-    out = np.empty((x.shape[0], x.shape[2]), _F)
-    _stream_mean(x, out)
-    return torch.from_numpy(out)[None]
-
-
-@njit(cache=True, nogil=True)
-def _decode(
-    tok,
-    steps,
-    hc_n,
-    embed,
-    hcs_a,
-    hcs_f,
-    kind,
-    a_idx,
-    f_kind,
-    f_idx,
-    feat_slot,
-    kdas,
-    mlas,
-    moes,
-    denses,
-    tails0,
-    col0,
-    S00,
-    km1,
-    full_buf,
-    st_buf,
-    ptrs,
-    used,
-    pools,
-    kps,
-    norm_w,
-    norm_eps,
-    lm_w,
-    stops,
-    stop_offs,
-    out_tok,
-    out_gap,
-    out_h,
-    out_f,
-):  # pragma: no cover - numba
-    # up to `steps` greedy decode steps of S sequences from anchors tok [S] (int64, updated in place);
-    # returns the steps run; hc_n mHC streams. Per KDA layer a (in order): tails0[a] [3C, W] (sequence j's
-    # tail at columns col0[j] .. col0[j]+km1) / S00[a] [S, H, dk, dk] the states before,
-    # full_buf[p, a] [3C, S*(km1+1)] / st_buf[p, a] [S, H, dk, dk] the states after
-    # a step of parity p. Per MLA layer m: ptrs[m], used[m], pools[m] as cache_args makes them (room
-    # for `steps` rows reserved; used / pools advance here). Outputs per step t: out_tok[t] [S],
-    # out_gap[t] [S], out_h[t] [S, D], out_f[t] [S, F].
-    S, D = out_h.shape[1], embed.shape[1]
+def _decode(w, feat_slot, tok, steps, kda0, km1, full_buf, st_buf, mla, stops, stop_offs, outs):  # pragma: no cover
+    # up to `steps` greedy decode steps of S sequences from anchors tok [S] (int64, updated in place), each a
+    # one-row _forward (w, feat_slot, mla as there); returns the steps run. KDA states: kda0 = (tails0 [La, 3C, W],
+    # col0 [S], S00 [La, S, H, dk, dk]) before the first step, full_buf[p] [La, 3C, S*(km1+1)] / st_buf[p] [La, S,
+    # H, dk, dk] after a step of parity p. outs per step t: (out_tok[t] [S], out_gap[t] [S], out_h[t] [S, D],
+    # out_f[t] [S, F]).
+    out_tok, out_gap, out_h, out_f = outs
+    S = out_h.shape[1]
     offs = np.arange(S + 1).astype(np.int64)
     s_idx = np.arange(S).astype(np.int64)
     col = s_idx * (km1 + 1) + 1  # its tail in a step's full (its tail columns, then its row: the last km1)
-    h = np.empty((S, D), _F)
-    mean = np.empty((S, D), _F)
-    logits = np.empty((S, cols(lm_w)), _F)
     done = 0
     for t in range(steps):
-        s = np.empty((S, hc_n, D), _F)
-        for j in range(S):
-            for c in range(hc_n):
-                s[j, c] = embed[tok[j]]
         p, q = t % 2, (t + 1) % 2
-        for i in range(kind.shape[0]):
-            a = a_idx[i]
-            if kind[i] == 0:
-                if t == 0:
-                    s = _kda_attn(
-                        s, hcs_a[i], kdas[a], tails0[a], col0, S00[a], s_idx, offs, full_buf[p, a], st_buf[p, a], False
-                    )
-                else:
-                    s = _kda_attn(
-                        s,
-                        hcs_a[i],
-                        kdas[a],
-                        full_buf[q, a],
-                        col,
-                        st_buf[q, a],
-                        s_idx,
-                        offs,
-                        full_buf[p, a],
-                        st_buf[p, a],
-                        False,
-                    )
-            else:
-                s = _mla_attn(s, hcs_a[i], mlas[a], offs, ptrs[a], used[a], pools[a])
-                for j in range(S):
-                    used[a, j] += 1
-                    pools[a, j] = used[a, j] // kps[a]
-            if f_kind[i] == 0:
-                s = _ffn(s, hcs_f[i], moes[f_idx[i]])
-            else:
-                s = _dense_ffn(s, hcs_f[i], denses[f_idx[i]])
-            if feat_slot[i] >= 0:
-                _stream_mean(s, mean)
-                out_f[t, :, feat_slot[i] * D : (feat_slot[i] + 1) * D] = mean
-        _stream_mean(s, mean)
-        _rms(mean, norm_w, norm_eps, h)
-        out_h[t] = h
-        _mmp(h, lm_w, 0, cols(lm_w), logits)
-        _top2(logits, out_tok[t], out_gap[t])
+        kda_in = kda0 if t == 0 else (full_buf[q], col, st_buf[q])
+        step_outs = (out_tok[t], out_gap[t], out_h[t], out_f[t])
+        _forward(w, feat_slot, tok, offs, s_idx, kda_in, (full_buf[p], st_buf[p]), False, mla, step_outs)
         done = t + 1
         stop = False
         for j in range(S):
@@ -171,109 +60,6 @@ def _decode(
         if stop:
             break
     return done
-
-
-class _Plan:
-    """The compiled loop's per-layer arguments for one model (remade when a layer's plan is)."""
-
-    __slots__ = ("key", "args", "kda_layers", "mla_layers", "like", "kda_idx", "mla_idx")
-
-
-#: model -> its loop arguments; an entry goes with its model
-_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
-
-
-def _layer_plans(model) -> tuple | None:
-    """Per trunk layer ``(attention kind, attention args, FFN kind, FFN args, layer)`` from the fused
-    blocks' plans, or None when a layer does not run fused (:func:`~tandem.ops.cpu.block.kda_fits`,
-    :func:`~tandem.ops.cpu.mla_block.fits`, :func:`~tandem.ops.cpu.block.ffn_fits`)."""
-    out = []
-    for layer in list(model.layers)[: model.cfg.num_hidden_layers]:
-        if block.kda_fits(layer):
-            attn = (_KDA, block._kda_plan(layer).args)
-        elif mla_block.fits(layer):
-            attn = (_MLA, mla_block._mla_plan(layer).args)
-        else:
-            return None
-        f = block._ffn_plan(layer)
-        if f.fits:
-            ffn = (_MOE, f.args)
-        elif (d := block._dense_plan(layer)).fits and layer.kernels.fused:
-            ffn = (_DENSE, d.args)
-        else:
-            return None
-        out.append((*attn, *ffn, layer))
-    return tuple(out)
-
-
-@njit(cache=True)
-def _list_with(x):  # pragma: no cover - numba
-    out = List()
-    out.append(x)
-    return out
-
-
-@njit(cache=True)
-def _append(out, x):  # pragma: no cover - numba
-    out.append(x)
-
-
-def _typed(items: list) -> List:
-    """A numba typed list of ``items`` (one numba type, at least one), filled by cached compiled functions
-    whose signatures depend on the element type only: a typed list filled from Python compiles its methods
-    at run time, uncached (seconds at every process start)."""
-    out = _list_with(items[0])
-    for x in items[1:]:
-        _append(out, x)
-    return out
-
-
-def _plan(model) -> _Plan | None:
-    """The loop's arguments for ``model`` (cached while every layer's plan stays), or None when the
-    loop does not apply: a layer not fused, an empty kind (the typed lists need an element), the LM
-    head not strip-packed."""
-    block.new_pass()
-    layers = _layer_plans(model)
-    lm = kernel_weight(model.lm_head.weight, model.kernels)
-    if layers is None or not isinstance(lm, tuple):
-        return None
-    key = tuple(x[1] for x in layers) + tuple(x[3] for x in layers) + (lm,)  # the plans' own argument tuples
-    p = _PLANS.get(model)
-    if p is not None and len(p.key) == len(key) and all(a is b for a, b in zip(p.key, key)):
-        return p
-    kinds = {k: [x for x in layers if x[0] == k] for k in (_KDA, _MLA)}
-    ffns = {k: [x for x in layers if x[2] == k] for k in (_MOE, _DENSE)}
-    if any(not v for v in (*kinds.values(), *ffns.values())):
-        return None
-    a_idx = [[id(y) for y in kinds[x[0]]].index(id(x)) for x in layers]  # its place among its kind
-    f_idx = [[id(y) for y in ffns[x[2]]].index(id(x)) for x in layers]
-    p = _Plan()
-    p.key = key
-    p.kda_layers = [x[4] for x in kinds[_KDA]]
-    p.mla_layers = [x[4] for x in kinds[_MLA]]
-    p.like = [x[1][2] for x in kinds[_MLA]]
-    p.kda_idx = [i for i, x in enumerate(layers) if x[0] == _KDA]
-    p.mla_idx = [i for i, x in enumerate(layers) if x[0] == _MLA]
-    norm = model.norm
-    p.args = dict(
-        embed=np_param(model.embed_tokens.weight),
-        hcs_a=_typed([x[1][0] for x in layers]),
-        hcs_f=_typed([x[3][0] for x in layers]),
-        kind=np.array([x[0] for x in layers], np.int64),
-        a_idx=np.array(a_idx, np.int64),
-        f_kind=np.array([x[2] for x in layers], np.int64),
-        f_idx=np.array(f_idx, np.int64),
-        kdas=_typed([x[1][1] for x in kinds[_KDA]]),
-        mlas=_typed([x[1][1] for x in kinds[_MLA]]),
-        moes=_typed([x[3][1] for x in ffns[_MOE]]),
-        denses=_typed([x[3][1] for x in ffns[_DENSE]]),
-        kps=np.array([x[1][1][12] for x in kinds[_MLA]], np.int64),
-        norm_w=np_param(norm.weight),
-        norm_eps=_F(norm.variance_epsilon),
-        lm_w=lm,
-    )
-    _PLANS[model] = p
-    return p
 
 
 def decode_steps(
@@ -313,38 +99,6 @@ def decode_steps(
     return run_groups(lambda part: _group(model, p, *part, steps, features), parts)
 
 
-def run_groups(fn, groups: list) -> list:
-    """``fn(group)`` for each group, the first on this thread and the others on :func:`thread_pool`'s
-    threads at once; their lists of per-sequence results joined in group order. Raises what a call raised."""
-    futures = [thread_pool(len(groups) - 1).submit(fn, g) for g in groups[1:]]
-    out = list(fn(groups[0]))
-    for f in futures:
-        out += f.result()
-    return out
-
-
-_POOL: list = [None, 0, None]  # the pool, its threads, what each runs first
-
-
-def thread_pool(n: int) -> ThreadPoolExecutor:
-    """A pool of ``n`` threads at least, kept for the process (the decode groups' and the prime groups'
-    threads, :meth:`~tandem.model.trunk.Trunk.prime_many`); each thread first runs :func:`set_pool_initializer`'s."""
-    if _POOL[1] < n:
-        if _POOL[0] is not None:
-            _POOL[0].shutdown(wait=False)
-        _POOL[0], _POOL[1] = ThreadPoolExecutor(max(n, 1), thread_name_prefix="tandem-decode", initializer=_POOL[2]), n
-    return _POOL[0]
-
-
-def set_pool_initializer(fn) -> None:
-    """``fn()`` runs first on every thread of :func:`thread_pool` from now on (the served trunk sets its compute
-    threads' priority: :func:`tandem.serving.process.set_thread_nice`); the threads made before go."""
-    _POOL[2] = fn
-    if _POOL[0] is not None:
-        _POOL[0].shutdown(wait=False)
-        _POOL[0], _POOL[1] = None, 0
-
-
 def _group(
     model,
     p: _Plan,
@@ -355,73 +109,37 @@ def _group(
     features: tuple[int, ...],
 ) -> list[dict]:
     """:func:`decode_steps` of one group of sequences: their arrays, one :func:`_decode` call, their caches."""
-    S, D, cfg = len(caches), model.cfg.hidden_size, model.cfg
-    a0 = p.kda_layers[0].self_attn
-    km1, C3, H, dk = a0.kernel - 1, 3 * a0.qkv, a0.h, a0.dk
-    La, Lm = len(p.kda_layers), len(p.mla_layers)
-    idx, m_idx = p.kda_idx, p.mla_idx
-    carried = _carried(caches, idx, km1)
-    if carried is not None:  # the states a previous call left, read where it wrote them
-        tails0, S00, col0 = carried
-    else:
-        tails0, S00 = np.zeros((La, C3, S * km1), _F), np.zeros((La, S, H, dk, dk), _F)
-        col0 = np.arange(S, dtype=np.int64) * km1
-        for a, i in enumerate(idx):
-            for j, c in enumerate(caches):
-                st = c.layers[i]
-                if st is not None:
-                    tails0[a, :, j * km1 : (j + 1) * km1] = st.tail[0].numpy()
-                    S00[a, j] = st.S[0].numpy()
-    ptrs, used, pools = np.empty((Lm, S, 10), np.int64), np.empty((Lm, S), np.int64), np.empty((Lm, S), np.int64)
-    for m, i in enumerate(m_idx):
-        _, ptrs[m], used[m], pools[m] = cache_args([c.layers[i] for c in caches], [steps] * S, p.like[m])
-    feats = sorted(set(features))
-    slot = np.array([feats.index(i) if i in feats else -1 for i in range(cfg.num_hidden_layers)], np.int64)
-    full_buf, st_buf = np.empty((2, La, C3, S * (km1 + 1)), _F), np.empty((2, La, S, H, dk, dk), _F)
+    S, D, z = len(caches), model.cfg.hidden_size, _shapes(p)
+    km1 = z.km1
+    carried = _carried(caches, p.kda_idx, km1)
+    # the states a previous call left, read where it wrote them, else a copy
+    tails0, S00, col0 = carried if carried is not None else _starts(caches, p, z)
+    ptrs, used, pools = _mla_args(caches, p, [steps] * S)
+    slot, nf = _slots(model, features)
+    full_buf = np.empty((2, z.La, z.C3, S * (km1 + 1)), _F)
+    st_buf = np.empty((2, z.La, S, z.H, z.dk, z.dk), _F)
     stops = np.array([t for ids in stop_ids for t in ids], np.int64)
     stop_offs = np.zeros(S + 1, np.int64)
     np.cumsum([len(ids) for ids in stop_ids], out=stop_offs[1:])
     out_tok, out_gap = np.empty((steps, S), np.int64), np.empty((steps, S), _F)
-    out_h, out_f = np.empty((steps, S, D), _F), np.zeros((steps, S, len(feats) * D), _F)
+    out_h, out_f = np.empty((steps, S, D), _F), np.zeros((steps, S, nf * D), _F)
     tok = np.array(anchors, np.int64)
-    a = p.args
+    outs = (out_tok, out_gap, out_h, out_f)
     n = _decode(
+        p.args,
+        slot,
         tok,
         steps,
-        cfg.hc_mult,
-        a["embed"],
-        a["hcs_a"],
-        a["hcs_f"],
-        a["kind"],
-        a["a_idx"],
-        a["f_kind"],
-        a["f_idx"],
-        slot,
-        a["kdas"],
-        a["mlas"],
-        a["moes"],
-        a["denses"],
-        tails0,
-        col0,
-        S00,
+        (tails0, col0, S00),
         km1,
         full_buf,
         st_buf,
-        ptrs,
-        used,
-        pools,
-        a["kps"],
-        a["norm_w"],
-        a["norm_eps"],
-        a["lm_w"],
+        (ptrs, used, pools),
         stops,
         stop_offs,
-        out_tok,
-        out_gap,
-        out_h,
-        out_f,
+        outs,
     )
-    _leave(caches, idx, m_idx, n, km1, full_buf, st_buf)
+    _leave(caches, p.kda_idx, p.mla_idx, n, km1, full_buf, st_buf)
     tok_t, gap_t, h_t, f_t = (torch.from_numpy(x[:n]) for x in (out_tok, out_gap, out_h, out_f))
     return [{"tokens": tok_t[:, j], "gaps": gap_t[:, j], "hidden": h_t[:, j], "features": f_t[:, j]} for j in range(S)]
 

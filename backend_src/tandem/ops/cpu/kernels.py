@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
+from numba.typed import List
 from numba.extending import intrinsic
 
 from .tile import hc_mix8
@@ -416,3 +417,25 @@ def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     idx, gap = np.empty(x.shape[0], np.int64), np.empty(x.shape[0], _F)
     _top2(x, idx, gap)
     return torch.from_numpy(idx), torch.from_numpy(gap)
+
+
+@njit(cache=True)
+def _list_with(x):  # pragma: no cover - numba
+    out = List()
+    out.append(x)
+    return out
+
+
+@njit(cache=True)
+def _append(out, x):  # pragma: no cover - numba
+    out.append(x)
+
+
+def typed_list(items: list) -> List:
+    """A numba typed list of ``items`` (one numba type, at least one), filled by cached compiled functions
+    whose signatures depend on the element type only: a typed list filled from Python compiles its methods
+    at run time, uncached (seconds at every process start)."""
+    out = _list_with(items[0])
+    for x in items[1:]:
+        _append(out, x)
+    return out
