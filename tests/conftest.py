@@ -199,18 +199,18 @@ LIMITS = {
     "TANDEM_IDLE_TIMEOUT_S": "3",
     "TANDEM_MAX_SESSIONS": "16",
     "TANDEM_ADMISSION_WAIT_S": "1",
+    "TANDEM_ADAPTIVE_DRAFT": "false",  # (a session drafts its budget every round: the drafters are called)
 }
 #: ``drafter_server``'s stage deadline: above the 1-2 s the Python backend takes to answer "not healthy" for a
 #: dead or stopped drafter process (it waits a second for the stub's heartbeat), so such a drafter is seen
 #: dead (its sessions go on plain) rather than late (its turns fail)
 STAGE_TIMEOUT_S = 3.0
-#: ``drafter_server``: the drafter models loaded and called over BLS under ``STAGE_TIMEOUT_S``; demotion off,
-#: so an MTP session drafts (calls ``drafter_mtp``) every round of its turn
+#: ``drafter_server``: the drafter models loaded and called over BLS under ``STAGE_TIMEOUT_S``; the draft length
+#: fixed (LIMITS), so an MTP session drafts (calls ``drafter_mtp``) every round of its turn
 DRAFTER_ENV = {
     **LIMITS,
     "TANDEM_COLOCATE": "false",
     "TANDEM_STAGE_TIMEOUT_S": f"{STAGE_TIMEOUT_S:g}",
-    "TANDEM_DEMOTE_BELOW": "0",
 }
 
 

@@ -60,8 +60,9 @@ def _counter(srv, name: str) -> float:
 
 def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, tokenizer):
     """A served dflash2 turn on the default server: the accept walks the engine core counted
-    (``tandem_accept_walks_total``) equal the turn's verify rounds (its usage), and no drafter model is loaded
-    (the drafters run in the ``tandem`` model's process)."""
+    (``tandem_accept_walks_total``) are at most the turn's rounds (its usage: one walk a verify round, none in
+    the compiled plain rounds of a resting session), and no drafter model is loaded (the drafters run in the
+    ``tandem`` model's process)."""
     from tandem.launch.serve import model_states
     from tandem_client.client import generate
 
@@ -77,7 +78,7 @@ def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, t
     time.sleep(1.5)  # nothing more comes
     walks = _counter(server, "accept_walks_total") - before
     assert got["rounds"] > 1 and got["accepted"] > 0
-    assert walks == got["rounds"], (walks, got["rounds"])
+    assert 1 <= walks <= got["rounds"], (walks, got["rounds"])
 
 
 def test_served_with_colocate_off_takes_the_drafter_models(server, drafter_server, shipped, tokenizer):

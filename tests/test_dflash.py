@@ -51,7 +51,7 @@ def tiny():
 def _engine(tiny, **kw):
     """An engine over the tiny random drafters (demotion off: they accept too little to be kept)."""
     trunk, drafters = tiny
-    return Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, demote_probe_rounds=0, **kw)
+    return Engine(model=trunk, tokenizer=_Tok(), dflash=drafters, max_ctx=256, adaptive_draft=False, **kw)
 
 
 @pytest.mark.parametrize("spec", schema.DFLASH_SPECS)
@@ -232,7 +232,7 @@ def test_default_spec_falls_back_without_its_drafter(tiny):
     assert schema.DEFAULTS.spec == schema.OFF  # the fastest measured on the CPU (README, Serving)
     assert _engine(tiny).sched.default_spec() == schema.OFF
     assert _engine(tiny, spec=schema.DFLASH2).sched.default_spec() == schema.DFLASH2
-    eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256, spec=schema.DFLASH2)
+    eng = Engine(model=trunk, tokenizer=_Tok(), dflash={}, max_ctx=256, spec=schema.DFLASH2, adaptive_draft=False)
     assert eng.sched.default_spec() == schema.MTP
     out = eng.generate(list(range(5, 25)), 8)  # no SPEC: the fallback spec, not an error
     assert len(out["token_ids"]) == 8 and out["drafted"] > 0

@@ -33,7 +33,7 @@ def _engine(trunk, tokenizer, settings=None):
         model=trunk,
         tokenizer=tokenizer,
         burst_rounds=2,
-        demote_probe_rounds=0,
+        adaptive_draft=False,
         prefix_cache_mb=0,
         kernel_settings=settings,
     )

@@ -26,7 +26,7 @@ from conftest import long_turn_prompt
 @pytest.fixture(scope="module")
 def engine():
     torch.set_num_threads(1)
-    return Engine(DEFAULT_CHECKPOINT, "fp32", prefix_cache_mb=0, demote_probe_rounds=0)
+    return Engine(DEFAULT_CHECKPOINT, "fp32", prefix_cache_mb=0, adaptive_draft=False)
 
 
 def _turn(sched, sid, tokens, max_tokens, start, end=False):

@@ -22,7 +22,7 @@ def _long_prompt(tokenizer, n: int = 600) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engines(trunk_fp32, tokenizer, checkpoint):
-    kw = dict(model=trunk_fp32, tokenizer=tokenizer, demote_probe_rounds=0, burst_rounds=1)
+    kw = dict(model=trunk_fp32, tokenizer=tokenizer, adaptive_draft=False, burst_rounds=1)
     return {
         c: {p: Engine(checkpoint, "fp32", prefill_budget=c, prefix_cache_mb=p, **kw) for p in (0, 64)}
         for c in (0, 48, 128)
@@ -104,7 +104,7 @@ def test_budget_bounds_each_burst_and_short_prompts_go_first(trunk_fp32, tokeniz
         "fp32",
         model=trunk_fp32,
         tokenizer=tokenizer,
-        demote_probe_rounds=0,
+        adaptive_draft=False,
         burst_rounds=1,
         prefill_budget=budget,
         prefix_cache_mb=prefix_mb,

@@ -81,9 +81,10 @@ def test_stream_equals_engine(server, engine, spec):
     bursts = []
     got = generate(prompt, max_tokens=40, url=server.grpc_url, spec=spec, on_tokens=bursts.append)
     assert got["token_ids"] == ref["token_ids"]
-    assert (got["rounds"], got["drafted"], got["accepted"]) == (ref["rounds"], ref["drafted"], ref["accepted"])
+    # (the adaptive draft length weighs measured times: rounds and drafts may differ, never the tokens)
+    assert got["accepted"] <= got["drafted"] and got["rounds"] <= len(got["token_ids"])
     assert got["finish_reason"] == ref["finish_reason"]
-    assert got["mean_acceptance_length"] == pytest.approx(ref["mean_acceptance_length"])
+    assert got["mean_acceptance_length"] == pytest.approx(1 + got["accepted"] / got["rounds"])
     # streamed: the first token alone (prime), then one response per burst (bursts end by time, burst_ms:
     # their number depends on the machine's speed, never the tokens)
     assert len(bursts) == got["bursts"] >= 2

@@ -12,9 +12,9 @@ from tandem.engine.scheduler import Turn
 
 @pytest.fixture(scope="module")
 def engine(trunk_fp32, tokenizer):
-    """MTP with 3 drafts, 2 rounds a burst, demotion off (these tests measure the spec itself;
-    tests/test_demotion.py covers demotion)."""
-    return Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=2, demote_probe_rounds=0)
+    """MTP with 3 drafts, 2 rounds a burst, adaptive draft length off (these tests measure the spec itself;
+    tests/test_draft_length.py covers the adaptive draft length)."""
+    return Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=2, adaptive_draft=False)
 
 
 def test_tparallel_gate_after_every_burst(engine, tokenizer, sharegpt_prompts):
@@ -357,7 +357,7 @@ def test_stop_token_ids_cut_inside_an_accepted_block(trunk_fp32, tokenizer):
     token is an accepted draft with more of the block after it: nothing after it is emitted, the trunk
     cache holds exactly the emitted context (the rest of the block rolled back), the receipts count
     only emitted tokens, and the stop token stays context for the next turn (it is not the template's)."""
-    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, demote_probe_rounds=0)
+    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, adaptive_draft=False)
     ids = tokenizer.chat_prompt("Write a Python function that reverses a string.")
     ref = eng.generate(ids, 40, spec="off")["token_ids"]
     rounds: list[list[int]] = []

@@ -96,7 +96,7 @@ def test_stop_strings_cut_inside_accepted_blocks(trunk_fp32, tokenizer):
     context (the rest of an accepted block rolled back), and usage counts the emitted ids. Cases
     where the completing token sits inside an accepted block, and where the stop starts in an
     earlier burst than it completes, are both exercised."""
-    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, demote_probe_rounds=0)
+    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, adaptive_draft=False)
     ids = tokenizer.chat_prompt("Write a Python function that reverses a string.")
     ref = eng.generate(ids, 60, spec="off")["token_ids"]
     text = tokenizer.decode(ref)
@@ -198,7 +198,7 @@ def _turn(eng, sid, ids, max_tokens, **kw):
 def test_max_tokens_cut_inside_accepted_blocks(trunk_fp32, tokenizer):
     """MAX_TOKENS landing inside an accepted draft block: the output is plain decoding's first
     max_tokens ids, the trunk cache holds exactly the emitted context and usage the emitted ids."""
-    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, demote_probe_rounds=0)
+    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, adaptive_draft=False)
     ids = tokenizer.chat_prompt("Write a Python function that reverses a string.")
     ref = eng.generate(ids, 40, spec="off")["token_ids"]
     inside = 0
@@ -223,7 +223,7 @@ def test_eos_inside_accepted_blocks(trunk_fp32, tokenizer):
     is given, as its EOS, a token plain decoding produces at position k: the output equals plain
     decoding's through it, the cache holds exactly the emitted context, usage the emitted ids, and,
     being EOS, it is not context for the next turn (unlike a STOP_TOKEN_IDS stop)."""
-    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, demote_probe_rounds=0)
+    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, adaptive_draft=False)
     ids = tokenizer.chat_prompt("Write a Python function that reverses a string.")
     ref = eng.generate(ids, 40, spec="off")["token_ids"]
     inside = 0
@@ -253,7 +253,7 @@ def test_eos_inside_accepted_blocks(trunk_fp32, tokenizer):
 def test_a_stop_token_first_with_stop_strings(trunk_fp32, tokenizer):
     """A turn with stop strings whose very first token is a stop token id: it ends there, and the
     stop-string tracker has seen that token (its response is released, not refused by hold_back)."""
-    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, demote_probe_rounds=0)
+    eng = Engine(model=trunk_fp32, tokenizer=tokenizer, num_draft_tokens=3, burst_rounds=1, adaptive_draft=False)
     ids = tokenizer.chat_prompt("Write a Python function that reverses a string.")
     first = eng.generate(ids, 4, spec="off")["token_ids"][0]
     out = eng.generate(ids, 20, spec="mtp", stop_token_ids=(first,), stop=("never-in-text",))

@@ -84,8 +84,12 @@ class ServingConfig:
     the server's other threads and its clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused:
     logged, the threads left as they are); ``amx`` (stage models): bfloat16 GEMMs on Intel AMX tiles where the CPU has them (:mod:`tandem.ops.cpu.amx`).
 
-    The demotion parameters (``demote_below``, ``promote_above``, ``round_cost_*``, ``demote_load_slope``,
-    ``demote_probe_rounds``; 0: never demote) are explained in :mod:`tandem.engine.demotion`."""
+    ``adaptive_draft``: each round's drafts per session chosen for the batch's expected tokens a second from the
+    sessions' measured acceptance and this machine's measured round costs, down to none (a plain row), the
+    request's ``num_draft_tokens`` (or the DFlash block) the most; off, every speculating session drafts that many
+    every round; ``probe_rounds``: a session drafting none drafts its most again after this many rounds (the
+    interval doubling after each probe that does not bring it back); both explained in
+    :mod:`tandem.engine.draft_length`."""
 
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
@@ -112,13 +116,8 @@ class ServingConfig:
     compute_nice: int = -10
     amx: bool = True
     kernels: str = "auto"
-    demote_below: float = 1.0
-    promote_above: float = 1.15
-    round_cost_mtp: float = 1.45
-    round_cost_mtp_draft: float = 0.28
-    round_cost_dflash: float = 2.1
-    demote_load_slope: float = 0.045
-    demote_probe_rounds: int = 16
+    adaptive_draft: bool = True
+    probe_rounds: int = 16
 
     def __post_init__(self) -> None:
         if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
@@ -135,7 +134,7 @@ class ServingConfig:
             raise ValueError(f"device must be one of {DEVICES} (N a GPU index), got {self.device!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
-        for name in ("burst_rounds", "max_ctx", "max_sessions", "decode_threads"):
+        for name in ("burst_rounds", "max_ctx", "max_sessions", "decode_threads", "probe_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "stage_timeout_s"):
@@ -155,17 +154,9 @@ class ServingConfig:
             "max_state_mb",
             "burst_ms",
             "admission_wait_s",
-            "demote_below",
-            "round_cost_mtp",
-            "round_cost_mtp_draft",
-            "round_cost_dflash",
-            "demote_load_slope",
-            "demote_probe_rounds",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.promote_above < self.demote_below:
-            raise ValueError(f"promote_above ({self.promote_above}) must be >= demote_below ({self.demote_below})")
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], **overrides) -> "ServingConfig":
@@ -451,13 +442,8 @@ TANDEM = ModelWire(
         "stage_timeout_s",
         "prefix_cache_mb",
         "max_state_mb",
-        "demote_below",
-        "promote_above",
-        "round_cost_mtp",
-        "round_cost_mtp_draft",
-        "round_cost_dflash",
-        "demote_load_slope",
-        "demote_probe_rounds",
+        "adaptive_draft",
+        "probe_rounds",
         "colocate",
         "dtype",
         "device",

@@ -27,7 +27,9 @@ from ..ops.settings import KernelSettings
 from ..model.tokenizer import ChatTokenizer
 from ..model.trunk import Trunk
 from .stages import drafter_stages
+from .calibration import calibrate, shared_costs
 from .prefix import PrefixIndex
+from .round_costs import RoundCosts
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Turn
 from .state_size import StateSize
@@ -44,7 +46,8 @@ class Engine:
     ``config`` overrides (any :class:`~tandem.schema.ServingConfig` field, e.g.
     ``num_draft_tokens=1``, ``burst_rounds=2``, ``max_ctx=256``; ``amx``, ``kernels`` and ``dtype`` make the kernel
     settings :attr:`kernels` the models, shared ones included, run with); ``kernel_settings`` to give those
-    settings whole instead (e.g. :data:`tandem.ops.settings.REFERENCE`).
+    settings whole instead (e.g. :data:`tandem.ops.settings.REFERENCE`); ``costs`` the round costs the adaptive
+    draft length weighs (default: measured once per trunk and settings, :func:`~tandem.engine.calibration.calibrate`).
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class Engine:
         tokenizer: ChatTokenizer | None = None,
         dflash: dict | None = None,
         kernel_settings: KernelSettings | None = None,
+        costs: RoundCosts | None = None,
         **config,
     ) -> None:
         dt = dtype
@@ -86,6 +90,15 @@ class Engine:
             self.config.decode_threads,
         )
         self.drafters: dict = drafter_stages(self.model, dflash, self.config.max_num_draft_tokens)
+        #: the measured round costs the draft-length policy weighs (one per trunk and settings in this process,
+        #: measured at the first engine that needs them; or the ``costs`` given)
+        self.costs = costs if costs is not None else shared_costs(self.model, self.config)
+        if (
+            costs is None
+            and self.config.adaptive_draft
+            and not (self.costs.calibrated and self.costs.known(self.drafters))
+        ):
+            calibrate(self.trunk, self.drafters, self.config, self.costs)
         self.sched = Scheduler(
             self.trunk,
             self.drafters,
@@ -95,6 +108,7 @@ class Engine:
             state_size=StateSize.from_configs(
                 self.model.cfg.to_hf_dict(), {a: d.cfg.__dict__ for a, d in dflash.items()}
             ),
+            costs=self.costs,
         )
         self._ids = itertools.count(1 << 40)
 

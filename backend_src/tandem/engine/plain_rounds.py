@@ -1,18 +1,17 @@
 """The engine core's plain decode rounds in one trunk call: while every active session decodes plain
-greedy rows (greedy, no stop strings, and no drafts: spec ``off``, a degraded session, or a demoted one
-between its probe rounds), the rounds of a burst go to the trunk as one
+greedy rows (greedy, no stop strings, and no drafts: spec ``off``, a degraded session, or a resting one
+until its probe round), the rounds of a burst go to the trunk as one
 :meth:`~tandem.engine.trunk_stage.TrunkStage.decode` call (compiled on the CPU,
 :mod:`tandem.ops.cpu.decode`) instead of one verify call each, and are then applied as the
 speculative round (:class:`~tandem.engine.spec_round.SpecRound`) applies rounds without drafts: the
-same tokens, receipts, caches, drafter rows and demotion clock as the rounds one at a time."""
+same tokens, receipts, caches, drafter rows and probe clocks as the rounds one at a time."""
 
 from __future__ import annotations
 
 import math
 import time
 
-from .. import schema
-from .demotion import Demotion
+from .draft_length import DraftLength
 from .protocols import Rows, TrunkAPI, VerifyOut
 from .session import Receipt, SpecSession, finish
 
@@ -20,31 +19,29 @@ from .session import Receipt, SpecSession, finish
 class PlainRounds:
     """A burst's plain greedy rounds in one trunk ``decode`` call (:meth:`run`).
 
-    Args: ``trunk`` — the trunk stage (rounds in one call need its ``decode_rows``); ``demotion`` — which
-    sessions draft in the coming rounds (a demoted session decodes plain until its probe round);
-    ``stats`` and ``timing`` — the engine core's counters (``rounds``) and stage clocks (``verify_s``,
-    ``accept_s``, ``rounds``), added to in place.
+    Args: ``trunk`` — the trunk stage (rounds in one call need its ``decode_rows``); ``policy`` — which
+    sessions draft in the coming rounds (a resting session decodes plain until its probe round; its costs
+    are told each call's pace); ``stats`` and ``timing`` — the engine core's counters (``rounds``) and stage
+    clocks (``verify_s``, ``accept_s``, ``rounds``), added to in place.
     """
 
-    def __init__(self, trunk: TrunkAPI, demotion: Demotion, stats: dict, timing: dict) -> None:
-        self.trunk, self.demotion, self.stats, self.timing = trunk, demotion, stats, timing
+    def __init__(self, trunk: TrunkAPI, policy: DraftLength, stats: dict, timing: dict) -> None:
+        self.trunk, self.policy, self.stats, self.timing = trunk, policy, stats, timing
         #: seconds a round of the last decode call took (0: none yet), to end a burst near ``burst_ms``
         self.round_s = 0.0
 
     def plain_rounds(self, act: list[SpecSession], most: int) -> int:
         """How many of the next ``most`` rounds every session of ``act`` decodes plain greedy rows (greedy, no
-        stop strings, no drafts: :meth:`~tandem.engine.demotion.Demotion.steady`) on a trunk that decodes them
-        in one call; 0 when one of them drafts (or samples, or has stop strings) in the next round."""
+        stop strings, no drafts: :meth:`~tandem.engine.draft_length.DraftLength.rests`) on a trunk that decodes
+        them in one call; 0 when one of them may draft (or samples, or has stop strings) in the next round."""
         if not act or getattr(self.trunk, "decode_rows", None) is None:
             return 0
         n = most
         for s in act:
             if s.sampling is not None or s.stop_text is not None:
                 return 0
-            if not (s.spec == schema.OFF or s.degraded or s.demotion.demoted):
-                return 0  # (it speculates: the cheap answer before steady's)
-            drafts, n = self.demotion.steady(s, n, len(act), 0)
-            if drafts:
+            n = min(n, self.policy.rests(s, len(act)))
+            if n == 0:
                 return 0
         return n
 
@@ -72,10 +69,11 @@ class PlainRounds:
         t1 = time.perf_counter()
         n = max(o.argmax.shape[0] for o in outs)  # (groups of sequences may stop at different rounds)
         self.round_s = (t1 - t0) / n
+        self.policy.costs.saw_plain(len(act), self.round_s)
         for s, o in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
             s.trunk_commit = _apply(s, o, r)
-            self.demotion.ran_plain(s, o.argmax.shape[0])
+            self.policy.ran_plain(s, o.argmax.shape[0])
         self.stats["rounds"] += sum(o.argmax.shape[0] for o in outs)
         tm = self.timing
         tm["verify_s"] += t1 - t0
@@ -87,7 +85,7 @@ class PlainRounds:
 def _apply(s: SpecSession, out: VerifyOut, r: Receipt) -> int:
     """``n`` plain greedy rounds of ``s`` (no drafts) applied at once: ``out`` holds one row a round (round
     ``t`` verified its anchor as row ``t`` and emitted its target ``out.argmax[t]``). The session, the
-    receipt ``r``, the rows the drafter has yet to take in (a demoted session's, kept until its probe round)
+    receipt ``r``, the rows the drafter has yet to take in (a resting session's, kept until its probe round)
     and the finish are what the speculative round (:class:`~tandem.engine.spec_round.SpecRound`) leaves
     after those rounds one at a time (a round without drafts emits its target; the turn ends at a stop id,
     at its budget or at the context end), without a walk a round. Returns the rows the next call commits
@@ -108,7 +106,7 @@ def _apply(s: SpecSession, out: VerifyOut, r: Receipt) -> int:
     s.anchor, s.turn_remaining = targets[-1], budget - n
     r.tokens.extend(targets)
     r.top2_gaps.extend(gaps)
-    if s.drafts_later:  # a demoted session: its rows wait for the drafter's next (probe) round
+    if s.drafts_later:  # a resting session: its rows wait for the drafter's next (probe) round
         s.queue_for_drafter(out, targets)
     else:
         s.ingest = (out.rows_at(n - 1), targets[-1:])

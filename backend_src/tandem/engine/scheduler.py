@@ -23,13 +23,14 @@ from typing import Callable
 from .. import schema
 from ..schema import ServingConfig
 from .admission import Admission
-from .demotion import Demotion
+from .draft_length import DraftLength
 from .session_table import SessionTable
 from .plain_rounds import PlainRounds
 from .prefill import PrefillPlanner
 from .prefix import PrefixIndex
 from .protocols import Commit, DrafterAPI, Rows, TrunkAPI, VerifyOut
 from .publication import PrefixPublisher
+from .round_costs import RoundCosts
 from .session import Receipt, SpecSession, Turn, finish
 from .spec_round import SpecRound
 from .stage_set import StageSet
@@ -43,7 +44,9 @@ class Scheduler:
     :class:`~tandem.engine.protocols.DrafterAPI` (specs not listed are refused; one stage may serve
     several specs, and gets one call per round for all of them); ``config`` — defaults and limits;
     ``stop_ids`` — tokens that end a turn; ``decode`` — ``list[int] -> str`` for stop strings (None: refused);
-    ``state_size`` — the session state estimate admission by bytes uses (``max_state_mb``; None: none).
+    ``state_size`` — the session state estimate admission by bytes uses (``max_state_mb``; None: none);
+    ``costs`` — the measured round costs the draft-length policy weighs (shared with the engine core's
+    calibration; None: a new, empty one).
     :meth:`request_cancel` and :meth:`refuse_overdue` may be called from any thread; everything else
     from one thread.
     """
@@ -56,6 +59,7 @@ class Scheduler:
         stop_ids: tuple[int, ...] = (),
         decode: Callable[[list[int]], str] | None = None,
         state_size: StateSize | None = None,
+        costs: RoundCosts | None = None,
     ) -> None:
         self.config = config
         self.stats = {
@@ -80,10 +84,10 @@ class Scheduler:
             config, self.table, self.stages, self.publisher, self.stats, stop_ids, decode, state_size
         )
         self.prefill = PrefillPlanner(config, self.table, self.trunk)
-        #: moves sessions to plain decoding and back (counts ``demotions`` / ``promotions`` in stats)
-        self.demotion = Demotion(config, self.stats)
-        self.plain = PlainRounds(self.trunk, self.demotion, self.stats, self.timing)
-        self.speculative = SpecRound(self.stages, self.demotion, self.stats, self.timing)
+        #: drafts per session and round (counts ``demotions`` / ``promotions`` in stats: to rest and back)
+        self.draft_length = DraftLength(config, costs if costs is not None else RoundCosts(), self.stats)
+        self.plain = PlainRounds(self.trunk, self.draft_length, self.stats, self.timing)
+        self.speculative = SpecRound(self.stages, self.draft_length, self.stats, self.timing)
         #: the turns whose admission calls are running (read by a watchdog thread)
         self.admitting: list[Turn] = []
         #: ``failure_text(exception)``: the message for turns a failed stage call ends (None: the default)

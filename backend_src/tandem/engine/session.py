@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import schema
-from .demotion import DemotionState
+from .draft_length import DraftState
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams
@@ -92,8 +92,8 @@ class SpecSession:
     trunk_commit: int = 0
     #: the current turn's :class:`~tandem.engine.sampling.SamplingParams` (None: greedy)
     sampling: Any = None
-    #: the :mod:`~tandem.engine.demotion` policy's state of this session
-    demotion: DemotionState = dataclasses.field(default_factory=DemotionState)
+    #: the :mod:`~tandem.engine.draft_length` policy's state of this session (its acceptance, its rest)
+    drafting: DraftState = dataclasses.field(default_factory=DraftState)
     #: its drafter failed: it decodes plain for the rest of its life (:mod:`tandem.engine.stage_set`)
     degraded: bool = False
     #: tokens that end the current turn: the scheduler's and the turn's own ``stop_token_ids``
@@ -157,14 +157,15 @@ class SpecSession:
 
     @property
     def drafts_later(self) -> bool:
-        """Whether the rows of a round without drafts wait for this session's drafter: a demoted session's, until
-        its probe round; a session that does not draft (spec ``off``, degraded) keeps its newest round's only."""
+        """Whether the rows of a round without drafts wait for this session's drafter: a resting session's, until
+        it drafts again; a session that does not draft (spec ``off``, degraded) keeps its newest round's only."""
         return self.spec != schema.OFF and not self.degraded and self.ingest is not None
 
     def demote_eligible(self) -> bool:
-        """Whether plain decoding would give this session the same stream: greedy and ``coupled``
-        sessions (every token a function of the trunk distribution and the session's noise at its
-        position) yes; ``rejection`` sampling no (its stream depends on which draws the walk made)."""
+        """Whether another draft length (plain decoding included) would give this session the same stream, so
+        the draft-length policy may choose it: greedy and ``coupled`` sessions (every token a function of the
+        trunk distribution and the session's noise at its position) yes; ``rejection`` sampling no (its stream
+        depends on which draws the walk made)."""
         p = self.sampling
         return p is None or p.greedy or p.mode == schema.COUPLED
 

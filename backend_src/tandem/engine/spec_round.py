@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from .accept import Walk, accept_walk
-from .demotion import Demotion
+from .draft_length import DraftLength
 from .protocols import DraftRequest, Rows, VerifyOut
 from .session import Receipt, SpecSession, finish
 from .stage_set import StageSet
@@ -16,16 +16,16 @@ from .stage_set import StageSet
 
 class SpecRound:
     """One verify round over the active sessions (:meth:`run`); a session without drafts (spec ``off``,
-    demoted, degraded) verifies its anchor alone, a plain round.
+    resting, degraded) verifies its anchor alone, a plain round.
 
     Args: ``stages`` — the trunk and the drafters (a failed drafter call degrades its group there);
-    ``demotion`` — which sessions speculate this round, told each speculative round's outcome;
-    ``stats`` and ``timing`` — the engine core's counters (``rounds``, ``accept_walks``) and stage clocks
-    (``draft_s``, ``verify_s``, ``accept_s``, ``rounds``), added to in place.
+    ``policy`` — how many drafts each session verifies this round, told each drafting round's outcome, its
+    costs told each round's measured times; ``stats`` and ``timing`` — the engine core's counters (``rounds``,
+    ``accept_walks``) and stage clocks (``draft_s``, ``verify_s``, ``accept_s``, ``rounds``), added to in place.
     """
 
-    def __init__(self, stages: StageSet, demotion: Demotion, stats: dict, timing: dict) -> None:
-        self.stages, self.demotion, self.stats, self.timing = stages, demotion, stats, timing
+    def __init__(self, stages: StageSet, policy: DraftLength, stats: dict, timing: dict) -> None:
+        self.stages, self.policy, self.stats, self.timing = stages, policy, stats, timing
 
     def run(self, act: list[SpecSession], receipts: dict[int, Receipt]) -> None:
         """One round over the active sessions ``act`` (some): one drafter call per stage and one trunk
@@ -35,22 +35,28 @@ class SpecRound:
         clock = time.perf_counter
         t0 = clock()
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
-        spec = [s for s in act if self.demotion.speculates(s)]  # demoted sessions decode plain rows
-        for stage, group in self.stages.by_drafter(spec):
+        ks = self.policy.plan(act, all(s.sampling is None and s.stop_text is None for s in act))
+        costs = self.policy.costs
+        for stage, group in self.stages.by_drafter([s for s in act if ks[s.sid] > 0]):
             reqs = [
-                DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], s.draft_budget(), s.ingest[0].features, s.spec)
+                DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], ks[s.sid], s.ingest[0].features, s.spec)
                 for s in group
             ]
+            t = clock()
             for s, d in zip(group, self.stages.draft(stage, group, reqs)):
                 s.drafter_rows, s.ingest, drafts[s.sid] = len(s.committed), None, d
+            took = clock() - t
+            for spec in {s.spec for s in group}:  # (a stage serving two specs: its time split by sessions)
+                mine = [s for s in group if s.spec == spec]
+                costs.saw_draft(spec, len(mine), sum(ks[s.sid] for s in mine), took * len(mine) / len(group))
         t1 = clock()
         outs = self.stages.trunk.verify([Rows(s.sid, [s.anchor] + drafts[s.sid], commit=s.trunk_commit) for s in act])
         t2 = clock()
-        speculated = {s.sid for s in spec}
         for s, out in zip(act, outs):
             r = receipts.setdefault(s.sid, Receipt(tokens=[], accepted_at=[0] * len(s.accepted_at)))
-            s.trunk_commit = self._after_verify(s, drafts[s.sid], out, r, len(act) if s.sid in speculated else None)
+            s.trunk_commit = self._after_verify(s, drafts[s.sid], out, r, ks[s.sid] > 0)
         t3 = clock()
+        costs.saw_verify(len(act) + sum(len(d) for d in drafts.values()), t3 - t1)
         self.stats["rounds"] += len(act)
         tm = self.timing
         tm["draft_s"] += t1 - t0
@@ -58,9 +64,9 @@ class SpecRound:
         tm["accept_s"] += t3 - t2
         tm["rounds"] += 1
 
-    def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt, load: int | None) -> int:
-        """Apply the accept walk to the session and the burst's receipt (and, after a speculative
-        round with ``load`` active sessions, to the demotion policy); returns rows to commit."""
+    def _after_verify(self, s: SpecSession, drafts: list[int], out: VerifyOut, r: Receipt, drafted: bool) -> int:
+        """Apply the accept walk to the session and the burst's receipt (and, after a round in which it
+        ``drafted``, to the draft-length policy); returns rows to commit."""
         w = accept_walk(drafts, out.argmax.tolist(), s.stop_ids, s.turn_remaining)
         self.stats["accept_walks"] += 1
         if s.stop_text is not None and (n := s.stop_text.scan(w.emitted)) is not None:  # a stop string: cut there
@@ -81,9 +87,9 @@ class SpecRound:
         s.turn_remaining -= m
         r.tokens.extend(w.emitted)
         r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
-        if load is not None:
-            self.demotion.observe(s, w.accepted, len(drafts), load)
-        if s.drafts_later:  # a demoted session: its rows wait for the drafter's next (probe) round
+        if drafted:
+            self.policy.observe(s, w.accepted, len(drafts))
+        if s.drafts_later:  # a resting session: its rows wait for the drafter's next round
             s.queue_for_drafter(out.rows(m), w.emitted)
         else:
             s.ingest = (out.rows(m), w.emitted)

@@ -93,6 +93,7 @@ def linear(k: KernelSettings, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
 def relayout() -> None:
     """The serving layout's fused weights were rebound: the fused blocks look their weights up again."""
     _block.relayout()
+    _trunk_pass.relayout()
 
 
 def new_pass() -> None:

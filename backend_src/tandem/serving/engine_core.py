@@ -20,6 +20,7 @@ import traceback
 from typing import Any, Callable
 
 from .. import schema
+from ..engine.round_costs import RoundCosts
 from ..engine.scheduler import Scheduler, Turn
 from ..schema import Arrays, ServingConfig
 from .process import set_thread_nice
@@ -74,7 +75,8 @@ class EngineCore:
     the worker thread's nice value (``compute_nice``; 0: left as it
     is; :attr:`priority` says what it got); ``state_size`` — the
     session state estimate admission by bytes uses (:class:`~tandem.engine.state_size.StateSize`; None: by count
-    alone). A clock thread refuses turns past ``admission_wait_s`` while the worker is busy
+    alone); ``costs`` — the measured round costs (:func:`tandem.engine.calibration.calibrate`'s; None: measured
+    from the first rounds). A clock thread refuses turns past ``admission_wait_s`` while the worker is busy
     (:meth:`_refuse_overdue`).
 
     Emits happen on the worker thread (the watchdog's while the worker waits on a stage call past
@@ -98,10 +100,13 @@ class EngineCore:
         state_size=None,
         nice: int = 0,
         exit_probe: Callable[[], bool] | None = None,
+        costs: RoundCosts | None = None,
     ) -> None:
         self.log = log or (lambda msg: None)
         self.info = info or (lambda msg: None)
-        self.sched = Scheduler(trunk, drafters, config, stop_ids=stop_ids, decode=decode, state_size=state_size)
+        self.sched = Scheduler(
+            trunk, drafters, config, stop_ids=stop_ids, decode=decode, state_size=state_size, costs=costs
+        )
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
         self.sched.on_event = self.log
         self.sched.on_stage_dead = self._stage_dead
@@ -281,7 +286,8 @@ class EngineCore:
                     self.log(f"gauges: {type(e).__name__}: {e}")
 
     def _count_stats(self) -> None:
-        """The scheduler's demotion and prefix-cache counts since the last call, into :attr:`telemetry`."""
+        """The scheduler's draft-length (rests and returns) and prefix-cache counts since the last call, into
+        :attr:`telemetry`."""
         sched = self.sched
         now = {
             "demotions_total": sched.stats.get("demotions", 0),

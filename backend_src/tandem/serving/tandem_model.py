@@ -19,6 +19,8 @@ import json
 import numpy as np
 
 from .. import schema
+from ..engine.calibration import calibrate
+from ..engine.round_costs import RoundCosts
 from ..engine.stages import drafter_stages
 from ..engine.state_size import StateSize
 from ..engine.trunk_stage import TrunkStage
@@ -82,6 +84,9 @@ class TandemModel:
         # the first client turn finds the kernels' layouts built (BLS calls work only inside execute: with the
         # drafter models, the trunk alone)
         warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg)
+        costs = RoundCosts()  # this machine's round costs, for the adaptive draft length (drafters over BLS: later)
+        if cfg.adaptive_draft:
+            warm["calibration"] = calibrate(trunk, drafters if cfg.colocate else {}, cfg, costs)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
         gauges = Gauges(pb, "tandem", engine_core.GAUGES)
         self.core = engine_core.EngineCore(
@@ -98,6 +103,7 @@ class TandemModel:
             state_size=StateSize.from_folders(ckpt, dirs),
             nice=cfg.compute_nice,
             exit_probe=self._server_exiting,
+            costs=costs,
         )
         self.metrics = MetricsPublisher(pb, self.core.telemetry)
         self.sends = SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)

@@ -29,8 +29,8 @@ COUNTERS = {
     "request_success_total": "turns that finished, by `finished_reason` (vLLM request_success)",
     "request_errors_total": "requests answered with an error (refused or failed; a turn its client cancelled is "
     'request_success_total{finished_reason="cancelled"})',
-    "demotions_total": "sessions moved to plain decoding by the demotion policy",
-    "promotions_total": "demoted sessions moved back to speculation",
+    "demotions_total": "sessions the adaptive draft length moved to plain rows (no drafts)",
+    "promotions_total": "sessions moved from plain rows back to drafting",
     "prefix_cache_hits_total": "new sessions whose prompt reused published prefix blocks",
     "prefix_cache_misses_total": "new sessions looked up in the prefix cache without a hit",
 }

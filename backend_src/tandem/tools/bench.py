@@ -182,7 +182,16 @@ def main(
     from ..ops.cpu.amx import HW_AMX, gemm_tiles
     from ..ops.cpu.tile import HW_BF16
     from .bench_limits import limits, print_limits
-    from .bench_load import print_long_prompt, print_scaling, run_long_prompt, run_scaling
+    from .bench_load import (
+        print_long_prompt,
+        print_mixed,
+        print_poor,
+        print_scaling,
+        run_long_prompt,
+        run_mixed,
+        run_poor,
+        run_scaling,
+    )
     from .bench_prefix import run_prefix_section
     from .bench_report import ceilings, print_report, speedup_ratios, summarize
     from .data import humaneval_prompts, sharegpt_prompts
@@ -295,6 +304,7 @@ def main(
                                 "rounds": r.get("rounds", 0),
                                 "spec_rounds": r.get("spec_rounds"),
                                 "accepted": r.get("accepted", 0),
+                                "drafted": r.get("drafted", 0),
                                 "accepted_at": r.get("accepted_at", []),
                             }
                         )
@@ -365,6 +375,16 @@ def main(
         profile["long_prompt"] = run_long_prompt(
             serving, streams, longs, streams[0][:2], schema.OFF, shorts_at, 0.3 if quick else 3.0
         )
+    if concurrency > 1:  # plain sessions beside one session of the best spec, and prompts it drafts poorly for
+        mixed_eng = Engine(model=plain_eng.model, tokenizer=tok, dflash=share.get("dflash"), prefix_cache_mb=0, amx=amx)
+        best_spec = next((a for label, a, _ in spec_list if label == ratios.get("best_spec")), schema.DEFAULTS.spec)
+        console.print(f"mixed batch: {concurrency - 1} plain sessions beside one {best_spec} session ...")
+        profile["mixed"] = run_mixed(mixed_eng, conc_ids, max_tokens, best_spec, reps=1 if quick else 3)
+        console.print("prompts of random tokens (poor drafts) ...")
+        rnd = random.Random(seed + 4)
+        vocab = plain_eng.model.cfg.vocab_size
+        poor = [[rnd.randrange(1, vocab) for _ in range(64)] for _ in range(2 if quick else 4)]
+        profile["poor"] = run_poor(mixed_eng, poor, 2 * max_tokens, best_spec, reps=1 if quick else 2)
     profile["limits"], profile["scaling"] = lim, scaling
     print_report(
         console,
@@ -377,6 +397,14 @@ def main(
     )
     print_limits(console, lim)
     print_scaling(console, scaling)
+    if len(scaling) > 1:
+        console.print(
+            f"{f'{concurrency} sessions, best spec / plain':>30}: [bold]"
+            f"{scaling[1]['many_tokens_per_s'] / scaling[0]['many_tokens_per_s']:.2f}x[/] (aggregate tokens/s)"
+        )
+    if "mixed" in profile:
+        print_mixed(console, profile["mixed"])
+        print_poor(console, profile["poor"])
     if "long_prompt" in profile:
         print_long_prompt(console, profile["long_prompt"])
     report = {

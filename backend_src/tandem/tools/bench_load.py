@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from .. import schema
 from ..engine.scheduler import Turn
 
 
@@ -15,7 +16,8 @@ def run_concurrent(engine, prompts: list[list[int]], max_tokens: int, spec: str)
     """Admit one turn per prompt at once and run bursts until all finish. Returns ``sessions``,
     ``tokens``, ``seconds``, ``tokens_per_s`` (aggregate), ``ttft_s`` (median), ``gap_s`` (median
     time between one session's consecutive responses), ``itl_s`` (median of gap / tokens in the
-    response) and ``token_ids`` per prompt."""
+    response), ``token_ids`` per prompt and ``finish_s`` per prompt (seconds from the admission to its last
+    response). ``spec`` may be a list (one per prompt; None: the server's default)."""
     sched = engine.sched
     t0 = time.perf_counter()
     seen: dict[int, list[tuple[float, int]]] = {}
@@ -32,7 +34,8 @@ def run_concurrent(engine, prompts: list[list[int]], max_tokens: int, spec: str)
         return emit
 
     sids = [base + i for i in range(len(prompts))]
-    sched.admit([Turn(s, list(p), max_tokens, emitter(s), spec=spec) for s, p in zip(sids, prompts)])
+    specs = spec if isinstance(spec, list) else [spec] * len(prompts)
+    sched.admit([Turn(s, list(p), max_tokens, emitter(s), spec=a) for s, p, a in zip(sids, prompts, specs)])
     while any(s in sched.turns for s in sids):
         sched.burst()
     el = time.perf_counter() - t0
@@ -52,7 +55,87 @@ def run_concurrent(engine, prompts: list[list[int]], max_tokens: int, spec: str)
         "gap_s": statistics.median(gaps) if gaps else None,
         "itl_s": statistics.median(itls) if itls else None,
         "token_ids": [out[s] for s in sids],
+        "finish_s": [seen[s][-1][0] - t0 for s in sids],
     }
+
+
+def run_mixed(engine, prompts: list[list[int]], max_tokens: int, spec: str, reps: int = 3) -> dict:
+    """``len(prompts) - 1`` plain sessions (spec ``off``) beside one session of ``spec`` (the last prompt), against
+    the same batch with that session plain too, ``reps`` times in turn (plain, mixed, plain again, so drift weighs on
+    both): each plain session's tokens/s (its tokens over its own time to its last response), mixed over plain, the
+    median and lowest over the sessions of the median rep; whether every plain session's output is the same."""
+    n = len(prompts) - 1
+    every_off = [schema.OFF] * len(prompts)
+    run_concurrent(engine, prompts[:2], 8, [schema.OFF, spec])  # warm-up
+    runs = []
+    for _ in range(reps):
+        a = run_concurrent(engine, prompts, max_tokens, every_off)
+        m = run_concurrent(engine, prompts, max_tokens, every_off[:n] + [spec])
+        b = run_concurrent(engine, prompts, max_tokens, every_off)
+        rate = [[len(t) / f for t, f in zip(r["token_ids"], r["finish_s"])][:n] for r in (a, m, b)]
+        ratios = [y / ((x + z) / 2) for x, y, z in zip(*rate)]
+        same = a["token_ids"][:n] == m["token_ids"][:n] == b["token_ids"][:n]
+        runs.append((statistics.median(ratios), min(ratios), same))
+    med = sorted(runs)[len(runs) // 2]
+    return {
+        "plain_sessions": n,
+        "spec": spec,
+        "median_ratio": med[0],
+        "lowest_ratio": med[1],
+        "reps": [r[0] for r in runs],
+        "identical": all(r[2] for r in runs),
+    }
+
+
+def print_mixed(console, r: dict) -> None:
+    console.print(
+        f"{'mixed batch':>30}: {r['plain_sessions']} plain sessions beside one {r['spec']} session / beside a plain "
+        f"one: "
+        f"[bold]{r['median_ratio']:.2f}x[/] (median session; lowest {r['lowest_ratio']:.2f}x; reps "
+        f"{', '.join(f'{x:.2f}x' for x in r['reps'])}); plain outputs identical {r['identical']}"
+    )
+
+
+def run_poor(engine, prompts: list[list[int]], max_tokens: int, spec: str, reps: int = 2) -> dict:
+    """Prompts the drafters draft poorly for (``prompts``: e.g. random tokens), one session at a time: ``spec``
+    against plain decoding, interleaved prompt by prompt; aggregate tokens/s ratio, the spec's share of rounds
+    that drafted and its drafts a drafting round, whether the outputs are equal."""
+    tok = {spec: [0, 0.0], schema.OFF: [0, 0.0]}
+    rounds = drafted = spec_rounds = 0
+    same = True
+    engine.generate(prompts[0][:16], 8, spec=spec)
+    for rep in range(reps):
+        for p in prompts:
+            outs = {}
+            for a in (schema.OFF, spec) if rep % 2 == 0 else (spec, schema.OFF):
+                o = engine.generate(p, max_tokens, spec=a)
+                tok[a][0] += len(o["token_ids"])
+                tok[a][1] += o["elapsed_s"]
+                outs[a] = o["token_ids"]
+                if a == spec:
+                    rounds, drafted, spec_rounds = (
+                        rounds + o["rounds"],
+                        drafted + o["drafted"],
+                        spec_rounds + o["spec_rounds"],
+                    )
+            same = same and outs[spec] == outs[schema.OFF]
+    rate = {a: n / t for a, (n, t) in tok.items()}
+    return {
+        "spec": spec,
+        "prompts": len(prompts),
+        "ratio": rate[spec] / rate[schema.OFF],
+        "drafted_share": spec_rounds / rounds if rounds else 0.0,
+        "mean_k": drafted / spec_rounds if spec_rounds else 0.0,
+        "identical": same,
+    }
+
+
+def print_poor(console, r: dict) -> None:
+    console.print(
+        f"{'poor drafts (random tokens)':>30}: {r['spec']} / plain [bold]{r['ratio']:.2f}x[/] over {r['prompts']} "
+        f"prompts; rounds that drafted {r['drafted_share']:.0%}, {r['mean_k']:.2f} drafts a drafting round; "
+        f"outputs identical {r['identical']}"
+    )
 
 
 def run_scaling(engine, prompts: list[list[int]], max_tokens: int, spec: str, reps: int = 5) -> dict:

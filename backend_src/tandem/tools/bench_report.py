@@ -5,7 +5,7 @@ The ceiling of an in-process spec is ``n * T_plain / T_round`` with ``n`` the to
 emit on average, ``T_round`` the measured draft + verify (commit folded in) + accept time of its
 rounds and ``T_plain`` plain decoding's round (Leviathan et al. 2023, §3.4, expected walltime
 improvement, with measured rather than modelled costs). ``n`` equals tau when every round drafts;
-the demotion policy makes some rounds plain, so tau (the mean acceptance length, vLLM's definition:
+the adaptive draft length makes some rounds plain, so tau (the mean acceptance length, vLLM's definition:
 1 + accepted / rounds that drafted) and the share of rounds that drafted are printed apart.
 """
 
@@ -35,7 +35,7 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
     tokens = sum(len(r["token_ids"]) for r in runs)
     seconds = sum(len(r["token_ids"]) / r["tokens_per_s"] for r in runs if r["tokens_per_s"])
     # tau and the per-position rates are over the rounds that carried drafts (vLLM's definition): a
-    # demoted session's plain rounds are not acceptance. Served rows report no spec_rounds: no tau.
+    # resting session's plain rounds are not acceptance. Served rows report no spec_rounds: no tau.
     spec = [r.get("spec_rounds") for r in runs]
     spec_rounds = sum(spec) if None not in spec else 0
     all_rounds = sum(r["rounds"] for r in runs)
@@ -65,6 +65,7 @@ def summarize(name: str, runs: list[dict], plain_ref: dict[int, dict], n_pos: in
         "acceptance_per_position": per_pos,
         "ttft_s": statistics.median(ttfts) if ttfts else None,
         "spec_round_share": spec_rounds / all_rounds if spec_rounds else None,
+        "mean_k": sum(r.get("drafted", 0) for r in runs) / spec_rounds if spec_rounds else None,
         "tokens_per_round": 1 + acc / all_rounds if spec_rounds else None,
         "peak_rss_mb": rss_mb,
         "exact_match_rate": exact / len(runs),
@@ -117,7 +118,7 @@ def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
     for label, ts in timings.items():
         t_round = {x: ts[x] / max(ts["rounds"], 1) for x in STAGES}
         row = by[f"{label} (in-process)"]
-        tau, per_round = row["mean_acceptance_length"], row.get("tokens_per_round")  # equal unless demoted rounds
+        tau, per_round = row["mean_acceptance_length"], row.get("tokens_per_round")  # equal unless resting rounds
         ceiling = per_round * t_plain / sum(t_round.values()) if sum(t_round.values()) and per_round else None
         row["ceiling_speedup"] = ceiling
         out["specs"][label] = {
@@ -126,6 +127,7 @@ def ceilings(by: dict, timings: dict[str, dict], plain_timing: dict) -> dict:
             "tau": tau,
             "tokens_per_round": per_round,
             "spec_round_share": row.get("spec_round_share"),
+            "mean_k": row.get("mean_k"),
             "ceiling_speedup": ceiling,
             "measured_speedup": row["tokens_per_s_aggregate"] / plain_tps,
             "round_in_plain_steps": sum(t_round.values()) / t_plain if t_plain else None,
@@ -175,7 +177,7 @@ def print_report(console, rows: list[dict], ratios: dict, profile: dict, title: 
         console.print(
             f"{'ceiling ' + name:>30}: {a['ceiling_speedup']:.2f}x  measured {a['measured_speedup']:.2f}x = "
             f"{a['tokens_per_round']:.2f} tokens a round (tau {a['tau']:.2f} on the {a['spec_round_share']:.0%} of "
-            f"rounds that drafted) / round {a['round_in_plain_steps']:.2f} plain steps ("
+            f"rounds that drafted, {a['mean_k']:.2f} drafts each) / round {a['round_in_plain_steps']:.2f} plain steps ("
             + ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in a["round_s"].items())
             + f" ms; plain round {t_plain * 1e3:.1f} ms)"
         )

@@ -106,7 +106,7 @@ def render_wire(models: dict[str, ModelWire] | None = None) -> str:
 def field_docs(cls=schema.ServingConfig) -> dict[str, str]:
     """Each field's paragraph from ``cls``' docstring. The first paragraph lists the fields as
     ````name``: text;`` segments (one segment may name two fields, ````a`` / ``b``: ...``); a later
-    paragraph that names fields (the demotion one, with ``round_cost_*`` globs) is given whole to
+    paragraph that names fields (the adaptive draft length's) is given whole to
     each field it names. A field the docstring does not name gets ``""``."""
     names = [f.name for f in dataclasses.fields(cls)]
     paras = [" ".join(p.split()) for p in (cls.__doc__ or "").split("\n\n")]

@@ -28,7 +28,7 @@ from numba import njit
 
 from ..state import KDARows, KDAState
 from .groups import run_groups
-from .kernels import _F
+from .kernels import _F, compiled_call
 from .trunk_pass import _forward, _mla_args, _Plan, _plan, _shapes, _slots, _starts
 
 
@@ -125,20 +125,8 @@ def _group(
     out_h, out_f = np.empty((steps, S, D), _F), np.zeros((steps, S, nf * D), _F)
     tok = np.array(anchors, np.int64)
     outs = (out_tok, out_gap, out_h, out_f)
-    n = _decode(
-        p.args,
-        slot,
-        tok,
-        steps,
-        (tails0, col0, S00),
-        km1,
-        full_buf,
-        st_buf,
-        (ptrs, used, pools),
-        stops,
-        stop_offs,
-        outs,
-    )
+    args = (p.args, slot, tok, steps, (tails0, col0, S00), km1, full_buf, st_buf, (ptrs, used, pools), stops, stop_offs)
+    n = compiled_call(_decode, p.entry, ("decode", carried is not None), (*args, outs))
     _leave(caches, p.kda_idx, p.mla_idx, n, km1, full_buf, st_buf)
     tok_t, gap_t, h_t, f_t = (torch.from_numpy(x[:n]) for x in (out_tok, out_gap, out_h, out_f))
     return [{"tokens": tok_t[:, j], "gaps": gap_t[:, j], "hidden": h_t[:, j], "features": f_t[:, j]} for j in range(S)]

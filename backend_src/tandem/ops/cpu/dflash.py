@@ -28,7 +28,7 @@ from numba import njit
 from ..state import ContextKV
 from .block import _gemm
 from .gemm import _mmp, cols, kernel_weight
-from .kernels import _F, _exp, _rms, _swiglu, np_param, typed_list
+from .kernels import _F, _exp, _rms, _swiglu, compiled_call, np_param, typed_list
 
 _NO_CONV = np.zeros((4, 0, 1), _F)  # DFlash: no convolutions (a DFlash2 layer's are [4, taps, D])
 
@@ -193,7 +193,7 @@ def _round(w, layers, feats, rows, anchor, k, embed, kbufs, vbufs, rope, out, ou
 
 
 class _Plan:
-    __slots__ = ("key", "layers", "args", "rope")
+    __slots__ = ("key", "layers", "args", "rope", "entry", "params")
 
 
 _PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
@@ -214,11 +214,12 @@ def _rope_tables(model, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _plan(model, head: torch.Tensor, head_kernels, positions: int) -> _Plan:
-    """The compiled round's weight arguments for ``model`` with the LM head ``head`` (remade when a weight is
-    replaced or changed in place), and RoPE tables for ``positions`` positions at least."""
-    params = list(model.parameters()) + [head]
-    key = tuple((id(t), t.data_ptr(), t._version) for t in params) + (head_kernels,)
+    """The compiled round's weight arguments for ``model`` with the LM head ``head`` (remade when a weight changes in
+    place, its storage or the kernel settings change; a parameter object put in another's place is not looked
+    for), and RoPE tables for ``positions`` positions at least."""
     p = _PLANS.get(model)
+    params = p.params if p is not None and p.params[-1] is head else [*model.parameters(), head]
+    key = (head_kernels, model.kernels) + tuple((t.data_ptr(), t._version) for t in params)
     if p is None or p.key != key:
         k = model.kernels
         layers = []
@@ -266,6 +267,7 @@ def _plan(model, head: torch.Tensor, head_kernels, positions: int) -> _Plan:
             kernel_weight(sel.hidden_proj.weight, k) if sel else kernel_weight(model.fc.weight, k),
         )
         p.rope = (np.zeros((0, model.cfg.head_dim), _F),) * 2
+        p.entry, p.params = {}, params
         _PLANS[model] = p
     if p.rope[0].shape[0] < positions:
         p.rope = _rope_tables(model, max(positions, 2 * p.rope[0].shape[0], 1024))
@@ -292,6 +294,7 @@ def draft_round(
     out, out_h = np.empty(k, np.int64), np.empty((k + 1, model.cfg.hidden_size), _F)
     kbufs, vbufs = typed_list([b[0].numpy() for b in ctx.k]), typed_list([b[0].numpy() for b in ctx.v])
     feats = np.ascontiguousarray(features.numpy(), _F).reshape(n, -1)
-    _round(p.args, p.layers, feats, ctx.rows, anchor, k, np_param(embed), kbufs, vbufs, p.rope, out, out_h)
+    args = (p.args, p.layers, feats, ctx.rows, anchor, k, np_param(embed), kbufs, vbufs, p.rope, out, out_h)
+    compiled_call(_round, p.entry, "round", args)
     ctx.rows += n
     return out.tolist(), torch.from_numpy(out_h)

@@ -439,3 +439,17 @@ def typed_list(items: list) -> List:
     for x in items[1:]:
         _append(out, x)
     return out
+
+
+def compiled_call(fn, entries: dict, key, args: tuple):
+    """``fn(*args)`` for a numba function ``fn``, through the compiled entry point ``entries[key]`` once one is
+    kept there: numba's dispatcher types every argument at every call (for a model's nested typed lists, hundreds
+    of type hashes: a few hundred microseconds a call), the entry point only unboxes them. The caller keeps
+    ``key`` to calls whose arguments have the same numba types (the first call of a key goes through the
+    dispatcher, which compiles or loads what it needs, and keeps its entry point)."""
+    entry = entries.get(key)
+    if entry is not None:
+        return entry(*args)
+    out = fn(*args)
+    entries[key] = fn.overloads[tuple(fn.typeof_pyval(a) for a in args)].entry_point
+    return out

@@ -32,7 +32,7 @@ from .attention import cache_args
 from .block import _dense_ffn, _ffn, _kda_attn
 from .gemm import _mmp, cols, kernel_weight
 from .groups import run_groups
-from .kernels import _F, _rms, _top2, np_param, typed_list
+from .kernels import _F, _rms, _top2, compiled_call, np_param, typed_list
 from .mla_block import _mla_attn
 
 _KDA, _MLA = 0, 1  # attention kinds
@@ -108,48 +108,64 @@ def _forward(w, feat_slot, tok, offs, s_idx, kda_in, kda_out, keep, mla, outs): 
 class _Plan:
     """The compiled loop's per-layer arguments for one model (remade when a layer's plan is)."""
 
-    __slots__ = ("key", "args", "kda_layers", "mla_layers", "like", "kda_idx", "mla_idx")
+    __slots__ = ("key", "args", "kda_layers", "mla_layers", "like", "kda_idx", "mla_idx", "tensors", "wkey", "entry")
 
 
 #: model -> its loop arguments; an entry goes with its model
 _PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
 
 
-def _layer_plans(model) -> tuple | None:
+def _layer_plans(model, sources: list) -> tuple | None:
     """Per trunk layer ``(attention kind, attention args, FFN kind, FFN args, layer)`` from the fused
     blocks' plans, or None when a layer does not run fused (:func:`~tandem.ops.cpu.block.kda_fits`,
-    :func:`~tandem.ops.cpu.mla_block.fits`, :func:`~tandem.ops.cpu.block.ffn_fits`)."""
+    :func:`~tandem.ops.cpu.mla_block.fits`, :func:`~tandem.ops.cpu.block.ffn_fits`); the plans' tensors go
+    to ``sources``."""
     out = []
     for layer in list(model.layers)[: model.cfg.num_hidden_layers]:
         if block.kda_fits(layer):
-            attn = (_KDA, block._kda_plan(layer).args)
+            a = block._kda_plan(layer)
+            attn = (_KDA, a.args)
         elif mla_block.fits(layer):
-            attn = (_MLA, mla_block._mla_plan(layer).args)
+            a = mla_block._mla_plan(layer)
+            attn = (_MLA, a.args)
         else:
             return None
         f = block._ffn_plan(layer)
         if f.fits:
             ffn = (_MOE, f.args)
-        elif (d := block._dense_plan(layer)).fits and layer.kernels.fused:
-            ffn = (_DENSE, d.args)
+        elif (f := block._dense_plan(layer)).fits and layer.kernels.fused:
+            ffn = (_DENSE, f.args)
         else:
             return None
+        sources += a.sources + f.sources
         out.append((*attn, *ffn, layer))
     return tuple(out)
 
 
+def _weights_key(p: _Plan, model) -> tuple:
+    """What an in-place change, a replaced tensor or new kernel settings would change: checked at every call."""
+    return (model.kernels, tuple((t.data_ptr(), t._version) for t in p.tensors))
+
+
 def _plan(model) -> _Plan | None:
-    """The loop's arguments for ``model`` (cached while every layer's plan stays), or None when the
-    loop does not apply: a layer not fused, an empty kind (the typed lists need an element), the LM
-    head not strip-packed."""
+    """The loop's arguments for ``model`` (cached while every tensor they come from stays: one look at their
+    versions a call, :func:`_weights_key`; the layers' plans asked again otherwise), or None when the loop does
+    not apply: a layer not fused, an empty kind (the typed lists need an element), the LM head not
+    strip-packed."""
+    p = _PLANS.get(model)
+    if p is not None and _weights_key(p, model) == p.wkey:
+        return p
     block.new_pass()
-    layers = _layer_plans(model)
+    sources: list = []
+    layers = _layer_plans(model, sources)
     lm = kernel_weight(model.lm_head.weight, model.kernels)
     if layers is None or not isinstance(lm, tuple):
         return None
     key = tuple(x[1] for x in layers) + tuple(x[3] for x in layers) + (lm,)  # the plans' own argument tuples
-    p = _PLANS.get(model)
+    tensors = [*sources, model.lm_head.weight, model.embed_tokens.weight, model.norm.weight]
     if p is not None and len(p.key) == len(key) and all(a is b for a, b in zip(p.key, key)):
+        p.tensors = tensors
+        p.wkey = _weights_key(p, model)
         return p
     kinds = {k: [x for x in layers if x[0] == k] for k in (_KDA, _MLA)}
     ffns = {k: [x for x in layers if x[2] == k] for k in (_MOE, _DENSE)}
@@ -184,8 +200,16 @@ def _plan(model) -> _Plan | None:
         lm,
         model.cfg.hc_mult,
     )
+    p.tensors = tensors
+    p.wkey = _weights_key(p, model)
+    p.entry = {}
     _PLANS[model] = p
     return p
+
+
+def relayout() -> None:
+    """Forget every model's loop arguments (the serving layout's fused weights were rebound)."""
+    _PLANS.clear()
 
 
 class _Shapes(typing.NamedTuple):
@@ -229,9 +253,10 @@ def _mla_args(caches: list, p: _Plan, lengths: list[int]) -> tuple[np.ndarray, n
 
 
 def _slots(model, features: tuple[int, ...]) -> tuple[np.ndarray, int]:
-    """Per trunk layer its place among the sorted ``features`` layers (-1: not one), and how many."""
-    feats = sorted(set(features))
+    """Per trunk layer its place among the sorted ``features`` layers (-1: not one), and how many (a layer past the
+    trunk's last exports nothing, as in the verify pass)."""
     n = model.cfg.num_hidden_layers
+    feats = sorted(i for i in set(features) if i < n)
     return np.array([feats.index(i) if i in feats else -1 for i in range(n)], np.int64), len(feats)
 
 
@@ -273,7 +298,8 @@ def _verify_group(model, p: _Plan, caches: list, rows: list[list[int]], features
     outs = (np.empty(N, np.int64), np.empty(N, _F), np.empty((N, D), _F), np.zeros((N, nf * D), _F))
     tok = np.array([t for r in rows for t in r], np.int64)
     s_idx = np.arange(S, dtype=np.int64)
-    _forward(p.args, slot, tok, offs, s_idx, (tails, t_col, S0), (full, states), True, (ptrs, used, pools), outs)
+    args = (p.args, slot, tok, offs, s_idx, (tails, t_col, S0), (full, states), True, (ptrs, used, pools), outs)
+    compiled_call(_forward, p.entry, "verify", args)
     for c, n in zip(caches, lengths):
         c.pending, c.pending_rows = {}, n
         for i in p.mla_idx:
