@@ -190,8 +190,9 @@ def test_rejection_sampling_keeps_its_draft_length_coupled_may_rest(base):
 
 def test_the_plan_weighs_acceptance_against_the_measured_costs():
     """DraftLength.plan on sessions of known acceptance: a good drafter alone drafts all 7, a middling one fewer,
-    a poor one none (it rests, and rests() says until its probe; its probe drafts its whole budget, and one that
-    does not pay doubles the rest); eight whose plain rows are cheap in a batch draft less each."""
+    a poor one none (it rests, and rests() says until its probe; its probe drafts two, and one that does not pay
+    doubles the rest); eight whose plain rows are cheap in a batch draft less each, and do not probe when not even
+    every draft accepted would pay."""
     from types import SimpleNamespace
 
     cfg = schema.ServingConfig(probe_rounds=4)
@@ -211,23 +212,28 @@ def test_the_plan_weighs_acceptance_against_the_measured_costs():
     pol = DraftLength(cfg, Fixed(), {})
     good, poor = session(1, 0.95), session(2, 0.2)
     assert pol.plan([good]) == {1: 7}
-    assert pol.plan([poor]) == {2: 0} and poor.drafting.resting and pol.rests(poor, 1) == 4
+    assert pol.plan([poor]) == {2: 0} and poor.drafting.resting and pol.rests(poor, 1) > 4  # (plain calls)
     for _ in range(4):
         assert pol.plan([poor]) == {2: 0}
-    assert pol.plan([poor]) == {2: 7}  # its probe, measured anew
-    pol.observe(poor, 0, 7)  # nothing accepted
+    assert pol.rests(poor, 1) == 0  # its probe is due
+    assert pol.plan([poor]) == {2: 2}  # its probe (two drafts), measured anew
+    pol.observe(poor, 0, 2)  # nothing accepted
     assert pol.plan([poor]) == {2: 0} and poor.drafting.backoff == 2  # a probe that did not pay: longer rest
     eight = [session(i, 0.8) for i in range(8)]
     ks = DraftLength(cfg, Fixed(plain=0.3, v1=0.3), {}).plan(eight)
     assert sum(ks.values()) < 8 * 7
     assert 0 < DraftLength(cfg, Fixed(), {}).plan([session(9, 0.8)])[9] < 7  # the last drafts land too rarely
+    crowd = [session(i, 0.95) for i in range(10, 18)]  # resting, probes due, plain rows very cheap in a batch:
+    for x in crowd:  # not even every draft accepted would pay, so no probe
+        x.drafting.resting, x.drafting.rest_load, x.drafting.since = True, 8, 100
+    assert DraftLength(cfg, Fixed(plain=0.1), {}).plan(crowd) == {x.sid: 0 for x in crowd}
+    assert all(x.drafting.since == 0 and x.drafting.resting for x in crowd)
 
 
 def test_resting_and_plain_sessions_decode_together_in_one_compiled_call(base, monkeypatch):
     """Plain and resting sessions between probe rounds go to the trunk's decode call together (the
-    compiled rounds: a resting session costs what a plain one does), with the tokens, the probe rounds
-    and the drafts of every probe (the drafter took in the same rows) of the rounds one verify at a
-    time."""
+    compiled rounds: a resting session costs what a plain one does), with the tokens and rounds of the rounds one
+    verify at a time (a probe due inside a compiled call waits for its end)."""
     prompts = _prompts(base, 3)
     specs = [schema.OFF, schema.DFLASH2, schema.DFLASH2]
 
@@ -248,7 +254,7 @@ def test_resting_and_plain_sessions_decode_together_in_one_compiled_call(base, m
     want, want_drafts, _, want_rounds = run(False)
     plain, _ = _run(_engine(base)[0], prompts, schema.OFF, 96)
     assert got == want == plain and rounds == want_rounds
-    assert drafts == want_drafts and len(drafts) < rounds / 6  # the same probes, drafting from the same rows
+    assert 0 < len(drafts) <= len(want_drafts) < rounds / 6  # a few probes (no more than round by round)
     assert calls.count(3) >= 2  # the plain session beside both resting ones
 
 

@@ -14,9 +14,11 @@ sessions' draft_s``, and the prefix with the most tokens a second wins, against 
 session one row, ``plain_s(L)``: the compiled plain rounds). So one session with a good drafter drafts its
 whole block; a session whose drafts stop landing, or a batch whose plain rows are already cheap per token,
 drafts less, down to none: that session rests (decodes plain rows, counted in ``demotions``) until its probe
-round drafts its whole budget again after ``probe_rounds`` rounds, an interval that doubles after each probe
+round (:data:`PROBE_DRAFTS` drafts) after ``probe_rounds`` rounds, an interval that doubles after each probe
 that does not bring it back (up to :data:`MAX_BACKOFF` times), or until the number of active sessions changes;
-a probe's round is measured anew (the counts from before the rest are dropped).
+a probe's round is measured anew (the counts from before the rest are dropped; its first draft rejected, the
+session rests again at once), and skipped when not even a round accepting every draft would beat the plain
+round (a batch whose plain rows are cheap).
 
 Sessions that may not change their draft length keep it: ``rejection``-sampled ones (their stream depends
 on the draws the walk makes, :meth:`~tandem.engine.session.SpecSession.demote_eligible`), and every session
@@ -35,13 +37,15 @@ from .round_costs import RoundCosts
 #: weight kept by a session's older rounds at each new one (about a 10-round window)
 DECAY = 0.9
 #: rounds of its spec's acceptance a session's own counts start with
-PRIOR_WEIGHT = 1.0
+PRIOR_WEIGHT = 2.0
 #: a spec's acceptance per position before any session of it drafted (optimistic: a new spec tries)
 START_ACCEPT = 0.8
 #: weight kept by a spec's older rounds (over every session) at each new one
 SPEC_DECAY = 0.99
 #: a resting session's probe interval grows to ``probe_rounds`` times this at most
-MAX_BACKOFF = 16
+MAX_BACKOFF = 8
+#: drafts a probe round verifies (its first positions decide whether the session drafts again)
+PROBE_DRAFTS = 2
 
 
 @dataclasses.dataclass
@@ -121,10 +125,18 @@ class DraftLength:
             elif st.resting and not self._probe_due(st) and st.rest_load == L:
                 ks[s.sid] = 0
                 st.since += 1
-            elif st.resting and self._probe_due(st):  # its probe: the whole budget, measured anew
+            elif st.resting and not self._could_pay(s, k, L, plain_ok):  # not even were every draft accepted
+                ks[s.sid], st.since, st.rest_load = 0, 0, L
+                st.backoff = min(2 * st.backoff, MAX_BACKOFF)
+            elif st.resting:  # its probe: a few drafts, measured anew
+                k = min(k, PROBE_DRAFTS)
                 ks[s.sid] = k
                 fixed.append((s, k))
                 st.resting, st.probed, st.hit, st.tried = False, True, [], []
+            elif st.probed and not _at(st.hit, 0):  # its probe's first draft was rejected: back to rest, longer
+                ks[s.sid] = 0
+                st.resting, st.since, st.rest_load, st.probed = True, 0, L, False
+                st.backoff = min(2 * st.backoff, MAX_BACKOFF)
             else:
                 cands.append((s, k))
         if not cands:
@@ -181,20 +193,31 @@ class DraftLength:
             out[sid] = max(out.get(sid, 0), i)
         return out
 
+    def _could_pay(self, s, k: int, load: int, plain_ok: bool) -> bool:
+        """Whether a round in which session ``s`` drafts ``k`` and every draft is accepted would give ``load``
+        sessions more tokens a second than a plain round (else its probe is skipped: no acceptance could pay)."""
+        c = self.costs
+        if not c.known({s.spec}):
+            return True
+        plain = c.plain_s(load) if plain_ok else c.verify_s(load)
+        base = max(plain, c.verify_s(load)) - c.verify_s(load)
+        return (load + k) / (base + c.verify_s(load + k) + c.draft_s(s.spec, k)) > load / plain
+
     def _probe_due(self, st: DraftState) -> bool:
         return st.since >= max(1, self.config.probe_rounds) * st.backoff
 
     # -- plain rounds in one call ---------------------------------------------------------------------
     def rests(self, s, load: int) -> int:
         """Rounds (0 or more) over which session ``s`` surely drafts nothing, ``load`` sessions active: any for
-        a session without drafts (spec ``off``, degraded), until its probe for a resting one (while the load
-        stays), else 0 (its next plan decides)."""
+        a session without drafts (spec ``off``, degraded) or a resting one while the load stays (its probe, once
+        due, waits for the first round after the plain call: a call is not cut short for it), else 0 (its next
+        plan decides)."""
         st = s.drafting
         if s.spec == schema.OFF or s.degraded:
             return 1 << 30
         if not self.config.adaptive_draft or not s.demote_eligible() or not st.resting or st.rest_load != load:
             return 0
-        return max(0, max(1, self.config.probe_rounds) * st.backoff - st.since)
+        return 0 if self._probe_due(st) else 1 << 30
 
     def ran_plain(self, s, rounds: int) -> None:
         """Session ``s`` decoded ``rounds`` plain rounds in one call (within what :meth:`rests` gave): a resting
