@@ -209,7 +209,13 @@ def test_the_plan_weighs_acceptance_against_the_measured_costs():
             prefix_capture=None,
         )
 
-    pol = DraftLength(cfg, Fixed(), {})
+    def policy(costs):  # a policy whose DFlash2 rounds have been measured (a spec never measured drafts its budget)
+        p = DraftLength(cfg, costs, {})
+        p.spec_counts[schema.DFLASH2] = ([], [])
+        return p
+
+    assert DraftLength(cfg, Fixed(), {}).plan([session(0, 0.2)]) == {0: 7}  # its spec's first round: measured
+    pol = policy(Fixed())
     good, poor = session(1, 0.95), session(2, 0.2)
     assert pol.plan([good]) == {1: 7}
     assert pol.plan([poor]) == {2: 0} and poor.drafting.resting and pol.rests(poor, 1) > 4  # (plain calls)
@@ -220,13 +226,13 @@ def test_the_plan_weighs_acceptance_against_the_measured_costs():
     pol.observe(poor, 0, 2)  # nothing accepted
     assert pol.plan([poor]) == {2: 0} and poor.drafting.backoff == 2  # a probe that did not pay: longer rest
     eight = [session(i, 0.8) for i in range(8)]
-    ks = DraftLength(cfg, Fixed(plain=0.3, v1=0.3), {}).plan(eight)
+    ks = policy(Fixed(plain=0.3, v1=0.3)).plan(eight)
     assert sum(ks.values()) < 8 * 7
-    assert 0 < DraftLength(cfg, Fixed(), {}).plan([session(9, 0.8)])[9] < 7  # the last drafts land too rarely
+    assert 0 < policy(Fixed()).plan([session(9, 0.8)])[9] < 7  # the last drafts land too rarely
     crowd = [session(i, 0.95) for i in range(10, 18)]  # resting, probes due, plain rows very cheap in a batch:
     for x in crowd:  # not even every draft accepted would pay, so no probe
         x.drafting.resting, x.drafting.rest_load, x.drafting.since = True, 8, 100
-    assert DraftLength(cfg, Fixed(plain=0.1), {}).plan(crowd) == {x.sid: 0 for x in crowd}
+    assert policy(Fixed(plain=0.1)).plan(crowd) == {x.sid: 0 for x in crowd}
     assert all(x.drafting.since == 0 and x.drafting.resting for x in crowd)
 
 

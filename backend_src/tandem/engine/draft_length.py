@@ -23,7 +23,8 @@ round (a batch whose plain rows are cheap).
 Sessions that may not change their draft length keep it: ``rejection``-sampled ones (their stream depends
 on the draws the walk makes, :meth:`~tandem.engine.session.SpecSession.demote_eligible`), and every session
 when ``adaptive_draft`` is off; a session whose prompt's prefix capture waits for its drafter drafts its budget
-in that round (the drafter takes the prompt in, and the prefix cache can publish it).
+in that round (the drafter takes the prompt in, and the prefix cache can publish it), and so does every session of
+a spec no round has measured yet.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class DraftLength:
             st = s.drafting
             if k == 0:
                 ks[s.sid] = 0
-            elif not c.adaptive_draft or not s.demote_eligible() or _capture_waits(s):
+            elif not c.adaptive_draft or not s.demote_eligible() or _capture_waits(s) or s.spec not in self.spec_counts:
                 ks[s.sid] = k
                 fixed.append((s, k))
             elif st.resting and not self._probe_due(st) and st.rest_load == L:
