@@ -80,6 +80,7 @@ def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, t
             break
     assert got["rounds"] > 1 and got["accepted"] <= got["drafted"]
     assert walks <= got["rounds"], (walks, got["rounds"])
+    assert "round costs plain_1_ms" in server.log()  # measured at load (the adaptive draft length's costs)
 
 
 def test_served_with_colocate_off_takes_the_drafter_models(server, drafter_server, shipped, tokenizer):

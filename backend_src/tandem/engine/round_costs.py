@@ -122,7 +122,8 @@ class RoundCosts:
         return per * k / max(mean_k, 1e-9) if spec == schema.MTP else per
 
     def summary(self) -> dict[str, float]:
-        """The measured costs in milliseconds (plain at 1 session, verify at 1 and 8 rows, each spec's draft)."""
+        """The measured costs in milliseconds (plain at 1 session, verify at 1 and 8 rows, each spec's draft; the
+        serving log shows them at load)."""
         out = {"plain_1_ms": self.plain_s(1) * 1e3 if self.plain else 0.0}
         out.update({f"verify_{r}_ms": self.verify_s(r) * 1e3 for r in (1, 8)})
         out.update({f"draft_{a}_ms": v[0] * 1e3 for a, v in sorted(self.draft.items())})

@@ -107,12 +107,17 @@ class TandemModel:
         )
         self.metrics = MetricsPublisher(pb, self.core.telemetry)
         self.sends = SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)
+        costs_ms = (
+            ", ".join(f"{k} {v:.2f}" for k, v in costs.summary().items())
+            if costs.calibrated
+            else "from the first rounds"
+        )
         pb.Logger.log_info(
             f"tandem: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
             f"{dispatch.gemm_tiles(cfg.amx)}); drafters {sorted(drafters)} "
             f"{'in this process' if cfg.colocate else 'in their models (colocate off)'}, DFlash "
             f"drafters {({a: str(dirs[a]) for a in specs}) or 'none'}; "
-            f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)}); {cfg}"
+            f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)}); round costs {costs_ms}; {cfg}"
         )
 
     def _response(self, arrays, error):
