@@ -155,7 +155,7 @@ def test_collapse_rests_keeps_greedy_output_and_a_probe_brings_it_back(base):
     sched.draft_length.spec_counts.clear()
     sched.admit([Turn(50, prompt[0], 200, lambda r, e, f: None, spec=schema.DFLASH2, end=False)])
     s = sched.sessions[50]
-    s.drafting = DraftState(hit=[0.0] * 7, tried=[5.0] * 7, rounds=20, resting=True, rest_load=1)
+    s.drafting = DraftState(hit=[0.0] * 7, tried=[5.0] * 7, resting=True, rest_load=1)
     while 50 in sched.turns:
         sched.burst()
     assert sched.stats["promotions"] >= 1 and not s.drafting.resting
@@ -198,7 +198,7 @@ def test_the_plan_weighs_acceptance_against_the_measured_costs():
     cfg = schema.ServingConfig(probe_rounds=4)
 
     def session(sid, rate, spec=schema.DFLASH2):
-        st = DraftState(hit=[rate * 10] * 7, tried=[10.0] * 7, rounds=10)
+        st = DraftState(hit=[rate * 10] * 7, tried=[10.0] * 7)
         return SimpleNamespace(
             sid=sid,
             spec=spec,

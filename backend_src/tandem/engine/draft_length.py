@@ -52,13 +52,12 @@ PROBE_DRAFTS = 2
 @dataclasses.dataclass
 class DraftState:
     """Per session: decayed counts per draft position (``hit[i]`` rounds that accepted draft ``i + 1`` of
-    ``tried[i]`` that reached it), ``rounds`` speculative rounds observed; ``resting`` (drafting nothing
+    ``tried[i]`` that reached it); ``resting`` (drafting nothing
     since its last plan), ``since`` rounds at rest, ``backoff`` the probe interval's multiple, ``rest_load``
     the active sessions when it came to rest, ``probed`` whether its last drafting round was a probe."""
 
     hit: list[float] = dataclasses.field(default_factory=list)
     tried: list[float] = dataclasses.field(default_factory=list)
-    rounds: int = 0
     resting: bool = False
     since: int = 0
     backoff: int = 1
@@ -96,7 +95,6 @@ class DraftLength:
         """After a round of ``s`` that verified ``drafts`` drafts and accepted ``accepted``: its counts (and its
         spec's) for the positions the round reached (``1 .. min(accepted + 1, drafts)``)."""
         st = s.drafting
-        st.rounds += 1
         spec = self.spec_counts.setdefault(s.spec, ([], []))
         reached = min(accepted + 1, drafts)
         for counts, decay in ((st, DECAY), (spec, SPEC_DECAY)):
@@ -166,8 +164,7 @@ class DraftLength:
         is its ``L`` anchor rows' (a verify round's, never taken below the plain round's), the draft rows' on the
         verify line, and the drafting sessions' draft rounds."""
         costs = self.costs
-        plain = costs.plain_s(L) if plain_ok else costs.verify_s(L)
-        base = max(plain, costs.verify_s(L)) - costs.verify_s(L)
+        plain, base = self._plain_and_base(L, plain_ok)
         rows, tokens, draft = L, float(L), 0.0
         for s, k in fixed:
             rows += k
@@ -200,9 +197,16 @@ class DraftLength:
         c = self.costs
         if not c.known({s.spec}):
             return True
-        plain = c.plain_s(load) if plain_ok else c.verify_s(load)
-        base = max(plain, c.verify_s(load)) - c.verify_s(load)
+        plain, base = self._plain_and_base(load, plain_ok)
         return (load + k) / (base + c.verify_s(load + k) + c.draft_s(s.spec, k)) > load / plain
+
+    def _plain_and_base(self, load: int, plain_ok: bool) -> tuple[float, float]:
+        """Seconds of a round without drafts of ``load`` sessions (compiled plain rounds when ``plain_ok``, else a
+        verify round of one row each), and what a verify round's time adds over the verify line so that its
+        ``load`` anchor rows never cost less than that round."""
+        c = self.costs
+        plain = c.plain_s(load) if plain_ok else c.verify_s(load)
+        return plain, max(plain, c.verify_s(load)) - c.verify_s(load)
 
     def _probe_due(self, st: DraftState) -> bool:
         return st.since >= max(1, self.config.probe_rounds) * st.backoff
