@@ -122,15 +122,17 @@ def test_a_compiled_verify_equals_the_verify_pass_row_by_row(threads):
         assert _equal(ra3, rb3) and _same_caches(model, a, b)
 
 
-def test_the_shipped_trunk_verifies_compiled_as_its_verify_pass(trunk_fp32):
-    """The shipped checkpoint's greedy verify of a DFlash block (8 rows) beside a plain row: the compiled call
-    and the verify pass give the same rows and caches."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_shipped_trunk_verifies_compiled_as_its_verify_pass(trunk_fp32, threads):
+    """The shipped checkpoint's greedy verify of a DFlash block (8 rows) beside a plain row, in one call on one
+    thread or split across two (its GEMMs' columns, its MoE's experts): the compiled call and the verify pass
+    give the same rows and caches."""
     prompts = [list(range(100, 160)), list(range(300, 340))]
     rows = [[11, 12, 13, 14, 15, 16, 17, 18], [19]]
     trunk_fp32.batch_invariant = True  # (the serving default)
     with torch.no_grad():
         a, b = _primed(trunk_fp32, prompts), _primed(trunk_fp32, prompts)
-        ra = trunk_fp32.verify_targets(a, rows, (1, 3), threads=1)
+        ra = trunk_pass.verify_rows(trunk_fp32, a, rows, (1, 3), split=threads)
         assert trunk_pass._PLANS.get(trunk_fp32) is not None
         rb = trunk_fp32._verify_reference(b, rows, (1, 3))
         assert _equal(ra, rb)

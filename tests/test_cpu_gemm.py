@@ -8,6 +8,7 @@ import torch
 
 from tandem.ops import dispatch
 from tandem.ops.cpu import gemm as cpu_gemm, moe as cpu_moe
+from tandem.ops.cpu.groups import kernel_threads
 from tandem.ops.settings import DEFAULT, REFERENCE, KernelSettings
 from tandem.model.checkpoint import cast_trunk, init_weights
 from tandem.model.config import TrunkConfig
@@ -137,6 +138,9 @@ def test_moe_invariant_path_matches_reference_and_is_row_invariant(N, D, n_inter
     torch.testing.assert_close(y, dense, **tol)
     for i in range(N):
         assert torch.equal(run(x[i : i + 1])[0], y[i]), i
+    for threads in (1, 2):  # the experts across threads: the same bits (one thread: one after the other)
+        with kernel_threads(threads):
+            assert torch.equal(run(x), y), threads
 
 
 def test_kernel_weight_streams_bf16_bits_with_the_same_products():
@@ -193,3 +197,20 @@ def test_packed_weights_give_the_unpacked_bits(bf16, D, n_out):
     for M in range(1, 10):
         for c0, c1 in {(0, n_out), (0, n_out - n_out % 64), (64 * (n_out // 128), n_out)}:
             assert np.array_equal(cpu_gemm.mm_rows(x[:M], pw, c0, c1), cpu_gemm.mm_rows(x[:M], wt, c0, c1)), (M, c0, c1)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("M,D,n_out", [(1, 256, 1536), (3, 40, 517), (8, 256, 200), (17, 130, 1031), (2, 64, 64)])
+def test_split_gemm_gives_the_same_bits(bf16, M, D, n_out):
+    """Above SPLIT_WORK a packed GEMM's columns split across the calling thread's numba threads: every
+    output element is the chain it is on one thread, for any strip-aligned column range (odd tails,
+    ranges shorter than one strip a thread)."""
+    w = np.random.default_rng(n_out).standard_normal((D, n_out)).astype(np.float32)
+    pw = cpu_gemm.pack_strips((w.view(np.uint32) >> 16).astype(np.uint16) if bf16 else w)
+    x = np.random.default_rng(M).standard_normal((M, D)).astype(np.float32)
+    ranges = {(0, n_out), (0, n_out - n_out % 64), (64 * (n_out // 128), n_out)}
+    with kernel_threads(1):
+        one = {r: cpu_gemm.mm_rows(x, pw, *r) for r in ranges}
+    with kernel_threads(2):
+        for r in ranges:
+            assert np.array_equal(cpu_gemm.mm_rows(x, pw, *r), one[r]), r

@@ -79,7 +79,10 @@ class ServingConfig:
     they take MKL, whose rounding depends on the rows; ``colocate``: the drafters run in the engine core's process, the ``tandem`` model's, beside the trunk (sharing
     its embedding and LM head, as in-process), so a round crosses no process; off, they run in the ``drafter_mtp`` /
     ``drafter_dflash`` models (loaded only then) and a round makes a BLS call to each drafter it uses;
-    ``decode_threads``: plain greedy rounds, and a prime of several sequences, in this many groups side by side;
+    ``decode_threads``: a round's compiled passes (plain steps, verify) and a prime of several sequences in up to
+    this many groups side by side; ``split_threads``: a call with one group (one session's verify or draft, a
+    prime of one prompt) splits its large GEMMs' columns and its MoE's experts across this many threads (1: never;
+    above 1 pays where cores stay idle beside the server and its clients, see docs/cpu-kernels.md);
     ``compute_nice`` (-20..19, 0: leave them): the nice value of the engine core's thread and its decode threads, so
     the server's other threads and its clients do not time-slice them (below 0 it needs CAP_SYS_NICE; refused:
     logged, the threads left as they are); ``amx`` (stage models): bfloat16 GEMMs on Intel AMX tiles where the CPU has them (:mod:`tandem.ops.cpu.amx`).
@@ -113,6 +116,7 @@ class ServingConfig:
     batch_invariant: bool = True
     colocate: bool = True
     decode_threads: int = 2
+    split_threads: int = 1
     compute_nice: int = -10
     amx: bool = True
     kernels: str = "auto"
@@ -134,7 +138,7 @@ class ServingConfig:
             raise ValueError(f"device must be one of {DEVICES} (N a GPU index), got {self.device!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
-        for name in ("burst_rounds", "max_ctx", "max_sessions", "decode_threads", "probe_rounds"):
+        for name in ("burst_rounds", "max_ctx", "max_sessions", "decode_threads", "split_threads", "probe_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "stage_timeout_s"):
@@ -450,6 +454,7 @@ TANDEM = ModelWire(
         "kernels",
         "batch_invariant",
         "decode_threads",
+        "split_threads",
         "compute_nice",
         "amx",
     ),

@@ -27,7 +27,13 @@ _SHARED: "weakref.WeakKeyDictionary[object, dict[tuple, RoundCosts]]" = weakref.
 def shared_costs(model, config: schema.ServingConfig) -> RoundCosts:
     """The costs measured for ``model`` (a trunk) under ``config``'s settings that change them (the row-invariant
     mode, the decode threads, the DFlash block): one object for every engine on that trunk in this process."""
-    key = (config.batch_invariant, config.decode_threads, config.block_size, config.num_draft_tokens)
+    key = (
+        config.batch_invariant,
+        config.decode_threads,
+        config.split_threads,
+        config.block_size,
+        config.num_draft_tokens,
+    )
     return _SHARED.setdefault(model, {}).setdefault(key, RoundCosts())
 
 

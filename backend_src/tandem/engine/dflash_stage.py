@@ -51,6 +51,7 @@ class DFlashStage(DrafterStage):
         embed: nn.Embedding,
         head: nn.Linear,
         max_num_draft_tokens: int = schema.DEFAULTS.max_num_draft_tokens,
+        threads: int = 1,
     ) -> None:
         if not drafters:
             raise ValueError("DFlashStage needs at least one drafter")
@@ -59,6 +60,8 @@ class DFlashStage(DrafterStage):
             raise ValueError(f"DFlash drafters disagree on the feature width: {sorted(sizes)}")
         super().__init__(max_num_draft_tokens)
         self.drafters, self.embed, self.head = drafters, embed, head
+        #: the threads a compiled round splits its large GEMMs across (the serving parameter ``split_threads``)
+        self.threads = threads
         for d in drafters.values():  # row-invariant, whatever loaded them
             d.use_kernels(d.kernels)
         self.feature_size = sizes.pop()
@@ -159,7 +162,7 @@ class DFlashStage(DrafterStage):
             res.append([])
             if k > 0:  # ingest and draft in one compiled call where the CPU kernels serve the drafter
                 got = dispatch.dflash_round(
-                    model, self.embed.weight, self.head, st.kv, feats, int(it.next_tokens[-1]), k
+                    model, self.embed.weight, self.head, st.kv, feats, int(it.next_tokens[-1]), k, self.threads
                 )
                 if got is not None:
                     res[-1], st.rows = got, st.rows + n

@@ -88,8 +88,11 @@ class Engine:
             tuple(feature_layers),
             self.config.batch_invariant,
             self.config.decode_threads,
+            self.config.split_threads,
         )
-        self.drafters: dict = drafter_stages(self.model, dflash, self.config.max_num_draft_tokens)
+        self.drafters: dict = drafter_stages(
+            self.model, dflash, self.config.max_num_draft_tokens, self.config.split_threads
+        )
         #: the measured round costs the draft-length policy weighs (one per trunk and settings in this process,
         #: measured at the first engine that needs them; or the ``costs`` given)
         self.costs = costs if costs is not None else shared_costs(self.model, self.config)

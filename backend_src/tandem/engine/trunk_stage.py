@@ -90,7 +90,7 @@ class TrunkStage(KeyedStates):
     Args: ``model``; ``max_ctx`` tokens per sequence (default ``max_position_embeddings``);
     ``feature_layers`` — trunk layers whose outputs every pass exports as ``features`` (the DFlash
     drafter's ``target_layer_ids``; empty: none); ``batch_invariant`` — see :attr:`Trunk.batch_invariant`;
-    ``decode_threads`` — see :attr:`Trunk.decode_threads`.
+    ``decode_threads``, ``split_threads`` — see :attr:`Trunk.decode_threads`, :attr:`Trunk.split_threads`.
     Raises :class:`UnknownSequence` for ids it does not hold and ``ValueError`` (from the cache)
     for context overflow or out-of-order calls.
     """
@@ -102,11 +102,12 @@ class TrunkStage(KeyedStates):
         feature_layers: tuple[int, ...] = (),
         batch_invariant: bool = schema.DEFAULTS.batch_invariant,
         decode_threads: int = schema.DEFAULTS.decode_threads,
+        split_threads: int = schema.DEFAULTS.split_threads,
     ) -> None:
         super().__init__()
         self.model = model
         model.batch_invariant = batch_invariant
-        model.decode_threads = decode_threads
+        model.decode_threads, model.split_threads = decode_threads, split_threads
         self.feature_layers = tuple(feature_layers)
         self.max_ctx = max_ctx or model.cfg.max_position_embeddings
         self.vocab_size = model.cfg.vocab_size

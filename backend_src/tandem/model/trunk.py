@@ -73,6 +73,9 @@ class Trunk(nn.Module):
     #: threads of :meth:`decode_many` (groups of sequences decoded side by side; the serving parameter
     #: ``decode_threads`` sets it)
     decode_threads: int = 1
+    #: threads a call of one group splits its large GEMMs and its MoE's experts across (the serving parameter
+    #: ``split_threads``; :func:`~tandem.ops.cpu.groups.run_groups`)
+    split_threads: int = 1
 
     def __init__(self, cfg: TrunkConfig, with_mtp: bool = True) -> None:
         super().__init__()
@@ -228,7 +231,8 @@ class Trunk(nn.Module):
         cache (chunked KDA, MLA). Under :attr:`batch_invariant` (CPU) the row-wise stages take the
         row-invariant kernels, so a sequence's cache and outputs do not depend on the others primed
         with it, and the sequences go in up to :attr:`decode_threads` groups of about equal rows, each
-        group's forward on a thread of its own (the fused kernels release the GIL). Returns per
+        group's forward on a thread of its own (the fused kernels release the GIL; a group alone splits its large
+        GEMMs across :attr:`split_threads`). Returns per
         sequence what :meth:`prime` returns.
 
         Raises ``ValueError`` (before any cache changes) when a sequence's rows do not fit or it has a
@@ -236,11 +240,10 @@ class Trunk(nn.Module):
         """
         lengths = [_check_rows(c, x, "prime") for c, x in zip(caches, ids)]
         groups = row_groups(lengths, self.decode_threads) if self._invariant_rows() else [range(len(caches))]
-        if len(groups) == 1:
-            return self._prime_rows(caches, ids, lengths, features)
         return dispatch.run_groups(
             lambda g: self._prime_rows([caches[j] for j in g], [ids[j] for j in g], [lengths[j] for j in g], features),
             groups,
+            self.split_threads,
         )
 
     @torch.no_grad()
@@ -384,7 +387,7 @@ class Trunk(nn.Module):
             raise ValueError(f"decode: steps {steps} >= 1 and one anchor and stop set per cache ({len(caches)})")
         if self._invariant_rows():
             out = dispatch.decode_steps(
-                self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads
+                self, caches, anchors, steps, stop_ids, features, threads or self.decode_threads, self.split_threads
             )
             if out is not None:
                 return out
@@ -406,7 +409,7 @@ class Trunk(nn.Module):
             _check_rows(c, torch.empty(1, len(x)), "verify")
         if self._invariant_rows():
             groups = row_groups([len(x) for x in ids], threads or self.decode_threads)
-            out = dispatch.verify_rows(self, caches, ids, features, groups)
+            out = dispatch.verify_rows(self, caches, ids, features, groups, self.split_threads)
             if out is not None:
                 return out
         return self._verify_reference(caches, ids, features)

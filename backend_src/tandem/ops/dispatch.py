@@ -327,12 +327,24 @@ set_pool_initializer = _groups.set_pool_initializer
 
 
 def dflash_round(
-    model: nn.Module, embed: torch.Tensor, head: nn.Module, ctx, features: torch.Tensor, anchor: int, k: int
+    model: nn.Module,
+    embed: torch.Tensor,
+    head: nn.Module,
+    ctx,
+    features: torch.Tensor,
+    anchor: int,
+    k: int,
+    threads: int = 1,
 ) -> list[int] | None:
     """A DFlash drafter's round of one sequence (ingest ``features [n, F]`` into its
     :class:`~tandem.ops.state.ContextKV` ``ctx``, draft ``k`` tokens after ``anchor``) in one compiled call
     (:func:`tandem.ops.cpu.dflash.draft_round`) with the trunk's ``embed`` weight and LM ``head`` (a
-    :class:`ServingLinear`, row-invariant), or None when the CPU kernels do not serve ``model`` (nothing changed)."""
+    :class:`ServingLinear`, row-invariant), its large GEMMs split across ``threads``
+    (:func:`~tandem.ops.cpu.groups.kernel_threads`), or None when the CPU kernels do not serve ``model`` (nothing
+    changed)."""
     if not _dflash.fits(model, features) or not isinstance(head, ServingLinear):
         return None
-    return _dflash.draft_round(model, embed, head.weight, head.kernels.replace(rows=True), ctx, features, anchor, k)[0]
+    with _groups.kernel_threads(threads):
+        return _dflash.draft_round(
+            model, embed, head.weight, head.kernels.replace(rows=True), ctx, features, anchor, k
+        )[0]

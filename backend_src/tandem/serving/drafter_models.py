@@ -70,6 +70,7 @@ class DrafterDFlashModel(_DrafterModel):
                 trunk.embed_tokens,
                 trunk.lm_head,
                 self.config.max_num_draft_tokens,
+                self.config.split_threads,
             )
         pb_utils.Logger.log_info(
             f"drafter_dflash: {ckpt} ({dt} on {dev}), drafters {({a: str(d) for a, d in dirs.items()}) or 'none'}"

@@ -66,6 +66,7 @@ class TandemModel:
             feature_layers=dflash_feature_layers(ckpt, dirs),
             batch_invariant=cfg.batch_invariant,
             decode_threads=cfg.decode_threads,
+            split_threads=cfg.split_threads,
         )
         dispatch.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
         log = pb.Logger.log_error
@@ -73,7 +74,10 @@ class TandemModel:
         self.bls = watch = None
         if cfg.colocate:  # the drafters here, on the trunk's embedding and LM head: a round crosses no process
             drafters = drafter_stages(
-                model, {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs}, cfg.max_num_draft_tokens
+                model,
+                {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs},
+                cfg.max_num_draft_tokens,
+                cfg.split_threads,
             )
         else:  # the drafter models over BLS, each call under the stage deadline
             self.bls = proxies.BLSTransport(pb)

@@ -70,12 +70,14 @@ def decode_steps(
     stop_ids: list[tuple[int, ...]],
     features: tuple[int, ...] = (),
     threads: int = 1,
+    split: int = 1,
 ) -> list[dict] | None:
     """Up to ``steps`` plain greedy decode steps of every sequence in one call (see the module text):
     sequence ``j`` starts from ``anchors[j]`` after the committed rows of ``caches[j]`` (no verify
     pending; room for ``steps`` rows) and each step's target is its next anchor. The sequences go in
     ``min(threads, S)`` groups of consecutive ones, each group in one compiled call on a thread of its
-    own (the rows of different sequences never meet: each row's arithmetic is the same in any group),
+    own (the rows of different sequences never meet: each row's arithmetic is the same in any group; one group
+    splits its GEMMs across ``split`` threads, :func:`~tandem.ops.cpu.groups.run_groups`),
     and a group ends after the first step in which one of its sequences' target is in its
     ``stop_ids[j]``. Afterwards each cache is what a one-row verify per step leaves, each but the
     last committed: the last step's row is pending (``cache.pending``, one row; the next call commits
@@ -96,7 +98,7 @@ def decode_steps(
     g = min(threads, S)
     bounds = [S * k // g for k in range(g + 1)]
     parts = [(caches[a:b], anchors[a:b], stop_ids[a:b]) for a, b in zip(bounds, bounds[1:])]
-    return run_groups(lambda part: _group(model, p, *part, steps, features), parts)
+    return run_groups(lambda part: _group(model, p, *part, steps, features), parts, split)
 
 
 def _group(

@@ -35,8 +35,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit, types
-from numba.extending import overload
+import numba
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from ..settings import DEFAULT, KernelSettings
 from .amx import amx_gemm, uses_amx
@@ -289,6 +292,42 @@ def _packed_gemm(x, strips, tail, c0, c1, out):  # pragma: no cover - numba
     return _pairs_impl if strips.dtype == types.uint32 else _strips_impl
 
 
+numba.get_num_threads()  # starts numba's threading layer, which registers the symbol _threads calls
+
+
+@intrinsic
+def _threads(typingctx):
+    """numba's thread count for the calling thread (``numba.set_num_threads``, a thread's own), read
+    from the threading layer's ``get_num_threads`` by name, as numba's parallel loops do (unlike
+    ``numba.get_num_threads`` in compiled code, a function that calls this can be cached)."""
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []), "get_num_threads")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+#: the least ``rows x input x output`` multiply-adds a GEMM splits its columns across threads for: below
+#: it the threads' start and join (about 2 us with OpenMP here) cost more than half the work saves
+#: (one thread, bf16 pairs: ``[1, 256] x [256, 768]`` 4.5 us alone, 4.2 split in two; ``[1, 256] x [256,
+#: 1536]`` 9.6 and 6.1; ``[8, 256] x [256, 768]`` 14.7 and 9.4)
+SPLIT_WORK = 1 << 18
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _mmp_split(x, pw, c0, c1, out, n):  # pragma: no cover - numba
+    # _mmp's columns in n runs of whole strips (the last run also the tail), one a thread: each output
+    # element the same chain as alone, so the same bits
+    strips, tail = pw
+    S = (c1 - c0) // TILE
+    for t in prange(n):
+        a = c0 + (S * t // n) * TILE
+        b = c1 if t == n - 1 else c0 + (S * (t + 1) // n) * TILE
+        if b > a:
+            _strips_gemm(x, strips, tail, a, b, out[:, a - c0 :])
+
+
 @njit(cache=True, nogil=True)
 def _mmp(x, pw, c0, c1, out):  # pragma: no cover - numba
     # out [M, c1 - c0] = x [M, D] @ W[:, c0:c1] for W packed (pack_strips or pack_pairs): each whole
@@ -296,9 +335,14 @@ def _mmp(x, pw, c0, c1, out):  # pragma: no cover - numba
     # stream it: 2-3x the bandwidth of _mm's strided reads once the weights outgrow the cache), the tail
     # columns by _mm_blocked (pairs: _pair_tail); c0 % 64 == 0 and c1 at a strip boundary or O (mm_rows
     # checks). Strips: the same fma chain per element as _mm, so the same bits; pairs: x rounded to
-    # bfloat16 first, then the pair tiles' chain
+    # bfloat16 first, then the pair tiles' chain. With numba's threads for this thread above one
+    # (numba.set_num_threads, groups.run_groups) and SPLIT_WORK or more, the columns split across them
     strips, tail = pw
-    _strips_gemm(x, strips, tail, c0, c1, out)
+    n = min(_threads(), (c1 - c0) // TILE)
+    if n > 1 and x.shape[0] * x.shape[1] * (c1 - c0) >= SPLIT_WORK:
+        _mmp_split(x, pw, c0, c1, out, n)
+    else:
+        _strips_gemm(x, strips, tail, c0, c1, out)
 
 
 def pack_strips(wt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,16 +1,41 @@
-"""The threads the CPU serving path runs groups of sequences on side by side: a pool kept for the process (the
-compiled kernels release the GIL, so each group's call runs on a core of its own)."""
+"""The threads the CPU serving path runs on: groups of sequences side by side on a pool kept for the process
+(the compiled kernels release the GIL, so each group's call runs on a core of its own), and within a call
+numba's threads, which the large GEMMs split their columns across (:func:`~tandem.ops.cpu.gemm._mmp`)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import numba
 
 
-def run_groups(fn, groups: list) -> list:
+@contextmanager
+def kernel_threads(n: int):
+    """Run the block with ``n`` numba threads for this thread (clamped to ``1 .. NUMBA_NUM_THREADS``; a
+    thread's own setting, restored after): a compiled call made here splits its large GEMMs' columns across
+    them. Nothing else in the process changes."""
+    prev = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
+
+
+def run_groups(fn, groups: list, split: int = 1) -> list:
     """``fn(group)`` for each group, the first on this thread and the others on :func:`thread_pool`'s
-    threads at once; their lists of per-sequence results joined in group order. Raises what a call raised."""
-    futures = [thread_pool(len(groups) - 1).submit(fn, g) for g in groups[1:]]
-    out = list(fn(groups[0]))
+    threads at once; a group alone runs under :func:`kernel_threads` of ``split`` (the ``split_threads``
+    setting), several under one each; their lists of per-sequence results joined in group order. Raises what
+    a call raised."""
+    n = split if len(groups) == 1 else 1
+
+    def call(g):
+        with kernel_threads(n):
+            return list(fn(g))
+
+    futures = [thread_pool(len(groups) - 1).submit(call, g) for g in groups[1:]]
+    out = call(groups[0])
     for f in futures:
         out += f.result()
     return out

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 from ..settings import DEFAULT, KernelSettings
 from . import gemm
-from .gemm import _mmp
+from .gemm import _strips_gemm, _threads
 from .kernels import _F, _swiglu_row, np_param
 
 
@@ -70,32 +70,67 @@ def _moe_combine(h, w, out):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
-    # each expert e on the rows that selected it (w[r, e] != 0), in expert order: gate | up GEMM,
-    # clamped SwiGLU, down GEMM (row-invariant _mmp), out[r] += w[r, e] * h; out [N, D] zeros; up and
-    # down strip-packed per expert (kernel_weight: [E+1, D, 2I] and [E+1, I, D])
+def _expert(x, w, e, up, down, limit, h):  # pragma: no cover - numba
+    # expert e on the rows that selected it (w[r, e] != 0), in row order: gate | up GEMM, clamped SwiGLU,
+    # down GEMM into h[:n] (n of them, returned), one thread (_strips_gemm: _mmp's body without the split)
     N, D = x.shape
-    E1, n_inter = down[1].shape[0], down[1].shape[1]  # the tail [E+1, I, D % 64] (pairs halve the strips' I)
-    rows = np.empty(N, np.int64)
-    xs, gu = np.empty((N, D), _F), np.empty((N, 2 * n_inter), _F)
-    act, h = np.empty((N, n_inter), _F), np.empty((N, D), _F)
-    for e in range(E1):
-        n = 0
-        for r in range(N):
-            if w[r, e] != np.float32(0.0):
-                rows[n] = r
-                xs[n] = x[r]
-                n += 1
-        if n == 0:
-            continue
-        _mmp(xs[:n], (up[0][e], up[1][e]), 0, 2 * n_inter, gu[:n])
+    n_inter = down[1].shape[1]
+    xs, gu, act = np.empty((N, D), _F), np.empty((N, 2 * n_inter), _F), np.empty((N, n_inter), _F)
+    n = 0
+    for r in range(N):
+        if w[r, e] != np.float32(0.0):
+            xs[n] = x[r]
+            n += 1
+    if n > 0:
+        _strips_gemm(xs[:n], up[0][e], up[1][e], 0, 2 * n_inter, gu[:n])
         for j in range(n):  # gate | up of a row: contiguous halves (vectorised; strided [n, I] views ran scalar)
             _swiglu_row(gu[j, :n_inter], gu[j, n_inter:], limit, act[j])
-        _mmp(act[:n], (down[0][e], down[1][e]), 0, D, h[:n])
-        for j in range(n):
-            r = rows[j]
-            for d in range(D):
-                out[r, d] += w[r, e] * h[j, d]
+        _strips_gemm(act[:n], down[0][e], down[1][e], 0, D, h[:n])
+    return n
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _experts_split(x, w, up, down, limit, owner, n_threads, hs):  # pragma: no cover - numba
+    # _expert of every expert into hs[e], expert e on thread owner[e]
+    for t in prange(n_threads):
+        for e in range(owner.shape[0]):
+            if owner[e] == t:
+                _expert(x, w, e, up, down, limit, hs[e])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
+    # each expert e on the rows that selected it (w[r, e] != 0): gate | up GEMM, clamped SwiGLU, down GEMM
+    # (row-invariant), then out[r] += w[r, e] * h in expert order; out [N, D] zeros; up and down strip-packed
+    # per expert (kernel_weight: [E+1, D, 2I] and [E+1, I, D]). With numba's threads for this thread above one
+    # (groups.kernel_threads) and two rows or more, the experts run across the threads, each expert's rows on
+    # one (the largest first, to the least loaded thread), then the same combine: the same bits
+    N, D = x.shape
+    E1 = down[1].shape[0]
+    hs = np.empty((E1, N, D), _F)
+    T = min(_threads(), E1)
+    if T > 1 and N > 1:
+        rows = np.zeros(E1, np.int64)
+        for e in range(E1):
+            for r in range(N):
+                if w[r, e] != np.float32(0.0):
+                    rows[e] += 1
+        owner, load = np.full(E1, -1, np.int64), np.zeros(T, np.int64)
+        for e in np.argsort(-rows, kind="mergesort"):
+            if rows[e] > 0:
+                t = np.argmin(load)
+                owner[e], load[t] = t, load[t] + rows[e]
+        _experts_split(x, w, up, down, limit, owner, T, hs)
+    else:
+        for e in range(E1):
+            _expert(x, w, e, up, down, limit, hs[e])
+    for e in range(E1):
+        j = 0
+        for r in range(N):
+            if w[r, e] != np.float32(0.0):
+                for d in range(D):
+                    out[r, d] += w[r, e] * hs[e, j, d]
+                j += 1
 
 
 def _runs(used: list[bool]) -> list[list[int]]:

@@ -261,11 +261,17 @@ def _slots(model, features: tuple[int, ...]) -> tuple[np.ndarray, int]:
 
 
 def verify_rows(
-    model, caches: list, rows: list[list[int]], features: tuple[int, ...] = (), groups: list[range] | None = None
+    model,
+    caches: list,
+    rows: list[list[int]],
+    features: tuple[int, ...] = (),
+    groups: list[range] | None = None,
+    split: int = 1,
 ) -> list[dict] | None:
     """One greedy verify pass of every sequence's ``rows[j]`` (``R_j`` tokens: the anchor, then the drafts)
     after the committed rows of ``caches[j]`` (no verify pending), in one compiled call per group of
-    ``groups`` (consecutive sequences; default one group), the groups side by side on threads of their own:
+    ``groups`` (consecutive sequences; default one group), the groups side by side on threads of their own
+    (:func:`~tandem.ops.cpu.groups.run_groups`; one group splits its GEMMs across ``split`` threads):
     each row's target, gap, hidden row and features, and the caches after, are bit-identical to
     :meth:`~tandem.model.trunk.Trunk.verify_many` followed by the LM head and the greedy top-2
     (``tests/test_cpu_decode.py``). Every sequence's rows stay pending (``cache.pending``, ``R_j`` rows;
@@ -280,7 +286,7 @@ def verify_rows(
     for c, r in zip(caches, rows):
         assert c.pending is None and r and c.pos + len(r) <= c.max_ctx, (c.pending is None, c.pos, len(r), c.max_ctx)
     parts = [([caches[j] for j in g], [rows[j] for j in g]) for g in (groups or [range(len(caches))])]
-    return run_groups(lambda part: _verify_group(model, p, *part, features), parts)
+    return run_groups(lambda part: _verify_group(model, p, *part, features), parts, split)
 
 
 def _verify_group(model, p: _Plan, caches: list, rows: list[list[int]], features: tuple[int, ...]) -> list[dict]:
