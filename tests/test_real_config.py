@@ -190,10 +190,14 @@ def test_sharded_loading_names_what_is_wrong(sharded, tmp_path):
     "change, msg",
     [
         ({"rope_theta": 1e6}, r"unknown field\(s\) \['rope_theta'\]"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        (
+            {"model_type": "glm5_next", "text_config": {}},
+            r"unknown field\(s\) \['num_hidden_layers'\] beside text_config",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
         ({"attention_bias": True}, "attention_bias must be False"),
-        ({"model_type": "glm5_next"}, "model_type must be 'glm5_next_text'"),
+        ({"model_type": "glm5_next"}, "needs a text_config"),
+        ({"model_type": "llama"}, "model_type must be 'glm5_next_text'"),
         ({"tie_word_embeddings": True}, "tie_word_embeddings = True is not supported"),
         ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail = False is not supported"),
         ({"index_topk_freq": 2}, "shared DSA indexers"),

@@ -105,6 +105,13 @@ class Admission:
         bad = next((x for x in t.tokens if vocab is not None and not 0 <= x < vocab), None)
         if bad is not None:
             return f"{schema.INPUT_IDS}: token ids must be in [0, {vocab}), got {bad}"
+        vision = set(getattr(trunk, "vision_token_ids", ()))
+        bad = next((x for x in t.tokens if x in vision), None)
+        if bad is not None:
+            return (
+                f"{schema.INPUT_IDS}: token {bad} is an image or video placeholder: this server serves the text "
+                "model of the checkpoint (image and video inputs are not supported)"
+            )
         if len(t.stop_token_ids) > schema.MAX_STOP_TOKEN_IDS:
             return f"{schema.STOP_TOKEN_IDS}: at most {schema.MAX_STOP_TOKEN_IDS} ids, got {len(t.stop_token_ids)}"
         bad = next((x for x in t.stop_token_ids if not 0 <= x < (vocab if vocab is not None else 2**31)), None)

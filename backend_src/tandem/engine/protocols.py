@@ -119,6 +119,8 @@ class TrunkAPI(Protocol):
     """The trunk stage: one hybrid cache per open sequence. Every method is one batched call."""
 
     vocab_size: int
+    #: prompt token ids the trunk does not serve (the released layout's image and video placeholders)
+    vision_token_ids: tuple[int, ...]
 
     def open(self, sids: list[int]) -> None:
         """Create empty caches (replacing any)."""

@@ -111,6 +111,7 @@ class TrunkStage(KeyedStates):
         self.feature_layers = tuple(feature_layers)
         self.max_ctx = max_ctx or model.cfg.max_position_embeddings
         self.vocab_size = model.cfg.vocab_size
+        self.vision_token_ids = tuple(model.vision_token_ids)
         #: published prefix blocks by chain key (changed only by :meth:`publish` / :meth:`evict`)
         self.blocks: dict[int, TrunkBlock] = {}
         #: per sequence, the KDA states captured at each multiple of PREFIX_BLOCK its prime reached

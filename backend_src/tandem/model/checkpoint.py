@@ -109,54 +109,66 @@ def load_trunk(
     kernels: KernelSettings = DEFAULT,
 ) -> Trunk:
     """Load a checkpoint folder: ``config.json`` (:meth:`TrunkConfig.from_dict`, strict) and its
-    weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, read one
-    file at a time into a model built on the meta device and allocated once on ``device`` in
-    ``dtype`` (fp32-kept parameters in fp32) after :func:`check_fits`. ``overrides`` replace config
-    fields (e.g. ``{"index_topk": 4096}`` for the dense DSA regime); the MTP layer is left out
-    without ``with_mtp`` or when ``num_nextn_predict_layers`` is 0. The model runs with the kernel settings
-    ``kernels`` (:func:`tandem.ops.dispatch.install`).
+    weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, in either layout of
+    :mod:`~tandem.model.layout` (flat text, or the released ``Glm5NextForConditionalGeneration``: its vision tower
+    skipped unread) with in-memory or on-disk tensor names, FP8 block-scaled weights dequantized as they are
+    read, into a model built on the meta device and allocated once on ``device`` in ``dtype`` (fp32-kept
+    parameters in fp32) after :func:`check_fits`. ``overrides`` replace config fields (e.g. ``{"index_topk":
+    4096}`` for the dense DSA regime); the MTP layer is left out (not read) without ``with_mtp`` or when
+    ``num_nextn_predict_layers`` is 0. The model runs with the kernel settings ``kernels``
+    (:func:`tandem.ops.dispatch.install`); its :attr:`~tandem.model.trunk.Trunk.loaded_from` says what was read,
+    and its :attr:`~tandem.model.trunk.Trunk.vision_token_ids` are the placeholders a prompt may not hold.
 
     Raises ``FileNotFoundError`` if the folder lacks a file, ``KeyError`` naming missing or
-    unexpected keys, ``ValueError`` naming a key whose shape differs (or a config field tandem
-    cannot honour), ``MemoryError`` when the weights cannot fit.
+    unexpected keys, ``ValueError`` naming a key whose shape differs (or whose FP8 form does not fit, or a
+    config field tandem cannot honour), ``MemoryError`` when the weights cannot fit.
     """
     import dataclasses
 
-    from safetensors import safe_open
+    from .layout import CheckpointTensors, Layout
 
     folder = Path(folder)
     files = weight_map(folder)
     cfg = TrunkConfig.load(folder)
+    layout = Layout.read(folder)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0
     check_fits(cfg, dtype, with_mtp, folder, device)
+    tensors = CheckpointTensors(files, layout)
+    if not with_mtp:
+        tensors.drop(f"layers.{cfg.num_hidden_layers}.")
     with torch.device("meta"):
         model = Trunk(cfg, with_mtp=with_mtp)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         t.data = t.data.to(torch.float32 if is_fp32_param(name) else dtype)
     model = model.to_empty(device=device)
     sd = model.state_dict()
-    if not with_mtp:
-        prefix = f"layers.{cfg.num_hidden_layers}."
-        files = {k: f for k, f in files.items() if not k.startswith(prefix)}
-    missing, unexpected = sorted(sd.keys() - files.keys()), sorted(files.keys() - sd.keys())
+    have = tensors.keys()
+    missing, unexpected = sorted(sd.keys() - have), sorted((have - sd.keys()) | set(tensors.unexpected))
     if missing or unexpected:
         raise KeyError(
             f"checkpoint {folder} does not fit its config: {len(missing)} missing key(s) {missing[:5]}, "
             f"{len(unexpected)} unexpected key(s) {unexpected[:5]}"
         )
     by_file: dict[Path, list[str]] = {}
-    for k, f in files.items():
-        by_file.setdefault(f, []).append(k)
-    for f in sorted(by_file):  # one shard at a time
-        with safe_open(str(f), "pt") as st:
-            for k in by_file[f]:
-                t = st.get_tensor(k)
-                if tuple(t.shape) != tuple(sd[k].shape):
-                    raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
-                sd[k].copy_(t)
+    for k in sd:
+        by_file.setdefault(files[tensors.sources(k)[0]], []).append(k)
+    for f in sorted(by_file):  # about one shard at a time
+        for k in by_file[f]:
+            t = tensors.read(k)
+            if tuple(t.shape) != tuple(sd[k].shape):
+                raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
+            sd[k].copy_(t)
+    tensors.close()
     model.eval().requires_grad_(False)
+    n_vis, vis_bytes = tensors.skipped
+    model.loaded_from = ", ".join(
+        ["released layout (model.language_model.*)" if layout.released else "flat text layout"]
+        + ([f"{n_vis} vision tensors skipped unread ({vis_bytes / 2**20:.1f} MiB)"] if n_vis else [])
+        + ([f"FP8 {layout.fp8.block[0]}x{layout.fp8.block[1]} blocks dequantized at load"] if layout.fp8 else [])
+    )
+    model.vision_token_ids = layout.vision_token_ids
     return input_major_linears(model).use_kernels(kernels)
 
 

@@ -1,6 +1,8 @@
 """Trunk configuration: the fields of `Glm5NextTextConfig` (model_type ``glm5_next_text``) tandem uses.
 
-The checkpoint's ``config.json`` is the Hugging Face one, so transformers can load it as well.
+The checkpoint's ``config.json`` is the Hugging Face one, so transformers can load it as well: the flat text
+config (``glm5_next_text``), or the released layout's (``Glm5NextConfig``, model_type ``glm5_next``: the text
+fields under ``text_config``, a ``vision_config`` tandem does not serve; :func:`text_fields`).
 """
 
 from __future__ import annotations
@@ -117,18 +119,18 @@ class TrunkConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrunkConfig":
-        """From a ``config.json`` body (model_type ``glm5_next_text``), strictly: every field is
+        """From a ``config.json`` body, flat (model_type ``glm5_next_text``) or the released layout's
+        (``glm5_next``, its text fields under ``text_config``: :func:`text_fields`), strictly: every field is
         honoured, or refused. Fields it lacks take transformers' defaults (:data:`HF_DEFAULTS`; the
         per-layer patterns computed as ``Glm5NextTextConfig`` computes them), never tandem's toy
         ones; transformers' aliases are converted (``linear_attn_config``, ``index_topk_pattern`` /
         ``index_topk_freq`` / ``index_skip_topk_offset``, ``"full_attention"`` layers); fields that do
         not change inference (:data:`INFERENCE_FREE`) are accepted. Raises ``ValueError`` naming an
         unknown field, a value tandem cannot serve, or another model type."""
-        d = dict(d)
+        d = text_fields(d)
         if d.get("model_type", "glm5_next_text") != "glm5_next_text":
             raise ValueError(
-                f"config.json: model_type must be 'glm5_next_text' (a flat GLM-5.3-Flash text config), "
-                f"got {d.get('model_type')!r}"
+                f"config.json: text_config.model_type must be 'glm5_next_text', got {d.get('model_type')!r}"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
         lin = d.pop("linear_attn_config", None)
@@ -199,6 +201,72 @@ class TrunkConfig:
 
     def save(self, folder: str | Path) -> None:
         Path(folder, "config.json").write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+
+#: the released layout's ``config.json`` (``Glm5NextConfig``, model_type ``glm5_next``): fields beside
+#: ``text_config`` that do not change serving its text model (the vision tower's config and its placeholder
+#: tokens, which :func:`vision_token_ids` reads; bookkeeping)
+VLM_FREE = frozenset(
+    {
+        "vision_config",
+        "image_token_id",
+        "video_token_id",
+        "image_start_token_id",
+        "image_end_token_id",
+        "video_start_token_id",
+        "video_end_token_id",
+    }
+)
+#: the placeholder token fields of the released layout, with transformers' defaults (``Glm5NextConfig``)
+VISION_TOKENS = {
+    "image_token_id": 154854,
+    "video_token_id": 154855,
+    "image_start_token_id": 154830,
+    "image_end_token_id": 154831,
+    "video_start_token_id": 154832,
+    "video_end_token_id": 154833,
+}
+
+
+def is_released_layout(d: dict) -> bool:
+    """Whether a ``config.json`` body is the released layout's (model_type ``glm5_next``)."""
+    return d.get("model_type") == "glm5_next"
+
+
+def text_fields(d: dict) -> dict:
+    """The text model's fields of a ``config.json`` body: a flat one's own (less ``quantization_config``, read by
+    :mod:`~tandem.model.layout`), or a released layout's ``text_config`` after checking the fields beside it:
+    each is in :data:`VLM_FREE`, :data:`INFERENCE_FREE` or ``quantization_config``, and
+    ``tie_word_embeddings`` agrees with the text config's. Raises ``ValueError`` naming a field it cannot honour."""
+    d = {k: v for k, v in d.items() if k != "quantization_config"}
+    if not is_released_layout(d):
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("config.json: model_type 'glm5_next' needs a text_config object (the text model's fields)")
+    unknown = sorted(
+        k
+        for k in d
+        if k not in VLM_FREE and k not in INFERENCE_FREE and k not in ("text_config", "tie_word_embeddings")
+    )
+    if unknown:
+        raise ValueError(f"config.json: unknown field(s) {unknown} beside text_config: tandem cannot honour them")
+    text = dict(text)
+    if "tie_word_embeddings" in d:
+        if text.setdefault("tie_word_embeddings", d["tie_word_embeddings"]) != d["tie_word_embeddings"]:
+            raise ValueError(
+                f"config.json: tie_word_embeddings {d['tie_word_embeddings']!r} disagrees with "
+                f"text_config.tie_word_embeddings {text['tie_word_embeddings']!r}"
+            )
+    return text
+
+
+def vision_token_ids(d: dict) -> tuple[int, ...]:
+    """The image and video placeholder token ids of a released layout's ``config.json`` body (transformers'
+    defaults where it leaves them out), which a text-only server refuses in a prompt; () for a flat one."""
+    if not is_released_layout(d):
+        return ()
+    return tuple(sorted({int(d.get(k, v)) for k, v in VISION_TOKENS.items()}))
 
 
 #: ``Glm5NextTextConfig``'s defaults (transformers 5.24) for the fields a config.json may leave out

@@ -76,6 +76,12 @@ class Trunk(nn.Module):
     #: threads a call of one group splits its large GEMMs and its MoE's experts across (the serving parameter
     #: ``split_threads``; :func:`~tandem.ops.cpu.groups.run_groups`)
     split_threads: int = 1
+    #: what the checkpoint loader read (:func:`~tandem.model.checkpoint.load_trunk`: the layout, skipped vision
+    #: tensors, FP8 dequantized), for the load log
+    loaded_from: str = ""
+    #: the released layout's image and video placeholder token ids, which a prompt may not hold (tandem serves
+    #: the text model)
+    vision_token_ids: tuple[int, ...] = ()
 
     def __init__(self, cfg: TrunkConfig, with_mtp: bool = True) -> None:
         super().__init__()

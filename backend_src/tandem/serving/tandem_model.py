@@ -117,7 +117,7 @@ class TandemModel:
             else "from the first rounds"
         )
         pb.Logger.log_info(
-            f"tandem: loaded {ckpt} ({dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
+            f"tandem: loaded {ckpt} ({model.loaded_from}; {dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
             f"{dispatch.gemm_tiles(cfg.amx)}); drafters {sorted(drafters)} "
             f"{'in this process' if cfg.colocate else 'in their models (colocate off)'}, DFlash "
             f"drafters {({a: str(dirs[a]) for a in specs}) or 'none'}; "

@@ -161,10 +161,39 @@ def block_attention_cases(device: str) -> list[Case]:
 
 
 #: a kernel module's name -> its cases
+def fp8_gemm_cases(device: str) -> list[Case]:
+    """(label, torch reference thunk, triton thunk): on ``"cuda"`` GLM-5.3-Flash's MLA ``q_b_proj`` (1536 -> 64 heads x
+    256) and a routed expert's gate (4096 -> 2048) in 128 x 128 FP8 blocks, 1 and 8 rows of bf16 (a decode step and
+    a verify block); on ``"cpu"`` tiny fp32 and bf16 cases for the interpreter."""
+    from ..ops.fp8 import quantize
+    from ..ops.triton import fp8_gemm as kern
+
+    cuda = device == "cuda"
+    shapes = (
+        [(1, 16384, 1536, torch.bfloat16), (8, 16384, 1536, torch.bfloat16), (8, 2048, 4096, torch.bfloat16)]
+        if cuda
+        else [(3, 130, 200, torch.float32), (2, 70, 144, torch.bfloat16)]
+    )
+    cases = []
+    for M, N, K, dtype in shapes:
+        g = torch.Generator().manual_seed(M + N + K)
+        q, s = quantize(torch.randn(N, K, generator=g) * 0.02, (128, 128))
+        x, q, s = torch.randn(M, K, generator=g).to(device, dtype), q.to(device), s.to(device)
+        cases.append(
+            (
+                f"fp8 gemm [{M}, {K}] x [{K}, {N}] {str(dtype).removeprefix('torch.')}",
+                lambda x=x, q=q, s=s: kern.reference(x, q, s, (128, 128)),
+                lambda x=x, q=q, s=s: kern.fp8_linear(x, q, s, (128, 128)),
+            )
+        )
+    return cases
+
+
 CASES: dict[str, Callable[[str], list[Case]]] = {
     "sampler": sampler_cases,
     "kda_verify": kda_verify_cases,
     "dsa_indexer": dsa_indexer_cases,
     "mla_attention": mla_attention_cases,
     "block_attention": block_attention_cases,
+    "fp8_gemm": fp8_gemm_cases,
 }

@@ -19,7 +19,7 @@ import time
 
 from .kernel_cases import CASES
 
-MODULES = ("sampler", "kda_verify", "dsa_indexer", "mla_attention", "block_attention")
+MODULES = ("sampler", "kda_verify", "dsa_indexer", "mla_attention", "block_attention", "fp8_gemm")
 
 
 def compile_only(arch: int) -> list[tuple[str, str, float]]:
