@@ -36,6 +36,7 @@ SERVED_FILES = {
     "test_http_front.py",
     "test_lifecycle.py",
     "test_loadtest.py",
+    "test_openai_front.py",
     "test_prefix_privacy.py",
     "test_readme_examples.py",
     "test_security.py",

@@ -3,8 +3,9 @@ module imports itself back, and each file keeps its line budget.
 
 Layers, lowest first: the modules every process shares (``wire``, ``schema``, ``schema_text``,
 ``internal_key``), then ``ops`` (the kernels behind one dispatch), ``model`` (the reference glm5_next in torch), ``engine`` (the engine core and its
-stages), ``serving`` (inside Triton's model processes), ``launch`` (the launcher's process, which starts
-tritonserver) and ``tools``."""
+stages), ``serving`` (inside Triton's model processes), ``front`` (the OpenAI-compatible API's process, a
+client of the server), ``launch`` (the launcher's process, which starts tritonserver and the front) and
+``tools``."""
 
 import ast
 from pathlib import Path
@@ -12,10 +13,22 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "backend_src" / "tandem"
-ORDER = ["wire", "schema", "schema_text", "internal_key", "ops", "model", "engine", "serving", "launch", "tools"]
+ORDER = [
+    "wire",
+    "schema",
+    "schema_text",
+    "internal_key",
+    "ops",
+    "model",
+    "engine",
+    "serving",
+    "front",
+    "launch",
+    "tools",
+]
 #: packages a package must not import although they sit below it: the launcher starts the server's
 #: processes and never runs their code
-APART = {"launch": {"engine", "serving"}}
+APART = {"launch": {"engine", "serving", "front"}, "front": {"engine", "serving"}}
 
 
 def _layer(module: str) -> int:

@@ -211,10 +211,10 @@ def test_launcher_refuses_busy_ports_before_loading():
 @pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT], ids=["SIGHUP", "SIGINT-inherited-ignored"])
 def test_hangup_stops_the_server(tmp_path, sig):
-    """Closing the terminal (SIGHUP to the launcher) stops tritonserver like Ctrl-C, and so does
-    SIGINT for a launcher started in the background by a shell (which inherits SIGINT ignored): the
+    """Closing the terminal (SIGHUP to the launcher) stops tritonserver and the OpenAI front like Ctrl-C, and so
+    does SIGINT for a launcher started in the background by a shell (which inherits SIGINT ignored): the
     ports are free again afterwards."""
-    ports = dict(zip(("HTTP", "gRPC", "metrics"), free_ports(3)))
+    ports = dict(zip(("HTTP", "gRPC", "metrics", "OpenAI"), free_ports(4)))
     log = tmp_path / "serve.log"
     with open(log, "w") as f:
         p = _serve(
@@ -224,6 +224,8 @@ def test_hangup_stops_the_server(tmp_path, sig):
             str(ports["gRPC"]),
             "--metrics-port",
             str(ports["metrics"]),
+            "--openai-port",
+            str(ports["OpenAI"]),
             log=f,
             ignore_sigint=sig == signal.SIGINT,
         )
@@ -233,6 +235,7 @@ def test_hangup_stops_the_server(tmp_path, sig):
             assert p.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
         assert "tandem: ready in" in log.read_text()
+        assert f"OpenAI http://127.0.0.1:{ports['OpenAI']}/v1" in log.read_text()  # the fourth port, which stops too
         os.kill(p.pid, sig)
         p.wait(timeout=60)
     finally:

@@ -386,6 +386,41 @@ def running_server(
                 log_path.unlink()
 
 
+def start_openai_front(grpc_url: str, port: int, host: str = "127.0.0.1", checkpoint: str = "") -> subprocess.Popen:
+    """Start the OpenAI-compatible front (:mod:`tandem.front.openai_api`, uvicorn) on ``host:port`` against the
+    ``tandem`` model at gRPC ``grpc_url``, with ``checkpoint``'s tokenizer (default: ``$TANDEM_CHECKPOINT`` or the
+    shipped one). Returns its process (:func:`stop_openai_front` stops it)."""
+    argv = [sys.executable, "-m", "tandem.front.openai_api", "--grpc-url", grpc_url, "--host", host]
+    argv += ["--port", str(port)] + (["--checkpoint", checkpoint] if checkpoint else [])
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_openai_front(proc: subprocess.Popen, host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Wait until the front answers ``GET /health``. Raises :class:`ServerError` when it exits or does not answer
+    within ``timeout_s`` seconds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise ServerError(f"the OpenAI front exited with code {proc.returncode} (is port {port} free?)")
+        with contextlib.suppress(OSError):
+            if _http_get(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health")[0] == 200:
+                return
+        time.sleep(0.2)
+    raise ServerError(f"the OpenAI front did not answer on {host}:{port} within {timeout_s:.0f} s")
+
+
+def stop_openai_front(proc: subprocess.Popen | None) -> None:
+    """Stop the front (SIGTERM, then SIGKILL after 10 s); None: nothing to stop."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 app = typer.Typer(add_completion=False, help="Run tandem's Triton model repository on the wheel's tritonserver.")
 
 
@@ -394,6 +429,7 @@ def serve(
     http_port: int = typer.Option(8000, help="HTTP port"),
     grpc_port: int = typer.Option(8001, help="gRPC port"),
     metrics_port: int = typer.Option(8002, help="Prometheus metrics port"),
+    openai_port: int = typer.Option(8003, help="OpenAI-compatible API port (/v1/chat/completions; 0: none)"),
     host: str = typer.Option(
         "127.0.0.1",
         help="address every port binds; anything but loopback exposes an "
@@ -484,7 +520,14 @@ def serve(
         metrics_host="127.0.0.1",
     )
     models = models_to_load(overrides)
-    busy = busy_ports({"HTTP": http_port, "gRPC": grpc_port, "metrics": metrics_port})
+    busy = busy_ports(
+        {
+            "HTTP": http_port,
+            "gRPC": grpc_port,
+            "metrics": metrics_port,
+            **({"OpenAI": openai_port} if openai_port else {}),
+        }
+    )
     if busy:  # before loading anything: a second server would load every model, then fail to bind
         print(
             f"tandem: {busy} (is another tandem / tritonserver running? stop it, or pass other --*-port values)",
@@ -515,12 +558,20 @@ def serve(
         front.stop()
         raise
     asked_to_stop = front_died = False
+    openai_front = None
     try:
         waited = wait_ready(proc, internal[0], models, ready_timeout_s, metrics_port=internal[1])
         wait_front(front, http_port, host=host)
+        if openai_port:
+            openai_front = start_openai_front(
+                f"127.0.0.1:{grpc_port}", openai_port, host, overrides.get(schema.env_name("checkpoint"), "")
+            )
+            wait_openai_front(openai_front, host, openai_port)
         print(
             f"tandem: ready in {waited:.1f} s — gRPC {host}:{grpc_port}, HTTP {host}:{http_port}, "
-            f"metrics {host}:{metrics_port}, models {', '.join(models)}"
+            f"metrics {host}:{metrics_port}"
+            + (f", OpenAI http://{host}:{openai_port}/v1" if openai_port else "")
+            + f", models {', '.join(models)}"
             + (f"; parameters {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""),
             flush=True,
         )
@@ -541,6 +592,7 @@ def serve(
         print(f"tandem: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(1)
     finally:
+        stop_openai_front(openai_front)
         stop_server(proc)
         front.stop()
         remove_shm(shm_prefix)

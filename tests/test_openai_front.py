@@ -1,0 +1,197 @@
+"""The OpenAI-compatible front (tandem.front.openai_api) driven by the official ``openai`` client against a real
+server: chat and completions, streaming and not, equal to the tandem client's greedy turn; usage equal to the
+server's own token counters; a stop string; a seed twice; OpenAI-shaped errors; a client that leaves mid-stream
+cancels its turn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from tandem.launch.host import free_ports  # noqa: E402
+from tandem.launch.observe import scrape  # noqa: E402
+from tandem.model.tokenizer import ChatTokenizer  # noqa: E402
+from tandem_client.client import generate  # noqa: E402
+
+from conftest import CHECKPOINT  # noqa: E402
+
+QUESTION = "Explain what a hash table is."
+TOKENS = ("tandem_prompt_tokens_total", frozenset({("model", "tandem")}))
+GENERATED = ("tandem_generation_tokens_total", frozenset({("model", "tandem")}))
+CANCELLED = ("tandem_request_success_total", frozenset({("model", "tandem"), ("finished_reason", "cancelled")}))
+
+
+@pytest.fixture(scope="module")
+def front(server):
+    """The front on a free 127.0.0.1 port against the shared server, as ``make serve`` starts it."""
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.front.openai_api", "--grpc-url", server.grpc_url, "--port", str(port)]
+        + ["--checkpoint", str(CHECKPOINT)],
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the OpenAI front did not start")
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def client(front):
+    return openai.OpenAI(base_url=f"{front}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ChatTokenizer(CHECKPOINT / "tokenizer.json")
+
+
+def _settled(server, cond, timeout_s: float = 5.0) -> dict:
+    """The server's metrics once ``cond(metrics)`` holds (they follow each burst), or after ``timeout_s``."""
+    t0 = time.monotonic()
+    while not cond(m := scrape(server.metrics_port)) and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.1)
+    return m
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tandem"]
+
+
+@pytest.mark.parametrize("spec", ["off", "dflash2"])
+def test_chat_streams_the_tandem_clients_greedy_text_and_counts_usage(server, client, tok, spec):
+    start = scrape(server.metrics_port)
+    ref = generate(tok.chat_prompt(QUESTION), max_tokens=40, url=server.grpc_url, spec="off")
+    before = _settled(server, lambda m: m.get(GENERATED, 0) >= start.get(GENERATED, 0) + len(ref["token_ids"]))
+    chunks = list(
+        client.chat.completions.create(
+            model="tandem",
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"spec": spec},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tok.decode(ref["token_ids"]) and len(text) > 20
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == (
+        "length" if len(ref["token_ids"]) == 40 else "stop"
+    )
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == len(ref["token_ids"])
+    assert (
+        usage.prompt_tokens == len(tok.chat_prompt(QUESTION))
+        and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    )
+    after = _settled(server, lambda m: m.get(GENERATED, 0) - before.get(GENERATED, 0) >= usage.completion_tokens)
+    assert after[GENERATED] - before.get(GENERATED, 0) == usage.completion_tokens
+    assert after[TOKENS] - before.get(TOKENS, 0) == usage.prompt_tokens
+    extra = usage.model_extra
+    assert extra["num_accepted_tokens"] <= extra["num_draft_tokens"] and (
+        spec == "dflash2" or extra["num_draft_tokens"] == 0
+    )
+    whole = client.chat.completions.create(
+        model="tandem", messages=[{"role": "user", "content": QUESTION}], max_tokens=40
+    )
+    assert whole.choices[0].message.content == text and whole.usage.completion_tokens == usage.completion_tokens
+
+
+def test_completions_take_the_prompt_as_text(server, client, tok):
+    prompt = "def fibonacci(n):"
+    ref = generate(tok.encode(prompt), max_tokens=16, url=server.grpc_url, spec="off")
+    got = client.completions.create(model="tandem", prompt=prompt, max_tokens=16)
+    assert got.choices[0].text == tok.decode(ref["token_ids"]) and got.usage.completion_tokens == len(ref["token_ids"])
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    base = client.chat.completions.create(
+        model="tandem", messages=[{"role": "user", "content": QUESTION}], max_tokens=40
+    )
+    text = base.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3
+    got = client.chat.completions.create(
+        model="tandem", messages=[{"role": "user", "content": QUESTION}], max_tokens=40, stop=[stop]
+    )
+    assert got.choices[0].message.content == text[: text.index(stop)] and got.choices[0].finish_reason == "stop"
+
+
+def test_a_seed_twice_gives_the_same_sample(client):
+    def once(seed):
+        return (
+            client.chat.completions.create(
+                model="tandem",
+                messages=[{"role": "user", "content": QUESTION}],
+                max_tokens=24,
+                temperature=0.8,
+                seed=seed,
+                extra_body={"spec": "dflash2"},
+            )
+            .choices[0]
+            .message.content
+        )
+
+    a, b, c = once(7), once(7), once(8)
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, param",
+    [
+        ({"n": 2}, 400, "n"),
+        ({"temperature": 3.0}, 400, "temperature"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "gpt-4"}, 404, "model"),
+        ({"extra_body": {"spec": "medusa"}}, 400, "spec"),
+        ({"max_tokens": 100000}, 400, "max_tokens"),
+    ],
+)
+def test_errors_have_openais_shape(client, kwargs, status, param):
+    args = {"model": "tandem", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == status
+    err = e.value.body
+    assert err["param"] == param and err["type"] and err["message"]
+
+
+def test_images_are_refused(client):
+    with pytest.raises(openai.BadRequestError, match="only text parts are served"):
+        client.chat.completions.create(
+            model="tandem",
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        )
+
+
+def test_a_client_that_leaves_cancels_its_turn(server, front):
+    before = scrape(server.metrics_port)  # (the count of cancelled turns changes only by a cancel)
+    body = json.dumps(
+        {"model": "tandem", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 3000, "stream": True}
+    ).encode()
+    req = urllib.request.Request(
+        f"{front}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    r = urllib.request.urlopen(req, timeout=30)
+    assert r.readline().startswith(b"data: ")
+    r.close()  # gone mid-stream
+    now = _settled(server, lambda m: m.get(CANCELLED, 0) > before.get(CANCELLED, 0), 10.0)
+    assert now.get(CANCELLED, 0) == before.get(CANCELLED, 0) + 1
