@@ -5,10 +5,12 @@ cancels its turn."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -157,7 +159,13 @@ def test_a_seed_twice_gives_the_same_sample(client):
     "kwargs, status, param",
     [
         ({"n": 2}, 400, "n"),
-        ({"temperature": 3.0}, 400, "temperature"),
+        ({"temperature": 11.0}, 400, "temperature"),
+        ({"seed": -1}, 400, "seed"),
+        ({"extra_body": {"sampling": "greedy-ish"}}, 400, "sampling"),
+        ({"extra_body": {"messages": ["hi"]}}, 400, "messages"),
+        ({"extra_body": {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}}, 400, "messages"),
+        ({"seed": 10**30}, 400, "seed"),
+        ({"extra_body": {"stream": "yes"}}, 400, "stream"),
         ({"response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"model": "gpt-4"}, 404, "model"),
         ({"extra_body": {"spec": "medusa"}}, 400, "spec"),
@@ -173,6 +181,30 @@ def test_errors_have_openais_shape(client, kwargs, status, param):
     assert err["param"] == param and err["type"] and err["message"]
 
 
+def test_a_long_prompt_a_big_body_and_a_wrong_path_answer_in_the_apis_shape(front):
+    def post(path, data: bytes):
+        req = urllib.request.Request(f"{front}{path}", data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    long = {"model": "tandem", "messages": [{"role": "user", "content": "sea " * 5000}], "max_tokens": 4}
+    status, body = post("/v1/chat/completions", json.dumps(long).encode())
+    assert status == 400 and body["error"]["param"] == "messages" and "4096" in body["error"]["message"]
+    host, port = front.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Length", str(2 << 20))  # over the 1 MiB default: refused before the body is sent
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413 and json.loads(r.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    status, body = post("/v1/no_such_path", b"{}")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
 def test_images_are_refused(client):
     with pytest.raises(openai.BadRequestError, match="only text parts are served"):
         client.chat.completions.create(
@@ -182,16 +214,24 @@ def test_images_are_refused(client):
         )
 
 
-def test_a_client_that_leaves_cancels_its_turn(server, front):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_cancels_its_turn(server, front, stream):
     before = scrape(server.metrics_port)  # (the count of cancelled turns changes only by a cancel)
     body = json.dumps(
-        {"model": "tandem", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 3000, "stream": True}
+        {"model": "tandem", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 3000, "stream": stream}
     ).encode()
     req = urllib.request.Request(
         f"{front}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
     )
-    r = urllib.request.urlopen(req, timeout=30)
-    assert r.readline().startswith(b"data: ")
-    r.close()  # gone mid-stream
+    if stream:
+        r = urllib.request.urlopen(req, timeout=30)
+        assert r.readline().startswith(b"data: ")
+        r.close()  # gone mid-stream
+    else:
+        host, port = front.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        time.sleep(0.5)
+        conn.close()  # gives up waiting for the whole reply: gone
     now = _settled(server, lambda m: m.get(CANCELLED, 0) > before.get(CANCELLED, 0), 10.0)
     assert now.get(CANCELLED, 0) == before.get(CANCELLED, 0) + 1

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -34,11 +36,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .. import schema, schema_text
 
+#: the threads the turns' gRPC streams run on (each waits on its stream; asyncio's default pool has cpu + 4
+#: threads, which would queue the turns past them in the front): as many as the server holds sessions by default
+TURN_THREADS = schema.DEFAULTS.max_sessions
 #: the model id the front serves (``GET /v1/models``; a request naming another is answered 404)
 MODEL_ID = "tandem"
 #: fields that would change the reply and are not served: refused when set to anything but their default
 _UNSERVED = {
-    "response_format": None,
+    "response_format": (None, {"type": "text"}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "tools": (None, []),
@@ -59,8 +64,10 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
-            status, "server_error"
+        self.type = (
+            "invalid_request_error"
+            if 400 <= status < 500 and status != 429
+            else ("rate_limit_error" if status == 429 else "server_error")
         )
 
     def body(self) -> dict:
@@ -71,12 +78,21 @@ def _number(body: dict, name: str, kind, lo=None, hi=None, lo_open: bool = False
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, kind):
-        raise ApiError(400, f"{name} must be a {'integer' if kind is int else 'number'}, got {v!r}", name)
+    if isinstance(v, bool) or not isinstance(v, kind) or (isinstance(v, float) and not math.isfinite(v)):
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a finite number'}, got {v!r}", name)
     if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-        raise ApiError(400, f"{name} must be in {rng}, got {v}", name)
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
+        raise ApiError(400, f"{name} must be {'in ' if hi is not None else ''}{rng}, got {v}", name)
     return v
+
+
+def _sampling(body: dict, name: str, wire_name: str):
+    """``body[name]`` checked against the ``tandem`` wire's sampling input ``wire_name`` (its type and limits, written
+    once in :data:`tandem.schema.SAMPLING_INPUTS`); None when absent."""
+    w = next(t for t in schema.SAMPLING_INPUTS if t.name == wire_name)
+    integer = w.dtype in ("TYPE_INT32", "TYPE_INT64")
+    hi = w.hi if w.hi is not None else (2**63 - 1 if w.dtype == "TYPE_INT64" else 2**31 - 1 if integer else None)
+    return _number(body, name, int if integer else (int, float), w.lo, hi, lo_open=w.lo_open)
 
 
 def turn_request(body: dict, chat: bool) -> dict:
@@ -87,8 +103,8 @@ def turn_request(body: dict, chat: bool) -> dict:
     for name, ok in _UNSERVED.items():
         if name in body and body[name] not in (ok if isinstance(ok, tuple) else (ok,)):
             raise ApiError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n not in (None, 1):
         raise ApiError(400, f"n must be 1 (one choice per request), got {n!r}", "n", "unsupported_parameter")
     out: dict = {}
     if chat:
@@ -97,11 +113,19 @@ def turn_request(body: dict, chat: bool) -> dict:
             raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
         conv = []
         for i, m in enumerate(msgs):
-            role, content = (m or {}).get("role"), (m or {}).get("content")
+            if not isinstance(m, dict):
+                raise ApiError(
+                    400, f"messages[{i}] must be an object {{role, content}}, got {type(m).__name__}", "messages"
+                )
+            role, content = m.get("role"), m.get("content")
             if role not in ("system", "developer", "user", "assistant"):
-                raise ApiError(400, f"messages[{i}].role must be system, user or assistant, got {role!r}", "messages")
+                raise ApiError(
+                    400, f"messages[{i}].role must be system, developer, user or assistant, got {role!r}", "messages"
+                )
             if isinstance(content, list):  # content parts: text only
-                kinds = {p.get("type") for p in content if isinstance(p, dict)}
+                if not all(isinstance(p, dict) for p in content):
+                    raise ApiError(400, f"messages[{i}].content parts must be objects {{type, text}}", "messages")
+                kinds = {str(p.get("type")) for p in content}
                 if kinds - {"text"}:
                     raise ApiError(
                         400,
@@ -109,7 +133,9 @@ def turn_request(body: dict, chat: bool) -> dict:
                         "(image and audio inputs are not supported)",
                         "messages",
                     )
-                content = "".join(p.get("text", "") for p in content)
+                if not all(isinstance(p.get("text"), str) for p in content):
+                    raise ApiError(400, f"messages[{i}].content: a text part needs a string text", "messages")
+                content = "".join(p["text"] for p in content)
             if not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string or text parts", "messages")
             conv.append(("system" if role == "developer" else role, content))
@@ -125,12 +151,16 @@ def turn_request(body: dict, chat: bool) -> dict:
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     out["max_tokens"] = _number({name: mt}, name, int, 1) or schema_text.DEFAULT_MAX_TOKENS
     sampling = {
-        schema.TEMPERATURE: _number(body, "temperature", (int, float), 0, 2),
-        schema.TOP_P: _number(body, "top_p", (int, float), 0, 1, lo_open=True),
-        schema.TOP_K: _number(body, "top_k", int, 0),
-        schema.SEED: _number(body, "seed", int),
+        schema.TEMPERATURE: _sampling(body, "temperature", schema.TEMPERATURE),
+        schema.TOP_P: _sampling(body, "top_p", schema.TOP_P),
+        schema.TOP_K: _sampling(body, "top_k", schema.TOP_K),
+        schema.SEED: _sampling(body, "seed", schema.SEED),
         schema.SAMPLING: body.get("sampling"),
     }
+    if sampling[schema.SAMPLING] is not None and sampling[schema.SAMPLING] not in schema.SAMPLING_MODES:
+        raise ApiError(
+            400, f"sampling must be one of {list(schema.SAMPLING_MODES)}, got {sampling[schema.SAMPLING]!r}", "sampling"
+        )
     out["sampling"] = {k: v for k, v in sampling.items() if v is not None}
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
@@ -144,9 +174,14 @@ def turn_request(body: dict, chat: bool) -> dict:
         raise ApiError(400, f"spec must be one of {list(schema.SPECS)}, got {spec!r}", "spec")
     out["spec"] = spec
     out["num_draft_tokens"] = _number(body, "num_draft_tokens", int, 0)
-    out["stream"] = bool(body.get("stream", False))
+    for name in ("stream",):
+        if not isinstance(body.get(name, False), bool) and body.get(name) is not None:
+            raise ApiError(400, f"{name} must be true or false, got {body[name]!r}", name)
+    out["stream"] = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
-    out["include_usage"] = bool(opts.get("include_usage", False)) if isinstance(opts, dict) else False
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise ApiError(400, "stream_options must be {include_usage: true | false}", "stream_options")
+    out["include_usage"] = bool(opts.get("include_usage", False))
     return out
 
 
@@ -172,7 +207,22 @@ class _Cancelled(Exception):
     """Raised on the stream's thread when the HTTP client left: the turn is cancelled on the server."""
 
 
-def _api_error(e: Exception) -> ApiError:
+#: the ``tandem`` wire's input names as the API's fields (a server refusal names the field the client sent)
+_PARAMS = {
+    schema.INPUT_IDS: "prompt",
+    schema.MAX_TOKENS: "max_tokens",
+    schema.TEMPERATURE: "temperature",
+    schema.TOP_K: "top_k",
+    schema.TOP_P: "top_p",
+    schema.SEED: "seed",
+    schema.SAMPLING: "sampling",
+    schema.STOP: "stop",
+    schema.SPEC: "spec",
+    schema.NUM_DRAFT_TOKENS: "num_draft_tokens",
+}
+
+
+def _api_error(e: Exception, chat: bool = True) -> ApiError:
     """A client library error as the API's."""
     from tandem_client.client import AtCapacity, ServerUnreachable, TandemClientError
 
@@ -186,25 +236,51 @@ def _api_error(e: Exception) -> ApiError:
     if isinstance(e, TandemClientError):
         field = msg.split(":", 1)[0].split(" ", 1)[0].strip()
         if field.isupper() and field.replace("_", "").isalpha():  # the server's own refusal of an input
-            return ApiError(400, msg, field.lower())
+            param = "messages" if field == schema.INPUT_IDS and chat else _PARAMS.get(field, field.lower())
+            return ApiError(400, param + msg[len(field) :], param)
         if "stopping" in msg or "unavailable" in msg.lower():
             return ApiError(503, msg, code="server_unavailable")
     return ApiError(500, msg)
 
 
-def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID):
+def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID, max_body_bytes: int = 1 << 20):
     """The FastAPI app serving the API against the ``tandem`` model at gRPC ``url`` (``host:port``), with the
-    tokenizer and chat template of ``checkpoint``."""
+    tokenizer and chat template of ``checkpoint``; a request body over ``max_body_bytes`` is answered 413 before
+    it is read whole (the launcher passes its ``--max-body-bytes``, the HTTP port's limit too)."""
+    from starlette.exceptions import HTTPException
     from ..model.tokenizer import ChatTokenizer
     from tandem_client.client import IncrementalDecoder, generate
 
     tok = ChatTokenizer(Path(checkpoint) / "tokenizer.json")
+    pool = ThreadPoolExecutor(TURN_THREADS, thread_name_prefix="openai-turn")
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
     async def _error(_, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):  # an unknown path or method, in the API's shape
+        return JSONResponse(
+            {"error": {"message": str(e.detail), "type": "invalid_request_error", "param": None, "code": None}},
+            status_code=e.status_code,
+        )
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 past ``max_body_bytes`` (by Content-Length at once, else while it arrives)."""
+        too_big = ApiError(
+            413, f"the request body is over the limit of {max_body_bytes} bytes", code="request_too_large"
+        )
+        if int(request.headers.get("content-length") or 0) > max_body_bytes:
+            raise too_big
+        chunks, n = [], 0
+        async for c in request.stream():
+            n += len(c)
+            if n > max_body_bytes:
+                raise too_big
+            chunks.append(c)
+        return b"".join(chunks)
 
     @app.get("/v1/models")
     async def models():
@@ -219,7 +295,7 @@ def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID):
 
     async def handle(request: Request, chat: bool):
         try:
-            body = await request.json()
+            body = json.loads(await read_body(request))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "the body is not valid JSON") from None
         if isinstance(body, dict) and body.get("model") not in (None, model_id):
@@ -230,10 +306,10 @@ def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID):
                 "model_not_found",
             )
         t = turn_request(body, chat)
-        ids = tok.render(t["messages"]) if chat else tok.encode(t["prompt"])
+        loop = asyncio.get_running_loop()  # the template and the tokenizer off the event loop: other requests go on
+        ids = await loop.run_in_executor(pool, lambda: tok.render(t["messages"]) if chat else tok.encode(t["prompt"]))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         kind = "chat.completion" if chat else "text_completion"
-        loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         gone = threading.Event()
         dec = IncrementalDecoder(tok.decode, tuple(t["stop"]))
@@ -264,7 +340,7 @@ def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID):
             except Exception as e:  # noqa: BLE001 - every failure reaches the client as an API error
                 loop.call_soon_threadsafe(q.put_nowait, ("error", e))
 
-        worker = loop.run_in_executor(None, run)
+        worker = loop.run_in_executor(pool, run)
 
         def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
             if not chat:
@@ -273,13 +349,22 @@ def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID):
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
         if not t["stream"]:
-            parts = []
+            parts, checked = [], loop.time()
             while True:
-                what, v = await q.get()
+                try:
+                    what, v = await asyncio.wait_for(q.get(), 0.2)
+                except asyncio.TimeoutError:
+                    what = None
+                if loop.time() - checked >= 0.2:  # a client that left: its turn is cancelled at the next burst
+                    checked = loop.time()
+                    if not gone.is_set() and await request.is_disconnected():
+                        gone.set()
+                if what is None:
+                    continue
                 if what == "text":
                     parts.append(v)
                 elif what == "error":
-                    raise _api_error(v)
+                    raise _api_error(v, chat)
                 else:
                     res = v
                     break
@@ -316,7 +401,7 @@ def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID):
                         yield event([choice(v, None, first=not sent_first)])
                         sent_first = True
                     elif what == "error":
-                        yield f"data: {json.dumps(_api_error(v).body())}\n\n"
+                        yield f"data: {json.dumps(_api_error(v, chat).body())}\n\n"
                         break
                     else:
                         if not sent_first and chat:
@@ -355,8 +440,9 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     ap.add_argument("--port", type=int, default=8003)
     ap.add_argument("--checkpoint", default=None, help="folder with tokenizer.json (default: the served one)")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 past it)")
     a = ap.parse_args()
-    app = create_app(a.grpc_url, a.checkpoint or default_checkpoint())
+    app = create_app(a.grpc_url, a.checkpoint or default_checkpoint(), max_body_bytes=a.max_body_bytes)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
 

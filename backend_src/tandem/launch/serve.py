@@ -386,11 +386,15 @@ def running_server(
                 log_path.unlink()
 
 
-def start_openai_front(grpc_url: str, port: int, host: str = "127.0.0.1", checkpoint: str = "") -> subprocess.Popen:
+def start_openai_front(
+    grpc_url: str, port: int, host: str = "127.0.0.1", checkpoint: str = "", max_body_bytes: int = MAX_BODY_BYTES
+) -> subprocess.Popen:
     """Start the OpenAI-compatible front (:mod:`tandem.front.openai_api`, uvicorn) on ``host:port`` against the
     ``tandem`` model at gRPC ``grpc_url``, with ``checkpoint``'s tokenizer (default: ``$TANDEM_CHECKPOINT`` or the
-    shipped one). Returns its process (:func:`stop_openai_front` stops it)."""
+    shipped one), refusing a body over ``max_body_bytes`` with 413. Returns its process (:func:`stop_openai_front`
+    stops it)."""
     argv = [sys.executable, "-m", "tandem.front.openai_api", "--grpc-url", grpc_url, "--host", host]
+    argv += ["--max-body-bytes", str(max_body_bytes)]
     argv += ["--port", str(port)] + (["--checkpoint", checkpoint] if checkpoint else [])
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -564,7 +568,11 @@ def serve(
         wait_front(front, http_port, host=host)
         if openai_port:
             openai_front = start_openai_front(
-                f"127.0.0.1:{grpc_port}", openai_port, host, overrides.get(schema.env_name("checkpoint"), "")
+                f"127.0.0.1:{grpc_port}",
+                openai_port,
+                host,
+                overrides.get(schema.env_name("checkpoint"), ""),
+                max_body_bytes,
             )
             wait_openai_front(openai_front, host, openai_port)
         print(

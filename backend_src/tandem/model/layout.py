@@ -21,7 +21,7 @@ the release, which transformers converts at load (its ``conversion_mapping`` for
 ``[128, 128]``, ``activation_scheme`` ``dynamic``; DeepSeek-V3's format, which GLM-5.3-Flash's release uses): a
 weight ``w [R, C]`` stored ``float8_e4m3fn`` beside ``w_scale_inv [ceil(R / 128), ceil(C / 128)]`` float32 is
 ``w_fp8 * w_scale_inv`` per 128 x 128 block (transformers' ``_dequantize_fp8_weight``). It is dequantized as it
-is read, so the model holds the load dtype. Any other ``quant_method`` is refused by name.
+is read, rounded to bfloat16 (the release's own dtype), so the model holds the load dtype. Any other ``quant_method`` is refused by name.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class CheckpointTensors:
         return [arg] if kind == "one" else list(arg)
 
     def read(self, key: str) -> torch.Tensor:
-        """Tandem key ``key``'s tensor (float32 where it was stored in FP8). Raises ``ValueError`` naming a stored
+        """Tandem key ``key``'s tensor (bfloat16 where it was stored in FP8). Raises ``ValueError`` naming a stored
         key whose FP8 form does not fit (no scales, scales beside a weight not in FP8, misshapen scales, FP8
         without a ``quantization_config``, another 8-bit float)."""
         kind, arg = self._recipes[key]
@@ -249,7 +249,9 @@ class CheckpointTensors:
                 raise ValueError(f"{stored} is float8_e4m3fn without {scale}")
             if self.layout.fp8 is None:
                 raise ValueError(f"{stored} is float8_e4m3fn but config.json has no quantization_config")
-            return dequantize(t, self._load(scale), self.layout.fp8.block, stored)
+            # to bfloat16, the release's own dtype (one rounding of each product): the weights stay bf16-exact, so the
+            # CPU path keeps its bfloat16 GEMMs and the kernels the shipped weights compiled
+            return dequantize(t, self._load(scale), self.layout.fp8.block, stored).to(torch.bfloat16)
         if scale in self.files:
             raise ValueError(f"{scale} scales {stored}, which is {t.dtype}, not float8_e4m3fn")
         if t.dtype.is_floating_point and t.dtype.itemsize == 1:

@@ -50,15 +50,17 @@ def fp8_copy(src: Path, dst: Path, block: tuple[int, int] = (128, 128), progress
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{src} is not a checkpoint folder (no config.json)")
     layout = Layout.read(src)
     if layout.fp8 is not None:
         raise ValueError(f"{src} is FP8 already (its config.json has a quantization_config)")
-    if dst.exists():
-        raise ValueError(f"{dst} exists: give a new folder")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"{dst} exists and is not an empty folder: give a new one")
     cfg = TrunkConfig.load(src)
     mla = {i for i, t in enumerate(cfg.layer_types) if t == "indexed_attention"} | {cfg.num_hidden_layers}
     files = weight_map(src)
-    dst.mkdir(parents=True)
+    dst.mkdir(parents=True, exist_ok=True)
     for p in src.iterdir():  # everything but the weights and config.json
         if p.name not in {f.name for f in files.values()} | {INDEX, "config.json"}:
             (shutil.copytree if p.is_dir() else shutil.copy2)(p, dst / p.name)
@@ -117,7 +119,7 @@ def main(
     """Write a block-scaled FP8 copy of a checkpoint (GLM-5.3-Flash's released FP8 set)."""
     try:
         s = fp8_copy(src, dst, (block, block), lambda i, n, name: print(f"  {i}/{n} {name}", flush=True))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         raise typer.BadParameter(str(e)) from None
     print(
         f"tandem: wrote {dst}: {s['fp8']} weights in FP8 ({block}x{block} blocks), {s['kept']} tensors kept; "
