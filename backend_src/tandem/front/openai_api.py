@@ -101,7 +101,7 @@ def turn_request(body: dict, chat: bool) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     for name, ok in _UNSERVED.items():
-        if name in body and body[name] not in (ok if isinstance(ok, tuple) else (ok,)):
+        if name in body and body[name] not in ok:
             raise ApiError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
     n = body.get("n")
     if n not in (None, 1):
@@ -174,9 +174,8 @@ def turn_request(body: dict, chat: bool) -> dict:
         raise ApiError(400, f"spec must be one of {list(schema.SPECS)}, got {spec!r}", "spec")
     out["spec"] = spec
     out["num_draft_tokens"] = _number(body, "num_draft_tokens", int, 0)
-    for name in ("stream",):
-        if not isinstance(body.get(name, False), bool) and body.get(name) is not None:
-            raise ApiError(400, f"{name} must be true or false, got {body[name]!r}", name)
+    if body.get("stream") not in (None, True, False):
+        raise ApiError(400, f"stream must be true or false, got {body['stream']!r}", "stream")
     out["stream"] = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):

@@ -208,11 +208,8 @@ class CheckpointTensors:
 
     def _nbytes(self, key: str) -> int:
         """A stored tensor's size from its file's header (nothing read)."""
-        from safetensors import safe_open
-
-        with safe_open(str(self.files[key]), "pt") as f:
-            sl = f.get_slice(key)
-            return math.prod(sl.get_shape()) * _BYTES.get(sl.get_dtype(), 2)
+        sl = self._file(key).get_slice(key)
+        return math.prod(sl.get_shape()) * _BYTES.get(sl.get_dtype(), 2)
 
     def keys(self) -> set[str]:
         """The tandem keys it can give."""
@@ -258,13 +255,17 @@ class CheckpointTensors:
             raise ValueError(f"{stored} is {t.dtype}: tandem reads float8_e4m3fn weights (quant_method fp8)")
         return t
 
-    def _load(self, stored: str) -> torch.Tensor:
+    def _file(self, stored: str):
+        """The open safetensors file holding ``stored`` (each opened once)."""
         from safetensors import safe_open
 
         f = self.files[stored]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), "pt")
-        return self._handles[f].get_tensor(stored)
+        return self._handles[f]
+
+    def _load(self, stored: str) -> torch.Tensor:
+        return self._file(stored).get_tensor(stored)
 
     def close(self) -> None:
         """Release the files' handles."""

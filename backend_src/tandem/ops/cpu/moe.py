@@ -70,12 +70,20 @@ def _moe_combine(h, w, out):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _expert(x, w, e, up, down, limit, h):  # pragma: no cover - numba
-    # expert e on the rows that selected it (w[r, e] != 0), in row order: gate | up GEMM, clamped SwiGLU,
-    # down GEMM into h[:n] (n of them, returned), one thread (_strips_gemm: _mmp's body without the split)
+def _scratch(x, down):  # pragma: no cover - numba
+    # an expert's buffers for _expert: the gathered rows [N, D], gate | up [N, 2I], the activation [N, I]
     N, D = x.shape
     n_inter = down[1].shape[1]
-    xs, gu, act = np.empty((N, D), _F), np.empty((N, 2 * n_inter), _F), np.empty((N, n_inter), _F)
+    return np.empty((N, D), _F), np.empty((N, 2 * n_inter), _F), np.empty((N, n_inter), _F)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _expert(x, w, e, up, down, limit, h, xs, gu, act):  # pragma: no cover - numba
+    # expert e on the rows that selected it (w[r, e] != 0), in row order: gate | up GEMM, clamped SwiGLU,
+    # down GEMM into h[:n] (n of them, returned), one thread (_strips_gemm: _mmp's body without the split);
+    # xs, gu, act: _scratch's buffers
+    N, D = x.shape
+    n_inter = act.shape[1]
     n = 0
     for r in range(N):
         if w[r, e] != np.float32(0.0):
@@ -93,9 +101,10 @@ def _expert(x, w, e, up, down, limit, h):  # pragma: no cover - numba
 def _experts_split(x, w, up, down, limit, owner, n_threads, hs):  # pragma: no cover - numba
     # _expert of every expert into hs[e], expert e on thread owner[e]
     for t in prange(n_threads):
+        xs, gu, act = _scratch(x, down)
         for e in range(owner.shape[0]):
             if owner[e] == t:
-                _expert(x, w, e, up, down, limit, hs[e])
+                _expert(x, w, e, up, down, limit, hs[e], xs, gu, act)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -122,8 +131,9 @@ def _moe_sparse(x, w, up, down, limit, out):  # pragma: no cover - numba
                 owner[e], load[t] = t, load[t] + rows[e]
         _experts_split(x, w, up, down, limit, owner, T, hs)
     else:
+        xs, gu, act = _scratch(x, down)
         for e in range(E1):
-            _expert(x, w, e, up, down, limit, hs[e])
+            _expert(x, w, e, up, down, limit, hs[e], xs, gu, act)
     for e in range(E1):
         j = 0
         for r in range(N):
