@@ -27,6 +27,19 @@ from conftest import CHECKPOINT  # noqa: E402
 QUESTION = "Explain what a hash table is."
 TOKENS = ("tandem_prompt_tokens_total", frozenset({("model", "tandem")}))
 GENERATED = ("tandem_generation_tokens_total", frozenset({("model", "tandem")}))
+#: a JSON schema that does not compile (an unknown type)
+BAD = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+#: a schema whose replies the miniature completes well within 120 tokens
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colour": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "colour"],
+    "additionalProperties": False,
+}
 CANCELLED = ("tandem_request_success_total", frozenset({("model", "tandem"), ("finished_reason", "cancelled")}))
 
 
@@ -116,6 +129,33 @@ def test_chat_streams_the_tandem_clients_greedy_text_and_counts_usage(server, cl
     assert whole.choices[0].message.content == text and whole.usage.completion_tokens == usage.completion_tokens
 
 
+@pytest.mark.parametrize("spec", ["off", "dflash2"])
+def test_a_json_schema_streams_valid_json_equal_to_the_tandem_client(server, client, tok, spec):
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    ask = "Describe a person."
+    ref = generate(tok.chat_prompt(ask), max_tokens=120, url=server.grpc_url, spec="off", response_format=fmt)
+    chunks = list(
+        client.chat.completions.create(
+            model="tandem",
+            messages=[{"role": "user", "content": ask}],
+            max_tokens=120,
+            stream=True,
+            stream_options={"include_usage": True},
+            response_format=fmt,
+            extra_body={"spec": spec},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tok.decode(ref["token_ids"]) and ref["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+    assert chunks[-1].usage.completion_tokens == len(ref["token_ids"])
+    digits = client.completions.create(  # vLLM's field for a regex
+        model="tandem", prompt="My number is", max_tokens=12, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}}
+    )
+    assert len(digits.choices[0].text) == 4 and digits.choices[0].text.isdigit()
+
+
 def test_completions_take_the_prompt_as_text(server, client, tok):
     prompt = "def fibonacci(n):"
     ref = generate(tok.encode(prompt), max_tokens=16, url=server.grpc_url, spec="off")
@@ -166,13 +206,23 @@ def test_a_seed_twice_gives_the_same_sample(client):
         ({"extra_body": {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}}, 400, "messages"),
         ({"seed": 10**30}, 400, "seed"),
         ({"extra_body": {"stream": "yes"}}, 400, "stream"),
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD}}},
+            400,
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, 400, "response_format"),
+        ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, 400, "structured_outputs.regex"),
+        ({"extra_body": {"guided_regex": "a", "regex": "b"}}, 400, "regex"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"extra_body": {"messages": []}}, 400, "messages"),
         ({"model": "gpt-4"}, 404, "model"),
         ({"extra_body": {"spec": "medusa"}}, 400, "spec"),
         ({"max_tokens": 100000}, 400, "max_tokens"),
     ],
 )
 def test_errors_have_openais_shape(client, kwargs, status, param):
+    """Bad fields, the server's own refusals among them (a schema that does not compile), name the field."""
     args = {"model": "tandem", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, **kwargs}
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(**args)

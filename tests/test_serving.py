@@ -94,15 +94,19 @@ def test_stream_equals_engine(server, engine, spec):
 
 
 @pytest.mark.parametrize("spec", ["dflash", "dflash2"])
-def test_served_dflash_equals_plain_decoding(server, engine, spec):
-    """In fp32 (the serving default on the CPU) the DFlash specs stream exactly plain greedy decoding."""
+def test_served_dflash_equals_plain_decoding(server, drafter_server, engine, spec):
+    """In fp32 (the serving default on the CPU) the DFlash specs stream exactly plain greedy decoding: on the
+    default server (adaptive draft length: how many rounds draft depends on the machine's measured costs and
+    load) and, drafting every round so drafts are accepted and rounds saved, on the fixed-length one."""
     assert parse_dtype(schema.DEFAULTS.dtype, resolve_device(schema.DEFAULTS.device)) == torch.float32
     for text in ("Explain what a hash table is.", "def fibonacci(n):"):
         prompt = engine.tokenizer.chat_prompt(text)
         plain = engine.generate(prompt, max_tokens=48, spec="off")
         got = generate(prompt, max_tokens=48, url=server.grpc_url, spec=spec)
         assert got["token_ids"] == plain["token_ids"]
-        assert got["accepted"] > 0 and got["rounds"] < plain["rounds"]
+        fixed = generate(prompt, max_tokens=48, url=drafter_server.grpc_url, spec=spec)
+        assert fixed["token_ids"] == plain["token_ids"]
+        assert fixed["accepted"] > 0 and fixed["rounds"] < plain["rounds"]
 
 
 def test_served_prefix_cache_warm_equals_cold(server, engine):

@@ -4,6 +4,7 @@ one-turn sessions for requests without a sequence id; multi-turn with one."""
 
 import json
 import queue
+import re
 import shutil
 import subprocess
 import threading
@@ -133,6 +134,19 @@ def test_stop_strings_over_http(server, cli_reply):
     assert res["token_ids"] == cli_reply["token_ids"][: len(res["token_ids"])]
 
 
+def test_structured_output_over_http(server):
+    """The ensemble passes ``response_format`` through: the text matches the regex, streamed or not."""
+    fmt = json.dumps({"type": "regex", "regex": "(yes|no), [0-9]{2}"})
+    code, body = _post(server, "generate", {"text_input": PROMPT, "max_tokens": 16, "response_format": fmt})
+    assert code == 200, body
+    text = json.loads(body)["text_output"]
+    assert re.fullmatch("(yes|no), [0-9]{2}", text), text
+    code, body = _post(
+        server, "generate_stream", {"text_input": PROMPT, "max_tokens": 16, "stream": True, "response_format": fmt}
+    )
+    assert "".join(e["text_output"] for e in _events(body)) == text
+
+
 def test_bad_text_requests_name_the_field(server):
     """Errors name the field (a missing text_input gets preprocessing's message, not Triton's silence),
     on both endpoints."""
@@ -143,6 +157,7 @@ def test_bad_text_requests_name_the_field(server):
         ({"text_input": "hi", "stop": ["x" * 65]}, "STOP: each stop string must have 1 to 64 characters"),
         ({"text_input": "hi", "temperature": -1.0}, "TEMPERATURE must be in"),
         ({"text_input": "hi", "cache_salt": "x" * 257}, "CACHE_SALT: a string of 257 bytes is over"),
+        ({"text_input": "hi", "response_format": '{"type": "regex", "regex": "(a"}'}, "RESPONSE_FORMAT.regex does not"),
         (
             {"text_input": "hi", "spec": "off", "num_draft_tokens": 3},
             "NUM_DRAFT_TOKENS: this request (it has no sequence id) decodes plain",

@@ -214,6 +214,12 @@ TURN, CANCEL_TURN = "TURN", "CANCEL_TURN"
 MAX_STOPS, MAX_STOP_CHARS = 8, 64  # stop strings per turn, and characters per stop string, at most
 #: the prefix-cache namespace of a sequence (:mod:`tandem.engine.prefix`), at most this many UTF-8 bytes
 CACHE_SALT, MAX_CACHE_SALT_BYTES = "CACHE_SALT", 256
+#: structured output (:mod:`tandem.engine.structured`): a JSON object shaped as OpenAI's ``response_format``,
+#: at most this many UTF-8 bytes; its ``type`` one of :data:`RESPONSE_FORMAT_TYPES` (``text``: unconstrained;
+#: ``regex`` and ``grammar``, an EBNF grammar, are tandem's, as vLLM's ``structured_outputs`` and SGLang's
+#: ``regex`` / ``ebnf``)
+RESPONSE_FORMAT, MAX_RESPONSE_FORMAT_BYTES = "RESPONSE_FORMAT", 1 << 16
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 #: ``PRECEDING_IDS``: the turn's tokens sent before a response's, at most this many (a detokenizer's
 #: context: a UTF-8 character spans at most 4 byte-level tokens)
 DETOKENIZE_WINDOW = 6
@@ -384,6 +390,19 @@ TANDEM = ModelWire(
             max_bytes=MAX_CACHE_SALT_BYTES,
             doc=f"prefix-cache namespace (at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes): only sequences primed "
             "with the same salt share cached prompt blocks; '' (default) = the shared namespace",
+        ),
+        TensorWire(
+            RESPONSE_FORMAT,
+            "TYPE_STRING",
+            (1,),
+            optional=True,
+            default="",
+            max_bytes=MAX_RESPONSE_FORMAT_BYTES,
+            doc="structured output: a JSON object as OpenAI's response_format, type "
+            + " | ".join(RESPONSE_FORMAT_TYPES)
+            + ' (e.g. {"type": "json_schema", "json_schema": {"schema": {...}}}, {"type": "regex", "regex": "..."}, '
+            '{"type": "grammar", "grammar": "<EBNF>"}); every generated token keeps the text a prefix of the '
+            f"format; '' (default) = none; at most {MAX_RESPONSE_FORMAT_BYTES} bytes",
         ),
     ),
     outputs=(

@@ -2,7 +2,7 @@
 that chains ``preprocessing -> tandem -> postprocessing`` (text in, text out), with the conventional
 names of Triton's LLM backends (TensorRT-LLM's and vLLM's ``text_input``, ``max_tokens``,
 ``stream``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``text_output``) and tandem's
-own fields (``spec``, ``num_draft_tokens``, ``sampling``, ``cache_salt``) under the lowercase names of the
+own fields (``spec``, ``num_draft_tokens``, ``sampling``, ``cache_salt``, ``response_format``) under the lowercase names of the
 ``tandem`` tensors they feed. Written once here; the config.pbtxt files are checked against it.
 
 numpy only, like :mod:`tandem.schema`.
@@ -31,6 +31,7 @@ DIRECT_INPUTS = (
     schema.NUM_DRAFT_TOKENS,
     schema.SAMPLING,
     schema.CACHE_SALT,
+    schema.RESPONSE_FORMAT,
 )
 #: ``tandem`` outputs that ``postprocessing`` passes through under their lowercase names
 PASSED_THROUGH = (

@@ -72,6 +72,25 @@ def check_flags(max_tokens: int, spec: str | None, num_draft_tokens: int | None,
             raise ValueError(str(e).replace(name, FLAGS[name], 1)) from None
 
 
+def read_response_format(value: str | None) -> str | None:
+    """``--response-format``: its JSON text (read from the file after ``@``), checked to be a JSON object;
+    the server checks the rest. Raises ``ValueError`` naming the flag."""
+    if not value:
+        return None
+    if value.startswith("@"):
+        try:
+            value = Path(value[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--response-format: cannot read {value[1:]}: {e}") from None
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--response-format must be a JSON object: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--response-format must be a JSON object, got {type(obj).__name__}")
+    return value
+
+
 def read_prompt(prompt: str | None, file: Path | None) -> str:
     """The prompt: the argument, stdin when it is ``-``, or ``--file``'s text (UTF-8 both). Raises
     ``ValueError`` naming the flag (and the path) for an unreadable or non-UTF-8 file or stdin."""
@@ -181,6 +200,13 @@ def generate_cmd(
         f"{schema.MAX_STOPS} of 1-{schema.MAX_STOP_CHARS} characters)",
     ),
     cache_salt: Optional[str] = typer.Option(None, "--cache-salt", help=_SALT_HELP),
+    response_format: Optional[str] = typer.Option(
+        None,
+        "--response-format",
+        help="structured output: a JSON object as OpenAI's response_format, or @FILE holding one, e.g. "
+        '\'{"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}\', \'{"type": "json_object"}\', '
+        '\'{"type": "regex", "regex": "[0-9]+"}\'',
+    ),
 ) -> None:
     """Generate a reply to PROMPT, streaming text as each burst arrives, then a stats line on stderr."""
     smp = {
@@ -207,6 +233,7 @@ def generate_cmd(
                 f"--stop: each stop string must have 1 to {schema.MAX_STOP_CHARS} characters, got {len(bad)}"
             )
         text_in = read_prompt(prompt, file)
+        fmt = read_response_format(response_format)
     except (ValueError, TandemClientError) as e:
         _fail(str(e), 2)
     tok = _tokenizer(checkpoint or default_checkpoint())
@@ -232,6 +259,7 @@ def generate_cmd(
             stop_token_ids=stop_token_id or None,
             stop=stop or None,
             cache_salt=cache_salt,
+            response_format=fmt,
         )
     except TandemClientError as e:
         typer.echo(f"\nerror: {e}" if dec.ids else f"error: {e}", err=True)

@@ -10,6 +10,7 @@ names and defaults come from :mod:`tandem.schema`.
 from __future__ import annotations
 
 import os
+import json
 import queue
 import random
 import time
@@ -195,6 +196,7 @@ def generate(
     stop: list[str] | None = None,
     start_retries: int = 0,
     cache_salt: str | None = None,
+    response_format: str | dict | None = None,
 ) -> dict:
     """Run one turn on the ``tandem`` model over a gRPC stream (by default a fresh sequence:
     a random ``sequence_id``, START and END set; pass ``sequence_id`` and the flags for multi-turn).
@@ -212,7 +214,9 @@ def generate(
     (``sequence_id`` None) refused :class:`AtCapacity` is sent again this many times, each under a new id
     (through a proxy, routed by load); ``cache_salt`` — the prefix-cache namespace of a first turn (only
     sequences primed with the same salt share cached prompt blocks, so their hits stay invisible to other
-    tenants; None: the shared namespace). The stream carries the routing header
+    tenants; None: the shared namespace); ``response_format`` — structured output, OpenAI's
+    ``response_format`` object or its JSON text (``{"type": "json_schema", "json_schema": {"schema": {...}}}``,
+    ``json_object``, tandem's ``regex`` and ``grammar``; see :data:`tandem.schema.RESPONSE_FORMAT`). The stream carries the routing header
     (:data:`tandem.schema.ROUTING_HEADER`: the sequence id) for a proxy.
 
     Returns ``token_ids``, ``rounds``, ``drafted``, ``accepted``, ``mean_acceptance_length``
@@ -265,6 +269,9 @@ def generate(
             add(schema.STOP, np.array([x.encode() for x in stop], dtype=np.object_), "BYTES")
         if cache_salt:
             add(schema.CACHE_SALT, np.array([cache_salt.encode()], dtype=np.object_), "BYTES")
+        if response_format:
+            fmt = response_format if isinstance(response_format, str) else json.dumps(response_format)
+            add(schema.RESPONSE_FORMAT, np.array([fmt.encode()], dtype=np.object_), "BYTES")
         for t in schema.SAMPLING_INPUTS:
             v = (sampling or {}).get(t.name)
             if v is not None:

@@ -19,6 +19,7 @@ from .session import SpecSession, Turn
 from .stage_set import StageSet
 from .state_size import StateSize
 from .stops import StopText, validate_stops
+from .structured import Grammars, ResponseFormat
 
 
 class Admission:
@@ -29,8 +30,10 @@ class Admission:
     prompt's prefix lookup; ``stats`` — the engine core's counters (this class counts
     ``sessions_refused_full`` and ``sessions_refused_memory``); ``stop_ids`` — tokens that end every
     turn; ``decode`` — ``list[int] -> str`` for stop strings (None: refused); ``state_size`` — the
-    session state estimate admission by bytes uses (``max_state_mb``; None: none).
-    :meth:`refuse_overdue` may be called from any thread; everything else from the engine core's thread.
+    session state estimate admission by bytes uses (``max_state_mb``; None: none); ``grammars`` — the
+    structured-output engine (:class:`~tandem.engine.structured.Grammars`; None: ``RESPONSE_FORMAT`` refused).
+    :meth:`refuse_overdue` and :meth:`compile_format` may be called from any thread; everything else from the
+    engine core's thread.
     """
 
     def __init__(
@@ -43,9 +46,11 @@ class Admission:
         stop_ids: tuple[int, ...] = (),
         decode: Callable[[list[int]], str] | None = None,
         state_size: StateSize | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.config, self.table, self.stages, self.publisher, self.stats = config, table, stages, publisher, stats
         self.stop_ids, self.decode, self.state_size = tuple(stop_ids), decode, state_size
+        self.grammars = grammars
         #: sid -> bytes charged to a session while its turn runs (its state at the turn's largest context)
         self._reserved: dict[int, int] = {}
         #: held while :meth:`sort` sorts turns into admitted / waiting / refused (:meth:`refuse_overdue`)
@@ -68,6 +73,23 @@ class Admission:
         return [t for _, t in held]
 
     # -- validation -------------------------------------------------------------------------------
+    def compile_format(self, t: Turn) -> str | None:
+        """Compile ``t``'s ``response_format`` into ``t.grammar`` (nothing to do without one, or once compiled):
+        error text naming the field, or None. Thread-safe: the front calls it on the request's thread, so a
+        compile never holds up the engine core's rounds."""
+        if not t.response_format or t.grammar is not None:
+            return None
+        try:
+            fmt = ResponseFormat.parse(t.response_format)
+            if fmt is None:
+                return None
+            if self.grammars is None:
+                return f"{schema.RESPONSE_FORMAT}: this server has no grammar engine (structured output is off)"
+            t.grammar = self.grammars.compile(fmt)
+        except schema.WireError as e:
+            return str(e)
+        return None
+
     def validate(self, t: Turn) -> str | None:
         """The one validation of a turn: error text naming the wire field and its limit, or None."""
         cfg, s, trunk = self.config, self.table.sessions.get(t.sid), self.stages.trunk
@@ -121,6 +143,8 @@ class Admission:
             return err
         if len(salt := t.cache_salt.encode("utf-8")) > schema.MAX_CACHE_SALT_BYTES:
             return f"{schema.CACHE_SALT}: at most {schema.MAX_CACHE_SALT_BYTES} bytes, got {len(salt)}"
+        if (err := self.compile_format(t)) is not None:
+            return err
         if not t.start and s is None:
             return (
                 f"{schema.SEQUENCE_ID}: unknown sequence id {t.sid}: this server holds no such session (set "
@@ -290,6 +314,10 @@ class Admission:
         item = self.publisher.prime_item(s, rows, t.cache_salt)
         item.commit, s.trunk_commit = s.trunk_commit, 0  # the last turn's final commit rides on this prime
         item.sampling = s.sampling = t.sampling
+        s.constraint = None
+        if t.grammar is not None:
+            s.constraint = self.grammars.constraint(t.grammar, self.config.max_num_draft_tokens + 1)
+        item.constraint = s.constraint
         s.stop_ids = self.stop_ids + tuple(x for x in t.stop_token_ids if x not in self.stop_ids)
         s.stop_text = StopText(self.decode, t.stop) if t.stop else None
         ok.append((t, s, item))  # (cut to this burst's piece by the prefill planner)

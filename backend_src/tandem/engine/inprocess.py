@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from .round_costs import RoundCosts
 from .sampling import SamplingParams
 from .scheduler import Scheduler, Turn
 from .state_size import StateSize
+from .structured import Grammars
 from .trunk_stage import TrunkStage
 
 
@@ -112,6 +114,7 @@ class Engine:
                 self.model.cfg.to_hf_dict(), {a: d.cfg.__dict__ for a, d in dflash.items()}
             ),
             costs=self.costs,
+            grammars=Grammars(Path(checkpoint) / "tokenizer.json", self.model.cfg.vocab_size, self.tokenizer.stop_ids),
         )
         self._ids = itertools.count(1 << 40)
 
@@ -138,11 +141,13 @@ class Engine:
         stop_token_ids: tuple[int, ...] = (),
         stop: tuple[str, ...] = (),
         cache_salt: str = "",
+        response_format: str | dict | None = None,
     ) -> dict:
         """Generate one turn in a fresh sequence (``temperature`` 0: greedy; else sampled with
         ``top_k``, ``top_p``, ``seed`` — None: a fresh one — and ``sampling`` mode, see
         :mod:`tandem.engine.sampling`; ``stop_token_ids`` and ``stop`` strings end the turn too; ``cache_salt``: the
-        prefix-cache namespace, see :mod:`tandem.engine.prefix`). Returns ``token_ids``, ``rounds``, ``drafted``,
+        prefix-cache namespace, see :mod:`tandem.engine.prefix`; ``response_format``: structured output, the
+        ``RESPONSE_FORMAT`` JSON text or its object, see :mod:`tandem.engine.structured`). Returns ``token_ids``, ``rounds``, ``drafted``,
         ``accepted``, ``accepted_at``, ``mean_acceptance_length`` (None without verify rounds),
         ``finish_reason``, ``ttft_s``, ``elapsed_s``, ``tokens_per_s``, ``bursts`` and ``top2_gaps``;
         ``on_burst(receipt)`` sees each burst.
@@ -200,6 +205,9 @@ class Engine:
                     stop_token_ids=tuple(stop_token_ids),
                     stop=tuple(stop),
                     cache_salt=cache_salt,
+                    response_format=json.dumps(response_format)
+                    if isinstance(response_format, dict)
+                    else (response_format or ""),
                 )
             ]
         )

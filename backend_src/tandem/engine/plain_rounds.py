@@ -32,13 +32,13 @@ class PlainRounds:
 
     def plain_rounds(self, act: list[SpecSession], most: int) -> int:
         """How many of the next ``most`` rounds every session of ``act`` decodes plain greedy rows (greedy, no
-        stop strings, no drafts: :meth:`~tandem.engine.draft_length.DraftLength.rests`) on a trunk that decodes
-        them in one call; 0 when one of them may draft (or samples, or has stop strings) in the next round."""
+        stop strings, no structured output, no drafts: :meth:`~tandem.engine.draft_length.DraftLength.rests`) on a trunk that decodes
+        them in one call; 0 when one of them may draft (or samples, has stop strings or is constrained) in the next round."""
         if not act or getattr(self.trunk, "decode_rows", None) is None:
             return 0
         n = most
         for s in act:
-            if s.sampling is not None or s.stop_text is not None:
+            if s.sampling is not None or s.stop_text is not None or s.constraint is not None:
                 return 0
             n = min(n, self.policy.rests(s, len(act)))
             if n == 0:

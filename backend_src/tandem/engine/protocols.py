@@ -28,6 +28,9 @@ class Rows:
     #: prime only: the turn's :class:`~tandem.engine.sampling.SamplingParams` (None: greedy), which
     #: the trunk applies to this prime and the verifies after it
     sampling: Any = None
+    #: prime only: the turn's :class:`~tandem.engine.structured.Constraint` (None: unconstrained), whose masks
+    #: the trunk applies to this prime's last row and to every row of the verifies after it
+    constraint: Any = None
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ from .session import Receipt, SpecSession, Turn, finish
 from .spec_round import SpecRound
 from .stage_set import StageSet
 from .state_size import StateSize
+from .structured import Grammars
 
 
 class Scheduler:
@@ -46,9 +47,10 @@ class Scheduler:
     ``stop_ids`` — tokens that end a turn; ``decode`` — ``list[int] -> str`` for stop strings (None: refused);
     ``state_size`` — the session state estimate admission by bytes uses (``max_state_mb``; None: none);
     ``costs`` — the measured round costs the draft-length policy weighs (shared with the engine core's
-    calibration; None: a new, empty one).
-    :meth:`request_cancel` and :meth:`refuse_overdue` may be called from any thread; everything else
-    from one thread.
+    calibration; None: a new, empty one); ``grammars`` — the structured-output engine
+    (:class:`~tandem.engine.structured.Grammars`; None: ``RESPONSE_FORMAT`` is refused).
+    :meth:`request_cancel`, :meth:`refuse_overdue` and :meth:`compile_format` may be called from any thread;
+    everything else from one thread.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class Scheduler:
         decode: Callable[[list[int]], str] | None = None,
         state_size: StateSize | None = None,
         costs: RoundCosts | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.config = config
         self.stats = {
@@ -81,7 +84,7 @@ class Scheduler:
         index = PrefixIndex(config.prefix_cache_mb << 20) if config.prefix_cache_mb > 0 else None
         self.publisher = PrefixPublisher(index, self.stages, self.table)
         self.admission = Admission(
-            config, self.table, self.stages, self.publisher, self.stats, stop_ids, decode, state_size
+            config, self.table, self.stages, self.publisher, self.stats, stop_ids, decode, state_size, grammars
         )
         self.prefill = PrefillPlanner(config, self.table, self.trunk)
         #: drafts per session and round (counts ``demotions`` / ``promotions`` in stats: to rest and back)
@@ -143,6 +146,10 @@ class Scheduler:
     def validate(self, t: Turn) -> str | None:
         """The one validation of a turn (:meth:`Admission.validate`): error text, or None."""
         return self.admission.validate(t)
+
+    def compile_format(self, t: Turn) -> str | None:
+        """Thread-safe: compile ``t``'s response format now (:meth:`Admission.compile_format`): error text, or None."""
+        return self.admission.compile_format(t)
 
     def default_spec(self) -> str:
         """The spec of a new sequence that names none (:meth:`Admission.default_spec`)."""
@@ -229,6 +236,8 @@ class Scheduler:
             s.committed.extend(t.tokens[: s.warm_rows])
         s.committed.extend(rows)
         tok = int(out.argmax[-1])
+        if s.constraint is not None:
+            s.constraint.advance([tok])
         s.anchor, s.turn_remaining, s.finish_reason, s.turn_done = tok, max_tokens - 1, None, False
         s.queue_for_drafter(out, rows[1:] + [tok])  # (after the previous turn's rows the drafter has not taken in)
         s.last_active = time.monotonic()

@@ -102,6 +102,8 @@ class SpecSession:
     stop_text: Any = None
     #: the turn's prime while it runs in chunks (:class:`~tandem.engine.prefill.PendingPrefill`), else None
     prefill: object = None
+    #: the current turn's structured-output :class:`~tandem.engine.structured.Constraint` (None: unconstrained)
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if not self.accepted_at:
@@ -224,6 +226,11 @@ class Turn:
     #: the prefix-cache namespace (:mod:`tandem.engine.prefix`): only prompts primed with the same salt share
     #: cached blocks ("": the shared default); a later turn's salt is not used (its sequence is primed)
     cache_salt: str = ""
+    #: structured output: the ``RESPONSE_FORMAT`` text (:class:`~tandem.engine.structured.ResponseFormat`; "":
+    #: none), and once validated its compiled grammar (set by :meth:`Admission.validate`, or earlier by the
+    #: front, which compiles on the request's thread)
+    response_format: str = ""
+    grammar: Any = None
     #: the turn's number (the front numbers turns 1, 2, ... and a ``CANCEL`` may name one; 0: unnumbered)
     number: int = 0
     #: ``cancelled(sync)``: whether the turn's client has cancelled it (None: it cannot). ``sync`` True may

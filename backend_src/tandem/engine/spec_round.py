@@ -35,7 +35,9 @@ class SpecRound:
         clock = time.perf_counter
         t0 = clock()
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
-        ks = self.policy.plan(act, all(s.sampling is None and s.stop_text is None for s in act))
+        ks = self.policy.plan(
+            act, all(s.sampling is None and s.stop_text is None and s.constraint is None for s in act)
+        )
         costs = self.policy.costs
         for stage, group in self.stages.by_drafter([s for s in act if ks[s.sid] > 0]):
             reqs = [
@@ -71,6 +73,8 @@ class SpecRound:
         self.stats["accept_walks"] += 1
         if s.stop_text is not None and (n := s.stop_text.scan(w.emitted)) is not None:  # a stop string: cut there
             w = Walk(min(w.accepted, n), w.emitted[:n], "stop")
+        if s.constraint is not None:  # the grammar's state after the emitted tokens (its masks made the targets)
+            s.constraint.advance(w.emitted)
         m = len(w.emitted)
         s.rounds += 1
         s.drafted += len(drafts)

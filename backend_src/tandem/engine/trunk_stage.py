@@ -15,6 +15,7 @@ from .. import schema
 from ..model.cache import KDAState, MLACache, TrunkCache
 from ..model.trunk import Trunk
 from . import sampling
+from .structured import apply_masks
 from .prefix import split_points
 from .protocols import Commit, KeyedStates, Rows, VerifyOut
 
@@ -40,7 +41,12 @@ class TrunkBlock:
 
 @torch.no_grad()
 def _outs(
-    model: Trunk, outs: list, features: tuple[int, ...], samplers: list | None = None, last_only: bool = False
+    model: Trunk,
+    outs: list,
+    features: tuple[int, ...],
+    samplers: list | None = None,
+    last_only: bool = False,
+    masks: list | None = None,
 ) -> list[VerifyOut]:
     """Per sequence a :class:`VerifyOut` from its pass output (hidden ``[1, R, D]``, or the pair with
     features): one LM-head GEMM and one top-2 over all sequences' rows. ``samplers[j]`` (None:
@@ -50,7 +56,10 @@ def _outs(
 
     ``last_only`` (a prime: only its last row decides a token): the LM head runs on each sequence's
     last row alone (as vLLM and SGLang do for prefill), and the rows before it carry argmax ``-1`` and
-    gap ``NaN`` (:class:`VerifyOut`). A prompt of ``R`` rows then costs one LM-head row, not ``R``."""
+    gap ``NaN`` (:class:`VerifyOut`). A prompt of ``R`` rows then costs one LM-head row, not ``R``.
+
+    ``masks[j]`` (None: unconstrained): sequence ``j``'s structured-output bitmasks, one per row deciding a
+    token (:meth:`~tandem.engine.structured.Constraint.row_masks`), applied to the logits before any target."""
     hs = [o[0] if features else o for o in outs]
     lengths = [h.shape[1] for h in hs]
     h = torch.cat(hs, 1)[0] if len(hs) > 1 else hs[0][0]
@@ -61,12 +70,18 @@ def _outs(
             if samplers is None
             else [None if x is None else (x[0], x[1][-1:], x[2] + n - 1, True) for x, n in zip(samplers, lengths)]
         )
-        last_t, last_g = _targets(model.kernels, model.logits(h[ends]), [1] * len(lengths), smp)
+        logits = model.logits(h[ends])
+        if masks is not None:
+            apply_masks(logits, [1] * len(lengths), masks)
+        last_t, last_g = _targets(model.kernels, logits, [1] * len(lengths), smp)
         target = torch.full((h.shape[0],), -1, dtype=last_t.dtype, device=last_t.device)
         gap = torch.full((h.shape[0],), float("nan"), dtype=last_g.dtype, device=last_g.device)
         target[ends], gap[ends] = last_t, last_g
     else:
-        target, gap = _targets(model.kernels, model.logits(h), lengths, samplers)
+        logits = model.logits(h)
+        if masks is not None:
+            apply_masks(logits, lengths, masks)
+        target, gap = _targets(model.kernels, logits, lengths, samplers)
     cols = (target, h.float(), gap)
     res = []
     for j, parts in enumerate(zip(*(c.split(lengths) for c in cols))):
@@ -118,18 +133,31 @@ class TrunkStage(KeyedStates):
         self.captures: dict[int, dict[int, dict[int, KDAState]]] = {}
         #: per sampled sequence, its current turn's sampling (set by each prime; absent: greedy)
         self.sampling: dict[int, sampling.SamplingParams] = {}
+        #: per constrained sequence, its current turn's structured-output constraint (set by each prime)
+        self.constraints: dict = {}
 
     def open(self, sids: list[int]) -> None:
         super().open(sids)
         for s in sids:
             self.captures.pop(s, None)
             self.sampling.pop(s, None)
+            self.constraints.pop(s, None)
 
     def close(self, sids: list[int]) -> None:
         super().close(sids)
         for s in sids:
             self.captures.pop(s, None)
             self.sampling.pop(s, None)
+            self.constraints.pop(s, None)
+
+    def _masks(self, items: list[Rows], last_only: bool) -> list | None:
+        """Each item's structured-output masks for :func:`_outs` (None when no item is constrained)."""
+        if not any(it.sid in self.constraints for it in items):
+            return None
+        return [
+            None if (c := self.constraints.get(it.sid)) is None else c.row_masks([] if last_only else it.tokens[1:])
+            for it in items
+        ]
 
     def _sampler(self, it: Rows, pos0: int, last_only: bool):
         """The :func:`_outs` sampler of an item (None: greedy)."""
@@ -164,6 +192,9 @@ class TrunkStage(KeyedStates):
             self.sampling.pop(it.sid, None)  # this turn's sampling (absent: greedy) for it and its verifies
             if it.sampling is not None and not it.sampling.greedy:
                 self.sampling[it.sid] = it.sampling
+            self.constraints.pop(it.sid, None)
+            if it.constraint is not None:
+                self.constraints[it.sid] = it.constraint
             cache = self.cache(it.sid)
             if it.prefix:
                 self._restore(it.sid, cache, it.prefix)
@@ -183,6 +214,7 @@ class TrunkStage(KeyedStates):
             f,
             [self._sampler(it, p[0].pos - len(it.tokens), True) for it, p in zip(items, plans)],
             last_only=True,
+            masks=self._masks(items, True),
         )
 
     def _prime_piece(self, items: list[Rows], plans: list, parts: list[list[tuple]], group: list[int], w: int) -> None:
@@ -262,12 +294,33 @@ class TrunkStage(KeyedStates):
         if not items:
             return []
         caches = [self.cache(it.sid) for it in items]
-        if self.model._invariant_rows() and not any(it.sid in self.sampling for it in items):
-            # greedy on the CPU: the LM head and the targets in the compiled pass
+        masks = self._masks(items, False)  # (from the drafts alone: before the pass)
+        smp = [self._sampler(it, c.pos, False) for it, c in zip(items, caches)]
+        if self.model._invariant_rows():  # on the CPU: the rows, the LM head and greedy targets in the compiled pass
             r = self.model.verify_targets(caches, [list(it.tokens) for it in items], f)
-            return [VerifyOut(q["tokens"], q["hidden"], q["gaps"], q["features"]) for q in r]
+            outs = [VerifyOut(q["tokens"], q["hidden"], q["gaps"], q["features"]) for q in r]
+            mine = [
+                j for j, it in enumerate(items) if smp[j] is not None or (masks is not None and masks[j] is not None)
+            ]
+            if mine:  # sampled or constrained: their targets again from the same hidden rows
+                self._retarget(
+                    [outs[j] for j in mine], [smp[j] for j in mine], [masks[j] if masks else None for j in mine]
+                )
+            return outs
         outs = self.model.verify_many(caches, [torch.tensor([it.tokens], device=self.model.device) for it in items], f)
-        return _outs(self.model, outs, f, [self._sampler(it, c.pos, False) for it, c in zip(items, caches)])
+        return _outs(self.model, outs, f, smp, masks=masks)
+
+    def _retarget(self, outs: list[VerifyOut], samplers: list, masks: list) -> None:
+        """Replace the greedy targets and gaps of ``outs`` (compiled verify rows, in place) by those of their
+        sequences' ``samplers`` under their ``masks`` (each None: greedy, unconstrained): the LM head once more
+        over their hidden rows (row-invariant, so the logits equal the verify pass's), the masks, the targets."""
+        lengths = [o.argmax.shape[0] for o in outs]
+        logits = self.model.logits(torch.cat([o.hidden for o in outs]).to(self.model.dtype))
+        if any(m is not None for m in masks):
+            apply_masks(logits, lengths, masks)
+        tgt, gap = _targets(self.model.kernels, logits, lengths, samplers if any(samplers) else None)
+        for o, t, g in zip(outs, tgt.split(lengths), gap.split(lengths)):
+            o.argmax, o.top2_gap = t, g.float()
 
     def decode(self, items: list[Rows], steps: int, stop_ids: list[tuple[int, ...]]) -> list[list[VerifyOut]]:
         """Up to ``steps`` plain greedy rounds of every item in one call (:meth:`Trunk.decode_many
@@ -278,7 +331,7 @@ class TrunkStage(KeyedStates):
         :meth:`Trunk.decode_many <tandem.model.trunk.Trunk.decode_many>` on its own). Returns per item
         the :class:`VerifyOut` of each round it ran (one row each), as :meth:`verify` would.
 
-        Raises ``ValueError`` for a sampled sequence (greedy only), an item that is not one anchor,
+        Raises ``ValueError`` for a sampled or constrained sequence (greedy, unconstrained only), an item that is not one anchor,
         or no room for ``steps`` rows."""
         return [[o.rows_at(t) for t in range(o.argmax.shape[0])] for o in self.decode_rows(items, steps, stop_ids)]
 
@@ -291,6 +344,8 @@ class TrunkStage(KeyedStates):
                 raise ValueError(f"decode: sequence {it.sid} takes its anchor alone, got {len(it.tokens)} tokens")
             if it.sid in self.sampling:
                 raise ValueError(f"decode: sequence {it.sid} samples (decode is greedy)")
+            if it.sid in self.constraints:
+                raise ValueError(f"decode: sequence {it.sid} is constrained (decode is unconstrained)")
         self._commit_first(items)
         if not items:
             return []

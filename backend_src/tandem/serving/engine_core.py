@@ -76,7 +76,8 @@ class EngineCore:
     is; :attr:`priority` says what it got); ``state_size`` — the
     session state estimate admission by bytes uses (:class:`~tandem.engine.state_size.StateSize`; None: by count
     alone); ``costs`` — the measured round costs (:func:`tandem.engine.calibration.calibrate`'s; None: measured
-    from the first rounds). A clock thread refuses turns past ``admission_wait_s`` while the worker is busy
+    from the first rounds); ``grammars`` — the structured-output engine
+    (:class:`~tandem.engine.structured.Grammars`; None: ``RESPONSE_FORMAT`` refused). A clock thread refuses turns past ``admission_wait_s`` while the worker is busy
     (:meth:`_refuse_overdue`).
 
     Emits happen on the worker thread (the watchdog's while the worker waits on a stage call past
@@ -101,11 +102,19 @@ class EngineCore:
         nice: int = 0,
         exit_probe: Callable[[], bool] | None = None,
         costs: RoundCosts | None = None,
+        grammars=None,
     ) -> None:
         self.log = log or (lambda msg: None)
         self.info = info or (lambda msg: None)
         self.sched = Scheduler(
-            trunk, drafters, config, stop_ids=stop_ids, decode=decode, state_size=state_size, costs=costs
+            trunk,
+            drafters,
+            config,
+            stop_ids=stop_ids,
+            decode=decode,
+            state_size=state_size,
+            costs=costs,
+            grammars=grammars,
         )
         self.sched.failure_text = lambda e: SHUTTING_DOWN if server_exiting(e) else None
         self.sched.on_event = self.log
@@ -197,6 +206,9 @@ class EngineCore:
         state["turn"] = dataclasses.replace(
             req, emit=emit, number=number, cancelled=cancelled, arrived=time.monotonic()
         )
+        if (err := self.sched.compile_format(state["turn"])) is not None:  # here, not on the worker's thread
+            emit(None, err, True)
+            return
         self.q.put(state["turn"])
 
     def cancel_session(self, sid: int, send: Send, number: int | None = None) -> None:

@@ -23,6 +23,7 @@ from ..engine.calibration import calibrate
 from ..engine.round_costs import RoundCosts
 from ..engine.stages import drafter_stages
 from ..engine.state_size import StateSize
+from ..engine.structured import Grammars
 from ..engine.trunk_stage import TrunkStage
 from ..model.checkpoint import dflash_specs, dflash_feature_layers, load_dflash, load_trunk
 from ..ops import dispatch
@@ -108,6 +109,7 @@ class TandemModel:
             nice=cfg.compute_nice,
             exit_probe=self._server_exiting,
             costs=costs,
+            grammars=Grammars(ckpt / "tokenizer.json", trunk.vocab_size, tok.stop_ids).load(),
         )
         self.metrics = MetricsPublisher(pb, self.core.telemetry)
         self.sends = SendQueue(self._response, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, log)

@@ -83,7 +83,11 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema
         raise WireError(f"{schema.INPUT_IDS} must be 1-D, got shape {list(np.asarray(ids).shape)}")
     if ids is not None:
         schema.check_size(np.asarray(ids), wire.input(schema.INPUT_IDS), max_items=max_ctx)
-    for name in (schema.STOP_TOKEN_IDS, schema.STOP):  # sizes first: nothing below decodes an oversize input
+    for name in (
+        schema.STOP_TOKEN_IDS,
+        schema.STOP,
+        schema.RESPONSE_FORMAT,
+    ):  # sizes first: nothing below decodes an oversize input
         if name in arrays:
             schema.check_size(np.asarray(arrays[name]), wire.input(name))
     tokens = [] if ids is None else np.asarray(ids).astype(np.int64).tolist()
@@ -106,6 +110,7 @@ def parse_turn(arrays: Arrays, correlation_id, flags: int, max_ctx: int = schema
         stop=schema.get_strings(arrays, wire.input(schema.STOP)),
         stream=schema.get_scalar(arrays, wire.input(schema.STREAM)),
         cache_salt=parse_cache_salt(arrays),
+        response_format=schema.get_string(arrays, wire.input(schema.RESPONSE_FORMAT)),
     )
 
 

@@ -145,6 +145,9 @@ def main(
     ),
     served_specs: str = typer.Option("off,mtp:1,dflash,dflash2", help="served rows (same form)"),
     prefix_pairs: int = typer.Option(4, help="question pairs of the prefix-cache section (0: skip it)"),
+    structured: int = typer.Option(
+        10, help="JSON-schema prompts of the structured-output section, at most 20 (0: skip it)", max=20, min=0
+    ),
     concurrency: int = typer.Option(
         8, help="sessions of the concurrency section (plain and the best spec, in-process; 0: skip)"
     ),
@@ -193,6 +196,7 @@ def main(
         run_scaling,
     )
     from .bench_prefix import run_prefix_section
+    from .bench_structured import CASES, print_structured, run_structured
     from .bench_report import ceilings, print_report, speedup_ratios, summarize
     from .data import humaneval_prompts, sharegpt_prompts
     from .distill import used_sharegpt_turns
@@ -375,6 +379,21 @@ def main(
         profile["long_prompt"] = run_long_prompt(
             serving, streams, longs, streams[0][:2], schema.OFF, shorts_at, 0.3 if quick else 3.0
         )
+    if structured:  # what a JSON schema costs plain decoding and the best arm
+        best = next((a for a in spec_list if a[0] == ratios.get("best_spec")), None)
+        label, spec = (best[0], best[1]) if best else ("plain", schema.OFF)
+        cases = CASES[:2] if quick else CASES[:structured]
+        with Progress(console=console) as prog:
+            task = prog.add_task(f"structured output ({label})", total=4 * len(cases))
+            profile["structured"] = run_structured(
+                plain_eng,
+                engs[label] if best else plain_eng,
+                spec,
+                tok,
+                cases,
+                max_tokens,
+                on_step=lambda: prog.advance(task),
+            )
     if concurrency > 1:  # plain sessions beside one session of the best spec, and prompts it drafts poorly for
         mixed_eng = Engine(model=plain_eng.model, tokenizer=tok, dflash=share.get("dflash"), prefix_cache_mb=0, amx=amx)
         best_spec = next((a for label, a, _ in spec_list if label == ratios.get("best_spec")), schema.DEFAULTS.spec)
@@ -407,6 +426,8 @@ def main(
         print_poor(console, profile["poor"])
     if "long_prompt" in profile:
         print_long_prompt(console, profile["long_prompt"])
+    if "structured" in profile:
+        print_structured(console, profile["structured"])
     report = {
         "machine": {
             "platform": platform.platform(),
@@ -425,6 +446,7 @@ def main(
             "max_tokens": max_tokens,
             "reps": reps,
             "specs": specs,
+            "structured": structured,
             "served_specs": served_specs,
             "url": url,
             "dtype": dtype,
