@@ -6,9 +6,12 @@ STAMP := $(VENV)/.stamp-setup
 
 .PHONY: setup test serve model drafter bench loadtest soak genai-perf kernel-bench clean
 
+# TORCH_INDEX=url: torch from that index first (e.g. https://download.pytorch.org/whl/cu128 for a CUDA 12.8 build;
+# PyPI's own Linux wheels are CUDA builds too; docs/deploying.md)
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(VPY) -m pip install -q --index-url $(TORCH_INDEX) torch==2.13.0)
 	$(VPY) -m pip install -q -r requirements.txt
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
@@ -75,6 +78,11 @@ model: setup
 drafter: setup
 	$(VPY) -m tandem.tools.distill $(DISTILL_ARGS)
 
+# the memory plan of a checkpoint (default: the real GLM-5.3-Flash config) on a group of devices (docs/deploying.md)
+.PHONY: plan
+plan: $(STAMP)
+	$(VPY) -m tandem.tools.plan $(ARGS)
+
 # side-by-side benchmark; QUICK=1 for a smoke run, JSON=path to keep the figures
 bench: setup
 	$(VPY) -m tandem.tools.bench $(if $(QUICK),--quick) $(if $(JSON),--json $(JSON)) $(ARGS)
@@ -109,5 +117,13 @@ genai-perf: setup
 kernel-bench: setup
 	$(VPY) -m tandem.tools.kernel_bench $(ARGS)
 
+# everything a machine with NVIDIA GPUs can check, in one run under 10 minutes (tandem.tools.gpu_check): the kernels
+# compiled for sm_90, a CUDA torch in .venv-cuda (TORCH_INDEX), the kernel tests natively, kernel-bench, the miniature
+# served on cuda against the CPU, a short bench; without a GPU it says so and runs the compile checks alone.
+# Results in reports/gpu-check-<UTC time>/ (ARGS="--out DIR")
+.PHONY: gpu-check
+gpu-check: setup
+	$(VPY) -m tandem.tools.gpu_check $(ARGS)
+
 clean:
-	rm -rf $(VENV) .venv-genai triton_backends runs
+	rm -rf $(VENV) .venv-genai .venv-cuda triton_backends runs

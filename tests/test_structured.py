@@ -152,3 +152,30 @@ def test_formats_that_do_not_compile_are_refused(shipped):
             shipped.generate(ids, 8, spec="off", response_format=fmt)
     assert ResponseFormat.parse(ResponseFormat("regex", "a+").wire()) == ResponseFormat("regex", "a+")
     assert ResponseFormat.parse('{"type": "text"}') is None and ResponseFormat.parse("") is None
+
+
+def test_drafts_equal_to_the_constrained_output_are_all_accepted(shipped):
+    """The masks line up with the drafts: a verify whose drafts are constrained plain decoding's next tokens gets
+    every one of them back as its targets (row i masked with the state after the first i drafts)."""
+    from tandem.engine.protocols import Commit, Rows
+
+    tok, trunk, grammars = shipped.tokenizer, shipped.trunk, shipped.sched.admission.grammars
+    prompt, s = SCHEMAS[10]
+    ids = tok.chat_prompt(prompt)
+    want = shipped.generate(ids, 200, spec="off", response_format=_fmt(s))["token_ids"]
+    c = grammars.constraint(grammars.compile(ResponseFormat.parse(json.dumps(_fmt(s)))), 9)
+    sid = 987654321
+    trunk.open([sid])
+    try:
+        got = [int(trunk.prime([Rows(sid, ids, constraint=c)])[0].argmax[-1])]
+        c.advance(got)
+        while len(got) + 8 <= len(want):
+            drafts = want[len(got) : len(got) + 7]
+            out = trunk.verify([Rows(sid, [got[-1], *drafts])])[0]
+            assert out.argmax.tolist()[:7] == drafts
+            trunk.commit([Commit(sid, 8)])
+            got += drafts + [int(out.argmax[7])]
+            c.advance(drafts + [got[-1]])
+        assert got == want[: len(got)] and len(got) > 16
+    finally:
+        trunk.close([sid])

@@ -2,7 +2,9 @@
 speculative arm.
 
 Per case (a prompt and a JSON schema from :data:`CASES`) four interleaved runs: plain and the best arm, each
-unconstrained and under the schema (:mod:`tandem.engine.structured`). Reported: tokens/s (medians over the runs),
+unconstrained and under the schema (:mod:`tandem.engine.structured`). Reported: decode tokens/s after the first
+token (medians over the runs; a constrained reply is short, so its prime would weigh more than an unconstrained
+one's), the drafts accepted of those drafted,
 constrained / unconstrained for both, best / plain under the constraint, tau with and without it, whether the
 constrained speculative tokens equal the constrained plain ones (they must: the mask applies on every verify row),
 and the grammar engine's mask time per row and compile time per schema.
@@ -72,8 +74,8 @@ def run_structured(plain, best, spec: str, tokenizer, cases: list, max_tokens: i
     """The section's figures. ``plain`` and ``best``: in-process :class:`~tandem.engine.inprocess.Engine`\\ s (they
     may be one); ``spec``: the best arm; ``cases``: ``(prompt text, JSON schema)`` pairs; each run generates up to
     ``max_tokens``. ``on_step()`` is called after each run (progress). Returns ``tokens_per_s`` medians by row
-    (``plain``, ``plain_json``, ``best``, ``best_json``), the ratios ``json_over_free_plain``,
-    ``json_over_free_best``, ``best_over_plain_json``, ``tau_free`` / ``tau_json`` (the best arm), ``identical``
+    (``plain``, ``plain_json``, ``best``, ``best_json``; after each reply's first token), the ratios ``json_over_free_plain``,
+    ``json_over_free_best``, ``best_over_plain_json``, ``tau_free`` / ``tau_json`` and ``accept_free`` / ``accept_json`` (accepted of drafted; the best arm), ``identical``
     of ``cases`` constrained runs, ``mask_us_per_row`` and ``compile_ms``."""
     grammars = [e.sched.admission.grammars for e in {id(plain): plain, id(best): best}.values()]
     for g in grammars:
@@ -99,8 +101,14 @@ def run_structured(plain, best, spec: str, tokenizer, cases: list, max_tokens: i
     d = {k: sum(g.stats[k] - b[k] for g, b in zip(grammars, before)) for k in before[0]}
     med = statistics.median
 
-    def tps(name):
-        return med(r["tokens_per_s"] for r in rows[name])
+    def tps(name):  # after the first token: a constrained reply is short, and its prime would weigh more
+        return med(
+            (len(r["token_ids"]) - 1) / (r["elapsed_s"] - r["ttft_s"]) for r in rows[name] if len(r["token_ids"]) > 1
+        )
+
+    def accept(name):
+        acc, drafted = sum(r["accepted"] for r in rows[name]), sum(r["drafted"] for r in rows[name])
+        return acc / drafted if drafted else None
 
     def tau(name):
         acc, rounds = sum(r["accepted"] for r in rows[name]), sum(r["rounds"] for r in rows[name])
@@ -117,6 +125,8 @@ def run_structured(plain, best, spec: str, tokenizer, cases: list, max_tokens: i
         "best_over_plain_free": t["best"] / t["plain"],
         "tau_free": tau("best"),
         "tau_json": tau("best_json"),
+        "accept_free": accept("best"),
+        "accept_json": accept("best_json"),
         "identical": same,
         "mask_us_per_row": 1e6 * d["mask_s"] / d["mask_rows"] if d["mask_rows"] else None,
         "compile_ms": 1e3 * d["compile_s"] / d["compiles"] if d["compiles"] else None,
@@ -128,14 +138,15 @@ def print_structured(console, s: dict) -> None:
     """The section's lines (``s``: :func:`run_structured`'s figures)."""
     t = s["tokens_per_s"]
     console.print(
-        f"{'structured output (JSON schema)':>30}: plain {t['plain']:.0f} -> {t['plain_json']:.0f} tok/s constrained "
+        f"{'structured output (JSON schema)':>30}: decode plain {t['plain']:.0f} -> {t['plain_json']:.0f} tok/s constrained "
         f"([bold]{s['json_over_free_plain']:.2f}x[/]); {s['spec']} {t['best']:.0f} -> {t['best_json']:.0f} tok/s "
         f"([bold]{s['json_over_free_best']:.2f}x[/])"
     )
     tau = " / ".join("-" if x is None else f"{x:.2f}" for x in (s["tau_free"], s["tau_json"]))
+    acc = " / ".join("-" if x is None else f"{x:.0%}" for x in (s["accept_free"], s["accept_json"]))
     console.print(
         f"{'':>30}  {s['spec']} / plain under the schema [bold]{s['best_over_plain_json']:.2f}x[/] "
-        f"(unconstrained {s['best_over_plain_free']:.2f}x); tau free / constrained {tau}; "
+        f"(unconstrained {s['best_over_plain_free']:.2f}x); tau free / constrained {tau}, drafts accepted {acc}; "
         f"identical {s['identical']}/{s['cases']}; mask {s['mask_us_per_row']:.1f} us/row, "
         f"compile {s['compile_ms']:.1f} ms/schema; median {s['tokens_json']:.0f} tokens a reply"
     )
