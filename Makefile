@@ -94,7 +94,7 @@ STEP_SECONDS ?= 30
 MAX_TOKENS ?= 128
 loadtest: setup
 	$(VPY) -m loadtest.run --users $(USERS) --step-seconds $(STEP_SECONDS) --max-tokens $(MAX_TOKENS) \
-		$(if $(URL),--url $(URL)) $(ARGS)
+		$(if $(URL),--url $(URL)) $(if $(TARGET),--target $(TARGET)) $(ARGS)
 
 # soak: USERS users for SOAK_MINUTES with cancelled turns, multi-turn sessions and bad requests mixed in, plus one
 # client cycling edge kinds (empty later turns, reused ids with cancels, cancels during prefill, long prompts beside
@@ -104,13 +104,14 @@ SOAK_MINUTES ?= 5
 soak: setup
 	$(VPY) -m loadtest.soak --minutes $(SOAK_MINUTES) --users $(USERS) $(ARGS)
 
-# NVIDIA GenAI-Perf profiles the text ensemble over gRPC streaming (its own venv, .venv-genai, built on first
-# use); starts its own tritonserver unless URL=host:port; CONCURRENCY, REQUESTS; artifacts in reports/genai-perf-<UTC time>/
+# NVIDIA GenAI-Perf profiles the text ensemble over gRPC streaming, or with TARGET=openai the OpenAI front's chat
+# completions (its own venv, .venv-genai, built on first use); starts its own tritonserver (and front) unless
+# URL=host:port; CONCURRENCY, REQUESTS; artifacts in reports/genai-perf-<UTC time>/
 CONCURRENCY ?= 4
 REQUESTS ?= 24
 genai-perf: setup
 	$(VPY) -m loadtest.genai_perf --concurrency $(CONCURRENCY) --requests $(REQUESTS) --output-tokens $(MAX_TOKENS) \
-		$(if $(URL),--url $(URL)) $(ARGS)
+		$(if $(URL),--url $(URL)) $(if $(TARGET),--target $(TARGET)) $(ARGS)
 
 # each Triton kernel (backend_src/tandem/ops/triton/) against its torch reference on a GPU; without one it says so (ARGS=--cpu with
 # TRITON_INTERPRET=1: an interpreter smoke run, agreement only)

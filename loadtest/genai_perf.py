@@ -1,10 +1,12 @@
 """``make genai-perf``: NVIDIA's GenAI-Perf profiles the ``ensemble`` (text in, text out) over gRPC
-streaming, as it profiles a TensorRT-LLM Triton deployment.
+streaming, as it profiles a TensorRT-LLM Triton deployment, or with ``--target openai`` the OpenAI-compatible
+front's streaming ``/v1/chat/completions`` (``--endpoint-type chat``), as it profiles vLLM or SGLang.
 
 Steps: set up its own virtual environment (``--venv``, default ``.venv-genai``; genai-perf pins
 numpy 2 and transformers 5, which tandem's environment does not take) with ``genai-perf`` and the
 ``perf_analyzer`` binary it drives; start ``tritonserver`` on free 127.0.0.1 ports unless ``--url``
-is given; run ``genai-perf profile -m ensemble --backend tensorrtllm --streaming`` with synthetic
+is given (and for ``--target openai`` the front beside it unless ``--openai-url`` is); run ``genai-perf profile -m
+ensemble --backend tensorrtllm --streaming`` (or ``-m tandem --endpoint-type chat --streaming``) with synthetic
 prompts counted in the checkpoint's own tokenizer; print its table (TTFT, inter-token latency,
 throughput) and keep its artifacts in ``--report-dir`` (default ``reports/genai-perf-<UTC time>/``).
 
@@ -140,8 +142,14 @@ def main(
     output_tokens: int = typer.Option(128, "--output-tokens", min=1, help="max_tokens per request"),
     venv: Path = typer.Option(REPO_ROOT / ".venv-genai", "--venv", help="genai-perf's own virtual environment"),
     report_dir: Path = typer.Option(None, "--report-dir", help="artifacts [default: reports/genai-perf-<UTC time>]"),
+    target: str = typer.Option("ensemble", "--target", help="ensemble (gRPC streaming) | openai (the OpenAI front)"),
+    openai_url: str = typer.Option("", "--openai-url", help="host:port of a running OpenAI front (--target openai)"),
 ) -> None:
-    """Profile the ensemble with genai-perf over gRPC streaming and print TTFT, ITL and throughput."""
+    """Profile the ensemble over gRPC streaming, or the OpenAI front's chat completions, with genai-perf and
+    print TTFT, ITL and throughput."""
+    if target not in ("ensemble", "openai"):
+        typer.echo(f"error: --target must be ensemble or openai, got {target!r}", err=True)
+        raise typer.Exit(2)
     try:
         bindir = ensure_env(venv)
     except (SetupError, StopIteration, OSError) as e:
@@ -156,17 +164,16 @@ def main(
     shutil.copy2(default_checkpoint() / "tokenizer.json", tok_dir / "tokenizer.json")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1"}
 
-    def profile(grpc_url: str) -> int:
+    def profile(url: str) -> int:
+        endpoint = ["-m", MODEL, "--backend", "tensorrtllm"] if target == "ensemble" else ["-m", "tandem"]
+        endpoint += [] if target == "ensemble" else ["--endpoint-type", "chat"]
         argv = [
             bindir / "genai-perf",
             "profile",
-            "-m",
-            MODEL,
-            "--backend",
-            "tensorrtllm",
+            *endpoint,
             "--streaming",
             "-u",
-            grpc_url,
+            url,
             "--tokenizer",
             tok_dir,
             "--concurrency",
@@ -191,14 +198,29 @@ def main(
         print("running:", " ".join(str(a) for a in argv), flush=True)
         return subprocess.run([str(a) for a in argv], env=env).returncode
 
-    if url:
+    if target == "openai" and openai_url:
+        rc = profile(openai_url)
+    elif url and target == "ensemble":
         rc = profile(url)
     else:
-        from tandem.launch.serve import running_server
+        from tandem.launch.host import free_ports
+        from tandem.launch.serve import running_server, start_openai_front, stop_openai_front, wait_openai_front
 
-        print("starting tritonserver on free 127.0.0.1 ports ...", flush=True)
-        with running_server(ready_timeout_s=240) as srv:
-            rc = profile(srv.grpc_url)
+        def front(grpc_url: str) -> int:
+            (port,) = free_ports(1)
+            proc = start_openai_front(grpc_url, port)
+            try:
+                wait_openai_front(proc, "127.0.0.1", port)
+                return profile(f"127.0.0.1:{port}")
+            finally:
+                stop_openai_front(proc)
+
+        if url:
+            rc = front(url)
+        else:
+            print("starting tritonserver on free 127.0.0.1 ports ...", flush=True)
+            with running_server(ready_timeout_s=240) as srv:
+                rc = profile(srv.grpc_url) if target == "ensemble" else front(srv.grpc_url)
     if rc != 0:
         typer.echo(f"error: genai-perf exited {rc}", err=True)
         raise typer.Exit(1)

@@ -41,6 +41,7 @@ SERVED_FILES = {
     "test_readme_examples.py",
     "test_security.py",
     "test_serving.py",
+    "test_tensor_parallel.py",
     "test_text_front.py",
 }
 

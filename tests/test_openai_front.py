@@ -253,6 +253,8 @@ def test_a_long_prompt_a_big_body_and_a_wrong_path_answer_in_the_apis_shape(fron
     conn.close()
     status, body = post("/v1/no_such_path", b"{}")
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
+    status, body = post("/v1/chat/completions", b'{"model": "tandem", "messages": [')
+    assert status == 400 and body["error"]["message"] == "the body is not valid JSON"
 
 
 def test_images_are_refused(client):

@@ -92,7 +92,12 @@ class ServingConfig:
     request's ``num_draft_tokens`` (or the DFlash block) the most; off, every speculating session drafts that many
     every round; ``probe_rounds``: a session drafting none drafts its most again after this many rounds (the
     interval doubling after each probe that does not bring it back); both explained in
-    :mod:`tandem.engine.draft_length`."""
+    :mod:`tandem.engine.draft_length`.
+
+    ``tensor_parallel``: the trunk split over this many ranks (:mod:`tandem.model.parallel`: attention heads, MLPs
+    and vocabulary by tensor parallelism, routed experts by expert parallelism), rank 0 in the ``tandem`` model's
+    process and the others started by it (:mod:`tandem.engine.ranks`); above 1 the stages run the torch path (the
+    compiled CPU kernels are single-rank), the MTP spec is not served and ``colocate`` must be on."""
 
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
@@ -122,6 +127,7 @@ class ServingConfig:
     kernels: str = "auto"
     adaptive_draft: bool = True
     probe_rounds: int = 16
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
@@ -138,7 +144,15 @@ class ServingConfig:
             raise ValueError(f"device must be one of {DEVICES} (N a GPU index), got {self.device!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
-        for name in ("burst_rounds", "max_ctx", "max_sessions", "decode_threads", "split_threads", "probe_rounds"):
+        for name in (
+            "burst_rounds",
+            "max_ctx",
+            "max_sessions",
+            "decode_threads",
+            "split_threads",
+            "probe_rounds",
+            "tensor_parallel",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "stage_timeout_s"):
@@ -476,6 +490,7 @@ TANDEM = ModelWire(
         "split_threads",
         "compute_nice",
         "amx",
+        "tensor_parallel",
     ),
     decoupled=True,
 )

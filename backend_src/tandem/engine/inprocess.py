@@ -69,32 +69,39 @@ class Engine:
             dt = parse_dtype(dtype)
         #: the kernel settings the models run with (a shared ``model`` or ``dflash`` drafters too)
         self.kernels = kernel_settings or kernel_settings_of(self.config, dtype if isinstance(dtype, str) else None)
-        if model is not None:
-            model.use_kernels(self.kernels)
-        self.model = model if model is not None else load_trunk(checkpoint, dt, kernels=self.kernels)
-        self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
-        if dflash is None:
-            dflash = {
-                spec: load_dflash(checkpoint, spec, self.model.dtype, kernels=self.kernels)
-                for spec in dflash_specs(checkpoint)
-            }
+        #: the tensor-parallel group (:class:`~tandem.engine.ranks.RankGroup`; None: one rank), stopped by :meth:`close`
+        self.ranks = None
+        if self.config.tensor_parallel > 1:
+            self._start_ranks(checkpoint, dtype, model, dflash)
+            self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
+            dflash = {spec: st.drafters[spec] for spec, st in self._local_drafters.items()}
         else:
-            for d in dflash.values():
-                d.use_kernels(self.kernels)
-        feature_layers = (
-            next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
-        )
-        self.trunk = TrunkStage(
-            self.model,
-            self.config.max_ctx,
-            tuple(feature_layers),
-            self.config.batch_invariant,
-            self.config.decode_threads,
-            self.config.split_threads,
-        )
-        self.drafters: dict = drafter_stages(
-            self.model, dflash, self.config.max_num_draft_tokens, self.config.split_threads
-        )
+            if model is not None:
+                model.use_kernels(self.kernels)
+            self.model = model if model is not None else load_trunk(checkpoint, dt, kernels=self.kernels)
+            self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
+            if dflash is None:
+                dflash = {
+                    spec: load_dflash(checkpoint, spec, self.model.dtype, kernels=self.kernels)
+                    for spec in dflash_specs(checkpoint)
+                }
+            else:
+                for d in dflash.values():
+                    d.use_kernels(self.kernels)
+            feature_layers = (
+                next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
+            )
+            self.trunk = TrunkStage(
+                self.model,
+                self.config.max_ctx,
+                tuple(feature_layers),
+                self.config.batch_invariant,
+                self.config.decode_threads,
+                self.config.split_threads,
+            )
+            self.drafters: dict = drafter_stages(
+                self.model, dflash, self.config.max_num_draft_tokens, self.config.split_threads
+            )
         #: the measured round costs the draft-length policy weighs (one per trunk and settings in this process,
         #: measured at the first engine that needs them; or the ``costs`` given)
         self.costs = costs if costs is not None else shared_costs(self.model, self.config)
@@ -117,6 +124,28 @@ class Engine:
             grammars=Grammars(Path(checkpoint) / "tokenizer.json", self.model.cfg.vocab_size, self.tokenizer.stop_ids),
         )
         self._ids = itertools.count(1 << 40)
+
+    def _start_ranks(self, checkpoint, dtype, model, dflash) -> None:
+        """Start the tensor-parallel ranks and make this process rank 0 (:mod:`tandem.engine.ranks`): its part of the
+        trunk, the drafters, each stage behind a :class:`~tandem.engine.ranks.RankedStage`."""
+        from .ranks import RankGroup, build_stages, stage_order
+
+        if model is not None or dflash is not None:
+            raise ValueError("tensor_parallel > 1 loads its own part of the checkpoint: pass no model or dflash")
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.").replace("float32", "fp32")
+        name = "fp32" if name == "auto" else name.replace("bfloat16", "bf16")
+        self.ranks = RankGroup.start(self.config.tensor_parallel, checkpoint, self.config, name)
+        trunk, drafters = build_stages(checkpoint, self.config, parse_dtype(name), self.kernels, self.ranks.tp)
+        wrapped = {id(st): self.ranks.wrap(st) for st in stage_order(trunk, drafters)}
+        self.model, self.trunk = trunk.model, wrapped[id(trunk)]
+        self.drafters = {spec: wrapped[id(st)] for spec, st in drafters.items()}
+        self._local_drafters = {spec: st for spec, st in drafters.items() if spec in schema.DFLASH_SPECS}
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do on one rank)."""
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every published prefix (index and stores): the next prompts start cold."""

@@ -470,6 +470,11 @@ def serve(
         help=f"where the stage models run: {' | '.join(schema.DEVICES)} "
         f"(auto: cuda when torch sees a GPU, else cpu) [{schema.DEFAULTS.device}]",
     ),
+    tensor_parallel: Optional[int] = typer.Option(
+        None,
+        help="split the trunk over this many ranks (torch.distributed: gloo on the CPU, NCCL on CUDA; torch path, "
+        f"no MTP spec; docs/deploying.md) [{schema.DEFAULTS.tensor_parallel}]",
+    ),
     set_: list[str] = typer.Option(
         [], "--set", help="any other model parameter, NAME=VALUE (repeatable; README, 'Serve options')"
     ),
@@ -490,6 +495,7 @@ def serve(
                 "max_ctx": max_ctx,
                 "dtype": dtype,
                 "device": device,
+                "tensor_parallel": tensor_parallel,
                 **parse_settings(set_),
                 "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
                 "dflash2_checkpoint": str(Path(dflash2_checkpoint).resolve()) if dflash2_checkpoint else None,

@@ -19,6 +19,9 @@ class DecoderLayer(nn.Module):
 
     #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
     kernels: KernelSettings = DEFAULT
+    #: the tensor-parallel group (:mod:`tandem.model.parallel`; None: one rank): the attention and FFN outputs
+    #: are partial sums, reduced here
+    tp = None
 
     def __init__(self, cfg: TrunkConfig, layer_type: str, mlp_type: str) -> None:
         super().__init__()
@@ -34,7 +37,8 @@ class DecoderLayer(nn.Module):
         """Apply the block with ``attn_fn(normed_input [B,T,D]) -> [B,T,D]``. In the CPU row-invariant
         mode (fp32) the FFN half of a MoE block is one :func:`~tandem.ops.cpu.block.ffn_block` call."""
         post, comb, x = self.attn_hc.normed(streams, self.input_layernorm)
-        streams = hc_merge(post, comb, attn_fn(x), streams, self.kernels)
+        y = attn_fn(x)
+        streams = hc_merge(post, comb, y if self.tp is None else self.tp.all_reduce(y), streams, self.kernels)
         return self.ffn(streams)
 
     def ffn(self, streams: torch.Tensor) -> torch.Tensor:
@@ -44,4 +48,5 @@ class DecoderLayer(nn.Module):
         if out is not None:
             return out
         post, comb, x = self.ffn_hc.normed(streams, self.post_attention_layernorm)
-        return hc_merge(post, comb, self.mlp(x), streams, self.kernels)
+        y = self.mlp(x)
+        return hc_merge(post, comb, y if self.tp is None else self.tp.all_reduce(y), streams, self.kernels)

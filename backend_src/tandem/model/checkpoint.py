@@ -107,6 +107,7 @@ def load_trunk(
     overrides: dict | None = None,
     device: str | torch.device = "cpu",
     kernels: KernelSettings = DEFAULT,
+    tp=None,
 ) -> Trunk:
     """Load a checkpoint folder: ``config.json`` (:meth:`TrunkConfig.from_dict`, strict) and its
     weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, in either layout of
@@ -118,6 +119,8 @@ def load_trunk(
     ``num_nextn_predict_layers`` is 0. The model runs with the kernel settings ``kernels``
     (:func:`tandem.ops.dispatch.install`); its :attr:`~tandem.model.trunk.Trunk.loaded_from` says what was read,
     and its :attr:`~tandem.model.trunk.Trunk.vision_token_ids` are the placeholders a prompt may not hold.
+    With ``tp`` (a :class:`~tandem.model.parallel.TensorParallel` group) the model is that rank's part of the
+    trunk, without its MTP layer (:mod:`tandem.model.parallel`), and the memory check counts that part.
 
     Raises ``FileNotFoundError`` if the folder lacks a file, ``KeyError`` naming missing or
     unexpected keys, ``ValueError`` naming a key whose shape differs (or whose FP8 form does not fit, or a
@@ -133,13 +136,25 @@ def load_trunk(
     layout = Layout.read(folder)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
-    with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0
-    check_fits(cfg, dtype, with_mtp, folder, device)
+    with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0 and tp is None
+    if tp is None:
+        check_fits(cfg, dtype, with_mtp, folder, device)
     tensors = CheckpointTensors(files, layout)
     if not with_mtp:
         tensors.drop(f"layers.{cfg.num_hidden_layers}.")
     with torch.device("meta"):
-        model = Trunk(cfg, with_mtp=with_mtp)
+        if tp is None:
+            model = Trunk(cfg, with_mtp=with_mtp)
+        else:
+            from .parallel import local_config, split_trunk
+
+            model = split_trunk(Trunk(local_config(cfg, tp), with_mtp=False), cfg, tp)
+    if tp is not None:
+        need = sum(
+            t.numel() * (4 if is_fp32_param(n) else dtype.itemsize)
+            for n, t in list(model.named_parameters()) + list(model.named_buffers())
+        )
+        check_bytes(need, free_bytes(device), f"rank {tp.rank} of checkpoint {folder}", device)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         t.data = t.data.to(torch.float32 if is_fp32_param(name) else dtype)
     model = model.to_empty(device=device)
@@ -157,6 +172,10 @@ def load_trunk(
     for f in sorted(by_file):  # about one shard at a time
         for k in by_file[f]:
             t = tensors.read(k)
+            if tp is not None:
+                from .parallel import shard
+
+                t = shard(k, t, sd[k], tp)
             if tuple(t.shape) != tuple(sd[k].shape):
                 raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
             sd[k].copy_(t)

@@ -141,6 +141,9 @@ class Experts(nn.Module):
 
     #: at most this many rows run every expert densely (a fixed op count for decode and verify rows)
     dense_rows = 16
+    #: expert parallelism (:mod:`tandem.model.parallel`): the global id of this rank's first expert (None: one
+    #: rank holds them all); a token's slots routed to another rank's experts add nothing here
+    first: int | None = None
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x [N, D]``, ``idx [N, k]`` expert ids, ``w [N, k]`` weights -> ``[N, D]``.
@@ -148,13 +151,17 @@ class Experts(nn.Module):
         Up to :attr:`dense_rows` rows, every expert runs on every row and the unselected outputs get
         weight 0 (``E / k`` times the FLOPs, a fixed ~10 ops instead of ~14 per expert hit: on CPU
         the op count, not the FLOPs, sets the speed of a few rows); more rows dispatch per expert."""
+        if self.first is not None:  # this rank's experts only: the other slots weigh 0 on expert 0
+            local = idx - self.first
+            mine = (local >= 0) & (local < self.num_experts)
+            idx, w = torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w))
         if x.shape[0] <= self.dense_rows:
             n, (e, i2, d) = x.shape[0], self.gate_up_proj.shape
             gu = F.linear(x, self.gate_up_proj.view(e * i2, d)).view(n, e, i2)  # [N, E, 2I], no weight copy
             g, u = gu.chunk(2, dim=-1)
             a = clamped_swiglu(g, u, self.limit).transpose(0, 1)  # [E, N, I]
             h = torch.bmm(a, self.down_proj.transpose(1, 2))  # [E, N, D]
-            wf = torch.zeros(n, e, dtype=h.dtype, device=h.device).scatter_(1, idx, w.to(h.dtype))
+            wf = torch.zeros(n, e, dtype=h.dtype, device=h.device).scatter_add_(1, idx, w.to(h.dtype))
             return (h * wf.t().unsqueeze(-1)).sum(0).to(x.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():

@@ -35,10 +35,12 @@ if TYPE_CHECKING:
     from .cache import MLACache
 
 
-def pool_scores(iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+def pool_scores(iq: torch.Tensor, iw: torch.Tensor, pk: torch.Tensor, heads: int | None = None) -> torch.Tensor:
     """DSA pool scores ``sum_h (w_h Hi^-1/2) relu(q_h . pk_j di^-1/2)`` (fp32 ``[B, T, P]``) of
-    indexer queries ``iq [B, T, Hi, di]`` with head weights ``iw [B, T, Hi]`` over pool keys ``pk [B, P, di]``."""
+    indexer queries ``iq [B, T, Hi, di]`` with head weights ``iw [B, T, Hi]`` over pool keys ``pk [B, P, di]``;
+    ``heads``: the ``Hi`` of the scale when ``iq`` holds some of the heads (tensor parallelism)."""
     hi, di = iq.shape[-2:]
+    hi = heads or hi
     s = F.relu(torch.matmul(iq.float(), pk.float().transpose(-1, -2).unsqueeze(1)) * di**-0.5)  # [B,T,H,P]
     w = iw.float() * hi**-0.5
     return torch.matmul(w.unsqueeze(-2), s).squeeze(-2)
@@ -80,6 +82,10 @@ class Indexer(nn.Module):
 
     #: the kernel settings the model was loaded with (:func:`tandem.ops.dispatch.install`)
     kernels: KernelSettings = DEFAULT
+    #: tensor parallelism (:mod:`tandem.model.parallel`): the group, and the head count of the whole layer
+    #: (this rank's heads' scores are summed across ranks); None: one rank
+    tp = None
+    heads_total: int | None = None
 
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
@@ -136,7 +142,8 @@ class Indexer(nn.Module):
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
         """Pool scores ``[B, T, P]`` (fp32) for queries ``x [B,T,D]`` over pool keys ``pk [B,P,di]``."""
         b, t = x.shape[:2]
-        return pool_scores(self.wq_b(q_resid).view(b, t, self.h, self.d), self.weights_proj(x), pk)
+        s = pool_scores(self.wq_b(q_resid).view(b, t, self.h, self.d), self.weights_proj(x), pk, self.heads_total)
+        return s if self.tp is None else self.tp.all_reduce(s)
 
     def select(self, scores: torch.Tensor, q_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Visibility mask ``[B, T, kv_len]`` (bool) from pool scores ``[B, T, P]`` for queries at

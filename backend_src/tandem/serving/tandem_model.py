@@ -58,37 +58,43 @@ class TandemModel:
         dirs = drafter_dirs(cfg, repo, ckpt)
         dev, dt = placement(cfg)
         kernels = kernel_settings(cfg)
-        model = load_trunk(ckpt, dt, device=dev, kernels=kernels)
-        cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
-        self.max_ctx = cfg.max_ctx
-        trunk = TrunkStage(
-            model,
-            cfg.max_ctx,
-            feature_layers=dflash_feature_layers(ckpt, dirs),
-            batch_invariant=cfg.batch_invariant,
-            decode_threads=cfg.decode_threads,
-            split_threads=cfg.split_threads,
-        )
-        dispatch.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
+        self.ranks = None
         log = pb.Logger.log_error
         specs = dflash_specs(ckpt, dirs)
         self.bls = watch = None
-        if cfg.colocate:  # the drafters here, on the trunk's embedding and LM head: a round crosses no process
-            drafters = drafter_stages(
+        if cfg.tensor_parallel > 1:  # rank 0 here, the other ranks started now (tandem.engine.ranks)
+            model, trunk, drafters = self._start_ranks(cfg, ckpt, dt, kernels)
+            cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
+            self.max_ctx = cfg.max_ctx
+        else:
+            model = load_trunk(ckpt, dt, device=dev, kernels=kernels)
+            cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
+            self.max_ctx = cfg.max_ctx
+            trunk = TrunkStage(
                 model,
-                {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs},
-                cfg.max_num_draft_tokens,
-                cfg.split_threads,
+                cfg.max_ctx,
+                feature_layers=dflash_feature_layers(ckpt, dirs),
+                batch_invariant=cfg.batch_invariant,
+                decode_threads=cfg.decode_threads,
+                split_threads=cfg.split_threads,
             )
-        else:  # the drafter models over BLS, each call under the stage deadline
-            self.bls = proxies.BLSTransport(pb)
-            watch = proxies.WatchedTransport(self.bls, cfg.stage_timeout_s)
-            drafters = {schema.MTP: proxies.DrafterProxy(watch, on_error=log)}
-            dflash = proxies.DFlashProxy(watch, on_error=log)
-            drafters.update({spec: dflash for spec in specs})
+            dispatch.set_pool_initializer(functools.partial(set_thread_nice, cfg.compute_nice))
+            if cfg.colocate:  # the drafters here, on the trunk's embedding and LM head: a round crosses no process
+                drafters = drafter_stages(
+                    model,
+                    {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs},
+                    cfg.max_num_draft_tokens,
+                    cfg.split_threads,
+                )
+            else:  # the drafter models over BLS, each call under the stage deadline
+                self.bls = proxies.BLSTransport(pb)
+                watch = proxies.WatchedTransport(self.bls, cfg.stage_timeout_s)
+                drafters = {schema.MTP: proxies.DrafterProxy(watch, on_error=log)}
+                dflash = proxies.DFlashProxy(watch, on_error=log)
+                drafters.update({spec: dflash for spec in specs})
         # the first client turn finds the kernels' layouts built (BLS calls work only inside execute: with the
-        # drafter models, the trunk alone)
-        warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg)
+        # drafter models, the trunk alone); the torch path of tensor parallelism has none to build
+        warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg) if cfg.tensor_parallel == 1 else {}
         costs = RoundCosts()  # this machine's round costs, for the adaptive draft length (drafters over BLS: later)
         if cfg.adaptive_draft:
             warm["calibration"] = calibrate(trunk, drafters if cfg.colocate else {}, cfg, costs)
@@ -125,6 +131,29 @@ class TandemModel:
             f"drafters {({a: str(dirs[a]) for a in specs}) or 'none'}; "
             f"warm-up turns {sum(warm.values()):.2f} s ({', '.join(warm)}); round costs {costs_ms}; {cfg}"
         )
+
+    def _start_ranks(self, cfg, ckpt, dt, kernels):
+        """Tensor parallelism: start ranks ``1 .. N-1``, load rank 0's part of the trunk and the drafters, each
+        stage behind a :class:`~tandem.engine.ranks.RankedStage`; log this rank's weight bytes against one rank's.
+        Returns ``(model, trunk stage, drafters)``."""
+        import torch
+
+        from ..engine.ranks import RankGroup, build_stages, stage_order, weight_bytes
+        from ..model.checkpoint import param_bytes
+
+        if not cfg.colocate:
+            raise ValueError("tensor_parallel > 1 runs the drafters beside the trunk on every rank: set colocate true")
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dt]
+        self.ranks = RankGroup.start(cfg.tensor_parallel, ckpt, cfg, name, log=self.pb.Logger.log_info)
+        trunk, drafters = build_stages(ckpt, cfg, dt, kernels, self.ranks.tp)
+        wrapped = {id(st): self.ranks.wrap(st) for st in stage_order(trunk, drafters)}
+        one = param_bytes(trunk.model.cfg, dt, with_mtp=True)[1]
+        mine = weight_bytes(trunk.model)
+        self.pb.Logger.log_info(
+            f"tandem: rank 0 of {cfg.tensor_parallel}: {mine / 2**20:.1f} MiB of trunk weights, "
+            f"{mine / one:.2f} of one rank's {one / 2**20:.1f} MiB (torch path; drafters {sorted(drafters)} on every rank)"
+        )
+        return trunk.model, wrapped[id(trunk)], {spec: wrapped[id(st)] for spec, st in drafters.items()}
 
     def _response(self, arrays, error):
         pb = self.pb
@@ -178,6 +207,8 @@ class TandemModel:
 
     def finalize(self) -> None:
         self.core.stop()
+        if self.ranks is not None:
+            self.ranks.stop()
         self.sends.close()
         self.metrics.stop()
         calls = f"; BLS calls {self.bls.stats.summary()}" if self.bls is not None else ""

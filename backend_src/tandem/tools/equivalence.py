@@ -48,8 +48,20 @@ def record(
     sampled_prompts: int = typer.Option(4, help="prompts of the seeded sampled turns"),
     served: bool = typer.Option(True, help="also record the served outputs (starts a tritonserver)"),
     checkpoint: Path = typer.Option(None, help="checkpoint folder (default: the shipped one)"),
+    specs_: str = typer.Option("", "--specs", help="comma-separated specs (default: every spec the checkpoint has)"),
+    set_: list[str] = typer.Option(
+        [], "--set", help="a served model parameter, NAME=VALUE (repeatable; e.g. tensor_parallel=2, device=cuda)"
+    ),
+    torch_path: bool = typer.Option(
+        False,
+        "--torch-path",
+        help="in-process on the torch reference path (no compiled kernels), as tensor "
+        "parallelism runs: a served tensor_parallel server is then compared with one rank of the same arithmetic",
+    ),
 ) -> None:
-    """Run every spec on the bench prompts, in-process and served, and write the token ids to OUT."""
+    """Run every spec on the bench prompts, in-process (one rank, this CPU) and served, and write the token ids to
+    OUT. Fails when a greedy spec differs from plain greedy decoding, or a served greedy output from the
+    in-process one."""
     from rich.console import Console
 
     from ..engine.inprocess import Engine
@@ -58,7 +70,14 @@ def record(
     console = Console(stderr=True)
     checkpoint = Path(checkpoint or DEFAULT_CHECKPOINT)
     specs = [schema.OFF, schema.MTP] + [a for a in (schema.DFLASH, schema.DFLASH2) if a in dflash_specs(checkpoint)]
-    eng = Engine(checkpoint, prefix_cache_mb=0)
+    if specs_:
+        specs = [schema.OFF] + [a for a in specs_.split(",") if a in specs and a != schema.OFF]
+    from ..launch.settings import parse_settings
+
+    served_env = {schema.env_name(k): str(v) for k, v in parse_settings(set_).items()}
+    from ..ops.settings import REFERENCE
+
+    eng = Engine(checkpoint, prefix_cache_mb=0, kernel_settings=REFERENCE if torch_path else None)
     ids = _prompts(checkpoint, prompts, humaneval, eng.tokenizer)
     modes = (schema.REJECTION, schema.COUPLED)
     rec: dict = {"max_tokens": max_tokens, "specs": specs, "prompts": ids, "paths": {}}
@@ -90,8 +109,8 @@ def record(
         from ..launch.serve import running_server
 
         console.print("starting tritonserver ...")
-        env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_PREFIX_CACHE_MB": "0"}
-        with running_server(env=env, ready_timeout_s=240) as srv:
+        env = {"TANDEM_CHECKPOINT": str(checkpoint.resolve()), "TANDEM_PREFIX_CACHE_MB": "0", **served_env}
+        with running_server(env=env, ready_timeout_s=400) as srv:
             run(
                 "served",
                 lambda p, spec: generate(p, max_tokens, url=srv.grpc_url, spec=spec)["token_ids"],
@@ -100,12 +119,12 @@ def record(
                 )["token_ids"],
             )
     out.write_text(json.dumps(rec) + "\n")
-    bad = lossless_errors(rec)
+    bad = lossless_errors(rec) + path_errors(rec)
     for line in bad:
         console.print(f"[red]{line}[/]")
     console.print(
         f"wrote {out}: {len(ids)} prompts x {len(specs)} specs x {len(rec['paths'])} paths"
-        + ("" if bad else "; every greedy spec equals plain greedy decoding")
+        + ("" if bad else "; every greedy spec equals plain greedy decoding, served as in-process")
     )
     raise typer.Exit(1 if bad else 0)
 
@@ -124,6 +143,19 @@ def lossless_errors(rec: dict) -> list[str]:
             for j, (a, b) in enumerate(zip(plain, outs)):
                 if a != b:
                     out.append(f"{path} {spec} prompt {j} differs from plain greedy: {_first_diff(a, b)}")
+    return out
+
+
+def path_errors(rec: dict) -> list[str]:
+    """Within one record: each served greedy output that differs from the in-process one (same spec, prompt)."""
+    paths = rec["paths"]
+    if "served" not in paths:
+        return []
+    out = []
+    for spec, outs in paths["served"]["greedy"].items():
+        for j, (a, b) in enumerate(zip(paths["in-process"]["greedy"][spec], outs)):
+            if a != b:
+                out.append(f"served {spec} prompt {j} differs from in-process: {_first_diff(a, b)}")
     return out
 
 

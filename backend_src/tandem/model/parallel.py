@@ -1,0 +1,160 @@
+"""Tensor and expert parallelism of the trunk over ``torch.distributed`` (gloo on the CPU, NCCL on CUDA).
+
+One rank of a group of ``N`` holds (Megatron-LM's split, Shoeybi et al. 2019, as vLLM and SGLang apply it to
+DeepSeek-style layers):
+
+- **attention by heads**: a KDA layer's ``q/k/v`` projections, conv channels, gates and ``o_proj`` input
+  columns; an MLA layer's ``q_b_proj`` / ``kv_b_proj`` heads and ``o_proj`` input columns; the DSA indexer's
+  query heads (``wq_b``, ``weights_proj``), whose pool scores are summed across ranks before the top-k;
+- **the dense MLP and the shared expert by their intermediate width** (``gate/up`` rows, ``down`` columns);
+- **the routed experts by expert** (expert parallelism): rank ``r`` holds experts ``[r E/N, (r+1) E/N)``; the
+  router runs whole on every rank and each rank adds the tokens' weights of its own experts;
+- **the embedding and the LM head by vocabulary**: rank ``r`` holds rows ``[r V/N, (r+1) V/N)``; a lookup is
+  summed across ranks, the logits gathered.
+
+Every rank keeps whole what is small or low-rank: the norms, the mHC mixers, ``q_a_proj``,
+``kv_a_proj_with_mqa``, the KDA gates' ``f_a`` / ``g_a``, the indexer's key side and the router. A block's
+attention and FFN outputs are partial sums, reduced across ranks (one all-reduce each). The MTP layer is not
+split: a tensor-parallel trunk is built without it.
+
+The split runs the torch path (``kernels`` ``torch``): the CPU's compiled kernels stay single-rank. Each rank
+reads whole tensors from the checkpoint and keeps its slice (:func:`shard`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import TrunkConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: ``rank`` of ``size``, on the default process group
+    (``torch.distributed.init_process_group`` has run)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the ranks (a new contiguous tensor)."""
+        import torch.distributed as dist
+
+        y = x.contiguous().clone()
+        dist.all_reduce(y)
+        return y
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x [..., n]`` concatenated in rank order along the last dimension: ``[..., N n]``."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x.contiguous()) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, -1)
+
+    def span(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's ``[start, end)`` of ``n`` rows split evenly. Raises ``ValueError`` naming ``what`` when
+        ``n`` does not divide by :attr:`size`."""
+        if n % self.size:
+            raise ValueError(f"tensor_parallel {self.size}: {what} ({n}) must divide by it")
+        k = n // self.size
+        return self.rank * k, (self.rank + 1) * k
+
+
+def local_config(cfg: TrunkConfig, tp: TensorParallel) -> TrunkConfig:
+    """The config one rank's modules are built from: head counts, the dense MLP's width, the routed experts and
+    the vocabulary divided by ``tp.size``. Raises ``ValueError`` naming a size that does not divide."""
+    n = tp.size
+    for name in ("num_attention_heads", "linear_num_heads", "index_n_heads", "intermediate_size", "n_routed_experts"):
+        tp.span(getattr(cfg, name), name)
+    tp.span(cfg.vocab_size, "vocab_size")
+    tp.span(cfg.moe_intermediate_size * cfg.n_shared_experts, "moe_intermediate_size x n_shared_experts")
+    return dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // n,
+        linear_num_heads=cfg.linear_num_heads // n,
+        index_n_heads=cfg.index_n_heads // n,
+        intermediate_size=cfg.intermediate_size // n,
+        n_routed_experts=cfg.n_routed_experts // n,
+    )
+
+
+class VocabEmbedding(nn.Module):
+    """An embedding split by vocabulary: ``weight [V/N, D]`` holds rows ``[start, start + V/N)``; a lookup
+    ``ids [...] -> [..., D]`` sums every rank's rows (each id is found on one rank)."""
+
+    def __init__(self, vocab: int, dim: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp, self.num_embeddings = tp, vocab
+        self.start, end = tp.span(vocab, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(end - self.start, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        e = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(e)
+
+
+class VocabHead(nn.Module):
+    """An LM head split by vocabulary: ``weight [V/N, D]``; ``h [..., D] -> [..., V]`` (every rank's logits
+    gathered)."""
+
+    def __init__(self, dim: int, vocab: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp, self.out_features, self.in_features = tp, vocab, dim
+        start, end = tp.span(vocab, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(end - start, dim))
+        self.bias = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(F.linear(h, self.weight))
+
+
+def split_trunk(model: nn.Module, cfg: TrunkConfig, tp: TensorParallel) -> nn.Module:
+    """Make a trunk built (on the meta device) from :func:`local_config` one rank's: the vocabulary-split
+    embedding and head, each MoE's router whole and its shared expert split, its experts told their first id,
+    the indexers their whole head count, every module the group (``tp``). Returns ``model``."""
+    from .layers import MLP, Experts, MoE, Router
+    from .mla import Indexer
+
+    local = model.cfg
+    model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+    model.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, tp)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.gate = Router(cfg)
+            m.shared_experts = MLP(local, cfg.moe_intermediate_size * cfg.n_shared_experts // tp.size)
+        elif isinstance(m, Experts):
+            m.first = tp.span(cfg.n_routed_experts, "n_routed_experts")[0]
+        elif isinstance(m, Indexer):
+            m.heads_total = cfg.index_n_heads
+        m.tp = tp
+    model.cfg = cfg
+    return model
+
+
+#: KDA conv weights ``[3C, 1, K]``: q, k and v channels in turn, each split by heads
+_CONV = re.compile(r"\.conv1d\.weight$")
+
+
+def shard(name: str, full: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of the checkpoint tensor ``full`` for parameter ``name`` of local shape ``like``: whole
+    when the shapes agree, else rank ``r``'s ``1/N`` along the one dimension that differs (the q, k and v thirds
+    of a KDA conv each). Raises ``ValueError`` naming a tensor whose shapes do not split that way."""
+    if tuple(full.shape) == tuple(like.shape):
+        return full
+    if _CONV.search(name):
+        c = full.shape[0] // 3
+        a, b = tp.span(c, name)
+        return torch.cat([full[i * c + a : i * c + b] for i in range(3)])
+    dims = [d for d in range(full.dim()) if full.shape[d] != like.shape[d]]
+    if full.dim() != like.dim() or len(dims) != 1 or full.shape[dims[0]] != tp.size * like.shape[dims[0]]:
+        raise ValueError(f"{name}: {list(full.shape)} does not split {tp.size} ways into {list(like.shape)}")
+    a, b = tp.span(full.shape[dims[0]], name)
+    return full.narrow(dims[0], a, b - a)

@@ -1,0 +1,73 @@
+"""Tensor and expert parallelism (tandem.model.parallel, tandem.engine.ranks): a real tritonserver serving the
+shipped checkpoint over 2 gloo ranks gives the single-rank engine's greedy tokens for plain decoding and DFlash2
+(and its coupled samples), each rank holding at most 0.55 of one rank's trunk weights as its load line says;
+the split of each tensor kind."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tandem.model.config import TrunkConfig
+from tandem.model.parallel import TensorParallel, local_config, shard
+
+from conftest import CHECKPOINT
+
+PROMPTS = ("Explain what a hash table is.", "def fibonacci(n):", "Write a short poem about the sea.")
+
+
+def test_each_tensor_kind_splits_by_its_rule():
+    tp = TensorParallel(1, 2)
+    w = torch.arange(24.0).view(6, 4)
+    assert torch.equal(shard("layers.0.self_attn.q_proj.weight", w, torch.empty(3, 4), tp), w[3:])
+    assert torch.equal(shard("layers.0.self_attn.o_proj.weight", w, torch.empty(6, 2), tp), w[:, 2:])
+    assert shard("norm.weight", w, torch.empty(6, 4), tp) is w
+    conv = torch.arange(12.0).view(12, 1, 1)  # q, k, v thirds of 4 channels: rank 1 takes the second half of each
+    got = shard("layers.0.self_attn.conv1d.weight", conv, torch.empty(6, 1, 1), tp).flatten().tolist()
+    assert got == [2, 3, 6, 7, 10, 11]
+    with pytest.raises(ValueError, match="does not split 2 ways"):
+        shard("layers.0.mlp.gate_proj.weight", w, torch.empty(4, 4), tp)
+    cfg = TrunkConfig.load(CHECKPOINT)
+    with pytest.raises(ValueError, match="tensor_parallel 3: num_attention_heads"):
+        local_config(cfg, TensorParallel(0, 3))
+
+
+@pytest.fixture(scope="module")
+def tp_server(tmp_path_factory):
+    from tandem.launch.serve import running_server
+
+    log = tmp_path_factory.mktemp("tp") / "tritonserver.log"
+    env = {
+        "TANDEM_CHECKPOINT": str(CHECKPOINT.resolve()),
+        "TANDEM_TENSOR_PARALLEL": "2",
+        "TANDEM_ADAPTIVE_DRAFT": "false",  # (no calibration: the torch path's rounds are slow to measure)
+    }
+    with running_server(env=env, ready_timeout_s=300, log_path=log) as srv:
+        yield srv, log
+
+
+def test_two_ranks_serve_the_single_rank_tokens_with_half_the_weights(tp_server, shipped):
+    from tandem_client.client import TandemClientError, generate
+
+    srv, log = tp_server
+    tok = shipped.tokenizer
+    for spec in ("off", "dflash2"):
+        for text in PROMPTS:
+            ids = tok.chat_prompt(text)
+            want = shipped.generate(ids, 24, spec=spec)["token_ids"]
+            got = generate(ids, 24, url=srv.grpc_url, spec=spec)
+            assert got["token_ids"] == want, (spec, text)
+            assert spec == "off" or got["accepted"] > 0
+    ids = tok.chat_prompt(PROMPTS[0])
+    smp = {"TEMPERATURE": 0.8, "SEED": 3, "SAMPLING": "coupled"}
+    want = shipped.generate(ids, 24, spec="off", temperature=0.8, seed=3, sampling="coupled")["token_ids"]
+    assert generate(ids, 24, url=srv.grpc_url, spec="dflash2", sampling=smp)["token_ids"] == want
+    with pytest.raises(TandemClientError, match="mtp"):
+        generate(ids, 4, url=srv.grpc_url, spec="mtp")
+    text = log.read_text()
+    shares = {
+        int(r): float(x) for r, x in re.findall(r"rank (\d) of 2: [\d.]+ MiB of trunk weights, ([\d.]+) of", text)
+    }
+    assert sorted(shares) == [0, 1] and all(x <= 0.55 for x in shares.values()), shares
