@@ -4,6 +4,7 @@ index (logits vs transformers), strict config fields, and the memory refusal."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -248,5 +249,12 @@ def test_a_checkpoint_too_large_is_refused_before_loading(tmp_path):
         MemoryError,
         match=r"needs about \d+\.\d GiB for its weights \(3\d\d\.\d\dB parameters in "
         r"bfloat16\), but cpu has only \d+\.\d GiB free",
-    ):
+    ) as e:
         load_trunk(tmp_path, torch.bfloat16)
+    # and what tensor parallelism would need a rank, as make plan counts it
+    from tandem.model.parallel import split_bytes
+
+    n, gib = re.search(
+        r"split over (\d+) ranks \(--tensor-parallel \d+\) it needs ([\d.]+) GiB a rank", str(e.value)
+    ).groups()
+    assert float(gib) == round(split_bytes(TrunkConfig.load(tmp_path), "bf16", int(n))[2] / 2**30, 1)

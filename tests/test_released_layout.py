@@ -18,7 +18,8 @@ from tandem.model.layout import release_names
 from tandem.ops.fp8 import SCALE_SUFFIX, dequantize, quantize
 from tandem.model.tokenizer import ChatTokenizer
 from tandem.model.trunk import Trunk
-from tandem.tools.fp8 import fp8_copy, in_fp8_set
+from tandem.model.layout import in_fp8_set
+from tandem.tools.fp8 import fp8_copy
 from test_real_config import real_dims_config
 
 #: the placeholder the test folder's config names (inside its 512-token vocabulary)

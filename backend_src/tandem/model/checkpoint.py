@@ -13,27 +13,10 @@ from .. import schema
 from .config import TrunkConfig
 from .device import check_bytes, free_bytes, parse_dtype  # noqa: F401 - parse_dtype, free_bytes: re-exported
 from .layers import input_major_linears
-from .trunk import Trunk
+from .trunk import FP32_KEEP, Trunk, is_fp32_param  # noqa: F401 - FP32_KEEP, is_fp32_param: re-exported
 
 #: The shipped checkpoint: ``model_repository/<ServingConfig.checkpoint>``.
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[3] / "model_repository" / schema.DEFAULTS.checkpoint
-
-FP32_KEEP = (
-    "e_score_correction_bias",
-    "gate.weight",
-    "conv1d",
-    "dt_bias",
-    "A_log",
-    "attn_hc.base",
-    "attn_hc.scale",
-    "ffn_hc.base",
-    "ffn_hc.scale",
-)
-
-
-def is_fp32_param(name: str) -> bool:
-    """Parameters kept in fp32 whatever the compute dtype (transformers' ``_keep_in_fp32_modules_strict``)."""
-    return any(k in name for k in FP32_KEEP)
 
 
 def cast_trunk(model: Trunk, dtype: torch.dtype) -> Trunk:
@@ -90,14 +73,32 @@ def check_fits(
     :func:`param_bytes` against :func:`~tandem.model.device.free_bytes` (host ``MemAvailable``, or
     the GPU's free memory). Returns the estimate in bytes; raises ``MemoryError`` giving both."""
     n, need = param_bytes(cfg, dtype, with_mtp)
-    check_bytes(
-        need,
-        free_bytes(device),
-        f"checkpoint {folder}",
-        device,
-        f" ({n / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})",
-    )
+    free = free_bytes(device)
+    try:
+        check_bytes(
+            need,
+            free,
+            f"checkpoint {folder}",
+            device,
+            f" ({n / 1e9:.2f}B parameters in {str(dtype).removeprefix('torch.')})",
+        )
+    except MemoryError as e:
+        raise MemoryError(f"{e}{_split_hint(cfg, dtype, free)}") from None
     return need
+
+
+def _split_hint(cfg: TrunkConfig, dtype: torch.dtype, free: int) -> str:
+    """What tensor parallelism would need a rank (:func:`~tandem.model.parallel.split_bytes`, as ``make plan``
+    prints it): the fewest ranks, up to 64, whose part fits in ``free`` bytes, or the 64-way part."""
+    from .parallel import split_bytes
+
+    kind = "fp32" if dtype == torch.float32 else "bf16"
+    for n in (2, 4, 8, 16, 32, 64):
+        rank = split_bytes(cfg, kind, n)[2]
+        if rank < free or n == 64:
+            fits = "fits" if rank < free else "still does not fit"
+            return f"; split over {n} ranks (--tensor-parallel {n}) it needs {rank / 2**30:.1f} GiB a rank, which {fits} (make plan)"
+    return ""
 
 
 def load_trunk(
@@ -171,11 +172,14 @@ def load_trunk(
         by_file.setdefault(files[tensors.sources(k)[0]], []).append(k)
     for f in sorted(by_file):  # about one shard at a time
         for k in by_file[f]:
-            t = tensors.read(k)
-            if tp is not None:
-                from .parallel import shard
+            if tp is None:
+                t = tensors.read(k)
+            else:  # this rank's part only (a KDA conv's thirds: read whole, then split)
+                from .parallel import shard, shard_span
 
-                t = shard(k, t, sd[k], tp)
+                span = shard_span(k, tensors.shape(k), tuple(sd[k].shape), tp)
+                t = tensors.read(k, span if isinstance(span, tuple) else None)
+                t = shard(k, t, sd[k], tp) if span == "conv" else t
             if tuple(t.shape) != tuple(sd[k].shape):
                 raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
             sd[k].copy_(t)

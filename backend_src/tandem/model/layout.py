@@ -122,6 +122,19 @@ def release_names(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: t}
 
 
+_MLA_PROJ = re.compile(r"^layers\.(\d+)\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
+_MLP = re.compile(r"^layers\.\d+\.mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_ONE = re.compile(r"^layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def in_fp8_set(name: str, mla_layers: set[int]) -> bool:
+    """Whether the tensor of on-disk name ``name`` (:func:`~tandem.model.layout.release_names`, no layout prefix)
+    is in the released FP8 set, ``mla_layers`` the MLA/DSA layers' indices (the MTP layer's included)."""
+    if m := _MLA_PROJ.match(name):
+        return int(m[1]) in mla_layers
+    return bool(_MLP.match(name) or _EXPERT_ONE.match(name))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A checkpoint folder's layout: ``released`` (else flat text), ``prefix`` of the text model's keys, ``fp8``
@@ -224,23 +237,50 @@ class CheckpointTensors:
         kind, arg = self._recipes[key]
         return [arg] if kind == "one" else list(arg)
 
-    def read(self, key: str) -> torch.Tensor:
-        """Tandem key ``key``'s tensor (bfloat16 where it was stored in FP8). Raises ``ValueError`` naming a stored
-        key whose FP8 form does not fit (no scales, scales beside a weight not in FP8, misshapen scales, FP8
-        without a ``quantization_config``, another 8-bit float)."""
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Tandem key ``key``'s shape, from the files' headers (nothing read)."""
         kind, arg = self._recipes[key]
+        one = lambda k: tuple(self._file(k).get_slice(k).get_shape())  # noqa: E731
         if kind == "one":
-            return self._get(arg)
+            return one(arg)
+        first = one(arg[0])
+        if kind == "stack":
+            return (len(arg), *first)
+        if kind == "cat":
+            return (sum(one(k)[0] for k in arg), *first[1:])
+        return (len(arg) // 2, 2 * first[0], *first[1:])  # gate | up per expert
+
+    def read(self, key: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Tandem key ``key``'s tensor (bfloat16 where it was stored in FP8), or with ``part = (dim, start, end)``
+        its rows ``start:end`` along ``dim``: a stored tensor is then read in that slice only (``get_slice``), a
+        stack of experts only in the experts asked for (an FP8 weight is read whole, then sliced). Raises
+        ``ValueError`` naming a stored key whose FP8 form does not fit (no scales, scales beside a weight not in
+        FP8, misshapen scales, FP8 without a ``quantization_config``, another 8-bit float)."""
+        kind, arg = self._recipes[key]
+        if part is not None and kind in ("stack", "gate_up") and part[0] == 0:  # whole experts of this rank
+            d, a, b = part
+            arg = arg[a:b] if kind == "stack" else arg[2 * a : 2 * b]
+            part = None
+        if kind == "one":
+            return self._get(arg, part)
         parts = [self._get(k) for k in arg]
         if kind == "stack":
-            return torch.stack(parts)
-        if kind == "cat":
-            return torch.cat(parts)
-        return torch.stack([torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)])  # gate | up per expert
+            t = torch.stack(parts)
+        elif kind == "cat":
+            t = torch.cat(parts)
+        else:
+            t = torch.stack([torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)])  # gate | up per expert
+        return t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
 
-    def _get(self, stored: str) -> torch.Tensor:
-        t = self._load(stored)
+    def _get(self, stored: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
         scale = stored + SCALE_SUFFIX
+        if part is not None:
+            d, a, b = part
+            sl = self._file(stored).get_slice(stored)
+            if sl.get_dtype() not in ("F8_E4M3", "F8_E5M2") and scale not in self.files:
+                return sl[(slice(None),) * d + (slice(a, b),)]
+            return self._get(stored).narrow(d, a, b - a)
+        t = self._load(stored)
         if t.dtype == torch.float8_e4m3fn:
             if scale not in self.files:
                 raise ValueError(f"{stored} is float8_e4m3fn without {scale}")

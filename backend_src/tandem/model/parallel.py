@@ -18,12 +18,14 @@ attention and FFN outputs are partial sums, reduced across ranks (one all-reduce
 split: a tensor-parallel trunk is built without it.
 
 The split runs the torch path (``kernels`` ``torch``): the CPU's compiled kernels stay single-rank. Each rank
-reads whole tensors from the checkpoint and keeps its slice (:func:`shard`).
+reads its part of each tensor from the checkpoint (:func:`shard_span`; safetensors slices, its own experts only),
+whole only for the KDA convs and FP8 weights, which it slices after reading.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import torch
@@ -143,18 +145,72 @@ def split_trunk(model: nn.Module, cfg: TrunkConfig, tp: TensorParallel) -> nn.Mo
 _CONV = re.compile(r"\.conv1d\.weight$")
 
 
-def shard(name: str, full: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """This rank's part of the checkpoint tensor ``full`` for parameter ``name`` of local shape ``like``: whole
-    when the shapes agree, else rank ``r``'s ``1/N`` along the one dimension that differs (the q, k and v thirds
-    of a KDA conv each). Raises ``ValueError`` naming a tensor whose shapes do not split that way."""
-    if tuple(full.shape) == tuple(like.shape):
-        return full
+def shard_span(name: str, full: tuple[int, ...], like: tuple[int, ...], tp: TensorParallel):
+    """Which part of the checkpoint tensor of shape ``full`` parameter ``name`` of local shape ``like`` takes on
+    this rank: None (whole), ``(dim, start, end)`` (rank ``r``'s ``1/N`` along the one dimension that differs), or
+    ``"conv"`` (a KDA conv: the q, k and v thirds each split). Raises ``ValueError`` naming a tensor whose shapes
+    do not split that way."""
+    if tuple(full) == tuple(like):
+        return None
     if _CONV.search(name):
+        return "conv"
+    dims = [d for d in range(len(full)) if full[d] != like[d]]
+    if len(full) != len(like) or len(dims) != 1 or full[dims[0]] != tp.size * like[dims[0]]:
+        raise ValueError(f"{name}: {list(full)} does not split {tp.size} ways into {list(like)}")
+    return (dims[0], *tp.span(full[dims[0]], name))
+
+
+def shard(name: str, full: torch.Tensor, like: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of the checkpoint tensor ``full`` for parameter ``name`` of local shape ``like``
+    (:func:`shard_span`)."""
+    span = shard_span(name, tuple(full.shape), tuple(like.shape), tp)
+    if span is None:
+        return full
+    if span == "conv":
         c = full.shape[0] // 3
         a, b = tp.span(c, name)
         return torch.cat([full[i * c + a : i * c + b] for i in range(3)])
-    dims = [d for d in range(full.dim()) if full.shape[d] != like.shape[d]]
-    if full.dim() != like.dim() or len(dims) != 1 or full.shape[dims[0]] != tp.size * like.shape[dims[0]]:
-        raise ValueError(f"{name}: {list(full.shape)} does not split {tp.size} ways into {list(like.shape)}")
-    a, b = tp.span(full.shape[dims[0]], name)
-    return full.narrow(dims[0], a, b - a)
+    return full.narrow(span[0], span[1], span[2] - span[1])
+
+
+#: weight dtypes :func:`split_bytes` counts
+WEIGHT_DTYPES = ("fp8", "bf16", "fp32")
+#: tensors every rank holds whole (in-memory names, :mod:`tandem.model.trunk`); every other tensor is split
+_WHOLE = re.compile(
+    r"(norm|layernorm)\.(weight|bias)$|_hc\.|\.(q_a_proj|kv_a_proj_with_mqa|f_a_proj|g_a_proj)\.weight$"
+    r"|indexer\.(wk|k_norm|index_kpool_compress_ape|index_kpool_compress_gate)|mlp\.gate\.|e_score_correction_bias"
+    r"|\.eh_proj\.|\.(enorm|hnorm)\."
+)
+_MTP_HEAD = re.compile(r"^layers\.\d+\.shared_head\.head\.weight$")
+
+
+def _fp8_bytes(shape: tuple[int, ...], block: int = 128) -> int:
+    """Bytes of an FP8 weight ``[..., r, c]``: one byte an element and an fp32 scale per ``block`` square."""
+    lead = math.prod(shape[:-2])
+    return lead * (shape[-2] * shape[-1] + 4 * math.ceil(shape[-2] / block) * math.ceil(shape[-1] / block))
+
+
+def split_bytes(cfg: TrunkConfig, dtype: str, devices: int = 1) -> tuple[int, int, int]:
+    """``(parameters, total bytes, bytes per rank)`` of the trunk (its MTP layer included) built from ``cfg`` in
+    ``dtype`` (:data:`WEIGHT_DTYPES`; ``fp8``: the released FP8 set at a byte an element plus its block scales, the
+    rest bf16) over ``devices`` ranks, counted on the meta device (see the module for what is split)."""
+    from .layout import in_fp8_set, release_names
+    from .trunk import Trunk, is_fp32_param
+
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    with torch.device("meta"):
+        model = Trunk(cfg, with_mtp=True)
+    mla = {i for i, t in enumerate(cfg.layer_types) if t == "indexed_attention"} | {cfg.num_hidden_layers}
+    n = total = rank = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        n += t.numel()
+        if is_fp32_param(name):
+            b = 4 * t.numel()
+        elif dtype == "fp8" and all(in_fp8_set(k, mla) for k in release_names(name, t)):
+            b = _fp8_bytes(tuple(t.shape))
+        else:
+            b = (4 if dtype == "fp32" else 2) * t.numel()
+        total += b
+        rank += b if _WHOLE.search(name) and not _MTP_HEAD.match(name) else -(-b // devices)
+    return n, total, rank

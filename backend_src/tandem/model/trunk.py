@@ -38,6 +38,25 @@ def _check_rows(cache: TrunkCache, ids: torch.Tensor, what: str) -> int:
     return n
 
 
+#: parameters and buffers kept in fp32 whatever the compute dtype (name fragments)
+FP32_KEEP = (
+    "e_score_correction_bias",
+    "gate.weight",
+    "conv1d",
+    "dt_bias",
+    "A_log",
+    "attn_hc.base",
+    "attn_hc.scale",
+    "ffn_hc.base",
+    "ffn_hc.scale",
+)
+
+
+def is_fp32_param(name: str) -> bool:
+    """Parameters kept in fp32 whatever the compute dtype (transformers' ``_keep_in_fp32_modules_strict``)."""
+    return any(k in name for k in FP32_KEEP)
+
+
 def row_groups(rows: list[int], n: int) -> list[range]:
     """Positions ``0 .. len(rows) - 1`` in order, cut into ``min(n, len(rows))`` runs (each non-empty) of
     about equal total ``rows``: a cut goes where the running total first reaches its share, or where

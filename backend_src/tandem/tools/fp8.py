@@ -14,7 +14,6 @@ of the folder (tokenizer, generation config, drafters) are copied as they are. P
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -23,22 +22,10 @@ import typer
 
 from ..model.checkpoint import INDEX, weight_map
 from ..model.config import TrunkConfig
-from ..model.layout import RENAMES, TEXT_PREFIX, VISION_PREFIX, Layout, release_names
+from ..model.layout import RENAMES, TEXT_PREFIX, VISION_PREFIX, Layout, in_fp8_set, release_names
 from ..ops.fp8 import SCALE_SUFFIX, quantize
 
 app = typer.Typer(add_completion=False)
-
-_MLA_PROJ = re.compile(r"^layers\.(\d+)\.self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
-_MLP = re.compile(r"^layers\.\d+\.mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_ONE = re.compile(r"^layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def in_fp8_set(name: str, mla_layers: set[int]) -> bool:
-    """Whether the tensor of on-disk name ``name`` (:func:`~tandem.model.layout.release_names`, no layout prefix)
-    is in the released FP8 set, ``mla_layers`` the MLA/DSA layers' indices (the MTP layer's included)."""
-    if m := _MLA_PROJ.match(name):
-        return int(m[1]) in mla_layers
-    return bool(_MLP.match(name) or _EXPERT_ONE.match(name))
 
 
 def fp8_copy(src: Path, dst: Path, block: tuple[int, int] = (128, 128), progress=None) -> dict:

@@ -8,7 +8,7 @@ when the weights do not fit, with both numbers.
 Weights are counted on the meta device (nothing is allocated) from the model tandem builds:
 
 - **dtype**: ``bf16`` keeps every weight in bf16 (``A_log``, ``dt_bias`` and the router's bias in fp32);
-  ``fp8`` stores the released FP8 set (:func:`tandem.tools.fp8.in_fp8_set`: the MLA/DSA projections, the dense
+  ``fp8`` stores the released FP8 set (:func:`tandem.model.layout.in_fp8_set`: the MLA/DSA projections, the dense
   and shared MLPs, the routed experts) at one byte an element plus one fp32 scale per 128 x 128 block, the rest
   as ``bf16``.
 - **per rank** with ``--devices N`` as one tensor-parallel group: attention heads (KDA, MLA, the indexer's query
@@ -28,27 +28,16 @@ the MTP layer's); per KDA layer its recurrent state and conv tail split by heads
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from pathlib import Path
 
-import torch
 import typer
 
-from ..model.checkpoint import is_fp32_param
 from ..model.config import TrunkConfig
-from .fp8 import in_fp8_set
+from ..model.parallel import WEIGHT_DTYPES as DTYPES
+from ..model.parallel import split_bytes as weight_bytes
 
 app = typer.Typer(add_completion=False)
 
-#: tensors every rank holds whole (in-memory names, :mod:`tandem.model.trunk`); every other tensor is split
-_WHOLE = re.compile(
-    r"(norm|layernorm)\.(weight|bias)$|_hc\.|\.(q_a_proj|kv_a_proj_with_mqa|f_a_proj|g_a_proj)\.weight$"
-    r"|indexer\.(wk|k_norm|index_kpool_compress_ape|index_kpool_compress_gate)|mlp\.gate\.|e_score_correction_bias"
-    r"|\.eh_proj\.|\.(enorm|hnorm)\."
-)
-_MTP_HEAD = re.compile(r"^layers\.\d+\.shared_head\.head\.weight$")
-DTYPES = ("fp8", "bf16")
 GIB = 1 << 30
 
 
@@ -93,37 +82,6 @@ class Plan:
                 "use more devices (tensor parallelism), larger ones" + (", or fp8" if self.dtype != "fp8" else "")
             )
         return out
-
-
-def _fp8_bytes(shape: tuple[int, ...], block: int = 128) -> int:
-    """Bytes of an FP8 weight ``[..., r, c]``: one byte an element and an fp32 scale per ``block`` square."""
-    lead = math.prod(shape[:-2])
-    return lead * (shape[-2] * shape[-1] + 4 * math.ceil(shape[-2] / block) * math.ceil(shape[-1] / block))
-
-
-def weight_bytes(cfg: TrunkConfig, dtype: str, devices: int = 1) -> tuple[int, int, int]:
-    """``(parameters, total bytes, bytes per rank)`` of the trunk (its MTP layer included) built from ``cfg`` in
-    ``dtype`` (:data:`DTYPES`) over ``devices`` ranks (see the module for what is split)."""
-    from ..model.layout import release_names
-    from ..model.trunk import Trunk
-
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    with torch.device("meta"):
-        model = Trunk(cfg, with_mtp=True)
-    mla = {i for i, t in enumerate(cfg.layer_types) if t == "indexed_attention"} | {cfg.num_hidden_layers}
-    n = total = rank = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        n += t.numel()
-        if is_fp32_param(name):
-            b = 4 * t.numel()
-        elif dtype == "fp8" and all(in_fp8_set(k, mla) for k in release_names(name, t)):
-            b = _fp8_bytes(tuple(t.shape))
-        else:
-            b = 2 * t.numel()
-        total += b
-        rank += b if _WHOLE.search(name) and not _MTP_HEAD.match(name) else -(-b // devices)
-    return n, total, rank
 
 
 def session_bytes(cfg: TrunkConfig, tokens: int, devices: int = 1, element: int = 2) -> int:
