@@ -16,6 +16,7 @@ from tandem.engine.inprocess import Engine
 from tandem.model.checkpoint import DEFAULT_CHECKPOINT, INDEX, init_weights, load_trunk, save_trunk, weight_map
 from tandem.model.layout import release_names
 from tandem.ops.fp8 import SCALE_SUFFIX, dequantize, quantize
+from tandem.ops.settings import REFERENCE
 from tandem.model.tokenizer import ChatTokenizer
 from tandem.model.trunk import Trunk
 from tandem.model.layout import in_fp8_set
@@ -168,7 +169,13 @@ def test_the_shipped_checkpoint_in_fp8_serves_in_process(tmp_path):
 
 def test_image_placeholders_are_refused(released):
     folder, _, _ = released
-    e = Engine(folder, tokenizer=ChatTokenizer(DEFAULT_CHECKPOINT / "tokenizer.json"), prefix_cache_mb=0)
+    e = Engine(  # (the torch path: admission is what is tested, and the real dims' compiled kernels cost a compile)
+        folder,
+        tokenizer=ChatTokenizer(DEFAULT_CHECKPOINT / "tokenizer.json"),
+        prefix_cache_mb=0,
+        adaptive_draft=False,
+        kernel_settings=REFERENCE,
+    )
     assert len(e.generate([5, 6, 7], max_tokens=3, spec="off")["token_ids"]) == 3
     with pytest.raises(ValueError, match=f"token {IMAGE_TOKEN} is an image or video placeholder"):
         e.generate([5, IMAGE_TOKEN, 7], max_tokens=3, spec="off")

@@ -32,8 +32,9 @@ class PlainRounds:
 
     def plain_rounds(self, act: list[SpecSession], most: int) -> int:
         """How many of the next ``most`` rounds every session of ``act`` decodes plain greedy rows (greedy, no
-        stop strings, no structured output, no drafts: :meth:`~tandem.engine.draft_length.DraftLength.rests`) on a trunk that decodes
-        them in one call; 0 when one of them may draft (or samples, has stop strings or is constrained) in the next round."""
+        stop strings, no structured output, no drafts: :meth:`~tandem.engine.draft_length.DraftLength.rests`) on
+        a trunk that decodes them in one call; 0 when one of them may draft (or samples, has stop strings or is
+        constrained) in the next round."""
         if not act or getattr(self.trunk, "decode_rows", None) is None:
             return 0
         n = most

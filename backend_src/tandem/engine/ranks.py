@@ -49,10 +49,18 @@ def _python() -> str:
     return str(Path(sys.prefix) / "bin" / "python")
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Where rank ``rank`` holds its part: ``cuda:<rank>`` for a CUDA ``device`` (``auto`` with a GPU; a given
+    index is replaced: each rank takes its own GPU), else the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+
+
 def _init(rank: int, size: int, port: int, device: str) -> TensorParallel:
     import torch.distributed as dist
 
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = "nccl" if rank_device(device, rank).startswith("cuda") else "gloo"
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
@@ -118,7 +126,8 @@ def weight_bytes(model) -> int:
 
 def build_stages(checkpoint, config: schema.ServingConfig, dtype, kernels, tp: TensorParallel, dflash_dirs=None):
     """One rank's trunk stage and drafter stages (the same on every rank): ``(trunk stage, {spec: drafter
-    stage})`` over its part of the trunk, the kernels' torch path (the compiled CPU kernels are single-rank)."""
+    stage})`` over its part of the trunk on :func:`rank_device`, the kernels' torch path (the compiled CPU kernels
+    are single-rank)."""
     from ..model.checkpoint import dflash_feature_layers, dflash_specs, load_dflash, load_trunk
     from .stages import drafter_stages
     from .trunk_stage import TrunkStage
@@ -127,7 +136,10 @@ def build_stages(checkpoint, config: schema.ServingConfig, dtype, kernels, tp: T
     model = load_trunk(
         checkpoint, dtype, kernels=kernels, tp=tp, device=config.device if config.device != "auto" else "cpu"
     )
-    dflash = {spec: load_dflash(checkpoint, spec, model.dtype, kernels=kernels) for spec in dflash_specs(checkpoint)}
+    dflash = {
+        spec: load_dflash(checkpoint, spec, model.dtype, device=model.device, kernels=kernels)
+        for spec in dflash_specs(checkpoint)
+    }
     layers = next(iter(dflash.values())).cfg.target_layer_ids if dflash else dflash_feature_layers(checkpoint)
     trunk = TrunkStage(model, config.max_ctx, tuple(layers), config.batch_invariant, 1, 1)
     return trunk, drafter_stages(model, dflash, config.max_num_draft_tokens, 1)

@@ -10,8 +10,8 @@ temperature, top-k and top-p (:func:`apply_masks`), so greedy and sampled target
 under the same mask would choose, and a constrained speculative stream equals constrained plain decoding token
 for token (``tests/test_structured.py``).
 
-xgrammar was chosen by measurement on this CPU (docs/structured-output.md): its mask costs ~2 us a row, with
-the shipped 8,192-token vocabulary and a 150,000-token one alike, against llguidance's 12-18 us.
+xgrammar was chosen over llguidance by its mask time per row, which every verify row pays, measured on this CPU
+with the shipped vocabulary and a 150,000-token one (docs/structured-output.md).
 
 Runs in the engine core's process: the scheduler owns each turn's :class:`Constraint`, the trunk stage reads
 its masks.
@@ -37,8 +37,8 @@ _FIELD = schema.RESPONSE_FORMAT
 @dataclasses.dataclass(frozen=True)
 class ResponseFormat:
     """A parsed response format: ``kind`` (one of :data:`tandem.schema.RESPONSE_FORMAT_TYPES` but ``text``)
-    and ``source``: the JSON schema (JSON text, its properties in the client's order: the output's order), the regex or the EBNF grammar (``""`` for
-    ``json_object``)."""
+    and ``source``: the JSON schema (JSON text, its properties in the client's order, which the output keeps),
+    the regex or the EBNF grammar (``""`` for ``json_object``)."""
 
     kind: str
     source: str = ""
@@ -94,8 +94,8 @@ class Grammars:
     Args: ``tokenizer`` — the checkpoint's ``tokenizer.json`` path; ``vocab_size`` — the trunk's logits
     width (ids beyond the tokenizer's are never allowed); ``stop_ids`` — the tokens that end a turn, the
     only ones a completed format allows. Thread-safe: the request threads compile, the engine core's
-    thread makes matchers; nothing is imported before :meth:`load`. :attr:`stats` counts ``compiles``, ``compile_s``, ``mask_rows`` and ``mask_s``
-    (seconds filling masks), added to in place.
+    thread makes matchers; nothing is imported before :meth:`load`. :attr:`stats` counts ``compiles``,
+    ``compile_s``, ``mask_rows`` and ``mask_s`` (seconds filling masks), added to in place.
 
     JSON is generated compact (one space after ``,`` and ``:``, none elsewhere), as a model writes it without
     an indent; a schema may not reach for more whitespace.
@@ -109,8 +109,8 @@ class Grammars:
         self.compiler: Any = None
 
     def load(self) -> "Grammars":
-        """Import the engine and index the vocabulary (once; ~2 s, mostly the import): a server does it at load,
-        in-process engines at their first format."""
+        """Import the engine and index the vocabulary (once; seconds, mostly the import): a server does it at
+        load, in-process engines at their first format."""
         with self._lock:
             if self.compiler is None:
                 import xgrammar as xgr

@@ -331,8 +331,8 @@ class TrunkStage(KeyedStates):
         :meth:`Trunk.decode_many <tandem.model.trunk.Trunk.decode_many>` on its own). Returns per item
         the :class:`VerifyOut` of each round it ran (one row each), as :meth:`verify` would.
 
-        Raises ``ValueError`` for a sampled or constrained sequence (greedy, unconstrained only), an item that is not one anchor,
-        or no room for ``steps`` rows."""
+        Raises ``ValueError`` for a sampled or constrained sequence (greedy, unconstrained only), an item that is
+        not one anchor, or no room for ``steps`` rows."""
         return [[o.rows_at(t) for t in range(o.argmax.shape[0])] for o in self.decode_rows(items, steps, stop_ids)]
 
     def decode_rows(self, items: list[Rows], steps: int, stop_ids: list[tuple[int, ...]]) -> list[VerifyOut]:

@@ -15,7 +15,8 @@ results to one folder, in under 10 minutes.
    greedy decoding of the same prompts in-process on the CPU (:mod:`tandem.tools.equivalence`'s record,
    ``serve.json``; it fails naming the first token that differs).
 7. ``bench``: a short bench of plain against DFlash2 on the GPU server (``bench.json``).
-8. ``tensor-parallel``: tensor parallelism 2 when two GPUs are present.
+8. ``tensor-parallel``: when two GPUs are present, the miniature served over 2 ranks (NCCL, a GPU each) against
+   one rank's torch path on the CPU (``tensor_parallel.json``).
 
 A step that fails is recorded and the next one runs; the exit status is 1 when any step failed.
 """
@@ -150,8 +151,12 @@ def main(
             bench += ["--served-specs", "off,dflash2", "--no-transformers", "--concurrency", "0", "--prefix-pairs", "0"]
             bench += ["--structured", "0", "--json", str(out / "bench.json")]
             run.step("bench", [py, "-m", "tandem.tools.bench", *bench], 180, cuda)
-        if len(found) >= 2:
-            run.record({"step": "tensor-parallel", "ok": False, "seconds": 0.0, "note": "not built yet: no TP"})
+        if py is not None and len(found) >= 2:  # 2 ranks on 2 GPUs (NCCL) against one rank's torch path on the CPU
+            tp = ["record", str(out / "tensor_parallel.json"), "--prompts", "4", "--humaneval", "0", "--max-tokens"]
+            tp += ["32", "--sampled-prompts", "0", "--specs", "dflash2", "--set", "tensor_parallel=2", "--torch-path"]
+            run.step(
+                "tensor-parallel", [py, "-m", "tandem.tools.equivalence", *tp], 240, {**cuda, "TANDEM_DTYPE": "fp32"}
+            )
     failed = [s["step"] for s in run.steps if not s["ok"]]
     typer.echo(f"gpu-check: results in {out}" + (f"; failed: {', '.join(failed)}" if failed else "; every step passed"))
     raise typer.Exit(1 if failed else 0)
