@@ -78,10 +78,11 @@ model: setup
 drafter: setup
 	$(VPY) -m tandem.tools.distill $(DISTILL_ARGS)
 
-# the memory plan of a checkpoint (default: the real GLM-5.3-Flash config) on a group of devices (docs/deploying.md)
+# the memory plan of a checkpoint (CHECKPOINT=dir; default: the real GLM-5.3-Flash config) on a group of devices
+# (docs/deploying.md)
 .PHONY: plan
 plan: $(STAMP)
-	$(VPY) -m tandem.tools.plan $(ARGS)
+	$(VPY) -m tandem.tools.plan $(CHECKPOINT) $(ARGS)
 
 # side-by-side benchmark; QUICK=1 for a smoke run, JSON=path to keep the figures
 bench: setup

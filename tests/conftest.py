@@ -184,7 +184,8 @@ def server(tmp_path_factory):
     """A real tritonserver serving model_repository/ with the default configuration on free 127.0.0.1 ports,
     shared by every test that uses it: each leaves it as it found it (its sequences ended, gauges compared
     with their value before it, sequence ids of its own). Its log stays in pytest's temporary folder (it
-    spans many tests). A clean stop leaves no HAProxy running (the bounded HTTP front stops with its server)."""
+    spans many tests). A clean stop leaves no HAProxy running (the bounded HTTP front stops with its server) and no
+    model process crashes on its way out."""
     from tandem.launch.serve import running_server
 
     if not (CHECKPOINT / "model.safetensors").exists():
@@ -194,6 +195,7 @@ def server(tmp_path_factory):
     with running_server(env=env, ready_timeout_s=240, log_path=log) as srv:
         yield srv
     assert srv.front.proc.poll() is not None and not srv.front.workdir.exists()
+    assert "Segfault" not in log.read_text(), "a model process crashed while the server stopped (see its log)"
 
 
 #: the served limits of the fault tests: an idle session closes after 3 s, a full server refuses after 1 s

@@ -231,6 +231,25 @@ def test_errors_have_openais_shape(client, kwargs, status, param):
     assert err["param"] == param and err["type"] and err["message"]
 
 
+def test_a_streamed_request_the_server_refuses_gets_its_status(client):
+    """A refusal that comes from the server (a schema that does not compile) answers a streamed request with
+    its status too, not a 200 stream holding an error; the message is the engine's, without its log prefix."""
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(
+            model="tandem",
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=8,
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": BAD}},
+        )
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == "response_format"
+    assert (
+        err["message"].startswith("response_format.json_schema.schema does not compile: ")
+        and ".cc:" not in err["message"]
+    )
+
+
 def test_a_long_prompt_a_big_body_and_a_wrong_path_answer_in_the_apis_shape(front):
     def post(path, data: bytes):
         req = urllib.request.Request(f"{front}{path}", data=data, headers={"Content-Type": "application/json"})

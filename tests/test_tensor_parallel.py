@@ -64,7 +64,7 @@ def test_two_ranks_serve_the_single_rank_tokens_with_half_the_weights(tp_server,
     smp = {"TEMPERATURE": 0.8, "SEED": 3, "SAMPLING": "coupled"}
     want = shipped.generate(ids, 12, spec="off", temperature=0.8, seed=3, sampling="coupled")["token_ids"]
     assert generate(ids, 12, url=srv.grpc_url, spec="dflash2", sampling=smp)["token_ids"] == want
-    with pytest.raises(TandemClientError, match="mtp"):
+    with pytest.raises(TandemClientError, match="SPEC 'mtp' is not served with tensor_parallel 2"):
         generate(ids, 4, url=srv.grpc_url, spec="mtp")
     text = log.read_text()
     shares = {

@@ -98,6 +98,11 @@ class Admission:
         if t.spec is not None and t.spec not in schema.SPECS:
             return f"{schema.SPEC} must be one of {schema.SPECS}, got {t.spec!r}"
         spec = self.spec(t)
+        if spec == schema.MTP and cfg.tensor_parallel > 1:
+            return (
+                f"{schema.SPEC} 'mtp' is not served with tensor_parallel {cfg.tensor_parallel} (the MTP layer is not "
+                f"split across ranks): use off, dflash or dflash2"
+            )
         if spec != schema.OFF and spec not in self.stages.drafters:
             model = schema.DRAFTER_MTP.name if spec == schema.MTP else schema.DRAFTER_DFLASH.name
             return f"{schema.SPEC} {spec!r} needs the {model} model with a {spec} drafter, which is not loaded" + (

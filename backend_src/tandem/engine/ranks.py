@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import socket
 import subprocess
@@ -98,14 +99,14 @@ class Channel:
 
 class RankedStage:
     """A stage on rank 0 whose every public method call is first sent to the other ranks (stage ``index`` of
-    theirs) and then run here; attributes are this rank's."""
+    theirs) and then run here; attributes (the model and its modules among them) are this rank's."""
 
     def __init__(self, stage, index: int, channel: Channel) -> None:
         self.__dict__.update(_stage=stage, _index=index, _channel=channel)
 
     def __getattr__(self, name: str):
         v = getattr(self._stage, name)
-        if name.startswith("_") or not callable(v):
+        if name.startswith("_") or not inspect.ismethod(v):  # (a module attribute is callable, not a stage call)
             return v
         stage, index, channel = self._stage, self._index, self._channel
 
@@ -249,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         if msg is None:
             break
         index, name, args, kwargs = msg
-        getattr(stages[index], name)(*args, **kwargs)
+        try:
+            getattr(stages[index], name)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - rank 0 met the same refusal (a stage checks before it computes)
+            print(f"tandem: rank {a.rank}: {name} failed as on rank 0: {type(e).__name__}: {e}", file=sys.stderr)
     dist.destroy_process_group()
     return 0
 

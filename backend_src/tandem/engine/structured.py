@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ from .. import schema
 from ..schema import WireError
 
 _FIELD = schema.RESPONSE_FORMAT
+#: the prefix xgrammar's native errors carry, ``[13:17:47] /project/cpp/json_schema_converter.cc:5082: ``
+_NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +142,7 @@ class Grammars:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors
             where = f"{_FIELD}.json_schema.schema" if fmt.kind == "json_schema" else f"{_FIELD}.{fmt.kind}"
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = _NATIVE_PREFIX.sub("", msg)  # (the engine's log prefix: a time and its C++ source line)
             raise WireError(f"{where} does not compile: {msg}") from None
         with self._lock:
             self.stats["compiles"] += 1

@@ -199,11 +199,23 @@ def create_app(url: str, checkpoint: str | Path, model_id: str = MODEL_ID, max_b
                 d["usage"] = totals
             return f"data: {json.dumps(d)}\n\n"
 
+        # the first item before the first byte: a refusal (a format that does not compile, a full server) gets its
+        # status, not a 200 stream holding an error; meanwhile a client that leaves cancels its turn
+        while True:
+            try:
+                head = await asyncio.wait_for(q.get(), 0.2)
+                break
+            except asyncio.TimeoutError:
+                if not gone.is_set() and await request.is_disconnected():
+                    gone.set()
+        if head[0] == "error":
+            raise api_error(head[1], chat, t["format_field"])
+
         async def events():
-            sent_first = False
+            sent_first, pending = False, head
             try:
                 while True:
-                    what, v = await q.get()
+                    (what, v), pending = (pending, None) if pending is not None else (await q.get(), None)
                     if what == "text":
                         yield event([choice(v, None, first=not sent_first)])
                         sent_first = True

@@ -17,6 +17,11 @@ class Gauges:
         self.metrics = {n: f.Metric(labels={"model": model}) for n, f in zip(names, self.families)}
         self.last: dict[str, float] = {}
 
+    def release(self) -> None:
+        """Drop the metrics, then their families (at the model's finalize; see :meth:`MetricsPublisher.stop`)."""
+        self.metrics.clear()
+        self.families.clear()
+
     def set(self, values: dict[str, float]) -> None:
         """Set each named gauge (unknown names raise ``KeyError``)."""
         for n, v in values.items():
@@ -82,6 +87,10 @@ class MetricsPublisher:
                 self.log(f"metrics: {type(e).__name__}: {e}")
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop publishing (waits up to ``timeout_s`` seconds for a flush under way)."""
+        """Stop publishing (waits up to ``timeout_s`` seconds for a flush under way) and release the metrics, then
+        their families, now: left to the interpreter's exit, their destructors crash the Python backend's stub
+        once the grammar engine's native library is loaded (its exit order changes)."""
         self._stop.set()
         self._thread.join(timeout_s)
+        for held in (self._metrics, self.histograms, self.counters, self.histogram_families):
+            held.clear()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 
 import numpy as np
@@ -99,7 +100,7 @@ class TandemModel:
         if cfg.adaptive_draft:
             warm["calibration"] = calibrate(trunk, drafters if cfg.colocate else {}, cfg, costs)
         tok = ChatTokenizer(ckpt / "tokenizer.json")
-        gauges = Gauges(pb, "tandem", engine_core.GAUGES)
+        self.gauges = gauges = Gauges(pb, "tandem", engine_core.GAUGES)
         self.core = engine_core.EngineCore(
             trunk,
             drafters,
@@ -211,5 +212,11 @@ class TandemModel:
             self.ranks.stop()
         self.sends.close()
         self.metrics.stop()
+        self.gauges.release()
         calls = f"; BLS calls {self.bls.stats.summary()}" if self.bls is not None else ""
         self.pb.Logger.log_info(f"tandem: engine core thread {self.core.priority}{calls}")
+        # Triton's objects the turns held (response senders, in closures) and the metrics are released here, while
+        # the stub runs: left to the interpreter's exit, their destructors crash the stub once the grammar engine's
+        # native libraries are loaded (they change the exit's order)
+        self.core = self.sends = self.metrics = self.gauges = None
+        gc.collect()

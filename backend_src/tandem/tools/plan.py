@@ -64,7 +64,7 @@ class Plan:
 
     def lines(self) -> list[str]:
         """The plan as a user reads it."""
-        g = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+        g = lambda b: f"{b / GIB:,.1f} GiB" if b >= GIB / 10 else f"{b / 2**20:,.1f} MiB"  # noqa: E731
         out = [
             f"{self.params / 1e9:.2f}B parameters, {g(self.total)} of weights in {self.dtype}",
             f"{self.devices} x {self.memory / 1e9:,.0f} GB ({g(self.memory)}): {g(self.per_rank)} of weights per rank, "
