@@ -70,18 +70,12 @@ def _outs(
             if samplers is None
             else [None if x is None else (x[0], x[1][-1:], x[2] + n - 1, True) for x, n in zip(samplers, lengths)]
         )
-        logits = model.logits(h[ends])
-        if masks is not None:
-            apply_masks(logits, [1] * len(lengths), masks)
-        last_t, last_g = _targets(model.kernels, logits, [1] * len(lengths), smp)
+        last_t, last_g = _targets(model.kernels, model.logits(h[ends]), [1] * len(lengths), smp, masks)
         target = torch.full((h.shape[0],), -1, dtype=last_t.dtype, device=last_t.device)
         gap = torch.full((h.shape[0],), float("nan"), dtype=last_g.dtype, device=last_g.device)
         target[ends], gap[ends] = last_t, last_g
     else:
-        logits = model.logits(h)
-        if masks is not None:
-            apply_masks(logits, lengths, masks)
-        target, gap = _targets(model.kernels, logits, lengths, samplers)
+        target, gap = _targets(model.kernels, model.logits(h), lengths, samplers, masks)
     cols = (target, h.float(), gap)
     res = []
     for j, parts in enumerate(zip(*(c.split(lengths) for c in cols))):
@@ -91,10 +85,14 @@ def _outs(
 
 
 def _targets(
-    kernels: KernelSettings, logits: torch.Tensor, lengths: list[int], samplers: list | None
+    kernels: KernelSettings, logits: torch.Tensor, lengths: list[int], samplers: list | None, masks: list | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets ``[R]`` and top-2 gaps ``[R]`` of ``logits [R, V]`` (the fused Triton sampler on CUDA), the
-    model's kernel settings ``kernels`` choosing the implementation."""
+    model's kernel settings ``kernels`` choosing the implementation; ``masks`` (see :func:`_outs`) applied to the
+    logits in place first."""
+    if masks is not None and any(m is not None for m in masks):
+        apply_masks(logits, lengths, masks)
+    samplers = samplers if samplers is not None and any(samplers) else None
     got = dispatch.sampler_targets(kernels, logits, lengths, samplers)
     return sampling.targets_and_gaps(logits, lengths, samplers, kernels) if got is None else got
 
@@ -316,9 +314,7 @@ class TrunkStage(KeyedStates):
         over their hidden rows (row-invariant, so the logits equal the verify pass's), the masks, the targets."""
         lengths = [o.argmax.shape[0] for o in outs]
         logits = self.model.logits(torch.cat([o.hidden for o in outs]).to(self.model.dtype))
-        if any(m is not None for m in masks):
-            apply_masks(logits, lengths, masks)
-        tgt, gap = _targets(self.model.kernels, logits, lengths, samplers if any(samplers) else None)
+        tgt, gap = _targets(self.model.kernels, logits, lengths, samplers, masks)
         for o, t, g in zip(outs, tgt.split(lengths), gap.split(lengths)):
             o.argmax, o.top2_gap = t, g.float()
 
