@@ -73,7 +73,7 @@ def test_two_ranks_serve_the_single_rank_tokens_with_half_the_weights(tp_server,
     assert sorted(shares) == [0, 1] and all(x <= 0.55 for x in shares.values()), shares
 
 
-def _rank_logits(rank: int, size: int, port: int, folder: str, out: str) -> None:
+def _rank_logits(rank: int, size: int, port: int, folder: str, out: str, fp8: str = "auto") -> None:
     import torch.distributed as dist
 
     from tandem.model.checkpoint import load_trunk
@@ -81,22 +81,27 @@ def _rank_logits(rank: int, size: int, port: int, folder: str, out: str) -> None
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    model = load_trunk(folder, torch.float32, kernels=REFERENCE, tp=TensorParallel(rank, size))
+    from tandem.engine.ranks import weight_bytes
+
+    model = load_trunk(folder, torch.float32, kernels=REFERENCE, tp=TensorParallel(rank, size), fp8=fp8)
     with torch.no_grad():
         logits = model.logits(model.hidden(torch.tensor([IDS])))
     if rank == 0:
-        torch.save((sum(p.numel() * p.element_size() for p in model.parameters()), logits), out)
+        torch.save((weight_bytes(model), logits, model.loaded_from), out)
     dist.destroy_process_group()
 
 
 IDS = [5, 100, 2000, 33, 7, 800, 1234, 4000, 17, 99, 3, 8] * 3
 
 
-def test_each_rank_reads_its_part_of_a_released_fp8_checkpoint(tmp_path):
+@pytest.mark.parametrize("fp8", ["dequantize", "keep"])
+def test_each_rank_reads_its_part_of_a_released_fp8_checkpoint(tmp_path, fp8):
     """The released layout in FP8 (per-expert tensors, block scales) loads split over 2 ranks, each reading its
-    own experts and slices: the logits agree with one rank's load of the same folder, at about half the bytes."""
+    own experts and slices (kept in FP8 or dequantized): the logits agree with one rank's load of the same folder,
+    at about half its bytes."""
     import torch.multiprocessing as mp
 
+    from tandem.engine.ranks import weight_bytes
     from tandem.launch.host import free_ports
     from tandem.model.checkpoint import load_trunk
     from tandem.ops.settings import REFERENCE
@@ -106,10 +111,11 @@ def test_each_rank_reads_its_part_of_a_released_fp8_checkpoint(tmp_path):
     fp8_copy(CHECKPOINT, folder)
     (port,) = free_ports(1)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank_logits, args=(2, port, str(folder), str(out)), nprocs=2, join=True)
-    nbytes, logits = torch.load(out)
-    one = load_trunk(folder, torch.float32, kernels=REFERENCE, with_mtp=False)
+    mp.spawn(_rank_logits, args=(2, port, str(folder), str(out), fp8), nprocs=2, join=True)
+    nbytes, logits, loaded_from = torch.load(out)
+    one = load_trunk(folder, torch.float32, kernels=REFERENCE, with_mtp=False, fp8=fp8)
     with torch.no_grad():
         want = one.logits(one.hidden(torch.tensor([IDS])))
     assert (logits - want).abs().max().item() < 1e-4 and torch.equal(logits.argmax(-1), want.argmax(-1))
-    assert nbytes <= 0.55 * sum(p.numel() * p.element_size() for p in one.parameters())
+    assert nbytes <= 0.55 * weight_bytes(one)
+    assert ("kept" in loaded_from) == (fp8 == "keep")

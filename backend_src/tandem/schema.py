@@ -97,7 +97,12 @@ class ServingConfig:
     ``tensor_parallel``: the trunk split over this many ranks (:mod:`tandem.model.parallel`: attention heads, MLPs
     and vocabulary by tensor parallelism, routed experts by expert parallelism), rank 0 in the ``tandem`` model's
     process and the others started by it (:mod:`tandem.engine.ranks`); above 1 the stages run the torch path (the
-    compiled CPU kernels are single-rank), the MTP spec is not served and ``colocate`` must be on."""
+    compiled CPU kernels are single-rank), the MTP spec is not served and ``colocate`` must be on.
+
+    ``fp8_weights`` (:data:`FP8_MODES`): an FP8 checkpoint's block-scaled weights dequantized to bfloat16 values at
+    load (``dequantize``), or held in FP8 (``keep``: a byte a weight plus its scales; block-scaled FP8 GEMMs on CUDA, the torch
+    path dequantizing per call on the CPU); ``auto``: keep on CUDA, dequantize on the CPU
+    (:func:`tandem.model.checkpoint.load_trunk`)."""
 
     num_draft_tokens: int = 3
     max_num_draft_tokens: int = 8
@@ -128,6 +133,7 @@ class ServingConfig:
     adaptive_draft: bool = True
     probe_rounds: int = 16
     tensor_parallel: int = 1
+    fp8_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if not 2 <= self.block_size <= self.max_num_draft_tokens + 1:
@@ -144,6 +150,8 @@ class ServingConfig:
             raise ValueError(f"device must be one of {DEVICES} (N a GPU index), got {self.device!r}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
+        if self.fp8_weights not in FP8_MODES:
+            raise ValueError(f"fp8_weights must be one of {FP8_MODES}, got {self.fp8_weights!r}")
         for name in (
             "burst_rounds",
             "max_ctx",
@@ -201,6 +209,7 @@ DTYPES = ("auto", "bf16", "fp32")  # auto: fp32 on the CPU, bf16 on CUDA
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # ServingConfig.device / $TANDEM_DEVICE
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 KERNEL_MODES = ("auto", "triton", "torch")  # ServingConfig.kernels / $TANDEM_KERNELS
+FP8_MODES = ("auto", "keep", "dequantize")  # ServingConfig.fp8_weights
 DEFAULTS = ServingConfig()
 
 
@@ -485,6 +494,7 @@ TANDEM = ModelWire(
         "dtype",
         "device",
         "kernels",
+        "fp8_weights",
         "batch_invariant",
         "decode_threads",
         "split_threads",
@@ -547,7 +557,7 @@ DRAFTER_MTP = ModelWire(
         _NUM_DRAFTS,
     ),
     outputs=(_DRAFTS, _DRAFT_LENGTHS),
-    parameters=("checkpoint", "dtype", "device", "kernels", "amx", "max_num_draft_tokens"),
+    parameters=("checkpoint", "dtype", "device", "kernels", "fp8_weights", "amx", "max_num_draft_tokens"),
     ops=("open", "close", "draft"),
 )
 
@@ -573,6 +583,7 @@ DRAFTER_DFLASH = ModelWire(
         "dtype",
         "device",
         "kernels",
+        "fp8_weights",
         "amx",
         "max_num_draft_tokens",
     ),

@@ -78,7 +78,11 @@ class Engine:
         else:
             if model is not None:
                 model.use_kernels(self.kernels)
-            self.model = model if model is not None else load_trunk(checkpoint, dt, kernels=self.kernels)
+            self.model = (
+                model
+                if model is not None
+                else load_trunk(checkpoint, dt, kernels=self.kernels, fp8=self.config.fp8_weights)
+            )
             self.tokenizer = tokenizer if tokenizer is not None else ChatTokenizer(Path(checkpoint) / "tokenizer.json")
             if dflash is None:
                 dflash = {

@@ -134,9 +134,8 @@ def build_stages(checkpoint, config: schema.ServingConfig, dtype, kernels, tp: T
     from .trunk_stage import TrunkStage
 
     kernels = kernels.replace(backend="torch", numba=False)
-    model = load_trunk(
-        checkpoint, dtype, kernels=kernels, tp=tp, device=config.device if config.device != "auto" else "cpu"
-    )
+    device = rank_device(config.device, tp.rank)
+    model = load_trunk(checkpoint, dtype, kernels=kernels, tp=tp, device=device, fp8=config.fp8_weights)
     dflash = {
         spec: load_dflash(checkpoint, spec, model.dtype, device=model.device, kernels=kernels)
         for spec in dflash_specs(checkpoint)

@@ -109,6 +109,7 @@ def load_trunk(
     device: str | torch.device = "cpu",
     kernels: KernelSettings = DEFAULT,
     tp=None,
+    fp8: str = "auto",
 ) -> Trunk:
     """Load a checkpoint folder: ``config.json`` (:meth:`TrunkConfig.from_dict`, strict) and its
     weights, sharded (``model.safetensors.index.json``) or one ``model.safetensors``, in either layout of
@@ -122,13 +123,22 @@ def load_trunk(
     and its :attr:`~tandem.model.trunk.Trunk.vision_token_ids` are the placeholders a prompt may not hold.
     With ``tp`` (a :class:`~tandem.model.parallel.TensorParallel` group) the model is that rank's part of the
     trunk, without its MTP layer (:mod:`tandem.model.parallel`), and the memory check counts that part.
+    ``fp8`` (:data:`tandem.schema.FP8_MODES`, the serving parameter ``fp8_weights``) says what becomes of an FP8
+    checkpoint's block-scaled weights: ``dequantize`` to bfloat16 values at load; ``keep`` held in FP8
+    (:mod:`tandem.model.fp8`: a byte a weight plus its scales; the memory check counts that); ``auto`` keeps them on
+    CUDA and dequantizes them elsewhere. ``keep`` on the CPU needs ``kernels`` without the numba kernels (they read
+    dequantized weights; :func:`~tandem.model.device.kernel_settings` gives that): the torch path then dequantizes
+    each weight per call.
 
     Raises ``FileNotFoundError`` if the folder lacks a file, ``KeyError`` naming missing or
     unexpected keys, ``ValueError`` naming a key whose shape differs (or whose FP8 form does not fit, or a
-    config field tandem cannot honour), ``MemoryError`` when the weights cannot fit.
+    config field tandem cannot honour, an unknown ``fp8`` or ``keep`` with the numba kernels), ``MemoryError`` when
+    the weights cannot fit.
     """
     import dataclasses
 
+    from ..ops.fp8 import SCALE_SUFFIX
+    from .fp8 import keep_fp8
     from .layout import CheckpointTensors, Layout
 
     folder = Path(folder)
@@ -138,7 +148,8 @@ def load_trunk(
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0 and tp is None
-    if tp is None:
+    keep = keeps_fp8(fp8, layout.fp8 is not None, device, kernels)
+    if tp is None and not keep:
         check_fits(cfg, dtype, with_mtp, folder, device)
     tensors = CheckpointTensors(files, layout)
     if not with_mtp:
@@ -150,36 +161,51 @@ def load_trunk(
             from .parallel import local_config, split_trunk
 
             model = split_trunk(Trunk(local_config(cfg, tp), with_mtp=False), cfg, tp)
-    if tp is not None:
-        need = sum(
-            t.numel() * (4 if is_fp32_param(n) else dtype.itemsize)
-            for n, t in list(model.named_parameters()) + list(model.named_buffers())
-        )
-        check_bytes(need, free_bytes(device), f"rank {tp.rank} of checkpoint {folder}", device)
+    spans = {k: _span(k, tensors, tuple(t.shape), tp) for k, t in model.state_dict().items()}
+    forms: dict[str, tuple[int, int]] = {}
+    if keep:
+        for k in tensors.keys() & spans.keys():
+            if (k.endswith(".weight") or k.endswith("_proj")) and (b := tensors.fp8_form(k, _part(spans[k]))):
+                forms[k] = b
+        with torch.device("meta"):
+            keep_fp8(model, forms)
+        forms = {k: b for k, b in forms.items() if k + SCALE_SUFFIX in model.state_dict()}  # those swapped
+    if tp is not None or keep:
+        need = sum(_held_bytes(n, t, dtype) for n, t in list(model.named_parameters()) + list(model.named_buffers()))
+        what = f"checkpoint {folder}" if tp is None else f"rank {tp.rank} of checkpoint {folder}"
+        check_bytes(need, free_bytes(device), what, device, " (FP8 kept)" if forms else "")
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        t.data = t.data.to(torch.float32 if is_fp32_param(name) else dtype)
+        if t.dtype != torch.float8_e4m3fn and not name.endswith(SCALE_SUFFIX):
+            t.data = t.data.to(torch.float32 if is_fp32_param(name) else dtype)
     model = model.to_empty(device=device)
     sd = model.state_dict()
     have = tensors.keys()
-    missing, unexpected = sorted(sd.keys() - have), sorted((have - sd.keys()) | set(tensors.unexpected))
+    scales = {k + SCALE_SUFFIX for k in forms}
+    missing, unexpected = sorted(sd.keys() - have - scales), sorted((have - sd.keys()) | set(tensors.unexpected))
     if missing or unexpected:
         raise KeyError(
             f"checkpoint {folder} does not fit its config: {len(missing)} missing key(s) {missing[:5]}, "
             f"{len(unexpected)} unexpected key(s) {unexpected[:5]}"
         )
     by_file: dict[Path, list[str]] = {}
-    for k in sd:
+    for k in (k for k in sd if k not in scales):
         by_file.setdefault(files[tensors.sources(k)[0]], []).append(k)
     for f in sorted(by_file):  # about one shard at a time
         for k in by_file[f]:
+            if k in forms:  # held in FP8: the weight and its scales
+                w, sc = tensors.read_fp8(k, forms[k], _part(spans[k]))
+                for key, t in ((k, w), (k + SCALE_SUFFIX, sc)):
+                    if tuple(t.shape) != tuple(sd[key].shape):
+                        raise ValueError(f"{f.name}: {key} has shape {list(t.shape)}, FP8 wants {list(sd[key].shape)}")
+                    sd[key].copy_(t)
+                continue
             if tp is None:
                 t = tensors.read(k)
             else:  # this rank's part only (a KDA conv's thirds: read whole, then split)
-                from .parallel import shard, shard_span
+                from .parallel import shard
 
-                span = shard_span(k, tensors.shape(k), tuple(sd[k].shape), tp)
-                t = tensors.read(k, span if isinstance(span, tuple) else None)
-                t = shard(k, t, sd[k], tp) if span == "conv" else t
+                t = tensors.read(k, _part(spans[k]))
+                t = shard(k, t, sd[k], tp) if spans[k] == "conv" else t
             if tuple(t.shape) != tuple(sd[k].shape):
                 raise ValueError(f"{f.name}: {k} has shape {list(t.shape)}, the config wants {list(sd[k].shape)}")
             sd[k].copy_(t)
@@ -189,10 +215,55 @@ def load_trunk(
     model.loaded_from = ", ".join(
         ["released layout (model.language_model.*)" if layout.released else "flat text layout"]
         + ([f"{n_vis} vision tensors skipped unread ({vis_bytes / 2**20:.1f} MiB)"] if n_vis else [])
-        + ([f"FP8 {layout.fp8.block[0]}x{layout.fp8.block[1]} blocks dequantized at load"] if layout.fp8 else [])
+        + (
+            [
+                f"FP8 {layout.fp8.block[0]}x{layout.fp8.block[1]} blocks "
+                + (f"kept ({len(forms)} tensors)" if forms else "dequantized at load")
+            ]
+            if layout.fp8
+            else []
+        )
     )
     model.vision_token_ids = layout.vision_token_ids
     return input_major_linears(model).use_kernels(kernels)
+
+
+def keeps_fp8(mode: str, fp8_checkpoint: bool, device: str | torch.device, kernels: KernelSettings) -> bool:
+    """Whether a load holds a checkpoint's FP8 weights in FP8 (``mode``: :data:`tandem.schema.FP8_MODES`; see
+    :func:`load_trunk`). Raises ``ValueError`` naming ``fp8_weights`` for an unknown mode, or for ``keep`` on the
+    CPU with the numba kernels on."""
+    if mode not in schema.FP8_MODES:
+        raise ValueError(f"fp8_weights must be one of {schema.FP8_MODES}, got {mode!r}")
+    dev = torch.device(device)
+    keep = fp8_checkpoint and (mode == "keep" or (mode == "auto" and dev.type == "cuda"))
+    if keep and dev.type == "cpu" and kernels.numba and kernels.backend != "triton":
+        raise ValueError(
+            "fp8_weights=keep on the CPU runs the torch path (the numba kernels read dequantized weights): load "
+            "with kernel settings whose numba is off (the serving parameter does that), or fp8_weights=dequantize"
+        )
+    return keep
+
+
+def _span(key: str, tensors, like: tuple[int, ...], tp):
+    """The part of checkpoint key ``key`` a parameter of shape ``like`` takes (:func:`~tandem.model.parallel.shard_span`;
+    None without tensor parallelism or for a key the checkpoint lacks)."""
+    if tp is None or key not in tensors.keys():
+        return None
+    from .parallel import shard_span
+
+    return shard_span(key, tensors.shape(key), like, tp)
+
+
+def _part(span):
+    """A span as :meth:`~tandem.model.layout.CheckpointTensors.read` takes it: a ``(dim, start, end)`` or None."""
+    return span if isinstance(span, tuple) else None
+
+
+def _held_bytes(name: str, t: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bytes a loaded tensor holds: FP8 at one byte, its scales and fp32-kept ones at four, the rest in ``dtype``."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.numel()
+    return t.numel() * (4 if is_fp32_param(name) or name.endswith("_scale_inv") else dtype.itemsize)
 
 
 def save_sharded(model: Trunk, folder: str | Path, shards: int, dtype: torch.dtype = torch.bfloat16) -> None:

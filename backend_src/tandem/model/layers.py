@@ -32,8 +32,8 @@ def input_major_linears(module: nn.Module) -> nn.Module:
     for m in module.modules():
         for attr, names in getattr(type(m), "FUSED", {}).items():
             ps = [_weight(m, n) for n in names]
-            if len({p.dtype for p in ps}) > 1:  # an fp32-kept weight among them: leave the group unfused
-                continue
+            if len({p.dtype for p in ps}) > 1 or ps[0].dtype == torch.float8_e4m3fn:
+                continue  # an fp32-kept weight among them, or FP8 ones (tandem.model.fp8): left unfused
             w = torch.cat([p.data.t() for p in ps], 1).contiguous()  # [in, sum out]
             outs, a = [p.shape[0] for p in ps], 0
             for p, o in zip(ps, outs):
@@ -146,31 +146,46 @@ class Experts(nn.Module):
     first: int | None = None
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x [N, D]``, ``idx [N, k]`` expert ids, ``w [N, k]`` weights -> ``[N, D]``.
+        """``x [N, D]``, ``idx [N, k]`` expert ids, ``w [N, k]`` weights -> ``[N, D]`` (:func:`routed_experts`)."""
+        return routed_experts(
+            x, idx, w, self.gate_up_proj, self.down_proj, self.limit, self.first, self.num_experts, self.dense_rows
+        )
 
-        Up to :attr:`dense_rows` rows, every expert runs on every row and the unselected outputs get
-        weight 0 (``E / k`` times the FLOPs, a fixed ~10 ops instead of ~14 per expert hit: on CPU
-        the op count, not the FLOPs, sets the speed of a few rows); more rows dispatch per expert."""
-        if self.first is not None:  # this rank's experts only: the other slots weigh 0 on expert 0
-            local = idx - self.first
-            mine = (local >= 0) & (local < self.num_experts)
-            idx, w = torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w))
-        if x.shape[0] <= self.dense_rows:
-            n, (e, i2, d) = x.shape[0], self.gate_up_proj.shape
-            gu = F.linear(x, self.gate_up_proj.view(e * i2, d)).view(n, e, i2)  # [N, E, 2I], no weight copy
-            g, u = gu.chunk(2, dim=-1)
-            a = clamped_swiglu(g, u, self.limit).transpose(0, 1)  # [E, N, I]
-            h = torch.bmm(a, self.down_proj.transpose(1, 2))  # [E, N, D]
-            wf = torch.zeros(n, e, dtype=h.dtype, device=h.device).scatter_add_(1, idx, w.to(h.dtype))
-            return (h * wf.t().unsqueeze(-1)).sum(0).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            gu = F.linear(x[tok], self.gate_up_proj[e])
-            g, u = gu.chunk(2, dim=-1)
-            h = F.linear(clamped_swiglu(g, u, self.limit), self.down_proj[e])
-            out.index_add_(0, tok, (h * w[tok, slot, None].to(h.dtype)).to(out.dtype))
-        return out
+
+def local_slots(idx: torch.Tensor, w: torch.Tensor, first: int | None, num: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism: ``idx [N, k]`` global expert ids as this rank's (``first .. first + num - 1``), the
+    slots routed to another rank's experts weighing 0 on expert 0; as they are when ``first`` is None."""
+    if first is None:
+        return idx, w
+    local = idx - first
+    mine = (local >= 0) & (local < num)
+    return torch.where(mine, local, 0), torch.where(mine, w, torch.zeros_like(w))
+
+
+def routed_experts(x, idx, w, gate_up, down, limit: float, first: int | None, num: int, dense_rows: int):
+    """The routed experts ``gate_up [E, 2I, D]``, ``down [E, D, I]`` on ``x [N, D]`` for the slots ``idx [N, k]``
+    (weights ``w [N, k]``) -> ``[N, D]``.
+
+    Up to ``dense_rows`` rows, every expert runs on every row and the unselected outputs get
+    weight 0 (``E / k`` times the FLOPs, a fixed ~10 ops instead of ~14 per expert hit: on CPU
+    the op count, not the FLOPs, sets the speed of a few rows); more rows dispatch per expert."""
+    idx, w = local_slots(idx, w, first, num)
+    if x.shape[0] <= dense_rows:
+        n, (e, i2, d) = x.shape[0], gate_up.shape
+        gu = F.linear(x, gate_up.view(e * i2, d)).view(n, e, i2)  # [N, E, 2I], no weight copy
+        g, u = gu.chunk(2, dim=-1)
+        a = clamped_swiglu(g, u, limit).transpose(0, 1)  # [E, N, I]
+        h = torch.bmm(a, down.transpose(1, 2))  # [E, N, D]
+        wf = torch.zeros(n, e, dtype=h.dtype, device=h.device).scatter_add_(1, idx, w.to(h.dtype))
+        return (h * wf.t().unsqueeze(-1)).sum(0).to(x.dtype)
+    out = torch.zeros_like(x)
+    for e in torch.unique(idx).tolist():
+        tok, slot = torch.where(idx == e)
+        gu = F.linear(x[tok], gate_up[e])
+        g, u = gu.chunk(2, dim=-1)
+        h = F.linear(clamped_swiglu(g, u, limit), down[e])
+        out.index_add_(0, tok, (h * w[tok, slot, None].to(h.dtype)).to(out.dtype))
+    return out
 
 
 class Router(nn.Module):
@@ -230,7 +245,8 @@ class MoE(nn.Module):
         ex, sh = self.experts, self.shared_experts
         self.gate.weight.data = self.gate.weight.data.t().contiguous().t()  # input-major like the linears
         e, i2, d = ex.gate_up_proj.shape
-        if sh.down_proj.weight.shape[1] != i2 // 2:
+        fp8 = any(t.dtype == torch.float8_e4m3fn for t in (ex.gate_up_proj, sh.gate_proj.weight, sh.down_proj.weight))
+        if sh.down_proj.weight.shape[1] != i2 // 2 or fp8:  # FP8-held weights (tandem.model.fp8) stay apart
             return
         up = torch.cat([ex.gate_up_proj.data.reshape(e * i2, d), sh.gate_proj.weight.data, sh.up_proj.weight.data])
         self._w_up = up.t().contiguous().t()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..ops.fp8 import SCALE_SUFFIX, dequantize
+from ..ops.fp8 import SCALE_SUFFIX, check_scales, dequantize
 from .config import is_released_layout, vision_token_ids
 
 #: the released layout's prefixes: the text model (with its MTP layer) and the vision tower (skipped)
@@ -271,6 +271,57 @@ class CheckpointTensors:
         else:
             t = torch.stack([torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)])  # gate | up per expert
         return t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
+
+    def fp8_form(self, key: str, part: tuple[int, int, int] | None = None) -> tuple[int, int] | None:
+        """The block (rows, columns) in which tandem key ``key`` (its part ``part``, as :meth:`read` takes it) can be
+        held in FP8 (:mod:`tandem.model.fp8`): the release's block, ``(1, bc)`` where its rows join pieces or start
+        a part off a block boundary (the scales then repeat per row), or None: not every stored piece is FP8, or a
+        part cuts its columns off a block boundary (it is then dequantized)."""
+        if self.layout.fp8 is None:
+            return None
+        kind, arg = self._recipes[key]
+        keys = [arg] if kind == "one" else list(arg)
+        if kind == "cat" or any(self._file(k).get_slice(k).get_dtype() != "F8_E4M3" for k in keys):
+            return None
+        (bn, bc), first = self.layout.fp8.block, tuple(self._file(keys[0]).get_slice(keys[0]).get_shape())
+        rb = bn if kind != "gate_up" or first[0] % bn == 0 else 1
+        if part is not None and not (kind in ("stack", "gate_up") and part[0] == 0):
+            d, a, b = part
+            if kind != "one":
+                return None
+            size, blk = first[d], (rb, bc)[d]
+            if a % blk or (b % blk and b != size):
+                if d == 1:
+                    return None
+                rb = 1
+        return (rb, bc)
+
+    def read_fp8(self, key: str, block: tuple[int, int], part: tuple[int, int, int] | None = None):
+        """Tandem key ``key`` (its part ``part``) as held in FP8 in ``block`` (:meth:`fp8_form`): ``(w
+        float8_e4m3fn, scale_inv float32)``, the scales ``[..., ceil(rows / block[0]), ceil(cols / block[1])]``."""
+        kind, arg = self._recipes[key]
+        if part is not None and kind in ("stack", "gate_up") and part[0] == 0:
+            d, a, b = part
+            arg, part = (arg[a:b] if kind == "stack" else arg[2 * a : 2 * b]), None
+        bn = self.layout.fp8.block[0]
+
+        def one(k: str) -> tuple[torch.Tensor, torch.Tensor]:
+            w, s = self._load(k), self._load(k + SCALE_SUFFIX)
+            check_scales(w, s, self.layout.fp8.block, k)
+            return w, (s.repeat_interleave(bn, 0)[: w.shape[0]] if block[0] != bn else s)
+
+        if kind == "one":
+            w, s = one(arg)
+        else:
+            ws = [one(k) for k in arg]
+            if kind == "gate_up":  # gate | up rows per expert
+                ws = [tuple(torch.cat([ws[i][j], ws[i + 1][j]]) for j in (0, 1)) for i in range(0, len(ws), 2)]
+            w, s = torch.stack([p[0] for p in ws]), torch.stack([p[1] for p in ws])
+        if part is not None:
+            d, a, b = part
+            blk = block[d]
+            w, s = w.narrow(d, a, b - a), s.narrow(d, a // blk, -(-b // blk) - a // blk)
+        return w, s
 
     def _get(self, stored: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
         scale = stored + SCALE_SUFFIX

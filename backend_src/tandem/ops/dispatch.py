@@ -90,6 +90,24 @@ def linear(k: KernelSettings, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
     return _gemm.linear(x, w, b, k)
 
 
+def fp8_kernel(k: KernelSettings, x: torch.Tensor) -> bool:
+    """Whether a block-scaled FP8 weight's GEMM on rows ``x`` takes the Triton kernel (:func:`fp8_linear`)."""
+    return _triton(k, x)
+
+
+def fp8_linear(
+    k: KernelSettings, x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor | None:
+    """``x [..., K] @ W^T -> [..., N]`` for ``W [N, K]`` held in block-scaled FP8 (``scale_inv`` per ``block``) in
+    the Triton kernel (:func:`tandem.ops.triton.fp8_gemm.fp8_linear`), or None (the model's reference:
+    :class:`tandem.model.fp8.Fp8Linear`)."""
+    if _triton(k, x):
+        from .triton import fp8_gemm
+
+        return fp8_gemm.fp8_linear(x, w, scale_inv, block)
+    return None
+
+
 def relayout() -> None:
     """The serving layout's fused weights were rebound: the fused blocks look their weights up again."""
     _block.relayout()

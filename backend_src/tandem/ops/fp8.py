@@ -13,9 +13,9 @@ import torch
 SCALE_SUFFIX = "_scale_inv"
 
 
-def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight") -> torch.Tensor:
-    """``w [R, C]`` float8_e4m3fn times its per-block scales ``scale_inv [ceil(R / br), ceil(C / bc)]`` as float32.
-    Raises ``ValueError`` naming ``name`` when the dtypes or the scales' shape do not fit."""
+def check_scales(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight") -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``w [R, C]`` is float8_e4m3fn and ``scale_inv`` is ``[ceil(R /
+    br), ceil(C / bc)]``."""
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
         raise ValueError(f"{name}: a block-scaled weight must be 2-D float8_e4m3fn, got {w.dtype} {list(w.shape)}")
     (R, C), (br, bc) = w.shape, block
@@ -25,6 +25,13 @@ def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
             f"{name}{SCALE_SUFFIX} has shape {list(scale_inv.shape)}, the {list(w.shape)} weight in {br}x{bc} blocks "
             f"wants {list(want)}"
         )
+
+
+def dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str = "weight") -> torch.Tensor:
+    """``w [R, C]`` float8_e4m3fn times its per-block scales ``scale_inv [ceil(R / br), ceil(C / bc)]`` as float32.
+    Raises ``ValueError`` naming ``name`` when the dtypes or the scales' shape do not fit (:func:`check_scales`)."""
+    check_scales(w, scale_inv, block, name)
+    (R, C), (br, bc) = w.shape, block
     s = scale_inv.float().repeat_interleave(br, 0)[:R].repeat_interleave(bc, 1)[:, :C]
     return w.float() * s
 

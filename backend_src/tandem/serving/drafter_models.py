@@ -44,7 +44,9 @@ class DrafterMTPModel(_DrafterModel):
         super().__init__(pb_utils, args)
         compile_kernels()  # from numba's disk cache (make setup fills it); else compiled now
         dev, dt = placement(self.config)
-        trunk = load_trunk(self.checkpoint, dt, device=dev, kernels=kernel_settings(self.config))
+        trunk = load_trunk(
+            self.checkpoint, dt, device=dev, kernels=kernel_settings(self.config), fp8=self.config.fp8_weights
+        )
         self.stage = MTPStage(trunk, self.config.max_num_draft_tokens)
         pb_utils.Logger.log_info(f"drafter_mtp: loaded {self.checkpoint} ({dt} on {dev})")
 
@@ -64,7 +66,9 @@ class DrafterDFlashModel(_DrafterModel):
         self.stage = None
         if specs:
             kernels = kernel_settings(self.config)
-            trunk = load_trunk(ckpt, dt, with_mtp=False, device=dev, kernels=kernels)  # its embedding and LM head
+            trunk = load_trunk(
+                ckpt, dt, with_mtp=False, device=dev, kernels=kernels, fp8=self.config.fp8_weights
+            )  # its embedding and LM head
             self.stage = DFlashStage(
                 {a: load_dflash(ckpt, a, dt, dirs[a], dev, kernels) for a in specs},
                 trunk.embed_tokens,

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import schema
 from ..engine.calibration import calibrate
+from ..engine.ranks import weight_bytes
 from ..engine.round_costs import RoundCosts
 from ..engine.stages import drafter_stages
 from ..engine.state_size import StateSize
@@ -68,7 +69,7 @@ class TandemModel:
             cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
             self.max_ctx = cfg.max_ctx
         else:
-            model = load_trunk(ckpt, dt, device=dev, kernels=kernels)
+            model = load_trunk(ckpt, dt, device=dev, kernels=kernels, fp8=cfg.fp8_weights)
             cfg = dataclasses.replace(cfg, max_ctx=min(cfg.max_ctx, model.cfg.max_position_embeddings))
             self.max_ctx = cfg.max_ctx
             trunk = TrunkStage(
@@ -126,7 +127,8 @@ class TandemModel:
             else "from the first rounds"
         )
         pb.Logger.log_info(
-            f"tandem: loaded {ckpt} ({model.loaded_from}; {dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
+            f"tandem: loaded {ckpt} ({model.loaded_from}; {weight_bytes(model) / 2**20:.1f} MiB of trunk weights "
+            f"held; {dt} on {dev}, batch_invariant={cfg.batch_invariant}, GEMM tiles "
             f"{dispatch.gemm_tiles(cfg.amx)}); drafters {sorted(drafters)} "
             f"{'in this process' if cfg.colocate else 'in their models (colocate off)'}, DFlash "
             f"drafters {({a: str(dirs[a]) for a in specs}) or 'none'}; "
@@ -139,7 +141,7 @@ class TandemModel:
         Returns ``(model, trunk stage, drafters)``."""
         import torch
 
-        from ..engine.ranks import RankGroup, build_stages, stage_order, weight_bytes
+        from ..engine.ranks import RankGroup, build_stages, stage_order
         from ..model.checkpoint import param_bytes
 
         if not cfg.colocate:

@@ -15,7 +15,10 @@ results to one folder, in under 10 minutes.
    greedy decoding of the same prompts in-process on the CPU (:mod:`tandem.tools.equivalence`'s record,
    ``serve.json``; it fails naming the first token that differs).
 7. ``bench``: a short bench of plain against DFlash2 on the GPU server (``bench.json``).
-8. ``tensor-parallel``: when two GPUs are present, the miniature served over 2 ranks (NCCL, a GPU each) against
+8. ``fp8``: the miniature's block-FP8 copy (:mod:`tandem.tools.fp8`) loaded on the GPU with its FP8 weights kept
+   and dequantized: the weight bytes each holds (``fp8_memory.json``), then served on the GPU (kept, the block-FP8
+   GEMM) against the same copy dequantized in-process on the CPU (``fp8_serve.json``).
+9. ``tensor-parallel``: when two GPUs are present, the miniature served over 2 ranks (NCCL, a GPU each) against
    one rank's torch path on the CPU (``tensor_parallel.json``).
 
 A step that fails is recorded and the next one runs; the exit status is 1 when any step failed.
@@ -114,6 +117,30 @@ def _cuda_python(run: Run) -> str | None:
     return str(py)
 
 
+def fp8_memory(folder: str, out: str) -> None:
+    """Load the FP8 checkpoint ``folder`` on the GPU with its FP8 weights kept, then dequantized (bf16): print and
+    write to ``out/fp8_memory.json`` the weight bytes each holds and the GPU memory its load took."""
+    import torch
+
+    from ..engine.ranks import weight_bytes
+    from ..model.checkpoint import load_trunk
+
+    rows = {}
+    for mode in ("keep", "dequantize"):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        model = load_trunk(folder, torch.bfloat16, device="cuda", fp8=mode)
+        rows[mode] = {
+            "weight_bytes": weight_bytes(model),
+            "cuda_allocated": torch.cuda.memory_allocated() - before,
+            "loaded_from": model.loaded_from,
+        }
+        del model
+    rows["kept_over_dequantized"] = rows["keep"]["weight_bytes"] / rows["dequantize"]["weight_bytes"]
+    (Path(out) / "fp8_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps(rows, indent=2))
+
+
 @app.command()
 def main(
     out: Path = typer.Option(None, help="results folder (default reports/gpu-check-<UTC time>)"),
@@ -151,6 +178,18 @@ def main(
             bench += ["--served-specs", "off,dflash2", "--no-transformers", "--concurrency", "0", "--prefix-pairs", "0"]
             bench += ["--structured", "0", "--json", str(out / "bench.json")]
             run.step("bench", [py, "-m", "tandem.tools.bench", *bench], 180, cuda)
+        if py is not None:
+            fp8 = out / "tiny-fp8"
+            mem = f"from tandem.tools.gpu_check import fp8_memory; fp8_memory({str(fp8)!r}, {str(out)!r})"
+            ok = run.step(
+                "fp8-copy",
+                [py, "-m", "tandem.tools.fp8", str(ROOT / "model_repository/weights/tandem-tiny"), str(fp8)],
+                60,
+            )
+            if ok and run.step("fp8-memory", [py, "-c", mem], 60, native):
+                eq = ["record", str(out / "fp8_serve.json"), "--checkpoint", str(fp8), "--prompts", "8", "--humaneval"]
+                eq += ["4", "--max-tokens", "64", "--sampled-prompts", "0", "--specs", "dflash2"]
+                run.step("fp8-serve", [py, "-m", "tandem.tools.equivalence", *eq], 240, cuda)
         if py is not None and len(found) >= 2:  # 2 ranks on 2 GPUs (NCCL) against one rank's torch path on the CPU
             tp = ["record", str(out / "tensor_parallel.json"), "--prompts", "4", "--humaneval", "0", "--max-tokens"]
             tp += ["32", "--sampled-prompts", "0", "--specs", "dflash2", "--set", "tensor_parallel=2", "--torch-path"]
