@@ -234,6 +234,14 @@ def test_the_plan_weighs_acceptance_against_the_measured_costs():
         x.drafting.resting, x.drafting.rest_load, x.drafting.since = True, 8, 100
     assert policy(Fixed(plain=0.1)).plan(crowd) == {x.sid: 0 for x in crowd}
     assert all(x.drafting.since == 0 and x.drafting.resting for x in crowd)
+    # the same decided by rests() between compiled plain calls, without a verify round: at a new load (a session
+    # ended) and with its probe due, a rest that no acceptance could end goes on, its clocks moved as plan's
+    cheap, x = policy(Fixed(plain=0.1)), crowd[0]
+    assert cheap.rests(x, 7) == 1 << 30 and (x.drafting.rest_load, x.drafting.since) == (7, 0)
+    x.drafting.since, backoff = 100, x.drafting.backoff
+    assert cheap.rests(x, 7) == 1 << 30 and x.drafting.since == 0 and x.drafting.backoff == min(2 * backoff, 8)
+    x.drafting.since = 100  # alone, where drafting can pay: its probe is due, a plan decides
+    assert policy(Fixed()).rests(x, 1) == 0
 
 
 def test_resting_and_plain_sessions_decode_together_in_one_compiled_call(base, monkeypatch):

@@ -103,7 +103,8 @@ def _front(
     **cfg,
 ):
     """A front with the trunk in its process and the ``mtp`` drafter over ``tr``, warmed up by one turn
-    of each spec (a first call compiles kernels) before its stage deadline is lowered to ``stage_timeout_s``.
+    of each spec (a first call compiles kernels) before its stage deadline is lowered to ``stage_timeout_s``;
+    its sessions draft every round (``adaptive_draft`` off: the faults are the drafter's, whatever it pays).
     With ``restarts``, a restart of a model is recorded there and takes 0.3 s (or, with ``back``, until it
     is set), after which the model answers again."""
     w = proxies.WatchedTransport(tr, 30.0)
@@ -122,7 +123,7 @@ def _front(
         stop_ids=(),
         watch=w,
         restart=None if restarts is None else restart,
-        config=schema.ServingConfig(max_ctx=256, burst_rounds=1, **cfg),
+        config=schema.ServingConfig(max_ctx=256, burst_rounds=1, **{"adaptive_draft": False, **cfg}),
     )
     for spec in ("mtp", "off"):
         assert _turn(front, 999, max_tokens=3, spec=spec).done.wait(60)

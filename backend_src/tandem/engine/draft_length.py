@@ -18,7 +18,9 @@ round (:data:`PROBE_DRAFTS` drafts) after ``probe_rounds`` rounds, an interval t
 that does not bring it back (up to :data:`MAX_BACKOFF` times), or until the number of active sessions changes;
 a probe's round is measured anew (the counts from before the rest are dropped; its first draft rejected, the
 session rests again at once), and skipped when not even a round accepting every draft would beat the plain
-round (a batch whose plain rows are cheap).
+round (a batch whose plain rows are cheap). That check runs between compiled plain calls too
+(:meth:`DraftLength.rests`), so a skipped probe, or a session arriving or ending, costs a resting batch no
+verify round.
 
 Sessions that may not change their draft length keep it: ``rejection``-sampled ones (their stream depends
 on the draws the walk makes, :meth:`~tandem.engine.session.SpecSession.demote_eligible`), and every session
@@ -216,13 +218,20 @@ class DraftLength:
         """Rounds (0 or more) over which session ``s`` surely drafts nothing, ``load`` sessions active: any for
         a session without drafts (spec ``off``, degraded) or a resting one while the load stays (its probe, once
         due, waits for the first round after the plain call: a call is not cut short for it), else 0 (its next
-        plan decides)."""
+        plan decides). A resting session whose probe is due, or at a new load, is decided here as :meth:`plan`
+        would: when not even a round accepting every draft would pay at that load, it rests on (its clocks
+        moved as the plan moves them), so neither its skipped probe nor a session arriving or ending costs the
+        batch a verify round in place of its compiled plain rounds."""
         st = s.drafting
         if s.spec == schema.OFF or s.degraded:
             return 1 << 30
-        if not self.config.adaptive_draft or not s.demote_eligible() or not st.resting or st.rest_load != load:
+        if not self.config.adaptive_draft or not s.demote_eligible() or not st.resting:
             return 0
-        return 0 if self._probe_due(st) else 1 << 30
+        if st.rest_load != load or self._probe_due(st):
+            if self._could_pay(s, s.draft_budget(), load, True):
+                return 0
+            st.since, st.rest_load, st.backoff = 0, load, min(2 * st.backoff, MAX_BACKOFF)
+        return 1 << 30
 
     def ran_plain(self, s, rounds: int) -> None:
         """Session ``s`` decoded ``rounds`` plain rounds in one call (within what :meth:`rests` gave): a resting

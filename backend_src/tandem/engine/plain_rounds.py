@@ -50,18 +50,18 @@ class PlainRounds:
         self, act: list[SpecSession], receipts: dict[int, Receipt], most: int, deadline: float | None = None
     ) -> tuple[int, bool]:
         """Run up to ``most`` rounds of the active sessions ``act`` in one trunk ``decode`` call when they
-        all decode plain greedy rows for two rounds at least (:meth:`plain_rounds`, each session's budget and
+        all decode plain greedy rows for a round at least (:meth:`plain_rounds`, each session's budget and
         context room); with a ``deadline`` (``time.perf_counter()`` seconds), only the rounds that end
         at the first round boundary after it at the last call's pace (:func:`rounds_until`). Each
         session's receipt in ``receipts`` (made when missing) gets its rounds. Returns the rounds run
         (0: not applicable, nothing ran) and whether they were every round the deadline gave (the
         burst then ends: a second call for the time left would be mostly its fixed cost)."""
         plain = self.plain_rounds(act, most)
-        if plain < 2:
+        if not plain:
             return 0, False
         paced = rounds_until(deadline, self.round_s)
         steps = min(plain, paced, *(min(s.turn_remaining, s.max_ctx - 1 - len(s.committed)) for s in act))
-        if steps < 2:
+        if steps < 1:
             return 0, False
         t0 = time.perf_counter()
         outs = self.trunk.decode_rows(

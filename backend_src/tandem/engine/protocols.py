@@ -83,9 +83,12 @@ class VerifyOut:
 
     def then(self, other: "VerifyOut") -> "VerifyOut":
         """These rows followed by ``other``'s."""
-        return VerifyOut(
-            *(torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in dataclasses.fields(self))
-        )
+        return VerifyOut.join([self, other])
+
+    @staticmethod
+    def join(parts: list["VerifyOut"]) -> "VerifyOut":
+        """The rows of ``parts`` one after another (one concatenation per field)."""
+        return VerifyOut(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(VerifyOut)))
 
 
 class UnknownSequence(KeyError):

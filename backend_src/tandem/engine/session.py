@@ -61,7 +61,8 @@ class SpecSession:
     plain decoding; ``trunk`` is the trunk stage (or its proxy), read only by :meth:`cache_ref`;
     ``drafter`` the session's drafter stage (or proxy), read only by :meth:`export_draft_tail`;
     ``ingest`` holds the committed rows the drafter has not seen yet (their trunk pass
-    :class:`~tandem.engine.protocols.VerifyOut` and next tokens ``[n]``); ``drafter_rows`` counts the
+    :class:`~tandem.engine.protocols.VerifyOut`, or a list of them queued while it rests, and next tokens ``[n]``;
+    :meth:`drafter_input` joins them); ``drafter_rows`` counts the
     committed rows the drafter has ingested; ``prefix_capture`` is the prompt-boundary
     :class:`~tandem.engine.prefix.PrefixCapture` (None when the prefix cache is off, the spec is MTP, or
     the prompt has no whole reusable block); ``warm_rows`` the prompt rows taken from the prefix cache;
@@ -153,9 +154,23 @@ class SpecSession:
     def queue_for_drafter(self, rows: Any, emitted: list[int]) -> None:
         """Put committed ``rows`` (their trunk pass, a :class:`~tandem.engine.protocols.VerifyOut` of one row
         an emitted token) and their next tokens ``emitted`` after those :attr:`ingest` holds already."""
-        self.ingest = (
-            (rows, list(emitted)) if self.ingest is None else (self.ingest[0].then(rows), self.ingest[1] + emitted)
-        )
+        if self.ingest is None:
+            self.ingest = ([rows], list(emitted))
+            return
+        parts, queued = self.ingest
+        if not isinstance(parts, list):  # rows a round left: the queue starts with them
+            parts, queued = [parts], list(queued)
+        parts.append(rows)  # joined once, when the drafter takes them (drafter_input): no copy a call
+        queued.extend(emitted)
+        self.ingest = (parts, queued)
+
+    def drafter_input(self) -> tuple[Any, list[int]]:
+        """:attr:`ingest` with its queued rows joined into one
+        :class:`~tandem.engine.protocols.VerifyOut` (``[n]`` rows and the ``n`` tokens after them)."""
+        rows, emitted = self.ingest
+        if isinstance(rows, list):
+            self.ingest = (rows[0].join(rows), emitted)
+        return self.ingest
 
     @property
     def drafts_later(self) -> bool:

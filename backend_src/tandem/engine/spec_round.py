@@ -41,8 +41,9 @@ class SpecRound:
         costs = self.policy.costs
         for stage, group in self.stages.by_drafter([s for s in act if ks[s.sid] > 0]):
             reqs = [
-                DraftRequest(s.sid, s.ingest[0].hidden, s.ingest[1], ks[s.sid], s.ingest[0].features, s.spec)
+                DraftRequest(s.sid, rows.hidden, emitted, ks[s.sid], rows.features, s.spec)
                 for s in group
+                for rows, emitted in (s.drafter_input(),)
             ]
             t = clock()
             for s, d in zip(group, self.stages.draft(stage, group, reqs)):
