@@ -93,10 +93,14 @@ def test_a_call_after_a_call_reads_the_states_it_left(threads, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_compiled_verify_equals_the_verify_pass_row_by_row(threads):
+def test_a_compiled_verify_equals_the_verify_pass_row_by_row(threads, monkeypatch):
     """Sequences of 8, 1, 3 and 5 rows in one compiled verify (one group, or two side by side): every row's
     target, gap, hidden row and features equal the verify pass's; each commit of a prefix (the accept walk's)
-    leaves the caches of the reference, and a compiled verify and decode after it go on from them."""
+    leaves the caches of the reference, and a compiled verify and decode after it go on from them (the second
+    verify of one group reads the kept rows' states where the first wrote them, without a copy)."""
+    in_place = []
+    real = trunk_pass._starts_in_place
+    monkeypatch.setattr(trunk_pass, "_starts_in_place", lambda *a: (r := real(*a), in_place.append(r is not None))[0])
     model = _odd_model()
     prompts = [[5, 9, 11, 2, 40, 41, 42, 7, 8, 9, 10], [60, 61, 62], list(range(20, 45)), [3]]
     rows = [[1, 2, 3, 4, 5, 6, 7, 8], [9], [10, 11, 12], [13, 14, 15, 16, 17]]
@@ -115,6 +119,8 @@ def test_a_compiled_verify_equals_the_verify_pass_row_by_row(threads):
         ra2 = model.verify_targets(a, nxt, (1,), threads=threads)
         rb2 = model._verify_reference(b, nxt, (1,))
         assert _equal(ra2, rb2)
+        if threads == 1:
+            assert in_place == [False, True]  # primed caches: copied; after a verify and its commit: in place
         for c in a + b:
             c.commit(1)
         ra3 = model.decode_many(a, [4, 4, 4, 4], 3, [()] * 4, (), threads=threads)

@@ -242,6 +242,51 @@ def _starts(caches: list, p: _Plan, z: _Shapes) -> tuple[np.ndarray, np.ndarray,
     return tails, S0, np.arange(S, dtype=np.int64) * km1
 
 
+#: the buffers of the verify passes whose rows caches may still hold: id of layer 0's ``full`` view -> (a weak
+#: reference to it, ``full [La, 3C, W]``, ``states [La, N, H, dk, dk]``)
+_PASSES: dict[int, tuple] = {}
+
+
+def _keep_pass(view: torch.Tensor, full: np.ndarray, states: np.ndarray) -> None:
+    def gone(ref, key=id(view)):  # (any thread: a newer entry under the same id stays)
+        if _PASSES.get(key, (None,))[0] is ref:
+            _PASSES.pop(key, None)
+
+    _PASSES[id(view)] = (weakref.ref(view, gone), full, states)
+
+
+def _starts_in_place(caches: list, p: _Plan) -> tuple | None:
+    """``(tails [La, 3C, W], S0 [La, N, H, dk, dk], columns [S], rows [S])`` read where one earlier verify pass
+    wrote them, without a copy: when every KDA state of ``caches`` is a committed row of that one pass (the
+    usual case of a speculative round after the last); sequence ``j``'s tail at ``columns[j]``, its state
+    ``S0[a, rows[j]]``. Else None (:func:`_starts` copies)."""
+    from ..state import KDAState
+
+    st = caches[0].layers[p.kda_idx[0]]
+    rec = _PASSES.get(id(st.rows.full)) if type(st) is KDAState and st.rows is not None else None
+    if rec is None or rec[0]() is not st.rows.full:
+        return None
+    _, full, states = rec
+    cols, rows = np.empty(len(caches), np.int64), np.empty(len(caches), np.int64)
+    for j, c in enumerate(caches):
+        first = c.layers[p.kda_idx[0]]
+        if type(first) is not KDAState or first.rows is None:
+            return None
+        col, row, n = first.rows.col, first.rows.row, first.n_rows
+        cols[j], rows[j] = col + n, row + n - 1
+        for a, i in enumerate(p.kda_idx):
+            st = c.layers[i]
+            if (
+                type(st) is not KDAState
+                or st.rows is None
+                or (st.rows.col, st.rows.row, st.n_rows) != (col, row, n)
+                or st.rows.full.data_ptr() != full[a].ctypes.data
+                or st.rows.states.data_ptr() != states[a].ctypes.data
+            ):
+                return None
+    return full, states, cols, rows
+
+
 def _mla_args(caches: list, p: _Plan, lengths: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per MLA layer ``m`` the :func:`~tandem.ops.cpu.attention.cache_args` arrays ``ptrs [Lm, S, 10]``,
     ``used [Lm, S]``, ``pools [Lm, S]`` of the caches, with room for ``lengths[j]`` more rows reserved."""
@@ -296,14 +341,18 @@ def _verify_group(model, p: _Plan, caches: list, rows: list[list[int]], features
     N = sum(lengths)
     offs = np.zeros(S + 1, np.int64)
     np.cumsum(lengths, out=offs[1:])
-    tails, S0, t_col = _starts(caches, p, z)
+    kept = _starts_in_place(caches, p)
+    if kept is not None:
+        tails, S0, t_col, s_idx = kept
+    else:
+        tails, S0, t_col = _starts(caches, p, z)
+        s_idx = np.arange(S, dtype=np.int64)
     ptrs, used, pools = _mla_args(caches, p, lengths)
     slot, nf = _slots(model, features)
     full = np.empty((z.La, z.C3, N + S * z.km1), _F)
     states = np.empty((z.La, N, z.H, z.dk, z.dk), _F)
     outs = (np.empty(N, np.int64), np.empty(N, _F), np.empty((N, D), _F), np.zeros((N, nf * D), _F))
     tok = np.array([t for r in rows for t in r], np.int64)
-    s_idx = np.arange(S, dtype=np.int64)
     args = (p.args, slot, tok, offs, s_idx, (tails, t_col, S0), (full, states), True, (ptrs, used, pools), outs)
     compiled_call(_forward, p.entry, "verify", args)
     for c, n in zip(caches, lengths):
@@ -315,6 +364,8 @@ def _verify_group(model, p: _Plan, caches: list, rows: list[list[int]], features
         ft, st = torch.from_numpy(full[a])[None], torch.from_numpy(states[a])[None]
         for j, c in enumerate(caches):
             c.pending[i] = KDARows(ft, st, z.km1, o[j] + j * z.km1, o[j])
+        if a == 0:  # the next pass over these caches reads their kept rows here (_starts_in_place)
+            _keep_pass(ft, full, states)
     tok_t, gap_t, h_t, f_t = (torch.from_numpy(x) for x in outs)
     return [
         {"tokens": tok_t[a:b], "gaps": gap_t[a:b], "hidden": h_t[a:b], "features": f_t[a:b]} for a, b in zip(o, o[1:])
