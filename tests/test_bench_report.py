@@ -58,3 +58,16 @@ def test_the_paired_median_pairs_each_prompt_within_its_rep():
     by = {n: {"tokens_per_s_aggregate": 1.0} for n in raw}
     out = speedup_ratios(by, raw, [], ["plain"], False)
     assert out["served_vs_inprocess_median_prompt plain"] == pytest.approx(0.9)  # pairs 0.9, 0.9, 0.8, 0.9
+
+
+def test_the_best_spec_is_the_fastest_that_drafted():
+    """A spec row that drafted in no round decoded plain rows: the best spec (whose load, mixed-batch and
+    poor-draft sections follow) is the fastest of those that drafted, the fastest of all when none did."""
+    rows = {"plain": (100.0, None), "mtp d=3": (110.0, None), "dflash2": (104.0, 0.2), "dflash": (101.0, 0.3)}
+    by = {f"{n} (in-process)": {"tokens_per_s_aggregate": v, "spec_round_share": s} for n, (v, s) in rows.items()}
+    raw = {n: [{"prompt": 0, "tokens_per_s": by[n]["tokens_per_s_aggregate"]}] for n in by}
+    out = speedup_ratios(by, raw, ["mtp d=3", "dflash", "dflash2"], [], False)
+    assert out["best_spec"] == "dflash2" and out["best_spec_vs_plain"] == pytest.approx(1.04)
+    for n in ("dflash", "dflash2"):
+        by[f"{n} (in-process)"]["spec_round_share"] = None
+    assert speedup_ratios(by, raw, ["mtp d=3", "dflash", "dflash2"], [], False)["best_spec"] == "mtp d=3"

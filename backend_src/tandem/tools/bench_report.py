@@ -86,12 +86,15 @@ def _median_prompt_ratio(raw: dict, row: str, ref: str) -> float | None:
 def speedup_ratios(by: dict, raw: dict, labels: list[str], served: list[str], hf: bool) -> dict:
     """The ratios: best in-process spec / plain (all tokens over all seconds, and the median of the
     per-prompt ratios), served / in-process per served row (the same two: the per-prompt pairs ran
-    back to back, so their median is the steadier figure on a noisy machine), tandem plain / transformers."""
+    back to back, so their median is the steadier figure on a noisy machine), tandem plain / transformers.
+    The best spec is the fastest of those that drafted in some round (one that never drafted decoded plain
+    rows: the later sections would measure plain decoding against itself), else the fastest."""
     agg = {n: r["tokens_per_s_aggregate"] for n, r in by.items()}
     plain = agg["plain (in-process)"]
     out: dict = {}
     if labels:
-        best = max(labels, key=lambda x: agg[f"{x} (in-process)"])
+        drafted = [x for x in labels if by[f"{x} (in-process)"].get("spec_round_share")]
+        best = max(drafted or labels, key=lambda x: agg[f"{x} (in-process)"])
         out.update(
             best_spec=best,
             best_spec_vs_plain=agg[f"{best} (in-process)"] / plain,
