@@ -96,8 +96,9 @@ class ServingConfig:
 
     ``tensor_parallel``: the trunk split over this many ranks (:mod:`tandem.model.parallel`: attention heads, MLPs
     and vocabulary by tensor parallelism, routed experts by expert parallelism), rank 0 in the ``tandem`` model's
-    process and the others started by it (:mod:`tandem.engine.ranks`); above 1 the stages run the torch path (the
-    compiled CPU kernels are single-rank), the MTP spec is not served and ``colocate`` must be on.
+    process and the others started by it (:mod:`tandem.engine.ranks`); above 1 the stages run without the compiled
+    CPU kernels (single-rank: the torch path on the CPU, the Triton kernels but the DSA indexer's on CUDA), the MTP
+    spec is not served and ``colocate`` must be on.
 
     ``fp8_weights`` (:data:`FP8_MODES`): an FP8 checkpoint's block-scaled weights dequantized to bfloat16 values at
     load (``dequantize``), or held in FP8 (``keep``: a byte a weight plus its scales; block-scaled FP8 GEMMs on CUDA, the torch

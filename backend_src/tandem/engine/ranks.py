@@ -127,13 +127,14 @@ def weight_bytes(model) -> int:
 
 def build_stages(checkpoint, config: schema.ServingConfig, dtype, kernels, tp: TensorParallel, dflash_dirs=None):
     """One rank's trunk stage and drafter stages (the same on every rank): ``(trunk stage, {spec: drafter
-    stage})`` over its part of the trunk on :func:`rank_device`, the kernels' torch path (the compiled CPU kernels
-    are single-rank)."""
+    stage})`` over its part of the trunk on :func:`rank_device`, without the compiled CPU kernels (single-rank):
+    the torch path on the CPU; on CUDA the Triton kernels but the DSA indexer's (its pool scores sum every rank's
+    heads), so FP8 weights take the block-scaled FP8 GEMM."""
     from ..model.checkpoint import dflash_feature_layers, dflash_specs, load_dflash, load_trunk
     from .stages import drafter_stages
     from .trunk_stage import TrunkStage
 
-    kernels = kernels.replace(backend="torch", numba=False)
+    kernels = kernels.replace(numba=False)
     device = rank_device(config.device, tp.rank)
     model = load_trunk(checkpoint, dtype, kernels=kernels, tp=tp, device=device, fp8=config.fp8_weights)
     dflash = {

@@ -128,7 +128,8 @@ class Indexer(nn.Module):
         """Visibility mask ``[B, T, kv_len]`` of rows ``x [B, T, D]`` (``rows`` from
         :meth:`MLAttention.project`) over pool keys ``pk [B, P, di]``: :meth:`select` of
         :meth:`scores`, or for one sequence in serving :func:`~tandem.ops.cpu.kernels.dsa_mask`."""
-        mask = dispatch.dsa_mask(self.kernels, self, x, rows, pk, q_pos, kv_len)
+        # (under tensor parallelism the pool scores sum every rank's heads: the torch path's all-reduce, no kernel)
+        mask = dispatch.dsa_mask(self.kernels, self, x, rows, pk, q_pos, kv_len) if self.tp is None else None
         return self.select(self.scores(x, rows["q_resid"], pk), q_pos, kv_len) if mask is None else mask
 
     def queries(self, x: torch.Tensor, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +268,7 @@ class MLAttention(nn.Module):
         rows, outs, off = self.project(x), [], 0
         if "iq" in rows and dispatch.mla_rows_fit(self.kernels, x, max(lengths)):
             return self.o_proj(dispatch.mla_rows(self, rows, caches, lengths))
-        if dispatch.mla_rows_triton(self.kernels, x):
+        if self.indexer.tp is None and dispatch.mla_rows_triton(self.kernels, x):  # (its DSA selection: one rank's)
             return self.o_proj(self._triton_rows(x, rows, caches, lengths))
         for cache, n in zip(caches, lengths):
             seg = {k: v[:, :, off : off + n] if k in ("q", "k", "v") else v[:, off : off + n] for k, v in rows.items()}

@@ -17,7 +17,9 @@ Every rank keeps whole what is small or low-rank: the norms, the mHC mixers, ``q
 attention and FFN outputs are partial sums, reduced across ranks (one all-reduce each). The MTP layer is not
 split: a tensor-parallel trunk is built without it.
 
-The split runs the torch path (``kernels`` ``torch``): the CPU's compiled kernels stay single-rank. Each rank
+The split runs without the CPU's compiled kernels, which stay single-rank: the torch path on the CPU; on CUDA
+the Triton kernels but the DSA indexer's (its pool scores sum every rank's heads, which the torch path
+all-reduces), so a rank's FP8 weights take the block-scaled FP8 GEMM. Each rank
 reads its part of each tensor from the checkpoint (:func:`shard_span`; safetensors slices, its own experts only),
 whole only for the KDA convs and FP8 weights, which it slices after reading.
 """

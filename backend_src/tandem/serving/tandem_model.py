@@ -95,7 +95,7 @@ class TandemModel:
                 dflash = proxies.DFlashProxy(watch, on_error=log)
                 drafters.update({spec: dflash for spec in specs})
         # the first client turn finds the kernels' layouts built (BLS calls work only inside execute: with the
-        # drafter models, the trunk alone); the torch path of tensor parallelism has none to build
+        # drafter models, the trunk alone); tensor parallelism runs no compiled CPU kernel: none to build
         warm = warm_stages(trunk, drafters if cfg.colocate else {}, cfg) if cfg.tensor_parallel == 1 else {}
         costs = RoundCosts()  # this machine's round costs, for the adaptive draft length (drafters over BLS: later)
         if cfg.adaptive_draft:
@@ -154,7 +154,7 @@ class TandemModel:
         mine = weight_bytes(trunk.model)
         self.pb.Logger.log_info(
             f"tandem: rank 0 of {cfg.tensor_parallel}: {mine / 2**20:.1f} MiB of trunk weights, "
-            f"{mine / one:.2f} of one rank's {one / 2**20:.1f} MiB (torch path; drafters {sorted(drafters)} on every rank)"
+            f"{mine / one:.2f} of one rank's {one / 2**20:.1f} MiB (no compiled CPU kernels; drafters {sorted(drafters)} on every rank)"
         )
         return trunk.model, wrapped[id(trunk)], {spec: wrapped[id(st)] for spec, st in drafters.items()}
 
