@@ -169,7 +169,8 @@ def load_trunk(
                 forms[k] = b
         with torch.device("meta"):
             keep_fp8(model, forms)
-        forms = {k: b for k, b in forms.items() if k + SCALE_SUFFIX in model.state_dict()}  # those swapped
+        held = model.state_dict()
+        forms = {k: b for k, b in forms.items() if k + SCALE_SUFFIX in held}  # those swapped
     if tp is not None or keep:
         need = sum(_held_bytes(n, t, dtype) for n, t in list(model.named_parameters()) + list(model.named_buffers()))
         what = f"checkpoint {folder}" if tp is None else f"rank {tp.rank} of checkpoint {folder}"
