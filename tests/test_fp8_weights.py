@@ -59,8 +59,10 @@ def test_the_cpu_dequantizes_by_default_at_the_dequantized_size(fp8_folder):
     bf16 = load_trunk(CHECKPOINT, torch.bfloat16)
     auto = load_trunk(fp8_folder, torch.bfloat16)  # fp8_weights auto on the CPU: dequantized, numba kernels on
     assert "dequantized at load" in auto.loaded_from and weight_bytes(auto) == weight_bytes(bf16)
-    with pytest.raises(ValueError, match="fp8_weights=keep on the CPU runs the torch path"):
-        load_trunk(fp8_folder, torch.float32, fp8="keep")  # the default settings run the numba kernels
+    kept = load_trunk(fp8_folder, torch.float32, fp8="keep")  # kept on the CPU: the torch path (numba reads bf16)
+    assert "kept (60 tensors, torch path)" in kept.loaded_from and not kept.kernels.numba
+    plain = load_trunk(CHECKPOINT, torch.float32, fp8="keep")  # no FP8 weights to keep: the kernels stay
+    assert "FP8" not in plain.loaded_from and plain.kernels.numba
     with pytest.raises(ValueError, match="fp8_weights must be one of"):
         load_trunk(fp8_folder, torch.float32, fp8="fp4")
 
@@ -121,3 +123,14 @@ def test_parts_off_a_block_boundary_repeat_scales_by_row_or_are_dequantized(fp8_
     assert torch.equal(s, full_s.repeat_interleave(128, 0)[64:128])
     assert tensors.fp8_form(next(k for k in tensors.keys() if k.endswith("embed_tokens.weight"))) is None
     assert json.loads((fp8_folder / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_the_fp8_tool_refuses_a_block_the_gemm_cannot_take(tmp_path):
+    from typer.testing import CliRunner
+
+    from tandem.tools.fp8 import app
+
+    for block in ("0", "100"):
+        r = CliRunner().invoke(app, [str(CHECKPOINT), str(tmp_path / f"out{block}"), "--block", block])
+        assert r.exit_code == 2 and "--block must be a positive multiple of 16" in r.output, r.output
+        assert not (tmp_path / f"out{block}").exists()

@@ -34,6 +34,18 @@ def test_each_tensor_kind_splits_by_its_rule():
         local_config(cfg, TensorParallel(0, 3))
 
 
+def test_what_a_split_cannot_serve_is_refused_with_the_config():
+    """Checked with the serving config, before a server starts: the MTP spec as the default (its layer is not
+    split) and drafters in their own models (every rank runs them beside its trunk)."""
+    from tandem import schema
+
+    with pytest.raises(ValueError, match="spec 'mtp' is not served with tensor_parallel 2"):
+        schema.ServingConfig(tensor_parallel=2, spec="mtp")
+    with pytest.raises(ValueError, match="tensor_parallel 2 runs the drafters beside the trunk on every rank"):
+        schema.ServingConfig(tensor_parallel=2, colocate=False)
+    assert schema.ServingConfig(tensor_parallel=2, spec="dflash2").spec == "dflash2"
+
+
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory):
     from tandem.launch.serve import running_server

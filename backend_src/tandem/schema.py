@@ -153,6 +153,15 @@ class ServingConfig:
             raise ValueError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
         if self.fp8_weights not in FP8_MODES:
             raise ValueError(f"fp8_weights must be one of {FP8_MODES}, got {self.fp8_weights!r}")
+        if self.tensor_parallel > 1 and not self.colocate:
+            raise ValueError(
+                f"tensor_parallel {self.tensor_parallel} runs the drafters beside the trunk on every rank: set colocate true"
+            )
+        if self.tensor_parallel > 1 and self.spec == MTP:
+            raise ValueError(
+                f"spec 'mtp' is not served with tensor_parallel {self.tensor_parallel} (the MTP layer is not split): "
+                "use off, dflash or dflash2"
+            )
         for name in (
             "burst_rounds",
             "max_ctx",

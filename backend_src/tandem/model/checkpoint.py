@@ -126,14 +126,13 @@ def load_trunk(
     ``fp8`` (:data:`tandem.schema.FP8_MODES`, the serving parameter ``fp8_weights``) says what becomes of an FP8
     checkpoint's block-scaled weights: ``dequantize`` to bfloat16 values at load; ``keep`` held in FP8
     (:mod:`tandem.model.fp8`: a byte a weight plus its scales; the memory check counts that); ``auto`` keeps them on
-    CUDA and dequantizes them elsewhere. ``keep`` on the CPU needs ``kernels`` without the numba kernels (they read
-    dequantized weights; :func:`~tandem.model.device.kernel_settings` gives that): the torch path then dequantizes
-    each weight per call.
+    CUDA and dequantizes them elsewhere. A trunk kept in FP8 on the CPU runs without the numba kernels (they read
+    dequantized weights): its kernel settings are ``kernels`` with ``numba`` off, and the torch path dequantizes each
+    weight per call (a checking path, many times slower than the dequantized trunk).
 
     Raises ``FileNotFoundError`` if the folder lacks a file, ``KeyError`` naming missing or
     unexpected keys, ``ValueError`` naming a key whose shape differs (or whose FP8 form does not fit, or a
-    config field tandem cannot honour, an unknown ``fp8`` or ``keep`` with the numba kernels), ``MemoryError`` when
-    the weights cannot fit.
+    config field tandem cannot honour, an unknown ``fp8``), ``MemoryError`` when the weights cannot fit.
     """
     import dataclasses
 
@@ -148,7 +147,7 @@ def load_trunk(
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     with_mtp = with_mtp and cfg.num_nextn_predict_layers > 0 and tp is None
-    keep = keeps_fp8(fp8, layout.fp8 is not None, device, kernels)
+    keep = keeps_fp8(fp8, layout.fp8 is not None, device)
     if tp is None and not keep:
         check_fits(cfg, dtype, with_mtp, folder, device)
     tensors = CheckpointTensors(files, layout)
@@ -219,30 +218,28 @@ def load_trunk(
         + (
             [
                 f"FP8 {layout.fp8.block[0]}x{layout.fp8.block[1]} blocks "
-                + (f"kept ({len(forms)} tensors)" if forms else "dequantized at load")
+                + (
+                    f"kept ({len(forms)} tensors{', torch path' if torch.device(device).type == 'cpu' else ''})"
+                    if forms
+                    else "dequantized at load"
+                )
             ]
             if layout.fp8
             else []
         )
     )
     model.vision_token_ids = layout.vision_token_ids
+    model.fp8_kept = bool(forms)  # (on the CPU its kernel settings then lose the numba kernels: use_kernels)
     return input_major_linears(model).use_kernels(kernels)
 
 
-def keeps_fp8(mode: str, fp8_checkpoint: bool, device: str | torch.device, kernels: KernelSettings) -> bool:
+def keeps_fp8(mode: str, fp8_checkpoint: bool, device: str | torch.device) -> bool:
     """Whether a load holds a checkpoint's FP8 weights in FP8 (``mode``: :data:`tandem.schema.FP8_MODES`; see
-    :func:`load_trunk`). Raises ``ValueError`` naming ``fp8_weights`` for an unknown mode, or for ``keep`` on the
-    CPU with the numba kernels on."""
+    :func:`load_trunk`): never for a checkpoint without them. Raises ``ValueError`` naming ``fp8_weights`` for an
+    unknown mode."""
     if mode not in schema.FP8_MODES:
         raise ValueError(f"fp8_weights must be one of {schema.FP8_MODES}, got {mode!r}")
-    dev = torch.device(device)
-    keep = fp8_checkpoint and (mode == "keep" or (mode == "auto" and dev.type == "cuda"))
-    if keep and dev.type == "cpu" and kernels.numba and kernels.backend != "triton":
-        raise ValueError(
-            "fp8_weights=keep on the CPU runs the torch path (the numba kernels read dequantized weights): load "
-            "with kernel settings whose numba is off (the serving parameter does that), or fp8_weights=dequantize"
-        )
-    return keep
+    return fp8_checkpoint and (mode == "keep" or (mode == "auto" and torch.device(device).type == "cuda"))
 
 
 def _span(key: str, tensors, like: tuple[int, ...], tp):

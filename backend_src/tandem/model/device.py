@@ -73,14 +73,9 @@ def kernel_settings(cfg: schema.ServingConfig, dtype: str | None = None) -> Kern
     serving parameter ``kernels`` as the backend, ``amx``, and the CPU GEMM's inputs for the ``dtype``
     parameter (``dtype`` when given, else ``cfg.dtype``): ``fp32`` float32 inputs throughout, else
     bfloat16 inputs on bfloat16 weights (:mod:`tandem.ops.cpu.pairs`, the faster by measurement; ``bf16``
-    computes in torch bf16). ``fp8_weights=keep`` on the CPU turns the numba kernels off (they read dequantized
-    weights; the torch path dequantizes an FP8 weight per call). Raises ``ValueError`` for an unknown ``kernels``
-    mode."""
+    computes in torch bf16). Raises ``ValueError`` for an unknown ``kernels`` mode."""
     name = cfg.dtype if dtype is None else dtype
-    numba = not (cfg.fp8_weights == "keep" and resolve_device(cfg.device).type == "cpu")
-    return KernelSettings(
-        backend=cfg.kernels, numba=numba, gemm_inputs="fp32" if name == "fp32" else "bf16", amx=cfg.amx
-    )
+    return KernelSettings(backend=cfg.kernels, gemm_inputs="fp32" if name == "fp32" else "bf16", amx=cfg.amx)
 
 
 def invariant_prime(cfg: schema.ServingConfig) -> bool:

@@ -101,6 +101,9 @@ class Trunk(nn.Module):
     #: the released layout's image and video placeholder token ids, which a prompt may not hold (tandem serves
     #: the text model)
     vision_token_ids: tuple[int, ...] = ()
+    #: it holds FP8 weights (:mod:`tandem.model.fp8`; set by the loader): on the CPU it then runs without the numba
+    #: kernels, which read dequantized weights (:meth:`use_kernels`)
+    fp8_kept: bool = False
 
     def __init__(self, cfg: TrunkConfig, with_mtp: bool = True) -> None:
         super().__init__()
@@ -116,7 +119,10 @@ class Trunk(nn.Module):
     def use_kernels(self, kernels: KernelSettings) -> "Trunk":
         """Run with the kernel settings ``kernels`` (:func:`tandem.ops.dispatch.install`; a loader calls it once):
         the trunk's own modules in the row-invariant mode when :attr:`batch_invariant`, the MTP layer always
-        (its drafts come from the row-invariant GEMM, faster than MKL for a few rows). Returns the trunk."""
+        (its drafts come from the row-invariant GEMM, faster than MKL for a few rows); without the numba kernels
+        when it holds FP8 weights on the CPU (:attr:`fp8_kept`). Returns the trunk."""
+        if self.fp8_kept and self.lm_head.weight.device.type == "cpu":
+            kernels = kernels.replace(numba=False)
         dispatch.install(self, kernels.replace(rows=self._batch_invariant))
         if self.mtp is not None:
             dispatch.install(self.mtp, kernels.replace(rows=True))

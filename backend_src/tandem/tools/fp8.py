@@ -104,6 +104,8 @@ def main(
     block: int = typer.Option(128, help="rows and columns of a scale's block"),
 ) -> None:
     """Write a block-scaled FP8 copy of a checkpoint (GLM-5.3-Flash's released FP8 set)."""
+    if block < 16 or block % 16:
+        raise typer.BadParameter(f"--block must be a positive multiple of 16 (the FP8 GEMM's limit), got {block}")
     try:
         s = fp8_copy(src, dst, (block, block), lambda i, n, name: print(f"  {i}/{n} {name}", flush=True))
     except (ValueError, OSError) as e:
