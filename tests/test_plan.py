@@ -40,3 +40,13 @@ def test_the_real_model_fits_eight_80gb_gpus_in_fp8_and_not_one():
     assert f"{one.per_rank / GIB:,.1f} GiB" in res.output and f"{one.usable / GIB:,.1f} GiB" in res.output
     res = CliRunner().invoke(app, [])
     assert res.exit_code == 0 and f"{p.sessions:,} sessions of 4,096 tokens" in res.output
+
+
+def test_a_split_the_server_would_refuse_is_refused_here(checkpoint, tmp_path):
+    """The plan refuses what the server would: the miniature's 4 heads over 3 devices (exit 1, the reason
+    named), and a folder that is not a checkpoint (exit 2, no traceback)."""
+    res = CliRunner().invoke(app, [str(checkpoint), "--devices", "3"])
+    assert res.exit_code == 1 and "does not split over 3 devices" in res.output and "num_attention_heads" in res.output
+    assert CliRunner().invoke(app, [str(checkpoint), "--devices", "2"]).exit_code == 0
+    res = CliRunner().invoke(app, [str(tmp_path / "none")])
+    assert res.exit_code == 2 and "No such file" in res.output and "Traceback" not in res.output

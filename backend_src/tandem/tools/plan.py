@@ -117,14 +117,26 @@ def main(
     max_ctx: int = typer.Option(4096, min=1, help="tokens of context a session holds"),
     reserve: float = typer.Option(0.1, min=0.0, max=0.9, help="share of each device left for activations"),
 ) -> None:
-    """Print the memory plan; exit status 1 when the weights do not fit."""
+    """Print the memory plan; exit status 1 when the weights do not fit, or the model does not split ``devices``
+    ways (the server would refuse it: :func:`~tandem.model.parallel.local_config`)."""
+    from ..model.parallel import TensorParallel, local_config
+
     if dtype not in DTYPES:
         typer.echo(f"--dtype must be one of {DTYPES}, got {dtype!r}", err=True)
         raise typer.Exit(2)
-    if checkpoint is None:
-        cfg, what = TrunkConfig.from_dict({"model_type": "glm5_next_text"}), "GLM-5.3-Flash (the default config)"
-    else:
-        cfg, what = TrunkConfig.load(checkpoint), str(checkpoint)
+    try:
+        if checkpoint is None:
+            cfg, what = TrunkConfig.from_dict({"model_type": "glm5_next_text"}), "GLM-5.3-Flash (the default config)"
+        else:
+            cfg, what = TrunkConfig.load(checkpoint), str(checkpoint)
+    except (OSError, ValueError) as e:
+        typer.echo(f"tandem: {checkpoint}: {e}", err=True)
+        raise typer.Exit(2)
+    try:
+        local_config(cfg, TensorParallel(0, devices))
+    except ValueError as e:
+        typer.echo(f"memory plan of {what}\n  does not split over {devices} devices: {e}", err=True)
+        raise typer.Exit(1)
     p = plan(cfg, devices, int(memory_gb * 1e9), dtype, max_ctx, reserve)
     typer.echo(f"memory plan of {what}")
     for line in p.lines():
