@@ -231,6 +231,27 @@ def raw_turn(url: str, ids: list[int], sid: int, start: bool, end: bool, max_tok
         c.close()
 
 
+def close_anywhere(c, sid: int) -> None:
+    """Ends session ``sid`` on whichever server of cluster ``c`` holds it (each server's own port)."""
+    for i in range(len(c.names)):
+        try:
+            generate([], 1, url=f"127.0.0.1:{c.ports[i][1]}", sequence_id=sid, sequence_start=False, sequence_end=True)
+            return
+        except SessionLost:
+            continue
+    raise AssertionError(f"no server holds session {sid}")
+
+
+def all_slots_free(c) -> None:
+    """Waits until every server of cluster ``c`` holds no session (an earlier test's walked-away stream may
+    still be ending); fails naming each server's free slots."""
+    free = lambda: [tandem_metrics(c.ports[i][2])["tandem"].get("session_slots_free") for i in range(2)]  # noqa: E731
+    try:
+        wait_for(lambda: free() == [MAX_SESSIONS] * 2, 15.0)
+    except AssertionError:
+        raise AssertionError(f"sessions left open by earlier tests: free slots per server {free()}") from None
+
+
 def test_a_client_without_the_routing_header_is_told_to_send_it(cluster, tokenizer):
     """4 two-turn conversations over plain tritonclient streams, no routing header: the proxy spreads
     them round robin, so second turns reach a server that does not hold the session; each such turn's
@@ -242,6 +263,7 @@ def test_a_client_without_the_routing_header_is_told_to_send_it(cluster, tokeniz
         err = raw_turn(cluster.url, tokenizer.chat_prompt(LATER[0], later=True), sid, False, True)
         if err is not None:
             errors.append(err)
+            close_anywhere(cluster, sid)  # its first server still holds it (until idle_timeout_s)
     assert errors, "no second turn reached another server"
     for err in errors:
         assert "unknown sequence id" in err and schema.ROUTING_HEADER in err and schema.SESSION_LOST_MARKER in err
@@ -353,6 +375,7 @@ def test_server_loss_gives_session_lost_and_reprime_equals_reference(cluster, to
     of A's conversations gets SessionLost on its next turn within 5 s; B's conversations go on; the
     re-primed conversations (a new sequence id carrying the transcript) reach B and every turn's greedy
     output equals an uninterrupted run's."""
+    all_slots_free(cluster)  # B takes every conversation: it needs all its slots
     refs = [_reference(cluster.url, tokenizer, text) for text in TEXTS]
     convs, texts, on = [], [], {}
     while len(convs) < len(TEXTS) or set(on.values()) != set(cluster.names):  # (ids hash: both servers hold some)
