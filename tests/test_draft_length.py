@@ -36,16 +36,16 @@ class Fixed(RoundCosts):
     def saw_draft(self, *a) -> None:
         pass
 
-    def known(self, specs) -> bool:
+    def known(self, specs, compiled: bool = False) -> bool:
         return True
 
     def plain_s(self, sessions: int) -> float:
         return self.p * sessions**0.6 / 1e3
 
-    def verify_s(self, rows: int) -> float:
+    def verify_s(self, rows: int, compiled: bool = False) -> float:
         return (self.v0 + self.v1 * rows) / 1e3
 
-    def draft_s(self, spec: str, k: int) -> float:
+    def draft_s(self, spec: str, k: int, compiled: bool = False) -> float:
         return (self.d * k / 2 if spec == schema.MTP else self.d) / 1e3
 
 
@@ -279,6 +279,7 @@ def test_calibration_measures_every_cost_once_per_trunk(base):
     a = Engine(model=base.model, tokenizer=base.tokenizer, dflash=dflash, prefix_cache_mb=0)
     c = a.costs
     assert c.calibrated and c.known([schema.MTP, *schema.DFLASH_SPECS])
+    assert set(c.draft_compiled) == set(schema.DFLASH_SPECS) and 0 < c.verify_s(2, True) < c.verify_s(8, True)
     assert 0 < c.plain_s(1) < c.verify_s(8) and c.verify_s(2) < c.verify_s(8)
     assert all(c.draft_s(s, 7) > 0 for s in schema.DFLASH_SPECS) and c.draft_s(schema.MTP, 2) > c.draft_s(schema.MTP, 1)
     b = Engine(model=base.model, tokenizer=base.tokenizer, dflash=dflash, prefix_cache_mb=0)

@@ -16,7 +16,8 @@ from .scheduler import Scheduler
 from .session import Turn
 
 #: the calibration turns' prompt (tokens) and the tokens they generate: plain, then per spec at its default
-#: drafts (a DFlash block's, MTP's ``num_draft_tokens``) and at one draft (the verify pass at two row counts)
+#: drafts (a DFlash block's, MTP's ``num_draft_tokens``) and at one draft (the verify pass at two row counts), a
+#: DFlash spec's both one call a round and in compiled rounds (:mod:`tandem.engine.compiled_rounds`)
 PROMPT_TOKENS, PLAIN_TOKENS, SPEC_TOKENS = 32, 48, 24
 #: calibration sequence ids: high in the int64 range, apart from the warm-up turns' (closed before any client)
 FIRST_SID = (1 << 62) + (1 << 20)
@@ -40,7 +41,8 @@ def shared_costs(model, config: schema.ServingConfig) -> RoundCosts:
 def calibrate(trunk, drafters: dict, config: schema.ServingConfig, costs: RoundCosts) -> float:
     """Measure ``costs`` with turns in a scheduler of its own over ``trunk`` (a trunk stage) and ``drafters``
     (spec -> stage; those callable here): a plain turn (the compiled plain rounds), and per spec one turn at its
-    most drafts and one at a single draft, each twice (the first warms what a process builds on first use, then
+    most drafts and one at a single draft (a DFlash spec's both as rounds one call at a time and as compiled rounds),
+    each twice (the first warms what a process builds on first use, then
     the measures start anew). The draft length is fixed (``adaptive_draft`` off), the prefix cache off.
 
     Returns the seconds it took. Raises ``RuntimeError`` when a turn fails (the stages cannot serve one)."""
@@ -51,17 +53,22 @@ def calibrate(trunk, drafters: dict, config: schema.ServingConfig, costs: RoundC
     n_prompt = max(1, min(PROMPT_TOKENS, cfg.max_ctx // 4))
     vocab = trunk.vocab_size
     prompt = [(53 * i + 7) % (vocab - 1) + 1 for i in range(n_prompt)]
-    turns = [(schema.OFF, None, PLAIN_TOKENS)]
+    turns = [(schema.OFF, None, PLAIN_TOKENS, False)]
     for spec in sorted(drafters):
         most = cfg.block_size - 1 if spec in schema.DFLASH_SPECS else cfg.num_draft_tokens
-        turns += [(spec, most, SPEC_TOKENS), (spec, 1, SPEC_TOKENS)]
+        kinds = (False, True) if spec in schema.DFLASH_SPECS and cfg.compiled_spec_rounds else (False,)
+        turns += [(spec, k, SPEC_TOKENS, compiled) for compiled in kinds for k in (most, 1)]
     sid = FIRST_SID
     for measuring in (False, True):
         if measuring:
             costs.reset()
         costs.calibrating = measuring
-        sched = Scheduler(trunk, drafters, cfg, costs=costs)
-        for spec, k, n in turns:
+        scheds = {
+            c: Scheduler(trunk, drafters, dataclasses.replace(cfg, compiled_spec_rounds=c), costs=costs)
+            for c in (False, True)
+        }
+        for spec, k, n, compiled in turns:
+            sched = scheds[compiled]
             errors: list[str] = []
             n = max(1, min(n, cfg.max_ctx - n_prompt - 1))
             sched.admit([Turn(sid, prompt, n, lambda r, e, f: e and errors.append(e), spec=spec, num_draft_tokens=k)])
@@ -70,7 +77,8 @@ def calibrate(trunk, drafters: dict, config: schema.ServingConfig, costs: RoundC
             if errors:
                 raise RuntimeError(f"calibration turn ({spec}, {k} drafts) failed: {errors[0]}")
             sid += 1
-        sched.expire_idle(now=float("inf"))
+        for sched in scheds.values():
+            sched.expire_idle(now=float("inf"))
     costs.calibrating = False
     costs.calibrated = True
     return time.perf_counter() - t0

@@ -189,6 +189,34 @@ class DFlashStage(DrafterStage):
                 )
         return res
 
+    def contexts(self, sids: list[int], spec: str) -> tuple[DFlashDrafter, list[ContextKV]] | None:
+        """The drafter of ``spec`` and each sequence's context K/V (made when missing, the spec fixed as a first draft
+        fixes it), for rounds that draft inside the trunk's call (:meth:`~tandem.engine.trunk_stage.TrunkStage.spec_burst`;
+        :meth:`ingested` then records the rows they took in); None (nothing changed) when the compiled drafter round
+        does not serve ``spec`` here (:func:`tandem.ops.dispatch.dflash_burst_fits`). Raises
+        :class:`~tandem.engine.protocols.UnknownSequence`, ``ValueError`` on a spec change."""
+        model = self.drafters[spec]
+        if not dispatch.dflash_burst_fits(model, self.head):
+            return None
+        sts = [self.state(sid) for sid in sids]
+        for sid, st in zip(sids, sts):
+            if st.spec not in (None, spec):
+                raise ValueError(f"sequence {sid} drafts with {st.spec}, not {spec}")
+        out = []
+        for st in sts:
+            st.spec = spec
+            if st.kv is None:
+                a = model.layers[0].self_attn
+                st.kv = ContextKV(len(model.layers), a.h, a.d, model.fc.weight)
+            out.append(st.kv)
+        return model, out
+
+    def ingested(self, sids: list[int]) -> None:
+        """Record the rows a call that drafted in place (:meth:`contexts`) took into each sequence's context."""
+        for sid in sids:
+            st = self.state(sid)
+            st.rows = st.kv.rows
+
     def _ingest(self, model: DFlashDrafter, st: DFlashState, feats: torch.Tensor) -> None:
         """The torch path's ingest of committed rows' ``feats [n, F]`` at the next positions into ``st``'s context
         K/V, in pieces ending at multiples of ``PREFIX_BLOCK`` (warm prefix starts equal cold ones)."""

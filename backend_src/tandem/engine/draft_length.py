@@ -32,6 +32,7 @@ a spec no round has measured yet.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from .. import schema
 from ..schema import ServingConfig
@@ -81,6 +82,9 @@ class DraftLength:
         stats.setdefault("promotions", 0)
         #: per spec: decayed hit / tried counts per position over every session
         self.spec_counts: dict[str, tuple[list[float], list[float]]] = {}
+        #: ``compiled(sessions)``: whether a round in which those sessions draft runs in a compiled call (the
+        #: scheduler sets it: :meth:`~tandem.engine.compiled_rounds.CompiledRounds.drafter`), whose costs it weighs
+        self.compiled: Callable[[list], bool] = lambda sessions: False
 
     # -- acceptance -----------------------------------------------------------------------------------
     def acceptance(self, s, k: int) -> list[float]:
@@ -113,6 +117,7 @@ class DraftLength:
         ``plain_ok``: a round without drafts would run as compiled plain rounds (else it is a verify round of
         one row each). Moves the sessions' rest and probe clocks."""
         L, c = len(act), self.config
+        compiled = self.compiled(act)
         ks: dict[int, int] = {}
         fixed, cands = [], []
         for s in act:
@@ -126,7 +131,7 @@ class DraftLength:
             elif st.resting and not self._probe_due(st) and st.rest_load == L:
                 ks[s.sid] = 0
                 st.since += 1
-            elif st.resting and not self._could_pay(s, k, L, plain_ok):  # not even were every draft accepted
+            elif st.resting and not self._could_pay(s, k, L, plain_ok, compiled):  # not even were every draft accepted
                 ks[s.sid], st.since, st.rest_load = 0, 0, L
                 st.backoff = min(2 * st.backoff, MAX_BACKOFF)
             elif st.resting:  # its probe: a few drafts, measured anew
@@ -142,10 +147,10 @@ class DraftLength:
                 cands.append((s, k))
         if not cands:
             return ks
-        if not self.costs.known({s.spec for s, _ in cands + fixed}):
+        if not self.costs.known({s.spec for s, _ in cands + fixed}, compiled):
             ks.update({s.sid: k for s, k in cands})
             return ks
-        chosen = self._allocate(L, fixed, cands, plain_ok)
+        chosen = self._allocate(L, fixed, cands, plain_ok, compiled)
         for s, _ in cands:
             k, st = chosen.get(s.sid, 0), s.drafting
             ks[s.sid] = k
@@ -161,18 +166,18 @@ class DraftLength:
                 st.resting, st.probed, st.backoff = False, False, 1
         return ks
 
-    def _allocate(self, L: int, fixed: list, cands: list, plain_ok: bool) -> dict[int, int]:
+    def _allocate(self, L: int, fixed: list, cands: list, plain_ok: bool, compiled: bool) -> dict[int, int]:
         """The goodput-best drafts per candidate (see the module text): ``{sid: k}`` (absent: 0). A round's time
         is its ``L`` anchor rows' (a verify round's, never taken below the plain round's), the draft rows' on the
-        verify line, and the drafting sessions' draft rounds."""
+        verify line, and the drafting sessions' draft rounds (a ``compiled`` call's costs when it runs in one)."""
         costs = self.costs
-        plain, base = self._plain_and_base(L, plain_ok)
+        plain, base = self._plain_and_base(L, plain_ok, compiled)
         rows, tokens, draft = L, float(L), 0.0
         for s, k in fixed:
             rows += k
             tokens += _expected(self.acceptance(s, k))
-            draft += costs.draft_s(s.spec, k)
-        best_rate = tokens / (base + costs.verify_s(rows) + draft) if fixed else L / plain
+            draft += costs.draft_s(s.spec, k, compiled)
+        best_rate = tokens / (base + costs.verify_s(rows, compiled) + draft) if fixed else L / plain
         best_m = 0
         items = []
         for s, k in cands:
@@ -184,8 +189,8 @@ class DraftLength:
         for m, (neg_v, i, _, spec) in enumerate(items, 1):
             rows += 1
             tokens -= neg_v
-            draft += costs.draft_s(spec, i) - (costs.draft_s(spec, i - 1) if i > 1 else 0.0)
-            rate = tokens / (base + costs.verify_s(rows) + draft)
+            draft += costs.draft_s(spec, i, compiled) - (costs.draft_s(spec, i - 1, compiled) if i > 1 else 0.0)
+            rate = tokens / (base + costs.verify_s(rows, compiled) + draft)
             if rate > best_rate:
                 best_rate, best_m = rate, m
         out: dict[int, int] = {}
@@ -193,22 +198,23 @@ class DraftLength:
             out[sid] = max(out.get(sid, 0), i)
         return out
 
-    def _could_pay(self, s, k: int, load: int, plain_ok: bool) -> bool:
+    def _could_pay(self, s, k: int, load: int, plain_ok: bool, compiled: bool) -> bool:
         """Whether a round in which session ``s`` drafts ``k`` and every draft is accepted would give ``load``
         sessions more tokens a second than a plain round (else its probe is skipped: no acceptance could pay)."""
         c = self.costs
-        if not c.known({s.spec}):
+        if not c.known({s.spec}, compiled):
             return True
-        plain, base = self._plain_and_base(load, plain_ok)
-        return (load + k) / (base + c.verify_s(load + k) + c.draft_s(s.spec, k)) > load / plain
+        plain, base = self._plain_and_base(load, plain_ok, compiled)
+        rate = (load + k) / (base + c.verify_s(load + k, compiled) + c.draft_s(s.spec, k, compiled))
+        return rate > load / plain
 
-    def _plain_and_base(self, load: int, plain_ok: bool) -> tuple[float, float]:
+    def _plain_and_base(self, load: int, plain_ok: bool, compiled: bool) -> tuple[float, float]:
         """Seconds of a round without drafts of ``load`` sessions (compiled plain rounds when ``plain_ok``, else a
-        verify round of one row each), and what a verify round's time adds over the verify line so that its
-        ``load`` anchor rows never cost less than that round."""
+        verify round of one row each), and what a verify round's time (a ``compiled`` call's round's) adds over
+        the verify line so that its ``load`` anchor rows never cost less than that round."""
         c = self.costs
         plain = c.plain_s(load) if plain_ok else c.verify_s(load)
-        return plain, max(plain, c.verify_s(load)) - c.verify_s(load)
+        return plain, max(plain, c.verify_s(load, compiled)) - c.verify_s(load, compiled)
 
     def _probe_due(self, st: DraftState) -> bool:
         return st.since >= max(1, self.config.probe_rounds) * st.backoff
@@ -228,7 +234,7 @@ class DraftLength:
         if not self.config.adaptive_draft or not s.demote_eligible() or not st.resting:
             return 0
         if st.rest_load != load or self._probe_due(st):
-            if self._could_pay(s, s.draft_budget(), load, True):
+            if self._could_pay(s, s.draft_budget(), load, True, self.compiled([s])):
                 return 0
             st.since, st.rest_load, st.backoff = 0, load, min(2 * st.backoff, MAX_BACKOFF)
         return 1 << 30

@@ -12,6 +12,11 @@ Three measured quantities, each from the engine core's own rounds (and a calibra
 - ``draft_s(spec, k)``: seconds of one session's drafter round: a DFlash block forward costs about the
   same for any ``k``; the MTP drafter runs its layer once per draft, so its cost is per draft.
 
+The verify line and the drafts are kept twice: for rounds one call at a time, and for the rounds a compiled call
+runs together (:class:`~tandem.engine.compiled_rounds.CompiledRounds`: no Python between its parts, so cheaper per
+row); the policy asks for the kind of round it plans (``compiled``), the other kind's measures standing in until
+that kind has been measured.
+
 Each is an exponentially weighted average, the newest observation weighing :data:`WEIGHT`: the machine's
 speed drifts (other tenants, the batch), and the model follows it within tens of rounds.
 """
@@ -74,6 +79,8 @@ class RoundCosts:
         self.plain: dict[int, float] = {}
         self.verify = _Line()
         self.draft: dict[str, list[float]] = {}  # spec -> [seconds a session's round, drafts a round]
+        self.verify_compiled = _Line()
+        self.draft_compiled: dict[str, list[float]] = {}
 
     # -- what the rounds report ------------------------------------------------------------------
     def saw_plain(self, sessions: int, seconds: float) -> None:
@@ -81,30 +88,40 @@ class RoundCosts:
         old = self.plain.get(sessions)
         self.plain[sessions] = seconds if old is None else old + WEIGHT * (seconds - old)
 
-    def saw_verify(self, rows: int, seconds: float) -> None:
-        """A verify round of ``rows`` rows in all took ``seconds`` (trunk pass, walks, bookkeeping)."""
-        self.verify.add(rows, seconds, prior=self.calibrating)
+    def saw_verify(self, rows: int, seconds: float, compiled: bool = False) -> None:
+        """A verify round of ``rows`` rows in all took ``seconds`` (trunk pass, walks, bookkeeping; ``compiled``: a
+        round of a compiled call, its share of the call's time)."""
+        (self.verify_compiled if compiled else self.verify).add(rows, seconds, prior=self.calibrating)
 
-    def saw_draft(self, spec: str, sessions: int, drafts: int, seconds: float) -> None:
-        """A drafter call for ``sessions`` sessions of ``spec`` drafting ``drafts`` tokens in all took ``seconds``."""
+    def saw_draft(self, spec: str, sessions: int, drafts: int, seconds: float, compiled: bool = False) -> None:
+        """A drafter call for ``sessions`` sessions of ``spec`` drafting ``drafts`` tokens in all took ``seconds``
+        (``compiled``: the drafters' share of a compiled round)."""
         if sessions <= 0:
             return
         per, k = seconds / sessions, drafts / sessions
-        old = self.draft.get(spec)
+        table = self.draft_compiled if compiled else self.draft
+        old = table.get(spec)
         if old is None:
-            self.draft[spec] = [per, k]
+            table[spec] = [per, k]
         else:
             old[0] += WEIGHT * (per - old[0])
             old[1] += WEIGHT * (k - old[1])
 
     # -- what the policy asks ---------------------------------------------------------------------
-    def known(self, specs) -> bool:
-        """Whether every quantity the policy needs for sessions of ``specs`` has been measured."""
-        return bool(self.plain) and self.verify.at(1) is not None and all(a in self.draft for a in specs)
+    def known(self, specs, compiled: bool = False) -> bool:
+        """Whether every quantity the policy needs for sessions of ``specs`` has been measured (for ``compiled``
+        rounds, either kind's measures)."""
+        line = self.verify.at(1) is not None or (compiled and self.verify_compiled.at(1) is not None)
+        drafts = all(a in self.draft or (compiled and a in self.draft_compiled) for a in specs)
+        return bool(self.plain) and line and drafts
 
-    def verify_s(self, rows: int) -> float:
-        """Seconds of a verify round over ``rows`` rows in all."""
-        v = self.verify.at(rows)
+    def verify_s(self, rows: int, compiled: bool = False) -> float:
+        """Seconds of a verify round over ``rows`` rows in all (``compiled``: of a compiled call's round)."""
+        v = self.verify_compiled.at(rows) if compiled else None
+        if v is None:
+            v = self.verify.at(rows)
+        if v is None and not compiled:
+            v = self.verify_compiled.at(rows)
         return 0.0 if v is None else max(v, 1e-6)
 
     def plain_s(self, sessions: int) -> float:
@@ -116,9 +133,11 @@ class RoundCosts:
         near = min(self.plain, key=lambda n: abs(n - sessions))
         return max(self.plain[near] + self.verify_s(sessions) - self.verify_s(near), 1e-6)
 
-    def draft_s(self, spec: str, k: int) -> float:
-        """Seconds of one session's drafter round of ``spec`` proposing ``k`` drafts."""
-        per, mean_k = self.draft[spec]
+    def draft_s(self, spec: str, k: int, compiled: bool = False) -> float:
+        """Seconds of one session's drafter round of ``spec`` proposing ``k`` drafts (``compiled``: in a compiled
+        call's round)."""
+        got = self.draft_compiled.get(spec) if compiled else None
+        per, mean_k = got or self.draft.get(spec) or self.draft_compiled[spec]
         return per * k / max(mean_k, 1e-9) if spec == schema.MTP else per
 
     def summary(self) -> dict[str, float]:
@@ -127,4 +146,7 @@ class RoundCosts:
         out = {"plain_1_ms": self.plain_s(1) * 1e3 if self.plain else 0.0}
         out.update({f"verify_{r}_ms": self.verify_s(r) * 1e3 for r in (1, 8)})
         out.update({f"draft_{a}_ms": v[0] * 1e3 for a, v in sorted(self.draft.items())})
+        if self.verify_compiled.at(1) is not None:
+            out.update({f"compiled_verify_{r}_ms": self.verify_compiled.at(r) * 1e3 for r in (1, 8)})
+        out.update({f"compiled_draft_{a}_ms": v[0] * 1e3 for a, v in sorted(self.draft_compiled.items())})
         return out

@@ -10,6 +10,7 @@ Each responsibility is a class of its own, wired here and talking through public
 - :class:`~tandem.engine.prefill.PrefillPlanner`: chunked prefill under the burst's budget;
 - :class:`~tandem.engine.plain_rounds.PlainRounds`: a burst's plain greedy rounds in one trunk call;
 - :class:`~tandem.engine.spec_round.SpecRound`: the verify round (draft, verify, accept walk, commit);
+- :class:`~tandem.engine.compiled_rounds.CompiledRounds`: a burst's speculative rounds in one trunk call;
 - :class:`~tandem.engine.publication.PrefixPublisher`: prefix lookup, capture and publication.
 
 The scheduler sequences them: a turn's prime and first token, a burst's rounds, each receipt's emission.
@@ -26,13 +27,14 @@ from .admission import Admission
 from .draft_length import DraftLength
 from .session_table import SessionTable
 from .plain_rounds import PlainRounds
+from .compiled_rounds import CompiledRounds
 from .prefill import PrefillPlanner
 from .prefix import PrefixIndex
 from .protocols import Commit, DrafterAPI, Rows, TrunkAPI, VerifyOut
 from .publication import PrefixPublisher
 from .round_costs import RoundCosts
 from .session import Receipt, SpecSession, Turn, finish
-from .spec_round import SpecRound
+from .spec_round import SpecRound, plain_ok
 from .stage_set import StageSet
 from .state_size import StateSize
 from .structured import Grammars
@@ -91,6 +93,10 @@ class Scheduler:
         self.draft_length = DraftLength(config, costs if costs is not None else RoundCosts(), self.stats)
         self.plain = PlainRounds(self.trunk, self.draft_length, self.stats, self.timing)
         self.speculative = SpecRound(self.stages, self.draft_length, self.stats, self.timing)
+        self.compiled = CompiledRounds(
+            self.stages, self.draft_length, self.stats, self.timing, config.compiled_spec_rounds
+        )
+        self.draft_length.compiled = lambda sessions: self.compiled.drafter(sessions) is not None
         #: the turns whose admission calls are running (read by a watchdog thread)
         self.admitting: list[Turn] = []
         #: ``failure_text(exception)``: the message for turns a failed stage call ends (None: the default)
@@ -320,7 +326,10 @@ class Scheduler:
                 break
             k, paced = self.plain.run(act, receipts, most - n, deadline)
             if not k:
-                self.speculative.run(act, receipts)
+                ks = self.draft_length.plan(act, plain_ok(act))
+                k, paced = self.compiled.run(act, receipts, ks, most - n, deadline)
+                if not k:
+                    self.speculative.run(act, receipts, ks)
             n += k or 1
             if paced:
                 break

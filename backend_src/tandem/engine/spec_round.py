@@ -14,6 +14,12 @@ from .session import Receipt, SpecSession, finish
 from .stage_set import StageSet
 
 
+def plain_ok(act: list[SpecSession]) -> bool:
+    """Whether a round of ``act`` without drafts would run as compiled plain rounds (greedy, no stop strings, no
+    structured output), what the draft-length policy weighs a drafting round against."""
+    return all(s.sampling is None and s.stop_text is None and s.constraint is None for s in act)
+
+
 class SpecRound:
     """One verify round over the active sessions (:meth:`run`); a session without drafts (spec ``off``,
     resting, degraded) verifies its anchor alone, a plain round.
@@ -27,17 +33,17 @@ class SpecRound:
     def __init__(self, stages: StageSet, policy: DraftLength, stats: dict, timing: dict) -> None:
         self.stages, self.policy, self.stats, self.timing = stages, policy, stats, timing
 
-    def run(self, act: list[SpecSession], receipts: dict[int, Receipt]) -> None:
+    def run(self, act: list[SpecSession], receipts: dict[int, Receipt], ks: dict[int, int] | None = None) -> None:
         """One round over the active sessions ``act`` (some): one drafter call per stage and one trunk
         verify, which first commits each session's previous round (the walk's rows kept, see
         :meth:`~tandem.engine.scheduler.Scheduler.settle`). Each session's receipt in ``receipts`` (made
-        when missing) gets the round."""
+        when missing) gets the round. ``ks``: the drafts per session the policy planned for this round (None:
+        planned here)."""
         clock = time.perf_counter
         t0 = clock()
         drafts: dict[int, list[int]] = {s.sid: [] for s in act}
-        ks = self.policy.plan(
-            act, all(s.sampling is None and s.stop_text is None and s.constraint is None for s in act)
-        )
+        if ks is None:
+            ks = self.policy.plan(act, plain_ok(act))
         costs = self.policy.costs
         for stage, group in self.stages.by_drafter([s for s in act if ks[s.sid] > 0]):
             reqs = [
@@ -77,27 +83,37 @@ class SpecRound:
         if s.constraint is not None:  # the grammar's state after the emitted tokens (its masks made the targets)
             s.constraint.advance(w.emitted)
         m = len(w.emitted)
-        s.rounds += 1
-        s.drafted += len(drafts)
-        s.accepted += w.accepted
-        r.rounds += 1
-        r.spec_rounds += bool(drafts)
-        r.drafted += len(drafts)
-        r.accepted += w.accepted
-        for i in range(w.accepted):
-            s.accepted_at[i] += 1
-            r.accepted_at[i] += 1
-        s.committed.extend([s.anchor] + w.emitted[:-1])
-        s.anchor = w.emitted[-1]
-        s.turn_remaining -= m
-        r.tokens.extend(w.emitted)
-        r.top2_gaps.extend(float(g) for g in out.top2_gap[:m])
-        if drafted:
-            self.policy.observe(s, w.accepted, len(drafts))
+        apply_walk(s, r, drafts, w, out.top2_gap[:m].tolist(), self.policy if drafted else None)
         if s.drafts_later:  # a resting session: its rows wait for the drafter's next round
             s.queue_for_drafter(out.rows(m), w.emitted)
         else:
             s.ingest = (out.rows(m), w.emitted)
-        s.last_active = time.monotonic()
         finish(s, r, w.finish)
         return m
+
+
+def apply_walk(
+    s: SpecSession, r: Receipt, drafts: list[int], w: Walk, gaps: list[float], policy: DraftLength | None
+) -> None:
+    """A round's accept walk ``w`` over ``drafts`` applied to session ``s`` and its burst's receipt ``r``: the
+    counters, the committed rows (the anchor and the emitted tokens but the last, which is the next anchor), the
+    emitted tokens with their top-2 ``gaps``, and (a round that drafted) the draft-length ``policy``'s acceptance."""
+    m = len(w.emitted)
+    s.rounds += 1
+    s.drafted += len(drafts)
+    s.accepted += w.accepted
+    r.rounds += 1
+    r.spec_rounds += bool(drafts)
+    r.drafted += len(drafts)
+    r.accepted += w.accepted
+    for i in range(w.accepted):
+        s.accepted_at[i] += 1
+        r.accepted_at[i] += 1
+    s.committed.extend([s.anchor] + w.emitted[:-1])
+    s.anchor = w.emitted[-1]
+    s.turn_remaining -= m
+    r.tokens.extend(w.emitted)
+    r.top2_gaps.extend(gaps)
+    if policy is not None:
+        policy.observe(s, w.accepted, len(drafts))
+    s.last_active = time.monotonic()

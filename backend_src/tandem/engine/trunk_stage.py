@@ -13,7 +13,7 @@ from ..ops.settings import KernelSettings
 
 from .. import schema
 from ..model.cache import KDAState, MLACache, TrunkCache
-from ..model.trunk import Trunk
+from ..model.trunk import Trunk, row_groups
 from . import sampling
 from .structured import apply_masks
 from .prefix import split_points
@@ -349,6 +349,66 @@ class TrunkStage(KeyedStates):
             [self.cache(it.sid) for it in items], [it.tokens[0] for it in items], steps, stop_ids, self.feature_layers
         )
         return [VerifyOut(q["tokens"], q["hidden"], q["gaps"], q["features"]) for q in r]
+
+    @torch.no_grad()
+    def spec_burst(
+        self,
+        items: list[Rows],
+        drafter,
+        spec: str,
+        ks: list[int],
+        feats: list[torch.Tensor | None],
+        stop_ids: list[tuple[int, ...]],
+        budgets: list[int],
+        rounds: int,
+    ) -> list[dict] | None:
+        """Up to ``rounds`` greedy speculative rounds of every item with the DFlash ``drafter`` stage's ``spec`` in
+        one compiled call per group of sequences (:func:`tandem.ops.dispatch.spec_burst`): each item's pending
+        verify is committed first (``commit``); with ``ks[j] >= 1`` its drafter takes in ``feats[j] [n, F]`` (the
+        committed rows it has not seen) and drafts ``ks[j]`` tokens a round after the anchor (``tokens ==
+        [anchor]``), with ``ks[j] == 0`` it verifies its anchor alone (``feats[j]`` unused); the walk stops the items
+        after a round in which one's emitted tokens reach one of its ``stop_ids`` or its ``budgets``. Afterwards each
+        item's last round is pending, as after :meth:`verify` (its emitted count is the next commit). Returns per item
+        the rounds' ``emitted``, ``accepted``, ``drafts`` and ``gaps``, the committed rows its drafter has yet to
+        take in (``hidden``, ``features``) and its group's ``seconds`` drafting, verifying and walking; or None
+        (nothing changed) when the compiled rounds do not serve them (the row-invariant CPU path, the drafter's
+        compiled round). Raises ``ValueError`` for a sampled or constrained sequence, or one without room for
+        ``rounds * (k + 1)`` rows."""
+        for it, k in zip(items, ks):
+            c = self.cache(it.sid)
+            if it.sid in self.sampling or it.sid in self.constraints:
+                raise ValueError(f"spec_burst: sequence {it.sid} samples or is constrained (the burst is greedy)")
+            if len(it.tokens) != 1 or k < 0 or c.pos + it.commit + rounds * (k + 1) > c.max_ctx:
+                raise ValueError(f"spec_burst: sequence {it.sid} takes its anchor alone and room for {rounds} rounds")
+        if not items or not self.model._invariant_rows() or not dispatch.compiled_pass_fits(self.model):
+            return None
+        drafting = [it.sid for it, k in zip(items, ks) if k > 0]
+        got = drafter.contexts(drafting, spec)
+        if got is None:
+            return None
+        model, mine = got
+        ctxs = dict(zip(drafting, mine))
+        self._commit_first(items)
+        out = dispatch.spec_burst(
+            self.model,
+            model,
+            self.model.embed_tokens.weight,
+            drafter.head,
+            [self.cache(it.sid) for it in items],
+            [ctxs.get(it.sid) for it in items],
+            [it.tokens[0] for it in items],
+            ks,
+            feats,
+            stop_ids,
+            budgets,
+            rounds,
+            self.feature_layers,
+            row_groups([k + 1 for k in ks], self.model.decode_threads),
+            self.model.split_threads,
+        )
+        assert out is not None  # (what it needs was checked above)
+        drafter.ingested(drafting)
+        return out
 
     def commit(self, items: list[Commit]) -> None:
         for it in items:

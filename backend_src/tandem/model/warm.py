@@ -30,7 +30,7 @@ def compile_kernels() -> float:
     random trunks through primes and two-sequence verifies (and, row-invariant, decode steps in one call):
     the plain layout; the serving layout in the row-invariant mode with fp32 weights, with bf16-exact
     weights but the fp32-kept ones (as shipped) and with all of them bf16-exact (each a set of argument
-    types of the fused blocks), on a CPU with AMX for both GEMM tiles (the ``amx`` parameter picks one);
+    types of the fused blocks; with DFlash drafters' rounds alone and in speculative rounds in one call), on a CPU with AMX for both GEMM tiles (the ``amx`` parameter picks one);
     and the shipped weights with float32 GEMM inputs (``dtype=fp32``). A model each,
     :class:`~tandem.ops.settings.KernelSettings`. Returns the seconds it took."""
     t0 = time.perf_counter()
@@ -107,6 +107,13 @@ def compile_kernels() -> float:
                 a = d.layers[0].self_attn
                 ctx = ContextKV(1, a.h, a.d, d.fc.weight)
                 dispatch.dflash_round(d, model.embed_tokens.weight, model.lm_head, ctx, torch.zeros(3, 64), 3, 2)
+                # speculative rounds in one call (ops/cpu/spec_burst.py): two sequences, one drafting 1, one 2
+                ctxs = [ContextKV(1, a.h, a.d, d.fc.weight) for _ in caches]
+                feats = [torch.zeros(2, 64), torch.zeros(1, 64)]
+                args = (caches, ctxs, [3, 4], [1, 2], feats, [(), ()], [6, 6], 2, (0, 1), [range(2)])
+                dispatch.spec_burst(model, d, model.embed_tokens.weight, model.lm_head, *args)
+                for c in caches:
+                    c.commit(1)
 
     with torch.no_grad():
         run(trunk("fp32"))  # the plain layout, BLAS GEMMs

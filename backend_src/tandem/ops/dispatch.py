@@ -24,6 +24,7 @@ from .cpu import (
     kernels as _k,
     mla_block as _mla_block,
     moe as _moe,
+    spec_burst as _spec_burst,
     trunk_pass as _trunk_pass,
 )
 from .cpu.amx import HW_AMX, gemm_tiles
@@ -342,6 +343,59 @@ verify_rows = _trunk_pass.verify_rows
 run_groups = _groups.run_groups
 #: the decode threads' start-up (:func:`tandem.ops.cpu.groups.set_pool_initializer`)
 set_pool_initializer = _groups.set_pool_initializer
+
+
+def compiled_pass_fits(trunk: nn.Module) -> bool:
+    """Whether the trunk's compiled pass (:mod:`tandem.ops.cpu.trunk_pass`) serves ``trunk``: every layer fused."""
+    return _trunk_pass._plan(trunk) is not None
+
+
+def dflash_burst_fits(model: nn.Module, head: nn.Module) -> bool:
+    """Whether the compiled drafter round serves the DFlash drafter ``model`` with the trunk's LM ``head`` inside a
+    compiled speculative burst (:func:`spec_burst`): fp32 weights on the CPU with its numba kernels on, a
+    :class:`ServingLinear` head."""
+    return _dflash.fits(model, model.fc.weight) and isinstance(head, ServingLinear)
+
+
+def spec_burst(
+    trunk: nn.Module,
+    drafter: nn.Module,
+    embed: torch.Tensor,
+    head: nn.Module,
+    caches: list,
+    ctxs: list,
+    anchors: list[int],
+    ks: list[int],
+    feats: list[torch.Tensor],
+    stop_ids: list[tuple[int, ...]],
+    budgets: list[int],
+    rounds: int,
+    features: tuple[int, ...],
+    groups: list[range],
+    threads: int = 1,
+) -> list[dict] | None:
+    """Up to ``rounds`` greedy speculative rounds of a DFlash ``drafter`` and the ``trunk`` in one compiled call per
+    group of sequences (:func:`tandem.ops.cpu.spec_burst.spec_burst`, which names the arguments), or None (nothing
+    changed) when the compiled passes do not serve them (:func:`dflash_burst_fits`, the trunk's fused layers)."""
+    if not dflash_burst_fits(drafter, head) or embed.dtype != torch.float32 or not compiled_pass_fits(trunk):
+        return None
+    return _spec_burst.spec_burst(
+        trunk,
+        drafter,
+        head.weight,
+        head.kernels.replace(rows=True),
+        caches,
+        ctxs,
+        anchors,
+        ks,
+        feats,
+        stop_ids,
+        budgets,
+        rounds,
+        features,
+        groups,
+        threads,
+    )
 
 
 def dflash_round(

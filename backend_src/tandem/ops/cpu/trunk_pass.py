@@ -287,6 +287,17 @@ def _starts_in_place(caches: list, p: _Plan) -> tuple | None:
     return full, states, cols, rows
 
 
+def kda_starts(caches: list, p: _Plan, z: _Shapes) -> tuple[tuple, bool]:
+    """``((tails, S0, columns, rows), in_place)``: every sequence's committed KDA tails and states where a pass can
+    read them, read in place where one earlier verify pass wrote them all (:func:`_starts_in_place`), else a copy
+    (:func:`_starts`, ``rows`` then ``0 .. S-1``)."""
+    kept = _starts_in_place(caches, p)
+    if kept is not None:
+        return kept, True
+    tails, S0, t_col = _starts(caches, p, z)
+    return (tails, S0, t_col, np.arange(len(caches), dtype=np.int64)), False
+
+
 def _mla_args(caches: list, p: _Plan, lengths: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per MLA layer ``m`` the :func:`~tandem.ops.cpu.attention.cache_args` arrays ``ptrs [Lm, S, 10]``,
     ``used [Lm, S]``, ``pools [Lm, S]`` of the caches, with room for ``lengths[j]`` more rows reserved."""
@@ -341,12 +352,7 @@ def _verify_group(model, p: _Plan, caches: list, rows: list[list[int]], features
     N = sum(lengths)
     offs = np.zeros(S + 1, np.int64)
     np.cumsum(lengths, out=offs[1:])
-    kept = _starts_in_place(caches, p)
-    if kept is not None:
-        tails, S0, t_col, s_idx = kept
-    else:
-        tails, S0, t_col = _starts(caches, p, z)
-        s_idx = np.arange(S, dtype=np.int64)
+    tails, S0, t_col, s_idx = kda_starts(caches, p, z)[0]
     ptrs, used, pools = _mla_args(caches, p, lengths)
     slot, nf = _slots(model, features)
     full = np.empty((z.La, z.C3, N + S * z.km1), _F)
