@@ -65,8 +65,9 @@ class CompiledRounds:
     ) -> tuple[int, bool]:
         """Run up to ``most`` rounds of the active sessions ``act`` in one trunk call, each session drafting ``ks``
         (the policy's plan for the coming round; 0: a plain row) every round, when :meth:`drafter` allows it (each
-        session's budget and context room limit the rounds; with a ``deadline``, only the rounds that end at the
-        first round boundary after it at the last call's pace, :func:`rounds_until`). Each session's receipt in
+        session's budget and context room limit the rounds; a session's probe round runs alone, as the policy
+        decides after it whether the session drafts on; with a ``deadline``, only the rounds that end at the first
+        round boundary after it at the last call's pace, :func:`rounds_until`). Each session's receipt in
         ``receipts`` (made when missing) gets its rounds. Returns the rounds run (0: not applicable, nothing ran)
         and whether they were every round the deadline gave (the burst then ends)."""
         stage = self.drafter(act)
@@ -80,6 +81,8 @@ class CompiledRounds:
         paced = rounds_until(deadline, self.round_s)
         room = min((s.max_ctx - 2 - len(s.committed)) // (ks[s.sid] + 1) for s in act)
         n = min(most, paced, room)
+        if any(ks[s.sid] and s.drafting.probed for s in act):  # a probe is one round: its outcome decides the next
+            n = min(n, 1)
         if n < 1:
             return 0, False
         feats = [s.drafter_input()[0].features if ks[s.sid] else None for s in act]
