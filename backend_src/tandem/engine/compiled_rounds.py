@@ -108,7 +108,7 @@ class CompiledRounds:
         self.stats["rounds"] += sum(len(o["emitted"]) for o in outs)
         self.stats["accept_walks"] += sum(len(o["emitted"]) for o in outs)
         tm = self.timing
-        draft, verify, walk = (max(o["seconds"][i] for o in outs) for i in range(3))
+        draft, walk = (max(o["seconds"][i] for o in outs) for i in (0, 2))
         tm["draft_s"] += draft
         tm["verify_s"] += t1 - t0 - draft - walk
         tm["accept_s"] += walk + time.perf_counter() - t1
@@ -123,7 +123,7 @@ class CompiledRounds:
         share = sum(o["seconds"][0] for o in outs) / tot if tot > 0 else 0.0
         drafting = [s for s in act if ks[s.sid]]
         costs = self.policy.costs
-        if drafting:
+        if drafting and tot > 0:  # (no cycle counter: the drafts' share stays in the verify line's)
             k = sum(ks[s.sid] for s in drafting)
             costs.saw_draft(drafting[0].spec, len(drafting), k, self.round_s * share, compiled=True)
         costs.saw_verify(sum(ks[s.sid] + 1 for s in act), self.round_s * (1.0 - share), compiled=True)
