@@ -61,8 +61,9 @@ def _counter(srv, name: str) -> float:
 def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, tokenizer):
     """A served dflash2 turn on the default server: the accept walks the engine core counted
     (``tandem_accept_walks_total``) are at most the turn's rounds (its usage: one walk a verify round, none in
-    the compiled plain rounds of a resting session), and no drafter model is loaded (the drafters run in the
-    ``tandem`` model's process)."""
+    the compiled plain rounds of a resting session), its drafting rounds ran in compiled calls
+    (``tandem_compiled_spec_rounds_total``), and no drafter model is loaded (the drafters run in the ``tandem``
+    model's process)."""
     from tandem.launch.serve import model_states
     from tandem_client.client import generate
 
@@ -71,6 +72,7 @@ def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, t
     assert all(states.get(m) != "READY" for m in (schema.DRAFTER_MTP.name, schema.DRAFTER_DFLASH.name)), states
     ids = tokenizer.chat_prompt("Write a short poem about the sea.")
     before = _counter(server, "accept_walks_total")
+    compiled0 = _counter(server, "compiled_spec_rounds_total")
     got = generate(ids, 48, url=server.grpc_url, spec=schema.DFLASH2)
     deadline, walks = time.monotonic() + 10, -1.0  # (the metrics publisher exports counts within a second or so)
     while time.monotonic() < deadline:  # until the count holds for 1.5 s
@@ -80,6 +82,9 @@ def test_a_served_turn_walks_once_per_round_and_loads_no_drafter_model(server, t
             break
     assert got["rounds"] > 1 and got["accepted"] <= got["drafted"]
     assert walks <= got["rounds"], (walks, got["rounds"])
+    # its drafting rounds ran compiled (the turn alone: one DFlash spec, greedy), counted among the walks
+    compiled = _counter(server, "compiled_spec_rounds_total") - compiled0
+    assert got["drafted"] > 0 and 0 < compiled <= walks, (got["drafted"], compiled, walks)
     assert "round costs plain_1_ms" in server.log()  # measured at load (the adaptive draft length's costs)
 
 

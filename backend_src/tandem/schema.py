@@ -92,7 +92,9 @@ class ServingConfig:
     request's ``num_draft_tokens`` (or the DFlash block) the most; off, every speculating session drafts that many
     every round; ``probe_rounds``: a session drafting none drafts its most again after this many rounds (the
     interval doubling after each probe that does not bring it back); both explained in
-    :mod:`tandem.engine.draft_length`. ``compiled_spec_rounds``: while the active sessions that draft use one DFlash spec and
+    :mod:`tandem.engine.draft_length`.
+
+    ``compiled_spec_rounds``: while the active sessions that draft use one DFlash spec and
     the others decode plain (all greedy, no stop strings, no structured output), a burst's speculative rounds
     (draft, verify, accept walk, commit) run in one compiled call on the CPU (:mod:`tandem.engine.compiled_rounds`),
     bit-identical to the rounds one call at a time; off, each round is a drafter call and a verify call.

@@ -28,7 +28,7 @@ class CompiledRounds:
 
     Args: ``stages`` — the trunk (rounds in one call need its ``spec_burst``) and the drafters; ``policy`` — the
     drafts per session (planned once for the call's rounds; told each round's outcome, its costs each call's pace);
-    ``stats`` and ``timing`` — the engine core's counters (``rounds``, ``accept_walks``) and stage clocks
+    ``stats`` and ``timing`` — the engine core's counters (``rounds``, ``accept_walks``, ``compiled_rounds``) and stage clocks
     (``draft_s``, ``verify_s``, ``accept_s``, ``rounds``), added to in place; ``enabled`` — the serving parameter
     ``compiled_spec_rounds`` (off: every speculative round is a :class:`~tandem.engine.spec_round.SpecRound`).
     """
@@ -107,6 +107,7 @@ class CompiledRounds:
             s.trunk_commit = self._apply(s, o, r, ks[s.sid] > 0)
         self.stats["rounds"] += sum(len(o["emitted"]) for o in outs)
         self.stats["accept_walks"] += sum(len(o["emitted"]) for o in outs)
+        self.stats["compiled_rounds"] += sum(len(o["emitted"]) for o in outs)
         tm = self.timing
         draft, walk = (max(o["seconds"][i] for o in outs) for i in (0, 2))
         tm["draft_s"] += draft

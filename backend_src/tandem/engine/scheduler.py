@@ -75,6 +75,7 @@ class Scheduler:
             "drafted": 0,
             "accepted": 0,
             "accept_walks": 0,
+            "compiled_rounds": 0,
         }
         #: wall seconds per stage of a round (summed; a batched round counts once); reset it in place
         self.timing = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0, "rounds": 0}

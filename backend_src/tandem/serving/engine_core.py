@@ -305,6 +305,7 @@ class EngineCore:
             "demotions_total": sched.stats.get("demotions", 0),
             "promotions_total": sched.stats.get("promotions", 0),
             "accept_walks_total": sched.stats.get("accept_walks", 0),
+            "compiled_spec_rounds_total": sched.stats.get("compiled_rounds", 0),
         }
         if sched.prefix is not None:
             now.update(

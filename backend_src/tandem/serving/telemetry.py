@@ -24,6 +24,8 @@ COUNTERS = {
     "(vLLM spec_decode_num_accepted_tokens_per_pos)",
     "verify_rounds_total": "trunk verify rounds, one per session per round (plain rounds included)",
     "accept_walks_total": "accept walks run, one per verify round that ran one (compiled plain rounds need none)",
+    "compiled_spec_rounds_total": "of those, the rounds run inside compiled calls (draft, verify, walk and commit "
+    "together: the `compiled_spec_rounds` parameter), one per session per round",
     "prompt_tokens_total": "prompt tokens of admitted turns (vLLM prompt_tokens)",
     "generation_tokens_total": "tokens sent to clients (vLLM generation_tokens)",
     "request_success_total": "turns that finished, by `finished_reason` (vLLM request_success)",
