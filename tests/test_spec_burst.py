@@ -75,7 +75,6 @@ def test_a_burst_equals_its_rounds_one_call_at_a_time(engines, tokenizer, spec, 
     out = dispatch.spec_burst(
         e.model,
         stage.drafters[spec],
-        e.model.embed_tokens.weight,
         stage.head,
         [s[0] for s in starts],
         [s[1] for s in starts],

@@ -50,10 +50,7 @@ class CompiledRounds:
         stage = self.stages.drafters.get(spec)
         if getattr(stage, "contexts", None) is None or not self.stages.usable(stage):
             return None
-        for s in act:
-            if s.sampling is not None or s.stop_text is not None or s.constraint is not None:
-                return None
-        return stage
+        return stage if all(s.plain_greedy() for s in act) else None
 
     def run(
         self,

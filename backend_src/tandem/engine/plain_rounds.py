@@ -39,7 +39,7 @@ class PlainRounds:
             return 0
         n = most
         for s in act:
-            if s.sampling is not None or s.stop_text is not None or s.constraint is not None:
+            if not s.plain_greedy():
                 return 0
             n = min(n, self.policy.rests(s, len(act)))
             if n == 0:

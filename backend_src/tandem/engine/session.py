@@ -186,6 +186,11 @@ class SpecSession:
         p = self.sampling
         return p is None or p.greedy or p.mode == schema.COUPLED
 
+    def plain_greedy(self) -> bool:
+        """Whether the current turn's tokens are the trunk's greedy targets as they come (greedy, no stop strings, no
+        structured output): what the rounds compiled together (plain or speculative) decode."""
+        return self.sampling is None and self.stop_text is None and self.constraint is None
+
     def mean_acceptance_length(self) -> float | None:
         """tau = 1 + accepted / rounds (bonus included); None before any verify round."""
         return 1.0 + self.accepted / self.rounds if self.rounds else None

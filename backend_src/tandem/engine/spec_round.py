@@ -17,7 +17,7 @@ from .stage_set import StageSet
 def plain_ok(act: list[SpecSession]) -> bool:
     """Whether a round of ``act`` without drafts would run as compiled plain rounds (greedy, no stop strings, no
     structured output), what the draft-length policy weighs a drafting round against."""
-    return all(s.sampling is None and s.stop_text is None and s.constraint is None for s in act)
+    return all(s.plain_greedy() for s in act)
 
 
 class SpecRound:

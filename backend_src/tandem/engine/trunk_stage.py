@@ -392,7 +392,6 @@ class TrunkStage(KeyedStates):
         out = dispatch.spec_burst(
             self.model,
             model,
-            self.model.embed_tokens.weight,
             drafter.head,
             [self.cache(it.sid) for it in items],
             [ctxs.get(it.sid) for it in items],

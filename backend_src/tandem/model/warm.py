@@ -111,7 +111,7 @@ def compile_kernels() -> float:
                 ctxs = [ContextKV(1, a.h, a.d, d.fc.weight) for _ in caches]
                 feats = [torch.zeros(2, 64), torch.zeros(1, 64)]
                 args = (caches, ctxs, [3, 4], [1, 2], feats, [(), ()], [6, 6], 2, (0, 1), [range(2)])
-                dispatch.spec_burst(model, d, model.embed_tokens.weight, model.lm_head, *args)
+                dispatch.spec_burst(model, d, model.lm_head, *args)
                 for c in caches:
                     c.commit(1)
 

@@ -357,45 +357,14 @@ def dflash_burst_fits(model: nn.Module, head: nn.Module) -> bool:
     return _dflash.fits(model, model.fc.weight) and isinstance(head, ServingLinear)
 
 
-def spec_burst(
-    trunk: nn.Module,
-    drafter: nn.Module,
-    embed: torch.Tensor,
-    head: nn.Module,
-    caches: list,
-    ctxs: list,
-    anchors: list[int],
-    ks: list[int],
-    feats: list[torch.Tensor],
-    stop_ids: list[tuple[int, ...]],
-    budgets: list[int],
-    rounds: int,
-    features: tuple[int, ...],
-    groups: list[range],
-    threads: int = 1,
-) -> list[dict] | None:
-    """Up to ``rounds`` greedy speculative rounds of a DFlash ``drafter`` and the ``trunk`` in one compiled call per
-    group of sequences (:func:`tandem.ops.cpu.spec_burst.spec_burst`, which names the arguments), or None (nothing
-    changed) when the compiled passes do not serve them (:func:`dflash_burst_fits`, the trunk's fused layers)."""
-    if not dflash_burst_fits(drafter, head) or embed.dtype != torch.float32 or not compiled_pass_fits(trunk):
+def spec_burst(trunk: nn.Module, drafter: nn.Module, head: nn.Module, *args) -> list[dict] | None:
+    """Up to ``rounds`` greedy speculative rounds of a DFlash ``drafter`` with the trunk's LM ``head`` (a
+    :class:`ServingLinear`) and the ``trunk`` in one compiled call per group of sequences:
+    :func:`tandem.ops.cpu.spec_burst.spec_burst` with ``args`` from ``caches`` on (it names them); or None (nothing
+    changed) when the compiled passes do not serve them (:func:`dflash_burst_fits`, :func:`compiled_pass_fits`)."""
+    if not dflash_burst_fits(drafter, head) or not compiled_pass_fits(trunk):
         return None
-    return _spec_burst.spec_burst(
-        trunk,
-        drafter,
-        head.weight,
-        head.kernels.replace(rows=True),
-        caches,
-        ctxs,
-        anchors,
-        ks,
-        feats,
-        stop_ids,
-        budgets,
-        rounds,
-        features,
-        groups,
-        threads,
-    )
+    return _spec_burst.spec_burst(trunk, drafter, head.weight, head.kernels.replace(rows=True), *args)
 
 
 def dflash_round(
